@@ -1,0 +1,107 @@
+"""`fleetgate` command line. Each command is a thin shim over a function in the module that owns it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="SLO-aware routing gateway for vLLM fleets.")
+config_app = typer.Typer(no_args_is_help=True, help="Configuration files.")
+app.add_typer(config_app, name="config")
+
+
+@app.command()
+def serve(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config file."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    worker: list[str] = typer.Option([], "--worker", "-w", help="Worker URL (repeatable); adds to the config."),
+    policy: Optional[str] = typer.Option(None, help="Default routing policy (overrides the config)."),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Share state through Redis."),
+) -> None:
+    """Run the gateway in front of the workers named in the config (and/or --worker)."""
+    from gateway.server import run_serve
+
+    run_serve(config=config, host=host, port=port, workers=worker, policy=policy, redis_url=redis_url)
+
+
+@app.command()
+def demo(
+    port: int = typer.Option(8000, help="Gateway port."),
+    workers: int = typer.Option(4, help="Number of simulated workers."),
+    policy: str = typer.Option("least_requests", help="Routing policy."),
+    profile: str = typer.Option("llama3-8b-h100", help="Simulator profile for the workers."),
+    model: str = typer.Option("meta-llama/Llama-3.1-8B-Instruct", help="Model name the fleet serves."),
+    time_scale: float = typer.Option(1.0, "--time-scale", help="Run the simulated engines K times faster."),
+    base_port: int = typer.Option(0, "--base-port", help="First simulator port (0: gateway port + 1)."),
+    pd: Optional[str] = typer.Option(None, "--pd", help="P:D, e.g. 2:2 — prefill and decode workers."),
+    autoscale: bool = typer.Option(False, "--autoscale", help="Run the autoscaler with the sim actuator."),
+) -> None:
+    """Gateway plus N simulated vLLM workers in one command; in-memory state, nothing else to start."""
+    from gateway.demo import run_demo
+
+    run_demo(
+        port=port, workers=workers, policy=policy, profile=profile, model=model,
+        time_scale=time_scale, base_port=base_port or port + 1, pd=pd, autoscale=autoscale,
+    )
+
+
+@app.command()
+def sim(
+    workers: int = typer.Option(1, help="Number of simulated vLLM servers."),
+    base_port: int = typer.Option(8100, "--base-port", help="First port; servers use P..P+N-1."),
+    profile: str = typer.Option("llama3-8b-h100", help="Profile name or YAML file."),
+    model: str = typer.Option("meta-llama/Llama-3.1-8B-Instruct", help="Served model name."),
+    time_scale: float = typer.Option(1.0, "--time-scale", help="Run the timing model K times faster."),
+    fleet: Optional[Path] = typer.Option(None, "--fleet", help="YAML fleet file (mixes profiles, models, roles)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    seed: int = typer.Option(0, help="Random seed for output lengths."),
+    list_profiles: bool = typer.Option(False, "--list-profiles", help="List built-in profiles and exit."),
+) -> None:
+    """Run simulated vLLM servers (one process, many ports)."""
+    from simulator.fleet import run_fleet_cli
+
+    run_fleet_cli(
+        workers=workers, base_port=base_port, profile=profile, model=model, time_scale=time_scale,
+        fleet=fleet, host=host, seed=seed, list_profiles=list_profiles,
+    )
+
+
+@app.command()
+def simulate(
+    trace: Optional[str] = typer.Option(None, help="Trace file or built-in name (azure_conv, sharegpt, ...)."),
+    workers: int = typer.Option(8, help="Number of workers."),
+    profile: str = typer.Option("llama3-8b-h100", help="Profile name or YAML file."),
+    policy: str = typer.Option("least_requests", help="Routing policy."),
+    rate: Optional[float] = typer.Option(None, help="Synthetic arrival rate (req/s) when no timestamps."),
+    rate_scale: float = typer.Option(1.0, "--rate-scale", help="Multiply the trace's arrival rate."),
+    arrival: str = typer.Option("poisson", help="Synthetic arrivals: poisson or gamma."),
+    cv: float = typer.Option(1.0, help="Coefficient of variation for gamma arrivals."),
+    duration: Optional[float] = typer.Option(None, help="Simulated seconds of arrivals."),
+    slo_ttft_ms: float = typer.Option(600.0, "--slo-ttft-ms"),
+    slo_tpot_ms: float = typer.Option(30.0, "--slo-tpot-ms"),
+    seed: int = typer.Option(0),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Virtual-time cluster simulation: same engine model, same policies, no sockets."""
+    from simulator.cluster import run_simulate_cli
+
+    run_simulate_cli(
+        trace=trace, workers=workers, profile=profile, policy=policy, rate=rate, rate_scale=rate_scale,
+        arrival=arrival, cv=cv, duration=duration, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+        seed=seed, as_json=as_json,
+    )
+
+
+@config_app.command("check")
+def config_check(file: Path = typer.Argument(..., help="YAML config file to validate.")) -> None:
+    """Validate a config file and explain what is wrong."""
+    from gateway.config import check_config_cli
+
+    raise typer.Exit(check_config_cli(file))
+
+
+if __name__ == "__main__":
+    app()

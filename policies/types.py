@@ -1,0 +1,76 @@
+"""Plain data that flows into and out of every policy.
+
+A policy sees a request's features and an immutable view of the candidate workers, plus `now`
+(seconds, from whatever clock the caller runs: wall time in the gateway, virtual time in
+`fleetgate simulate`). It returns a `Decision`. Policies do no I/O and never read a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+ROLE_MIXED = "mixed"
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+ROLES = (ROLE_MIXED, ROLE_PREFILL, ROLE_DECODE)
+
+CLASS_INTERACTIVE = "interactive"
+CLASS_BATCH = "batch"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """What the gateway knows about one request when it has to place it."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int | None = None
+    # Expected output length; the gateway's predictor (or max_tokens, or a default) fills it in.
+    predicted_output_tokens: float = 128.0
+    session_id: str | None = None
+    # Chained hashes of the prompt's leading chunks (see policies.prefix); equal prefixes share a head.
+    prefix_hashes: tuple[int, ...] = ()
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    priority: int = 0
+    request_class: str = CLASS_INTERACTIVE
+    arrival: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker as a policy sees it at decision time.
+
+    `inflight` and `inflight_tokens` are the gateway's own reservations (summed over all gateway
+    replicas when state is shared); `running`, `waiting` and `kv_usage` come from the engine's last
+    scraped /metrics (or straight from the engine model in the simulator) and lag a little.
+    """
+
+    id: str
+    role: str = ROLE_MIXED
+    inflight: int = 0
+    inflight_tokens: int = 0
+    cap: int | None = None
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    profile: str = ""
+    weight: float = 1.0
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def load(self) -> int:
+        """Best single load number: the larger of what we sent and what the engine reports."""
+        return max(self.inflight, self.running + self.waiting)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A policy's answer: the worker to use, or None with a reason (the caller queues or refuses)."""
+
+    worker_id: str | None
+    reason: str = ""
+    # For P/D: the prefill worker chosen alongside the decode worker in `worker_id`.
+    prefill_worker_id: str | None = None
