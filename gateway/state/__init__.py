@@ -1,0 +1,1 @@
+"""Cluster state shared by the gateway's parts: one interface, an in-memory and a Redis backend."""

@@ -1,0 +1,92 @@
+"""The state-store interface (INTERFACE CONTRACT shared by gateway/ and its tests).
+
+Two backends implement it: `gateway.state.memory.MemoryStore` (default, one process) and
+`gateway.state.redis_store.RedisStore` (many gateway replicas acting as one). Reservations are the hot
+path: `try_reserve` is called once per request at dispatch and `release` once at completion;
+`inflight()` is a synchronous read of a cached view that the dispatcher may call per request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+WORKER_ACTIVE = "active"
+WORKER_DRAINING = "draining"
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    """A registered worker (from config or the admin API)."""
+
+    id: str
+    url: str
+    role: str = "mixed"                 # mixed | prefill | decode
+    models: list[str] = field(default_factory=list)   # filled by discovery from /v1/models when empty
+    labels: dict[str, str] = field(default_factory=dict)
+    profile: str = ""                   # simulator/perf profile name, informational
+    cap: int | None = None              # max concurrent requests the gateway puts on it (None: no cap)
+    state: str = WORKER_ACTIVE          # active | draining
+    healthy: bool = True
+    source: str = "config"              # config | admin
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """The engine-neutral numbers scraped from a worker's /metrics (see engine_adapters)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0               # 0..1
+    prefix_cache_queries: float = 0.0   # counters, tokens
+    prefix_cache_hits: float = 0.0
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    scraped_at: float = 0.0             # unix time of the scrape
+
+
+@dataclass(slots=True)
+class Inflight:
+    requests: int = 0
+    tokens: int = 0
+
+
+class StateStore(ABC):
+    """What the gateway shares between its control loops and, with Redis, between replicas."""
+
+    replica_id: str
+
+    async def start(self) -> None:  # noqa: B027 - optional
+        """Open connections and start background loops (leases, refresh)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional
+        """Stop loops and release this replica's reservations."""
+
+    # --- registry -------------------------------------------------------------------------------
+    @abstractmethod
+    async def upsert_worker(self, rec: WorkerRecord) -> None: ...
+
+    @abstractmethod
+    async def remove_worker(self, worker_id: str) -> None: ...
+
+    @abstractmethod
+    async def list_workers(self) -> list[WorkerRecord]: ...
+
+    # --- scraped engine metrics ------------------------------------------------------------------
+    @abstractmethod
+    async def put_metrics(self, worker_id: str, metrics: EngineMetrics) -> None: ...
+
+    @abstractmethod
+    async def get_metrics(self) -> dict[str, EngineMetrics]: ...
+
+    # --- reservations (hot path) -----------------------------------------------------------------
+    @abstractmethod
+    async def try_reserve(self, worker_id: str, request_id: str, cap: int | None, tokens: int = 0) -> bool:
+        """Atomically: if fewer than `cap` requests (all replicas) are reserved on the worker, reserve one."""
+
+    @abstractmethod
+    async def release(self, worker_id: str, request_id: str) -> None: ...
+
+    @abstractmethod
+    def inflight(self) -> dict[str, Inflight]:
+        """Cached in-flight reservations per worker, summed over replicas (no I/O)."""
