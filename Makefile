@@ -1,0 +1,37 @@
+# fleetgate developer commands. `make demo` and `make test` work on a fresh machine with python3 (>=3.11).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast lint bench-overhead bench-sim clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Gateway in front of 4 simulated vLLM workers, in-memory state: no Redis, Docker or GPU needed.
+demo: install
+	$(BIN)/fleetgate demo --workers 4
+
+# The whole test suite. Needs the Redis server at 127.0.0.1:6379 (db 15 is used); the preflight says how to start one.
+test: install
+	$(BIN)/python scripts/preflight.py
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+
+bench-overhead: install
+	$(BIN)/python -m bench.overhead
+
+bench-sim: install
+	$(BIN)/python -m bench.sim_speed
+	$(BIN)/python -m bench.sim_capacity
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,67 @@
+"""Writes deploy/grafana/dashboards/fleetgate.json. Edit the panel list here, not the JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# (title, unit, [(promql, legend)])
+PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("Requests/s by status", "reqps",
+     [("sum by (status) (rate(fleetgate_requests_total[1m]))", "{{status}}")]),
+    ("Time to first token (client view)", "s",
+     [("histogram_quantile(0.5, sum by (le) (rate(fleetgate_time_to_first_token_seconds_bucket[1m])))", "p50"),
+      ("histogram_quantile(0.99, sum by (le) (rate(fleetgate_time_to_first_token_seconds_bucket[1m])))", "p99")]),
+    ("Time per output token", "s",
+     [("histogram_quantile(0.5, sum by (le) (rate(fleetgate_time_per_output_token_seconds_bucket[1m])))", "p50"),
+      ("histogram_quantile(0.99, sum by (le) (rate(fleetgate_time_per_output_token_seconds_bucket[1m])))", "p99")]),
+    ("Request duration", "s",
+     [("histogram_quantile(0.5, sum by (le) (rate(fleetgate_request_duration_seconds_bucket[1m])))", "p50"),
+      ("histogram_quantile(0.99, sum by (le) (rate(fleetgate_request_duration_seconds_bucket[1m])))", "p99")]),
+    ("Routing decision time", "s",
+     [("histogram_quantile(0.99, sum by (le) (rate(fleetgate_routing_seconds_bucket[1m])))", "p99")]),
+    ("In-flight requests per worker (gateway view)", "short",
+     [("sum by (worker) (fleetgate_worker_inflight)", "{{worker}}")]),
+    ("Worker health", "short",
+     [("fleetgate_worker_healthy", "{{worker}}")]),
+    ("Upstream errors/s", "short",
+     [("sum by (worker, kind) (rate(fleetgate_upstream_errors_total[1m]))", "{{worker}} {{kind}}")]),
+    ("Engine running / waiting (vLLM /metrics)", "short",
+     [("sum by (instance) (vllm:num_requests_running)", "running {{instance}}"),
+      ("sum by (instance) (vllm:num_requests_waiting)", "waiting {{instance}}")]),
+    ("Engine KV-cache usage", "percentunit",
+     [("max by (instance) (vllm:kv_cache_usage_perc)", "{{instance}}")]),
+    ("Prefix-cache hit rate", "percentunit",
+     [("sum(rate(vllm:prefix_cache_hits_total[1m])) / sum(rate(vllm:prefix_cache_queries_total[1m]))", "hit rate")]),
+]
+
+
+def build() -> dict:
+    panels = []
+    for i, (title, unit, targets) in enumerate(PANELS):
+        panels.append({
+            "id": i + 1,
+            "type": "timeseries",
+            "title": title,
+            "datasource": {"type": "prometheus", "uid": "prometheus"},
+            "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "targets": [
+                {"refId": chr(ord("A") + j), "expr": expr, "legendFormat": legend}
+                for j, (expr, legend) in enumerate(targets)
+            ],
+        })
+    return {
+        "uid": "fleetgate",
+        "title": "fleetgate",
+        "schemaVersion": 39,
+        "time": {"from": "now-30m", "to": "now"},
+        "refresh": "5s",
+        "panels": panels,
+    }
+
+
+if __name__ == "__main__":
+    out = Path(__file__).parent / "dashboards" / "fleetgate.json"
+    out.write_text(json.dumps(build(), indent=2) + "\n")
+    print(f"wrote {out}")
