@@ -1,0 +1,78 @@
+"""In-process state store: plain dicts, exact counters, nothing to start.
+
+The default backend for a single gateway process. asyncio runs one coroutine at a time and
+`try_reserve` never awaits between its check and its update, so the cap holds exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+from gateway.state.base import EngineMetrics, Inflight, StateStore, WorkerRecord
+
+
+def default_replica_id() -> str:
+    """host-pid: unique enough for one machine, readable in Redis keys and logs."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class MemoryStore(StateStore):
+    """All state in this process. `inflight()` is exact and costs O(workers) for the copy only."""
+
+    def __init__(self, replica_id: str | None = None) -> None:
+        self.replica_id = replica_id or default_replica_id()
+        self._workers: dict[str, WorkerRecord] = {}
+        self._metrics: dict[str, EngineMetrics] = {}
+        # worker -> {request_id: tokens}; the source of truth for release.
+        self._reservations: dict[str, dict[str, int]] = {}
+        # worker -> running totals. Inflight objects are replaced, never mutated, so a dict returned by
+        # inflight() is a true snapshot.
+        self._inflight: dict[str, Inflight] = {}
+
+    # --- registry -------------------------------------------------------------------------------
+    async def upsert_worker(self, rec: WorkerRecord) -> None:
+        self._workers[rec.id] = copy.deepcopy(rec)
+
+    async def remove_worker(self, worker_id: str) -> None:
+        # Reservations stay: requests already on the worker still finish and release.
+        self._workers.pop(worker_id, None)
+        self._metrics.pop(worker_id, None)
+
+    async def list_workers(self) -> list[WorkerRecord]:
+        return [copy.deepcopy(rec) for rec in self._workers.values()]
+
+    # --- scraped engine metrics ------------------------------------------------------------------
+    async def put_metrics(self, worker_id: str, metrics: EngineMetrics) -> None:
+        self._metrics[worker_id] = copy.copy(metrics)
+
+    async def get_metrics(self) -> dict[str, EngineMetrics]:
+        return {wid: copy.copy(m) for wid, m in self._metrics.items()}
+
+    # --- reservations (hot path) -----------------------------------------------------------------
+    async def try_reserve(self, worker_id: str, request_id: str, cap: int | None, tokens: int = 0) -> bool:
+        held = self._reservations.get(worker_id)
+        if held is None:
+            held = self._reservations[worker_id] = {}
+        elif request_id in held:
+            return True  # idempotent: the same request already holds a slot here
+        if cap is not None and len(held) >= cap:
+            return False
+        held[request_id] = tokens
+        cur = self._inflight.get(worker_id)
+        self._inflight[worker_id] = (
+            Inflight(1, tokens) if cur is None else Inflight(cur.requests + 1, cur.tokens + tokens)
+        )
+        return True
+
+    async def release(self, worker_id: str, request_id: str) -> None:
+        held = self._reservations.get(worker_id)
+        if not held or request_id not in held:
+            return  # unknown or already released: releasing twice is harmless
+        tokens = held.pop(request_id)
+        cur = self._inflight[worker_id]
+        self._inflight[worker_id] = Inflight(cur.requests - 1, cur.tokens - tokens)
+
+    def inflight(self) -> dict[str, Inflight]:
+        return dict(self._inflight)
