@@ -1,0 +1,514 @@
+"""Virtual-time cluster simulator: N EngineCores, one routing policy, a discrete-event loop (heapq).
+
+    sim = ClusterSim("llama3-8b-h100", workers=8, policy="least_requests", slo_ttft_s=0.6, slo_tpot_s=0.03)
+    result = sim.run(load_workload("azure_conv", duration=600))
+    print(result.to_json())
+
+The policy is called exactly as the live gateway calls it (policies/base.py): `choose` with the workers
+that are active, not draining and under their cap; `on_dispatch` when the request is sent; `on_complete`
+when it finished (any outcome). A Decision with worker_id None keeps the request in a FIFO admission queue
+that is retried whenever a request completes or a worker is added.
+
+Timing of one request (all model seconds): arrival -> dispatch (after any admission-queue wait) ->
+engine `add` after profile.ttft_overhead_s -> first token / finish from the engine's RequestRecord.
+TTFT = first_token - arrival; TPOT = (finish - first_token) / (n_out - 1); the SLO is met iff
+TTFT <= slo_ttft and TPOT <= slo_tpot (TPOT of a one-token answer counts as 0).
+
+Policies see `WorkerView`s: inflight / inflight_tokens are the simulator's own reservations (exact);
+running / waiting / kv_usage come from the engine, refreshed at most once per `scrape_interval_s` tick
+(the first look after a tick reads the engine then), like the gateway's metric scraping. 0 disables the lag.
+`predicted_output_tokens` defaults to the workload's true mean output length; pass a number or a
+function of the WorkloadRequest (e.g. an oracle `lambda r: r.output_tokens`) to change it.
+
+Engines are macro-stepped (EngineCore.plan_step(max_iterations=...)) and cut at the next iteration
+boundary when a request reaches them mid-step, so runs match per-iteration stepping (max_iterations=1);
+the one visible difference: a kv_usage read mid-macro-step misses the blocks its decodes added so far.
+
+Extension points for experiments (no core-loop edits needed):
+- `add_worker(...)` / `remove_worker(id)` (drains: no new requests, removed when idle) at any time,
+  e.g. from a timer: `sim.schedule(t, fn)` calls fn(sim, now) at model time t (fn may schedule again);
+- hooks: `sim.on_arrival`, `sim.on_dispatch`, `sim.on_finish` are lists of callables
+  (sim, request, now), (sim, request, worker_id, now), (sim, RequestResult) called in that order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.base import Policy, make_policy
+from policies.types import ROLE_MIXED, Decision, RequestFeatures, WorkerView
+from simulator.engine import EngineConfig, EngineCore, SimRequest
+from simulator.profiles import Profile, load_profile
+from simulator.workload import WorkloadRequest, load_workload, mean_output_tokens
+
+PREFIX_HASHES_MAX = 64          # leading block keys passed to policies as RequestFeatures.prefix_hashes
+_ADD, _STEP, _WAKE, _TIMER = 0, 1, 2, 3
+
+
+@dataclass(slots=True)
+class RequestResult:
+    request_id: str
+    arrival: float
+    prompt_tokens: int
+    worker_id: str | None = None
+    dispatched: float | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    output_tokens: int = 0
+    finish_reason: str | None = None        # stop | length | abort | rejected | None (never finished)
+    num_cached_tokens: int = 0
+    preemptions: int = 0
+    slo_ttft_s: float = math.inf
+    slo_tpot_s: float = math.inf
+    error: str | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self.finish_reason in ("stop", "length")
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.finished is None or self.first_token is None:
+            return None
+        return (self.finished - self.first_token) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+    @property
+    def queue_s(self) -> float | None:
+        """Arrival to first scheduling (gateway queue + API overhead + engine WAITING)."""
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def slo_met(self) -> bool:
+        return self.completed and self.ttft <= self.slo_ttft_s and self.tpot <= self.slo_tpot_s
+
+
+@dataclass(slots=True)
+class SimWorker:
+    id: str
+    profile: Profile
+    engine: EngineCore
+    added_at: float
+    role: str = ROLE_MIXED
+    cap: int | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    draining: bool = False
+    removed_at: float | None = None
+    inflight: int = 0
+    inflight_tokens: int = 0
+    step_start: float = 0.0
+    step_end: float | None = None      # None: no step in flight
+    token: int = 0                     # invalidates stale heap entries
+    scrape_tick: float = -1.0
+    m_running: int = 0
+    m_waiting: int = 0
+    m_kv: float = 0.0
+
+    @property
+    def gpus(self) -> int:
+        return self.profile.gpus_per_worker
+
+
+@dataclass
+class SimResult:
+    policy: str
+    profile: str
+    workers: int
+    results: list[RequestResult]
+    start: float
+    end: float
+    wall_s: float
+    gpu_seconds: float
+    preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    max_admission_queue: int
+
+    def to_dict(self) -> dict[str, Any]:
+        rs = self.results
+        done = [r for r in rs if r.completed]
+        span = max(self.end - self.start, 1e-9)
+        met = sum(1 for r in rs if r.slo_met)
+        ttfts = sorted(r.ttft for r in done)
+        tpots = sorted(r.tpot for r in done if r.output_tokens > 1)
+        e2es = sorted(r.e2e for r in done)
+        queues = sorted(r.queue_s for r in done)
+        return {
+            "requests": len(rs),
+            "completed": len(done),
+            "rejected": sum(1 for r in rs if r.finish_reason == "rejected"),
+            "unfinished": sum(1 for r in rs if r.finish_reason is None),
+            "slo_attainment": met / len(rs) if rs else 0.0,
+            "goodput_rps": met / span,
+            "throughput_rps": len(done) / span,
+            "output_tokens_per_s": sum(r.output_tokens for r in done) / span,
+            "ttft_p50": _pct(ttfts, 50), "ttft_p99": _pct(ttfts, 99),
+            "tpot_p50": _pct(tpots, 50), "tpot_p99": _pct(tpots, 99),
+            "e2e_p50": _pct(e2es, 50), "e2e_p99": _pct(e2es, 99),
+            "queue_p50": _pct(queues, 50), "queue_p99": _pct(queues, 99),
+            "gpu_seconds": self.gpu_seconds,
+            "preemptions": self.preemptions,
+            "prefix_cache_hit_rate": self.prefix_cache_hits / self.prefix_cache_queries
+            if self.prefix_cache_queries else 0.0,
+            "max_admission_queue": self.max_admission_queue,
+            "policy": self.policy,
+            "workers": self.workers,
+            "profile": self.profile,
+            "duration_s": span,
+            "wall_s": self.wall_s,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def _pct(sorted_values: list[float], q: float) -> float | None:
+    """Percentile with linear interpolation (numpy's default) of an already sorted list."""
+    if not sorted_values:
+        return None
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+class ClusterSim:
+    def __init__(
+        self,
+        profiles: str | Profile | Sequence[str | Profile] = "llama3-8b-h100",
+        workers: int = 1,
+        policy: str | Policy = "least_requests",
+        *,
+        slo_ttft_s: float = 0.6,
+        slo_tpot_s: float = 0.03,
+        scrape_interval_s: float = 0.5,
+        engine_config: EngineConfig | None = None,
+        max_iterations: int = 1 << 30,
+        predicted_output_tokens: float | Callable[[WorkloadRequest], float] | None = None,
+        policy_params: dict[str, Any] | None = None,
+        cap: int | None = None,
+    ) -> None:
+        if workers < 0:
+            raise ValueError("workers must be >= 0")
+        if slo_ttft_s <= 0 or slo_tpot_s <= 0:
+            raise ValueError("SLOs must be > 0")
+        if scrape_interval_s < 0:
+            raise ValueError("scrape_interval_s must be >= 0")
+        if max_iterations < 1:
+            raise ValueError("max_iterations must be >= 1")
+        plist = [profiles] if isinstance(profiles, str | Profile) else list(profiles)
+        if not plist:
+            raise ValueError("at least one profile is needed")
+        self.profiles = [load_profile(p) for p in plist]
+        self.policy = make_policy(policy, **(policy_params or {})) if isinstance(policy, str) else policy
+        self.policy_name = policy if isinstance(policy, str) else getattr(policy, "name", type(policy).__name__)
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
+        self.scrape_interval_s = scrape_interval_s
+        self.engine_config = engine_config
+        self.max_iterations = max_iterations
+        self.predicted_output_tokens = predicted_output_tokens
+        self.cap = cap
+        self.now = 0.0
+        self.workers: dict[str, SimWorker] = {}
+        self.retired: list[SimWorker] = []
+        self.on_arrival: list[Callable[..., Any]] = []
+        self.on_dispatch: list[Callable[..., Any]] = []
+        self.on_finish: list[Callable[..., Any]] = []
+        self.results: dict[str, RequestResult] = {}
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._ids = itertools.count()
+        self._queue: deque[tuple[WorkloadRequest, RequestFeatures]] = deque()
+        self._max_queue = 0
+        self._pending: dict[str, tuple[WorkloadRequest, RequestFeatures]] = {}
+        for i in range(workers):
+            self.add_worker(self.profiles[i % len(self.profiles)], now=0.0)
+
+    # ---- fleet ------------------------------------------------------------------------------------
+    def add_worker(self, profile: str | Profile | None = None, worker_id: str | None = None, *,
+                   role: str = ROLE_MIXED, cap: int | None = None, labels: dict[str, str] | None = None,
+                   now: float | None = None) -> str:
+        prof = load_profile(profile) if profile is not None else self.profiles[0]
+        wid = worker_id or f"w{next(self._ids)}"
+        if wid in self.workers:
+            raise ValueError(f"worker {wid!r} exists")
+        t = self.now if now is None else now
+        self.workers[wid] = SimWorker(wid, prof, EngineCore(prof, self.engine_config), t, role,
+                                      cap if cap is not None else self.cap, dict(labels or {}))
+        if self._queue:
+            self._drain_queue(t)
+        return wid
+
+    def remove_worker(self, worker_id: str, now: float | None = None) -> None:
+        """Drain: no new requests; the worker leaves once its in-flight requests finish."""
+        w = self.workers[worker_id]
+        w.draining = True
+        self._maybe_retire(w, self.now if now is None else now)
+
+    def _maybe_retire(self, w: SimWorker, now: float) -> None:
+        if w.draining and w.inflight == 0 and w.removed_at is None:
+            w.removed_at = now
+            del self.workers[w.id]
+            self.retired.append(w)
+
+    def schedule(self, t: float, fn: Callable[[ClusterSim, float], Any]) -> None:
+        """Call fn(sim, now) at model time t (during run)."""
+        heapq.heappush(self._heap, (t, next(self._seq), _TIMER, fn))
+
+    # ---- policy interface -------------------------------------------------------------------------
+    def _view(self, w: SimWorker, now: float) -> WorkerView:
+        iv = self.scrape_interval_s
+        tick = now // iv if iv > 0 else now
+        if tick != w.scrape_tick:
+            eng = w.engine
+            w.scrape_tick, w.m_running, w.m_waiting, w.m_kv = tick, eng.num_running, eng.num_waiting, eng.kv_usage
+        return WorkerView(w.id, w.role, w.inflight, w.inflight_tokens, w.cap, w.m_running, w.m_waiting, w.m_kv,
+                          w.profile.name, 1.0, w.labels)
+
+    def _predict(self, r: WorkloadRequest) -> float:
+        p = self.predicted_output_tokens
+        return float(p(r)) if callable(p) else float(p or 128.0)
+
+    def features(self, r: WorkloadRequest) -> RequestFeatures:
+        return RequestFeatures(
+            request_id=r.request_id, model=self.profiles[0].model, prompt_tokens=r.prompt_tokens,
+            max_tokens=r.max_tokens, predicted_output_tokens=self._predict(r),
+            session_id=r.session_id, prefix_hashes=tuple(r.prefix_blocks[:PREFIX_HASHES_MAX]),
+            slo_ttft_s=r.slo_ttft_s or self.slo_ttft_s, slo_tpot_s=r.slo_tpot_s or self.slo_tpot_s,
+            priority=r.priority, arrival=r.arrival,
+        )
+
+    def _try_dispatch(self, r: WorkloadRequest, feats: RequestFeatures, now: float) -> bool:
+        views = [self._view(w, now) for w in self.workers.values()
+                 if not w.draining and (w.cap is None or w.inflight < w.cap)]
+        if not views:
+            return False
+        decision: Decision = self.policy.choose(feats, views, now)
+        wid = decision.worker_id
+        if wid is None:
+            return False
+        w = self.workers.get(wid)
+        if w is None or w.draining:
+            raise RuntimeError(f"policy {self.policy_name} chose {wid!r}, which is not a candidate")
+        self.policy.on_dispatch(feats, wid, now)
+        w.inflight += 1
+        w.inflight_tokens += r.prompt_tokens + int(feats.predicted_output_tokens)
+        res = self.results[r.request_id]
+        res.worker_id, res.dispatched = wid, now
+        for hook in self.on_dispatch:
+            hook(self, r, wid, now)
+        self._pending[r.request_id] = (r, feats)
+        heapq.heappush(self._heap, (now + w.profile.ttft_overhead_s, next(self._seq), _ADD, (wid, r.request_id)))
+        return True
+
+    def _drain_queue(self, now: float) -> None:
+        q = self._queue
+        while q and self._try_dispatch(q[0][0], q[0][1], now):
+            q.popleft()
+
+    def _complete(self, w: SimWorker, r: WorkloadRequest, feats: RequestFeatures, now: float) -> None:
+        w.inflight -= 1
+        w.inflight_tokens -= r.prompt_tokens + int(feats.predicted_output_tokens)
+        self.policy.on_complete(feats, w.id, now)
+        for hook in self.on_finish:
+            hook(self, self.results[r.request_id])
+        self._maybe_retire(w, now)
+
+    # ---- engines ----------------------------------------------------------------------------------
+    def _engine_add(self, wid: str, rid: str, now: float) -> None:
+        r, feats = self._pending[rid]
+        w = self.workers.get(wid)
+        if w is None:   # cannot happen: a worker with inflight requests is never retired
+            raise RuntimeError(f"worker {wid} vanished with requests in flight")
+        max_tokens = r.max_tokens or max(1, w.engine.max_model_len - r.prompt_tokens)
+        sreq = SimRequest(rid, r.prompt_tokens, list(r.prefix_blocks), max_tokens,
+                          min(r.output_tokens, max_tokens), priority=r.priority, arrival=now)
+        try:
+            w.engine.add(sreq, now)
+        except ValueError as exc:   # what vLLM answers with HTTP 400
+            del self._pending[rid]
+            res = self.results[rid]
+            res.finish_reason, res.error, res.finished = "rejected", str(exc), now
+            self._complete(w, r, feats, now)
+            return
+        if w.step_end is None:
+            self._plan(w, now)
+        elif w.step_end > now and self.max_iterations > 1:
+            end = w.step_start + w.engine.truncate_step(now)
+            if end != w.step_end:
+                w.step_end = end
+                w.token += 1
+                heapq.heappush(self._heap, (end, next(self._seq), _STEP, (w, w.token)))
+
+    def _plan(self, w: SimWorker, now: float) -> None:
+        dur = w.engine.plan_step(now, self.max_iterations)
+        w.token += 1
+        if dur is None:
+            w.step_end = None
+            wake = w.engine.next_event_time() if w.engine.has_work() else None
+            if wake is not None:
+                heapq.heappush(self._heap, (max(wake, now), next(self._seq), _WAKE, (w, w.token)))
+            return
+        w.step_start, w.step_end = now, now + dur
+        heapq.heappush(self._heap, (now + dur, next(self._seq), _STEP, (w, w.token)))
+
+    def _step_done(self, w: SimWorker, now: float) -> None:
+        w.step_end = None
+        finished = False
+        for ev in w.engine.finish_step(now):
+            if not ev.finished:
+                continue
+            rec = ev.record
+            r, feats = self._pending.pop(ev.request_id)
+            res = self.results[ev.request_id]
+            res.first_scheduled, res.first_token, res.finished = rec.first_scheduled, rec.first_token, rec.finished
+            res.output_tokens, res.finish_reason = rec.num_output, rec.finish_reason
+            res.num_cached_tokens, res.preemptions = rec.num_cached_tokens, rec.num_preemptions
+            self._complete(w, r, feats, now)
+            finished = True
+        if w.removed_at is None:
+            self._plan(w, now)
+        if finished and self._queue:
+            self._drain_queue(now)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def run(self, workload: Sequence[WorkloadRequest], until: float | None = None) -> SimResult:
+        wall0 = time.perf_counter()
+        arrivals = sorted(workload, key=lambda r: r.arrival)
+        if self.predicted_output_tokens is None:
+            self.predicted_output_tokens = mean_output_tokens(arrivals) or 128.0
+        start = arrivals[0].arrival if arrivals else 0.0
+        for w in self.workers.values():   # the fleet present before the run counts from the first arrival
+            w.added_at = max(w.added_at, start)
+        heap = self._heap
+        i, n = 0, len(arrivals)
+        inf = math.inf
+        while True:
+            t_arr = arrivals[i].arrival if i < n else inf
+            t_evt = heap[0][0] if heap else inf
+            t = min(t_arr, t_evt)
+            if t == inf or (until is not None and t > until):
+                break
+            self.now = t
+            if t_arr <= t_evt:
+                r = arrivals[i]
+                i += 1
+                self._arrive(r, t)
+                continue
+            _, _, kind, payload = heapq.heappop(heap)
+            if kind == _STEP:
+                w, token = payload
+                if token == w.token:
+                    self._step_done(w, t)
+            elif kind == _ADD:
+                self._engine_add(payload[0], payload[1], t)
+            elif kind == _WAKE:
+                w, token = payload
+                if token == w.token and w.step_end is None and w.removed_at is None:
+                    self._plan(w, t)
+            else:
+                payload(self, t)
+        end = self.now
+        for r in arrivals[i:]:      # arrivals after `until` never happened
+            self.results.pop(r.request_id, None)
+        return self._result(start, end, time.perf_counter() - wall0)
+
+    def _arrive(self, r: WorkloadRequest, now: float) -> None:
+        if r.request_id in self.results:
+            raise ValueError(f"duplicate request id {r.request_id!r}")
+        self.results[r.request_id] = RequestResult(r.request_id, r.arrival, r.prompt_tokens,
+                                                   slo_ttft_s=r.slo_ttft_s or self.slo_ttft_s,
+                                                   slo_tpot_s=r.slo_tpot_s or self.slo_tpot_s)
+        for hook in self.on_arrival:
+            hook(self, r, now)
+        feats = self.features(r)
+        if self._queue or not self._try_dispatch(r, feats, now):
+            self._queue.append((r, feats))
+            self._max_queue = max(self._max_queue, len(self._queue))
+
+    def _result(self, start: float, end: float, wall: float) -> SimResult:
+        all_workers = list(self.workers.values()) + self.retired
+        gpu_s = sum(w.gpus * max(0.0, (w.removed_at if w.removed_at is not None else end) - w.added_at)
+                    for w in all_workers)
+        names = sorted({w.profile.name for w in all_workers}) or [p.name for p in self.profiles]
+        return SimResult(
+            policy=self.policy_name, profile=",".join(names), workers=len(all_workers),
+            results=list(self.results.values()), start=start, end=end, wall_s=wall, gpu_seconds=gpu_s,
+            preemptions=sum(w.engine.stats.preemptions for w in all_workers),
+            prefix_cache_queries=sum(w.engine.stats.prefix_cache_queries for w in all_workers),
+            prefix_cache_hits=sum(w.engine.stats.prefix_cache_hits for w in all_workers),
+            max_admission_queue=self._max_queue,
+        )
+
+
+# ---- `fleetgate simulate` -------------------------------------------------------------------------
+def run_simulate_cli(
+    trace: str | None, workers: int, profile: str, policy: str, rate: float | None, rate_scale: float,
+    arrival: str, cv: float, duration: float | None, slo_ttft_ms: float, slo_tpot_ms: float, seed: int,
+    as_json: bool,
+) -> None:
+    import typer
+
+    try:
+        if workers < 1:
+            raise ValueError("--workers must be >= 1")
+        workload = load_workload(trace or "azure_conv", rate=rate, rate_scale=rate_scale, arrival=arrival,
+                                 cv=cv, duration=duration, seed=seed)
+        if not workload:
+            raise ValueError("the workload is empty (check --duration / --rate)")
+        profiles = [p.strip() for p in profile.split(",") if p.strip()]
+        sim = ClusterSim(profiles, workers, policy, slo_ttft_s=slo_ttft_ms / 1000.0, slo_tpot_s=slo_tpot_ms / 1000.0,
+                         policy_params={"seed": seed} if policy in ("random", "power_of_two") else None)
+        result = sim.run(workload)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    summary = result.to_dict()
+    summary["trace"] = trace or "azure_conv"
+    if as_json:
+        print(json.dumps(summary))
+        return
+    _print_summary(summary)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    rows = [(k, _fmt(v)) for k, v in summary.items()]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        width = max(len(k) for k, _ in rows)
+        for k, v in rows:
+            print(f"{k:<{width}}  {v}")
+        return
+    table = Table(title="fleetgate simulate", show_header=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)

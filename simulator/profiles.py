@@ -1,0 +1,161 @@
+"""Performance profiles of simulated workers (model x GPU x TP): capacity, step-time coefficients, lengths.
+
+A profile is plain data loaded from YAML: a built-in name (`simulator/profiles/<name>.yaml`) or a path to a
+user file with the same keys. Every number and its derivation is documented in simulator/CALIBRATION.md.
+
+Step time of one engine iteration (model seconds), after Aladdin's iteration-time models
+(Aladdin section 3, eq. 2-3; vLLM reference section 8.4 "practical model"):
+
+    t = c_step + max(t_weights, k_prefill * P + c_decode * B) + k_ctx * C + k_attn * A
+
+P = prefill tokens in the step, B = decoding sequences, C = sum of their context lengths,
+A = sum over prefill chunks of chunk_len * (context_before_chunk + chunk_len / 2) (causal attention pairs).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    model: str                      # served model name (Hugging Face id)
+    family: str                     # llama3, llama2, ...
+    gpu: str
+    tp: int                         # tensor-parallel degree = GPUs per worker
+    weight_bytes: float
+    kv_bytes_per_token: int
+    num_gpu_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    # step-time coefficients (seconds)
+    c_step_s: float                 # per-iteration CPU/scheduling/launch overhead
+    t_weights_s: float              # weight-streaming floor of one forward pass
+    k_prefill_s: float              # per prefill token (compute bound)
+    c_decode_s: float               # per decode sequence (its one token's compute)
+    k_ctx_s: float                  # per context token read by a decoding sequence (KV streaming)
+    k_attn_s: float                 # per (query, key) pair of prefill attention
+    ttft_overhead_s: float          # API server + tokenization, once per request before WAITING
+    # output-length distribution when the caller has no length of its own (lognormal)
+    output_mean_tokens: float
+    output_sigma: float
+    # P/D KV transfer and sleep/wake
+    pd_link_bytes_per_s: float
+    pd_setup_s: float
+    wake_up_s: float
+    description: str = ""
+
+    @property
+    def gpus_per_worker(self) -> int:
+        return self.tp
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+    def step_time(self, prefill_tokens: int, decode_seqs: int, decode_ctx: int, attn_pairs: float) -> float:
+        """One iteration's duration in model seconds (formula in the module docstring)."""
+        return (
+            self.c_step_s
+            + max(self.t_weights_s, self.k_prefill_s * prefill_tokens + self.c_decode_s * decode_seqs)
+            + self.k_ctx_s * decode_ctx
+            + self.k_attn_s * attn_pairs
+        )
+
+    def kv_transfer_s(self, tokens: int) -> float:
+        """Time to move `tokens` of KV from a prefill worker to a decode worker (reference section 8.5)."""
+        return self.pd_setup_s + tokens * self.kv_bytes_per_token / self.pd_link_bytes_per_s
+
+    def sample_output_tokens(self, rng: random.Random, max_tokens: int | None = None) -> int:
+        return sample_output_tokens(self, rng, max_tokens)
+
+
+def sample_output_tokens(profile: Profile, rng: random.Random, max_tokens: int | None = None) -> int:
+    """Draw an output length from the profile's lognormal (mean, sigma), clipped to [1, max_tokens]."""
+    sigma = profile.output_sigma
+    mu = math.log(profile.output_mean_tokens) - sigma * sigma / 2  # lognormal mean = exp(mu + sigma^2/2)
+    n = max(1, round(rng.lognormvariate(mu, sigma)))
+    return min(n, max_tokens) if max_tokens else n
+
+
+_FIELDS = {f.name: f for f in fields(Profile)}
+_INT_FIELDS = {"tp", "kv_bytes_per_token", "num_gpu_blocks", "block_size", "max_model_len", "max_num_seqs",
+               "max_num_batched_tokens"}
+_STR_FIELDS = {"name", "model", "family", "gpu", "description"}
+
+
+def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> Profile:
+    """Validate a mapping and build a Profile; errors name the source and the bad key."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: a profile must be a mapping of keys to values")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"{source}: unknown profile key(s): {', '.join(unknown)}")
+    missing = sorted(n for n, f in _FIELDS.items() if n not in data and n != "description")
+    if missing:
+        raise ValueError(f"{source}: missing profile key(s): {', '.join(missing)}")
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        if key in _STR_FIELDS:
+            values[key] = str(raw)
+            continue
+        try:
+            num = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{source}: {key} must be a number, got {raw!r}") from None
+        if not math.isfinite(num) or num < 0:
+            raise ValueError(f"{source}: {key} must be a finite number >= 0, got {raw!r}")
+        if key in _INT_FIELDS:
+            if num != int(num) or num < 1:
+                raise ValueError(f"{source}: {key} must be a positive integer, got {raw!r}")
+            num = int(num)
+        values[key] = num
+    for key in ("output_mean_tokens", "pd_link_bytes_per_s", "weight_bytes"):
+        if values[key] <= 0:
+            raise ValueError(f"{source}: {key} must be > 0")
+    prof = Profile(**values)
+    if prof.max_model_len > prof.kv_capacity_tokens:
+        # vLLM refuses to start when one max-length sequence does not fit the KV cache.
+        raise ValueError(
+            f"{source}: max_model_len {prof.max_model_len} exceeds KV capacity "
+            f"{prof.kv_capacity_tokens} tokens (num_gpu_blocks x block_size)"
+        )
+    return prof
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+_CACHE: dict[str, Profile] = {}
+
+
+def load_profile(name_or_path: str | Path | Profile) -> Profile:
+    """A built-in profile by name, or a user profile from a YAML file path."""
+    if isinstance(name_or_path, Profile):
+        return name_or_path
+    key = str(name_or_path)
+    if key in _CACHE:
+        return _CACHE[key]
+    builtin = PROFILES_DIR / f"{key}.yaml"
+    path = builtin if builtin.is_file() else Path(key)
+    if not path.is_file():
+        raise ValueError(f"unknown profile {key!r}: not a built-in ({', '.join(list_profiles())}) nor a file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: invalid YAML: {exc}") from None
+    prof = profile_from_dict(data, str(path))
+    _CACHE[key] = prof
+    return prof

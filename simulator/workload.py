@@ -1,0 +1,238 @@
+"""Workloads for the simulators: shipped traces (bench/traces) and synthetic arrival processes.
+
+    reqs = load_workload("azure_conv", rate_scale=2.0, duration=600)
+    reqs = load_workload("sharegpt", rate=8.0, arrival="gamma", cv=3.0, duration=300, seed=1)
+
+Built-in names: azure_conv (timestamps), sharegpt and arxiv (lengths only: arrivals are synthetic and
+need a rate), mooncake (timestamps in ms, prefix sharing via 512-token hash ids). A path to a file in
+one of these formats works too (the format is detected from its header / first line).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+from simulator.engine import BLOCK_SIZE
+
+TRACES_DIR = Path(__file__).parents[1] / "bench" / "traces"
+BUILTIN_TRACES = {
+    "azure_conv": "azure2023_conv.csv",
+    "sharegpt": "sharegpt_lengths_llama2.csv",
+    "arxiv": "arxiv_summarization_lengths_llama2.csv",
+    "mooncake": "mooncake_synthetic.jsonl",
+}
+MOONCAKE_BLOCK_TOKENS = 512     # Mooncake's hash_ids each cover 512 tokens (bench/traces/README.md)
+
+
+@dataclass(slots=True)
+class WorkloadRequest:
+    request_id: str
+    arrival: float                      # seconds from the workload's start
+    prompt_tokens: int
+    output_tokens: int                  # true output length (the engine stops there)
+    prefix_blocks: tuple[int, ...] = ()  # chained 16-token block keys; equal prefixes share a head
+    session_id: str | None = None
+    priority: int = 0
+    max_tokens: int | None = None
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+
+
+# ---- arrival processes ----------------------------------------------------------------------------
+def poisson_arrivals(rate: float, rng: random.Random, start: float = 0.0) -> Iterator[float]:
+    """Endless Poisson arrival times at `rate` req/s."""
+    if rate <= 0:
+        raise ValueError("arrival rate must be > 0")
+    t = start
+    while True:
+        t += rng.expovariate(rate)
+        yield t
+
+
+def gamma_arrivals(rate: float, cv: float, rng: random.Random, start: float = 0.0) -> Iterator[float]:
+    """Endless Gamma-renewal arrivals: mean gap 1/rate, coefficient of variation `cv` (cv > 1: bursty)."""
+    if rate <= 0 or cv <= 0:
+        raise ValueError("gamma arrivals need rate > 0 and cv > 0")
+    shape = 1.0 / (cv * cv)
+    scale = 1.0 / (rate * shape)
+    t = start
+    while True:
+        t += rng.gammavariate(shape, scale)
+        yield t
+
+
+def arrival_process(kind: str, rate: float, cv: float, rng: random.Random) -> Iterator[float]:
+    if kind == "poisson":
+        return poisson_arrivals(rate, rng)
+    if kind == "gamma":
+        return gamma_arrivals(rate, cv, rng)
+    raise ValueError(f"unknown arrival process {kind!r}; use poisson or gamma")
+
+
+# ---- trace readers --------------------------------------------------------------------------------
+def resolve_trace(name_or_path: str | Path) -> Path:
+    name = str(name_or_path)
+    if name in BUILTIN_TRACES:
+        return TRACES_DIR / BUILTIN_TRACES[name]
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"unknown trace {name!r}: not a built-in ({', '.join(BUILTIN_TRACES)}) nor a file")
+    return path
+
+
+def _azure_stamp(stamp: str) -> tuple[int, float]:
+    """'2023-11-16 18:15:46.6805900' -> (day ordinal, seconds into the day), 7 fractional digits kept."""
+    day, clock = stamp.strip().split(" ")
+    y, mo, d = day.split("-")
+    h, mi, s = clock.split(":")
+    return date(int(y), int(mo), int(d)).toordinal(), int(h) * 3600 + int(mi) * 60 + float(s)
+
+
+def read_azure(path: Path) -> list[tuple[float, int, int]]:
+    """(seconds from the first request, context tokens, generated tokens); the file lacks a final newline."""
+    raw = []
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            raw.append((_azure_stamp(row["TIMESTAMP"]), int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+    if not raw:
+        raise ValueError(f"{path}: no requests")
+    d0, s0 = min(r[0] for r in raw)
+    # Subtract before combining days and seconds, so float precision stays sub-microsecond.
+    rows = [((d - d0) * 86400 + (s - s0), max(1, p), max(1, o)) for (d, s), p, o in raw]
+    rows.sort(key=lambda r: r[0])
+    return rows
+
+
+def read_lengths(path: Path) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) from a Vidur/Sarathi processed-trace CSV."""
+    with path.open(newline="") as f:
+        out = [(max(1, int(r["num_prefill_tokens"])), max(1, int(r["num_decode_tokens"]))) for r in csv.DictReader(f)]
+    if not out:
+        raise ValueError(f"{path}: no requests")
+    return out
+
+
+def read_mooncake(path: Path) -> list[dict]:
+    with path.open() as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    return rows
+
+
+def mooncake_block_keys(hash_ids: list[int], prompt_tokens: int, cache: dict[int, tuple[int, ...]]) -> tuple[int, ...]:
+    """Expand 512-token hash ids into chained 16-token block keys: equal id prefixes give equal keys."""
+    per = MOONCAKE_BLOCK_TOKENS // BLOCK_SIZE
+    keys: list[int] = []
+    parent = 0x9E3779B97F4A7C15
+    for hid in hash_ids:
+        parent = hash((parent, hid)) & 0xFFFFFFFFFFFFFFFF   # tuples of ints hash deterministically
+        sub = cache.get(parent)
+        if sub is None:
+            sub = cache[parent] = tuple(hash((parent, j)) & 0xFFFFFFFFFFFFFFFF for j in range(per))
+        keys.extend(sub)
+    return tuple(keys[: prompt_tokens // BLOCK_SIZE])
+
+
+def _detect(path: Path) -> str:
+    with path.open() as f:
+        head = f.readline()
+    if head.lstrip().startswith("{"):
+        return "mooncake"
+    if "TIMESTAMP" in head:
+        return "azure"
+    if "num_prefill_tokens" in head:
+        return "lengths"
+    raise ValueError(f"{path}: unrecognised trace format (header {head.strip()[:80]!r})")
+
+
+# ---- the one entry point --------------------------------------------------------------------------
+def load_workload(
+    trace: str | Path = "azure_conv",
+    *,
+    rate: float | None = None,
+    rate_scale: float = 1.0,
+    arrival: str = "poisson",
+    cv: float = 1.0,
+    duration: float | None = None,
+    seed: int = 0,
+    limit: int | None = None,
+) -> list[WorkloadRequest]:
+    """Requests sorted by arrival. Timestamped traces keep their arrivals unless `rate` is given;
+    `rate_scale` multiplies the arrival rate (divides gaps); `duration` keeps arrivals before it."""
+    if rate_scale <= 0:
+        raise ValueError("rate_scale must be > 0")
+    if duration is not None and duration <= 0:
+        raise ValueError("duration must be > 0")
+    path = resolve_trace(trace)
+    kind = _detect(path)
+    rng = random.Random(seed)
+    lengths: list[tuple[int, int, tuple[int, ...]]]
+    stamps: list[float] | None = None
+    if kind == "azure":
+        rows = read_azure(path)
+        lengths = [(p, o, ()) for _, p, o in rows]
+        stamps = [t for t, _, _ in rows]
+    elif kind == "mooncake":
+        rows = read_mooncake(path)
+        cache: dict[int, tuple[int, ...]] = {}
+        lengths = [(max(1, r["input_length"]), max(1, r["output_length"]),
+                    mooncake_block_keys(r.get("hash_ids", []), r["input_length"], cache)) for r in rows]
+        t0 = rows[0]["timestamp"]
+        stamps = [(r["timestamp"] - t0) / 1000.0 for r in rows]   # ms -> s
+    else:
+        lengths = [(p, o, ()) for p, o in read_lengths(path)]
+    if rate is not None or stamps is None:
+        if rate is None:
+            raise ValueError(f"trace {trace!r} has no timestamps: give an arrival rate (req/s)")
+        arrivals = arrival_process(arrival, rate * rate_scale, cv, rng)
+        # Lengths-only traces repeat from the start when a duration asks for more requests than the file has.
+        n = len(lengths) if duration is None else None
+        stamps = []
+        for i, t in enumerate(arrivals):
+            if (n is not None and i >= n) or (duration is not None and t >= duration) or (limit and i >= limit):
+                break
+            stamps.append(t)
+        if n is None:
+            lengths = [lengths[j % len(lengths)] for j in range(len(stamps))]
+    else:
+        stamps = [t / rate_scale for t in stamps]
+    out: list[WorkloadRequest] = []
+    for i, (t, (p, o, keys)) in enumerate(zip(stamps, lengths, strict=False)):
+        if (duration is not None and t >= duration) or (limit is not None and i >= limit):
+            break
+        out.append(WorkloadRequest(f"req-{i}", t, p, o, keys))
+    return out
+
+
+def mean_output_tokens(requests: list[WorkloadRequest]) -> float:
+    return sum(r.output_tokens for r in requests) / len(requests) if requests else 0.0
+
+
+def synthetic_workload(
+    n: int, rate: float, prompt_tokens: int | tuple[int, int], output_tokens: int | tuple[int, int], *,
+    arrival: str = "poisson", cv: float = 1.0, seed: int = 0,
+) -> list[WorkloadRequest]:
+    """n requests with uniform lengths in the given (lo, hi) ranges (or fixed ints)."""
+    rng = random.Random(seed)
+    times = arrival_process(arrival, rate, cv, rng)
+
+    def draw(spec: int | tuple[int, int]) -> int:
+        return spec if isinstance(spec, int) else rng.randint(*spec)
+
+    return [WorkloadRequest(f"req-{i}", next(times), draw(prompt_tokens), draw(output_tokens)) for i in range(n)]
+
+
+def rate_of(requests: list[WorkloadRequest]) -> float:
+    """Mean arrival rate (req/s) of a workload."""
+    if len(requests) < 2:
+        return 0.0
+    span = requests[-1].arrival - requests[0].arrival
+    return (len(requests) - 1) / span if span > 0 else math.inf
