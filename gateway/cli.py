@@ -15,8 +15,8 @@ app.add_typer(config_app, name="config")
 @app.command()
 def serve(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config file."),
-    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
-    port: int = typer.Option(8000, help="Port to listen on."),
+    host: Optional[str] = typer.Option(None, help="Address to listen on (default: config listen.host, 127.0.0.1)."),
+    port: Optional[int] = typer.Option(None, help="Port to listen on; 0 picks a free one (default: config, 8000)."),
     worker: list[str] = typer.Option([], "--worker", "-w", help="Worker URL (repeatable); adds to the config."),
     policy: Optional[str] = typer.Option(None, help="Default routing policy (overrides the config)."),
     redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Share state through Redis."),
@@ -59,13 +59,14 @@ def sim(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     seed: int = typer.Option(0, help="Random seed for output lengths."),
     list_profiles: bool = typer.Option(False, "--list-profiles", help="List built-in profiles and exit."),
+    scheduling_policy: str = typer.Option("fcfs", "--scheduling-policy", help="vLLM scheduler: fcfs or priority."),
 ) -> None:
     """Run simulated vLLM servers (one process, many ports)."""
     from simulator.fleet import run_fleet_cli
 
     run_fleet_cli(
         workers=workers, base_port=base_port, profile=profile, model=model, time_scale=time_scale,
-        fleet=fleet, host=host, seed=seed, list_profiles=list_profiles,
+        fleet=fleet, host=host, seed=seed, list_profiles=list_profiles, scheduling_policy=scheduling_policy,
     )
 
 

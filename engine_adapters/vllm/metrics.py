@@ -1,0 +1,121 @@
+"""Fast reader for the few vLLM /metrics series a router needs (vllm-interface.md section 3).
+
+One pass over the lines; only lines starting with "vllm:" are looked at and only the wanted names are
+parsed. Tolerant of label order, extra labels, several engines (DP ranks: gauges are summed, usage
+averaged), a trailing timestamp, missing series, counters with or without `_total`, and the
+renamed/deprecated names (`gpu_cache_usage_perc` before 0.9, `gpu_prefix_cache_*` aliases).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from gateway.state.base import EngineMetrics
+
+# exposed name -> (field, preference); a lower preference wins when both spellings are present
+# (0.11 with --show-hidden-metrics exposes the new and the deprecated name with equal values).
+_WANTED: dict[str, tuple[str, int]] = {
+    "vllm:num_requests_running": ("running", 0),
+    "vllm:num_requests_waiting": ("waiting", 0),
+    "vllm:kv_cache_usage_perc": ("kv_usage", 0),
+    "vllm:gpu_cache_usage_perc": ("kv_usage", 1),
+    "vllm:prefix_cache_queries_total": ("prefix_cache_queries", 0),
+    "vllm:prefix_cache_queries": ("prefix_cache_queries", 0),
+    "vllm:gpu_prefix_cache_queries_total": ("prefix_cache_queries", 1),
+    "vllm:gpu_prefix_cache_queries": ("prefix_cache_queries", 1),
+    "vllm:prefix_cache_hits_total": ("prefix_cache_hits", 0),
+    "vllm:prefix_cache_hits": ("prefix_cache_hits", 0),
+    "vllm:gpu_prefix_cache_hits_total": ("prefix_cache_hits", 1),
+    "vllm:gpu_prefix_cache_hits": ("prefix_cache_hits", 1),
+}
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+_LABEL_RE = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+
+
+def parse_vllm_metrics(text: str, now: float = 0.0) -> EngineMetrics:
+    """EngineMetrics from a vLLM Prometheus text exposition; absent series stay at their defaults."""
+    # field -> [preference, sum, count]
+    acc: dict[str, list[float]] = {}
+    blocks: int | None = None
+    block_size: int | None = None
+    for line in text.split("\n"):
+        if not line.startswith("vllm:"):
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        has_labels = brace != -1 and (space == -1 or brace < space)
+        name = line[:brace] if has_labels else (line[:space] if space != -1 else line)
+        if name not in _WANTED and name != CACHE_CONFIG_INFO:
+            continue  # most lines: histogram buckets and series we do not use
+        labels_end = _labels_end(line, brace) if has_labels else len(name)
+        if labels_end < 0:
+            continue
+        if name == CACHE_CONFIG_INFO:
+            labels = parse_labels(line[brace + 1 : labels_end - 1]) if has_labels else {}
+            blocks = _int_or_none(labels.get("num_gpu_blocks")) if blocks is None else blocks
+            block_size = _int_or_none(labels.get("block_size")) if block_size is None else block_size
+            continue
+        want = _WANTED.get(name)
+        if want is None:
+            continue
+        value = _sample_value(line, labels_end)
+        if value is None:
+            continue
+        field, pref = want
+        cur = acc.get(field)
+        if cur is None or pref < cur[0]:
+            acc[field] = [pref, value, 1]
+        elif pref == cur[0]:
+            cur[1] += value
+            cur[2] += 1
+    m = EngineMetrics(scraped_at=now, num_gpu_blocks=blocks, block_size=block_size)
+    for field, (_, total, count) in acc.items():
+        # usage is a fraction per engine: average it; request counts and counters add up over engines
+        setattr(m, field, total / count if field == "kv_usage" else total)
+    return m
+
+
+def parse_labels(body: str) -> dict[str, str]:
+    """`a="1",b="x"` -> {"a": "1", "b": "x"} (escapes kept as written; we only read numbers)."""
+    return {m.group(1): m.group(2) for m in _LABEL_RE.finditer(body)}
+
+
+def _labels_end(line: str, brace: int) -> int:
+    """Index just past the closing `}` of the label set, honouring quoted values; -1 if malformed."""
+    i = brace + 1
+    n = len(line)
+    in_quotes = False
+    while i < n:
+        c = line[i]
+        if in_quotes:
+            if c == "\\":
+                i += 1
+            elif c == '"':
+                in_quotes = False
+        elif c == '"':
+            in_quotes = True
+        elif c == "}":
+            return i + 1
+        i += 1
+    return -1
+
+
+def _sample_value(line: str, start: int) -> float | None:
+    parts = line[start:].split()
+    if not parts:
+        return None
+    try:
+        v = float(parts[0])  # a second token, if any, is the optional timestamp
+    except ValueError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _int_or_none(s: str | None) -> int | None:
+    if s is None:
+        return None
+    try:
+        return int(float(s))
+    except ValueError:
+        return None  # "None" when vLLM has not resolved the value

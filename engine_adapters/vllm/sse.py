@@ -1,0 +1,98 @@
+"""Scan vLLM's OpenAI SSE stream without re-serializing it (vllm-interface.md section 2).
+
+Each event is `data: <json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`. With
+`stream_options.include_usage` the last JSON event has `"choices":[]` and a `usage` object. The
+scanner counts output-token events, picks up usage, and, when the gateway (not the client) asked for
+usage, removes that event and nothing else, so the client sees the worker's framing byte for byte.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from engine_adapters.base import StreamScanner, Usage
+from gateway.errors import sse_error_event
+
+EVENT_END = b"\n\n"
+DONE_EVENT = b"data: [DONE]"
+_EMPTY_CHOICES = b'"choices":[]'
+_USAGE_KEY = b'"usage":{'
+# Events that carry no output token: the chat role preamble and an empty finish delta.
+_ROLE_DELTA = b'"delta":{"role":"assistant","content":""}'
+_EMPTY_DELTA = b'"delta":{}'
+
+
+class VllmStreamScanner(StreamScanner):
+    __slots__ = ("strip_usage", "tokens", "usage", "done", "_tail")
+
+    def __init__(self, strip_usage: bool = False) -> None:
+        self.strip_usage = strip_usage
+        self.tokens = 0
+        self.usage: Usage | None = None
+        self.done = False
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._tail + chunk if self._tail else chunk
+        end = data.rfind(EVENT_END)
+        if end < 0:
+            self._tail = data
+            return b"" if self.strip_usage else chunk
+        cut = end + 2
+        complete = data[:cut]
+        self._tail = data[cut:]
+        usage_at = self._scan(complete)
+        if not self.strip_usage:
+            return chunk
+        if usage_at is None:
+            return complete
+        # drop exactly the usage event (start..its terminating blank line), keep the rest as sent
+        start, stop = usage_at
+        return complete[:start] + complete[stop:]
+
+    def _scan(self, complete: bytes) -> tuple[int, int] | None:
+        """Update counters from whole events; return the (start, stop) span of a usage event."""
+        span = None
+        pos = 0
+        n = len(complete)
+        while pos < n:
+            stop = complete.find(EVENT_END, pos)
+            if stop < 0:
+                break
+            stop += 2
+            ev = complete[pos:stop]
+            if ev.startswith(DONE_EVENT):
+                self.done = True
+            elif _USAGE_KEY in ev and _EMPTY_CHOICES in ev:
+                self.usage = _usage_from_event(ev) or self.usage
+                span = (pos, stop)
+            elif ev.startswith(b"data: {") and _ROLE_DELTA not in ev and _EMPTY_DELTA not in ev \
+                    and not ev.startswith(b'data: {"error"'):
+                self.tokens += 1
+            pos = stop
+        return span
+
+    def at_boundary(self) -> bool:
+        return self.strip_usage or not self._tail
+
+    def error_event(self, message: str) -> bytes:
+        prefix = b"" if self.at_boundary() else EVENT_END
+        return prefix + sse_error_event(message)
+
+
+def _usage_from_event(ev: bytes) -> Usage | None:
+    try:
+        obj = orjson.loads(ev[5:].strip())
+    except orjson.JSONDecodeError:
+        return None
+    return usage_from_obj(obj)
+
+
+def usage_from_obj(obj: object) -> Usage | None:
+    u = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(u, dict):
+        return None
+    p, c = u.get("prompt_tokens"), u.get("completion_tokens")
+    if not isinstance(p, int) or not isinstance(c, int):
+        return None
+    return Usage(prompt_tokens=p, completion_tokens=c)

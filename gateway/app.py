@@ -1,0 +1,204 @@
+"""The gateway's ASGI application.
+
+A thin raw-ASGI front serves the two proxy routes (POST /v1/chat/completions, /v1/completions)
+straight into the dispatcher, with no framework on the hot path. Everything else (/v1/models,
+/health, /ready, /metrics, /admin/*) goes to a FastAPI app. The front also runs the lifespan: it
+starts the state store, the upstream session and the registry's control loops, and stops them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine_adapters.base import EngineAdapter
+from engine_adapters.vllm import VllmAdapter
+from gateway import errors
+from gateway.admin import admin_router, check_api_key
+from gateway.config import GatewayConfig
+from gateway.dispatch import ROUTES, Dispatcher
+from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
+from gateway.registry import Registry
+from gateway.relay import Relay, make_session
+from gateway.state.base import StateStore
+from gateway.state.factory import make_store
+
+log = logging.getLogger("fleetgate")
+
+_METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Gateway:
+    """All the parts of one gateway process, wired together; `start()` / `stop()` bracket its life."""
+
+    def __init__(self, config: GatewayConfig, store: StateStore | None = None,
+                 adapter: EngineAdapter | None = None) -> None:
+        self.config = config
+        if store is None:
+            opts: dict[str, Any] = {"key_prefix": config.redis_key_prefix} if config.redis_url else {}
+            store = make_store(config.redis_url, config.replica_id, **opts)
+        self.store = store
+        self.shared_state = bool(config.redis_url)
+        self.adapter = adapter or VllmAdapter()
+        self.metrics = GatewayMetrics()
+        self.registry = Registry(config, self.store, self.adapter, self.metrics)
+        self.session = None
+        self.relay: Relay | None = None
+        self.dispatcher: Dispatcher | None = None
+
+    async def start(self) -> None:
+        if self.dispatcher is not None:
+            return  # already started (idempotent: lifespan and an embedding server may both call it)
+        await self.store.start()
+        self.session = make_session(self.config.timeouts)
+        self.relay = Relay(self.session, self.adapter, self.config.timeouts)
+        self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,
+                                     self.metrics, shared_state=self.shared_state)
+        await self.registry.start(self.session)
+
+    async def stop(self) -> None:
+        """Stop loops, close the upstream pool and the store; safe on a partly started gateway."""
+        await self.registry.stop()
+        session, self.session = self.session, None
+        if session is not None:
+            await session.close()
+        self.dispatcher = None
+        await self.store.close()
+
+
+class FleetgateApp:
+    """The ASGI callable uvicorn runs."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.api = build_api(gateway)
+
+    async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001
+        kind = scope["type"]
+        if kind == "http":
+            route = ROUTES.get(scope["path"])
+            if route is not None and scope["method"] == "POST":
+                await self.gateway.dispatcher.handle(scope, receive, send, route)
+                return
+            await self._api(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await self._api(scope, receive, send)
+
+    async def _api(self, scope: dict, receive, send) -> None:  # noqa: ANN001
+        started = False
+
+        async def tracking_send(msg: dict) -> None:
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.api(scope, receive, tracking_send)
+        except Exception:
+            # FastAPI's handlers below already answered; this only catches what escaped them.
+            if not started and scope["type"] == "http":
+                log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+                err = errors.internal_error()
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.start", "status": 500, "headers": err.headers()})
+                    await send({"type": "http.response.body", "body": err.body()})
+
+    async def _lifespan(self, receive, send) -> None:  # noqa: ANN001
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                try:
+                    await self.gateway.start()
+                except Exception as e:  # noqa: BLE001 - reported to the server, which exits
+                    log.exception("gateway failed to start")
+                    await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                try:
+                    await self.gateway.stop()
+                finally:
+                    await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def create_app(config: GatewayConfig, store: StateStore | None = None) -> FleetgateApp:
+    return FleetgateApp(Gateway(config, store))
+
+
+def _error_response(err: GatewayError) -> Response:
+    return Response(err.body(), status_code=err.status,
+                    headers={k.decode(): v.decode() for k, v in err.headers()})
+
+
+def build_api(gw: Gateway) -> FastAPI:
+    api = FastAPI(title="fleetgate", docs_url=None, redoc_url=None, openapi_url=None)
+    api.state.gateway = gw
+
+    @api.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> Response:
+        return _error_response(exc)
+
+    @api.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        parts = []
+        for e in exc.errors():
+            loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+            parts.append(f"{loc or 'body'}: {e.get('msg')}")
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return _error_response(errors.bad_request("Invalid request: " + "; ".join(parts), param))
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"No route {request.method} {request.url.path}."
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}."
+        return _error_response(GatewayError(exc.status_code, message, kind))
+
+    @api.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        return _error_response(errors.internal_error())
+
+    @api.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/ready")
+    async def ready() -> Response:
+        if gw.registry.any_healthy():
+            return JSONResponse({"status": "ready"})
+        return _error_response(GatewayError(503, "No healthy worker yet.", "service_unavailable_error",
+                                            None, "not_ready", gw.config.health.interval_s))
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_api_key(request)
+        return JSONResponse({"object": "list", "data": gw.registry.model_cards()})
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        gw.registry.refresh_gauges()
+        return Response(gw.metrics.render(), media_type=_METRICS_CONTENT_TYPE)
+
+    @api.api_route("/v1/chat/completions", methods=["GET", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+    @api.api_route("/v1/completions", methods=["GET", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+    async def wrong_method(request: Request) -> Response:
+        return _error_response(GatewayError(405, f"Use POST for {request.url.path}.", "invalid_request_error"))
+
+    api.include_router(admin_router())
+    return api

@@ -1,0 +1,326 @@
+"""Gateway configuration: a YAML file, overridden by FLEETGATE_* environment variables.
+
+Precedence (highest first): explicit keyword arguments, environment (prefix FLEETGATE_, nesting with
+`__`, e.g. FLEETGATE_LIMITS__QUEUE_SIZE=64 or FLEETGATE_API_KEYS='["k1"]'), the YAML file, defaults.
+`fleetgate config check FILE` runs the same validation and explains every problem it finds.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+WORKER_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MiB = 1024 * 1024
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class WorkerConfig(_Strict):
+    id: str
+    url: str
+    role: Literal["mixed", "prefill", "decode"] = "mixed"
+    models: list[str] = Field(default_factory=list)  # empty: discovered from the worker's /v1/models
+    labels: dict[str, str] = Field(default_factory=dict)
+    profile: str = ""
+    cap: int | None = Field(None, ge=1)  # max concurrent requests the gateway puts on it
+
+    @field_validator("id")
+    @classmethod
+    def _id_chars(cls, v: str) -> str:
+        if not WORKER_ID_RE.match(v):
+            raise ValueError("must be 1-128 characters from A-Z a-z 0-9 . _ : -")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        return check_worker_url(v)
+
+
+def check_worker_url(v: str) -> str:
+    """A worker base URL: http(s)://host[:port][/prefix], returned without a trailing slash."""
+    m = re.match(r"^https?://([^/:\s]+|\[[0-9a-fA-F:]+\])(:(\d{1,5}))?(/\S*)?$", v)
+    if not m:
+        raise ValueError("must be an http:// or https:// URL such as http://10.0.0.5:8000")
+    if m.group(3) and not 0 < int(m.group(3)) < 65536:
+        raise ValueError("port must be 1-65535")
+    return v.rstrip("/")
+
+
+class SloConfig(_Strict):
+    ttft_ms: float | None = Field(None, gt=0)
+    tpot_ms: float | None = Field(None, gt=0)
+
+
+class ModelConfig(_Strict):
+    policy: str | None = None  # None: default_policy
+    params: dict[str, Any] = Field(default_factory=dict)
+    slo: SloConfig = Field(default_factory=SloConfig)
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: int = Field(4 * MiB, ge=1024)
+    queue_size: int = Field(256, ge=0)  # per model; 0 disables queueing (429 at once when full)
+    queue_timeout_s: float = Field(5.0, ge=0)
+    retries: int = Field(2, ge=0, le=10)  # extra workers tried when one fails before any byte was sent
+
+
+class TimeoutsConfig(_Strict):
+    connect_s: float = Field(3.0, gt=0)
+    # Until the worker's response headers. vLLM sends them at once for streams, but only with the
+    # finished answer for non-streaming requests, so this also bounds a non-streaming generation.
+    first_byte_s: float = Field(300.0, gt=0)
+    idle_s: float = Field(60.0, gt=0)  # between two chunks of a stream
+
+
+class HealthConfig(_Strict):
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    failures_to_eject: int = Field(2, ge=1)
+    successes_to_restore: int = Field(2, ge=1)
+
+
+_FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("fleetgate_file", default=None)
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """The YAML file's contents, below the environment in precedence."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return (_FILE_DATA.get() or {}).get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_FILE_DATA.get() or {})
+
+
+class GatewayConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLEETGATE_", env_nested_delimiter="__", extra="forbid")
+
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    workers: list[WorkerConfig] = Field(default_factory=list)
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+    default_policy: str = "least_requests"
+    default_policy_params: dict[str, Any] = Field(default_factory=dict)
+    redis_url: str | None = None
+    redis_key_prefix: str = Field("fg:", min_length=1)  # several fleets (or tests) can share one Redis
+    replica_id: str | None = None
+    api_keys: list[str] = Field(default_factory=list)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    scrape_interval_s: float = Field(0.5, gt=0)
+    discovery_interval_s: float = Field(10.0, gt=0)  # re-read /v1/models of workers without configured models
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _FileSource(settings_cls)
+
+    @model_validator(mode="after")
+    def _unique_worker_ids(self) -> GatewayConfig:
+        seen: set[str] = set()
+        for i, w in enumerate(self.workers):
+            if w.id in seen:
+                raise ValueError(f"workers[{i}].id: duplicate worker id {w.id!r}")
+            seen.add(w.id)
+        if self.redis_url is not None and not re.match(r"^(redis|rediss|unix)://", self.redis_url):
+            raise ValueError(f"redis_url: expected redis://host:port/db, got {self.redis_url!r}")
+        return self
+
+    def model_settings(self, model: str) -> tuple[str, dict[str, Any], SloConfig]:
+        """(policy name, params, SLO) for a model, falling back to the defaults."""
+        mc = self.models.get(model)
+        if mc is None or mc.policy is None:
+            params = mc.params if mc is not None and mc.params else self.default_policy_params
+            return self.default_policy, params, mc.slo if mc is not None else SloConfig()
+        return mc.policy, mc.params, mc.slo
+
+
+class ConfigError(Exception):
+    """Every problem found in a configuration, one human-readable line each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError([f"{path}: cannot read the file ({e.strerror or e})"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError([f"{path}: YAML syntax error at {where}: {problem}"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping of settings, got {type(data).__name__}"])
+    return data
+
+
+def load_config(path: Path | str | None = None, **overrides: Any) -> GatewayConfig:
+    """Build the configuration from a YAML file (optional), the environment and `overrides`.
+
+    Raises ConfigError with one line per problem (field path, what was expected, the bad value).
+    """
+    data = read_yaml(Path(path)) if path is not None else {}
+    token = _FILE_DATA.set(data)
+    try:
+        cfg = GatewayConfig(**overrides)
+    except ValidationError as e:
+        raise ConfigError(describe_validation_error(e, GatewayConfig)) from None
+    finally:
+        _FILE_DATA.reset(token)
+    problems = semantic_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def semantic_problems(cfg: GatewayConfig) -> list[str]:
+    """Checks that need more than types: policy names and their parameters."""
+    from policies.base import make_policy, policy_names
+
+    problems: list[str] = []
+    try:
+        known = policy_names()
+    except ImportError as e:  # the policy package is incomplete; report, don't crash
+        return [f"cannot load the routing policies to check names: {e}"]
+    checks = [("default_policy", cfg.default_policy, cfg.default_policy_params)]
+    for name, mc in cfg.models.items():
+        if mc.policy is not None:
+            checks.append((f"models.{name}.policy", mc.policy, mc.params))
+    for where, name, params in checks:
+        if name not in known:
+            problems.append(f"{where}: unknown policy {name!r}; expected one of: {', '.join(known)}")
+            continue
+        try:
+            make_policy(name, **params)
+        except Exception as e:  # noqa: BLE001 - any constructor complaint is a config problem
+            problems.append(f"{where}: policy {name!r} rejects its params {params!r}: {e}")
+    return problems
+
+
+def describe_validation_error(err: ValidationError, model: type[BaseModel]) -> list[str]:
+    lines = []
+    for e in err.errors(include_url=False):
+        path = format_loc(e["loc"])
+        if e["type"] == "extra_forbidden":
+            known = _known_fields(model, e["loc"][:-1])
+            hint = f" (known fields here: {', '.join(known)})" if known else ""
+            lines.append(f"{path}: unknown field{hint}")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "missing":
+            lines.append(f"{path}: required field is missing")
+        elif path:
+            lines.append(f"{path}: {msg} (got {_short(e.get('input'))})")
+        else:
+            lines.append(msg)
+    return lines
+
+
+def format_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the sub-model that `loc` points into (for 'unknown field' hints)."""
+    cur: Any = model
+    for part in loc:
+        if cur is None:
+            return []
+        if isinstance(part, int):
+            continue  # a list index: `cur` already is the item model
+        if isinstance(cur, _DictOf):
+            cur = cur.value_type  # a dict key such as models.<name>
+            continue
+        field = cur.model_fields.get(part)
+        if field is None:
+            return []
+        cur = _model_type(field.annotation)
+    return list(cur.model_fields) if isinstance(cur, type) and issubclass(cur, BaseModel) else []
+
+
+def _model_type(annotation: Any) -> Any:
+    """Model for `Model`, the item model for list[Model], _DictOf(Model) for dict[str, Model], else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    args = getattr(annotation, "__args__", ())
+    inner = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    if inner is not None and getattr(annotation, "__origin__", None) is dict:
+        return _DictOf(inner)
+    return inner
+
+
+class _DictOf:
+    """Marker for dict[str, Model] while walking an error location."""
+
+    def __init__(self, value_type: type[BaseModel]) -> None:
+        self.value_type = value_type
+
+
+def summarize(cfg: GatewayConfig) -> str:
+    models = sorted({m for w in cfg.workers for m in w.models})
+    lines = [
+        f"listen {cfg.listen.host}:{cfg.listen.port}",
+        f"{len(cfg.workers)} worker(s): " + (", ".join(f"{w.id} ({w.role}) {w.url}" for w in cfg.workers) or "none"),
+        "models configured on workers: " + (", ".join(models) or "none (discovered from /v1/models)"),
+        f"default policy {cfg.default_policy}"
+        + "".join(f"; {name}: {mc.policy or cfg.default_policy}" for name, mc in cfg.models.items()),
+        f"state: {'redis ' + cfg.redis_url if cfg.redis_url else 'in-memory'}; "
+        f"api keys: {len(cfg.api_keys) or 'none (open)'}",
+    ]
+    return "\n".join(lines)
+
+
+def check_config_cli(path: Path) -> int:
+    """`fleetgate config check FILE`: 0 and a summary when valid, 1 and one line per problem otherwise."""
+    try:
+        cfg = load_config(path)
+    except ConfigError as e:
+        print(f"{path}: invalid configuration ({len(e.problems)} problem(s)):", file=sys.stderr)
+        for p in e.problems:
+            print(f"  - {p}", file=sys.stderr)
+        return 1
+    print(f"{path}: OK")
+    print(summarize(cfg))
+    return 0

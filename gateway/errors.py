@@ -1,0 +1,95 @@
+"""OpenAI-style error bodies and the one exception type the request pipeline raises.
+
+Body shape (OpenAI API reference, "Error codes"): {"error": {"message", "type", "param", "code"}}.
+`type` follows OpenAI's names (invalid_request_error, authentication_error, ...); `code` is a short
+machine-readable string or null.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+JSON_HEADERS: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
+
+
+class GatewayError(Exception):
+    """An error the client should see with `status` and an OpenAI-style body."""
+
+    __slots__ = ("status", "message", "type", "param", "code", "retry_after")
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        if self.retry_after is None:
+            return JSON_HEADERS
+        # Retry-After is whole seconds (RFC 9110 section 10.2.3); never 0, so clients back off.
+        return [*JSON_HEADERS, (b"retry-after", str(max(1, round(self.retry_after))).encode())]
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+def sse_error_event(message: str, type: str = "upstream_error", code: str | None = "worker_failed") -> bytes:
+    """A mid-stream error as vLLM sends it: an ordinary data event, then [DONE] (reference section 2)."""
+    return b"data: " + error_body(message, type, None, code) + b"\n\ndata: [DONE]\n\n"
+
+
+# --- constructors for the cases the gateway produces ---------------------------------------------
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
+    return GatewayError(400, message, "invalid_request_error", param, code)
+
+
+def model_not_found(model: str, served: list[str]) -> GatewayError:
+    names = ", ".join(served) if served else "(none yet)"
+    return GatewayError(
+        404, f"The model `{model}` does not exist. Models served: {names}.",
+        "invalid_request_error", "model", "model_not_found",
+    )
+
+
+def body_too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"Request body is larger than the limit of {limit} bytes.",
+                        "invalid_request_error", None, "request_too_large")
+
+
+def unauthorized(message: str = "Missing or invalid API key.") -> GatewayError:
+    return GatewayError(401, message, "authentication_error", None, "invalid_api_key")
+
+
+def no_worker(model: str, retry_after: float) -> GatewayError:
+    return GatewayError(503, f"No healthy worker is serving `{model}` right now.",
+                        "service_unavailable_error", "model", "no_healthy_worker", retry_after)
+
+
+def overloaded(model: str, retry_after: float, reason: str) -> GatewayError:
+    return GatewayError(429, f"All workers serving `{model}` are at capacity ({reason}). Retry later.",
+                        "rate_limit_error", None, "capacity_exceeded", retry_after)
+
+
+def upstream_failed(detail: str) -> GatewayError:
+    return GatewayError(502, f"The request failed on every worker tried: {detail}",
+                        "upstream_error", None, "worker_failed")
+
+
+def internal_error() -> GatewayError:
+    return GatewayError(500, "Internal gateway error; it has been logged.", "internal_error", None, "internal_error")

@@ -1,0 +1,107 @@
+"""The gateway's Prometheus series, on a registry of its own (several gateways can live in one process).
+
+Bucket boundaries follow vLLM 0.11 where a vLLM series exists (vllm-interface.md section 3.2), so
+gateway and engine histograms line up in Grafana. Label children are cached: the hot path does a
+dict lookup, never `labels(...)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vllm:e2e_request_latency_seconds (reference section 3.2)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vllm:time_to_first_token_seconds (reference section 3.2)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vllm:time_per_output_token_seconds / inter_token_latency_seconds (reference section 3.2)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+# Routing decisions take microseconds; start at 10 us.
+ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("fleetgate_requests", "Requests answered, by model, policy and HTTP status.",
+                                ["model", "policy", "status"], registry=r)
+        self.duration = Histogram("fleetgate_request_duration_seconds",
+                                  "Time from request arrival to the last byte sent.", ["model"],
+                                  buckets=E2E_BUCKETS, registry=r)
+        self.ttft = Histogram("fleetgate_time_to_first_token_seconds",
+                              "Time from request arrival to the first output token relayed (streams).",
+                              ["model"], buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("fleetgate_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per streamed request.",
+                              ["model"], buckets=TPOT_BUCKETS, registry=r)
+        self.routing = Histogram("fleetgate_routing_seconds",
+                                 "Time to pick a worker: candidates, policy, reservation.", ["model"],
+                                 buckets=ROUTING_BUCKETS, registry=r)
+        self.queue_wait = Histogram("fleetgate_queue_wait_seconds",
+                                    "Time spent in the admission queue by requests that had to wait.",
+                                    ["model"], buckets=QUEUE_BUCKETS, registry=r)
+        self.queue_depth = Gauge("fleetgate_queue_depth", "Requests waiting in the admission queue.",
+                                 ["model"], registry=r)
+        self.worker_inflight = Gauge("fleetgate_worker_inflight",
+                                     "Requests reserved on the worker (all gateway replicas).", ["worker"],
+                                     registry=r)
+        self.worker_healthy = Gauge("fleetgate_worker_healthy", "1 if the worker is in rotation, else 0.",
+                                    ["worker"], registry=r)
+        self.upstream_errors = Counter("fleetgate_upstream_errors", "Failures talking to a worker, by kind.",
+                                       ["worker", "kind"], registry=r)
+        self.retries = Counter("fleetgate_retries", "Requests re-sent to another worker after a failure.",
+                               ["model"], registry=r)
+        self._children: dict[tuple, object] = {}
+
+    # --- cached label children ---------------------------------------------------------------
+    def _child(self, metric, *labels: str):  # noqa: ANN001, ANN202 - metric family -> its child
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def count_request(self, model: str, policy: str, status: int) -> None:
+        self._child(self.requests, model, policy, str(status)).inc()
+
+    def observe_duration(self, model: str, seconds: float) -> None:
+        self._child(self.duration, model).observe(seconds)
+
+    def observe_ttft(self, model: str, seconds: float) -> None:
+        self._child(self.ttft, model).observe(seconds)
+
+    def observe_tpot(self, model: str, seconds: float) -> None:
+        self._child(self.tpot, model).observe(seconds)
+
+    def observe_routing(self, model: str, seconds: float) -> None:
+        self._child(self.routing, model).observe(seconds)
+
+    def observe_queue_wait(self, model: str, seconds: float) -> None:
+        self._child(self.queue_wait, model).observe(seconds)
+
+    def set_queue_depth(self, model: str, depth: int) -> None:
+        self._child(self.queue_depth, model).set(depth)
+
+    def upstream_error(self, worker: str, kind: str) -> None:
+        self._child(self.upstream_errors, worker, kind).inc()
+
+    def count_retry(self, model: str) -> None:
+        self._child(self.retries, model).inc()
+
+    def set_worker(self, worker: str, healthy: bool, inflight: int) -> None:
+        self._child(self.worker_healthy, worker).set(1 if healthy else 0)
+        self._child(self.worker_inflight, worker).set(inflight)
+
+    def forget_worker(self, worker: str) -> None:
+        for metric in (self.worker_healthy, self.worker_inflight):
+            self._children.pop((id(metric), worker), None)
+            with contextlib.suppress(KeyError):
+                metric.remove(worker)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,348 @@
+"""The worker registry: who the workers are, which are healthy, what they serve, how loaded they are.
+
+The state store holds the shared record of each worker (so gateway replicas agree on the fleet);
+this module keeps a local, synchronously readable copy for the hot path and runs the control loops:
+
+- health: GET /health every `health.interval_s`; out of rotation after `failures_to_eject` failures
+  in a row, back after `successes_to_restore` successes (a worker starts out of rotation and joins
+  on its first success);
+- discovery: a worker without configured models gets them from its /v1/models;
+- scrape: every `scrape_interval_s` the engine's /metrics via the engine adapter, into the store;
+- sync: picks up workers added, drained or removed through another replica.
+
+None of the loops is awaited by a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from engine_adapters.base import EngineAdapter
+from gateway.config import GatewayConfig, WorkerConfig
+from gateway.metrics import GatewayMetrics
+from gateway.state.base import WORKER_ACTIVE, WORKER_DRAINING, EngineMetrics, StateStore, WorkerRecord
+from policies.types import ROLE_MIXED, WorkerView
+
+log = logging.getLogger("fleetgate.registry")
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """The local picture of one worker."""
+
+    rec: WorkerRecord
+    healthy: bool = False
+    checked: bool = False  # at least one health check ran
+    fails: int = 0  # consecutive failed checks
+    oks: int = 0  # consecutive good checks
+    models: tuple[str, ...] = ()  # configured, else discovered
+    cards: list[dict[str, Any]] = field(default_factory=list)
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    discovered_at: float = 0.0
+    weight: float = 1.0
+    # url prefixes, computed once
+    chat_url: str = ""
+    completions_url: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.rec.id
+
+    @property
+    def active(self) -> bool:
+        return self.rec.state == WORKER_ACTIVE
+
+    def view(self, inflight: int, inflight_tokens: int) -> WorkerView:
+        m = self.metrics
+        r = self.rec
+        return WorkerView(r.id, r.role, inflight, inflight_tokens, r.cap, int(m.running), int(m.waiting),
+                          m.kv_usage, r.profile, self.weight, r.labels)
+
+
+def record_from_config(w: WorkerConfig, source: str = "config") -> WorkerRecord:
+    return WorkerRecord(id=w.id, url=w.url, role=w.role, models=list(w.models), labels=dict(w.labels),
+                        profile=w.profile, cap=w.cap, source=source)
+
+
+class Registry:
+    def __init__(self, config: GatewayConfig, store: StateStore, adapter: EngineAdapter,
+                 metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.store = store
+        self.adapter = adapter
+        self.metrics = metrics
+        self.workers: dict[str, WorkerState] = {}
+        # model -> workers that may take a request for it (active, healthy, role mixed); rebuilt on change
+        self._rotation: dict[str, tuple[WorkerState, ...]] = {}
+        self._known_models: dict[str, dict[str, Any]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()  # one-off probes of workers adopted by sync
+        self._session: aiohttp.ClientSession | None = None
+        self._listeners: list[Callable[[], None]] = []
+        h = config.health
+        self._probe_timeout = aiohttp.ClientTimeout(total=h.timeout_s)
+        self._scrape_timeout = aiohttp.ClientTimeout(total=max(0.2, min(2.0, config.scrape_interval_s * 2)))
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+        for w in self.config.workers:
+            await self.store.upsert_worker(record_from_config(w))
+        await self.sync()
+        await self.probe_all()
+        self._tasks = [
+            asyncio.create_task(self._every(self.config.health.interval_s, self.probe_all), name="fg-health"),
+            asyncio.create_task(self._every(self.config.scrape_interval_s, self.scrape_all), name="fg-scrape"),
+            asyncio.create_task(self._every(max(1.0, self.config.scrape_interval_s), self.sync), name="fg-sync"),
+        ]
+
+    async def stop(self) -> None:
+        tasks = [*self._tasks, *self._background]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+
+    def on_change(self, fn: Callable[[], None]) -> None:
+        """Call `fn` whenever the rotation changes (a worker joined, left, recovered...)."""
+        self._listeners.append(fn)
+
+    async def _every(self, interval: float, fn: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a control loop must survive anything
+                log.exception("control loop %s failed", getattr(fn, "__name__", fn))
+
+    # --- hot-path reads (no I/O) ----------------------------------------------------------------
+    def rotation(self, model: str) -> tuple[WorkerState, ...]:
+        return self._rotation.get(model, ())
+
+    def served_models(self) -> list[str]:
+        return sorted(self._known_models)
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        return [self._known_models[m] for m in sorted(self._known_models)]
+
+    def knows_model(self, model: str) -> bool:
+        return model in self._known_models
+
+    def any_healthy(self) -> bool:
+        return any(ws.healthy and ws.active for ws in self.workers.values())
+
+    # --- changes --------------------------------------------------------------------------------
+    async def add(self, rec: WorkerRecord) -> WorkerState:
+        await self.store.upsert_worker(rec)
+        ws = self._adopt(rec)
+        await self.probe(ws)
+        return ws
+
+    async def remove(self, worker_id: str) -> bool:
+        if worker_id not in self.workers:
+            return False
+        await self.store.remove_worker(worker_id)
+        self._drop(worker_id)
+        return True
+
+    async def set_state(self, worker_id: str, state: str) -> WorkerState | None:
+        ws = self.workers.get(worker_id)
+        if ws is None:
+            return None
+        ws.rec.state = state
+        await self.store.upsert_worker(self._shared_record(ws))
+        self._rebuild()
+        return ws
+
+    async def drain(self, worker_id: str) -> WorkerState | None:
+        return await self.set_state(worker_id, WORKER_DRAINING)
+
+    def report_failure(self, worker_id: str) -> None:
+        """Passive health: a refused connection on the data path counts like a failed check."""
+        ws = self.workers.get(worker_id)
+        if ws is not None:
+            self._note_health(ws, False)
+
+    def _adopt(self, rec: WorkerRecord) -> WorkerState:
+        ws = self.workers.get(rec.id)
+        if ws is None:
+            ws = WorkerState(rec=rec)
+            self.workers[rec.id] = ws
+        else:
+            ws.rec = rec
+        ws.weight = _weight(rec.labels)
+        ws.chat_url = rec.url + "/v1/chat/completions"
+        ws.completions_url = rec.url + "/v1/completions"
+        if rec.models:
+            ws.models = tuple(rec.models)
+        self._rebuild()
+        return ws
+
+    def _drop(self, worker_id: str) -> None:
+        if self.workers.pop(worker_id, None) is not None:
+            self.metrics.forget_worker(worker_id)
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        rotation: dict[str, list[WorkerState]] = {}
+        known: dict[str, dict[str, Any]] = {}
+        for ws in sorted(self.workers.values(), key=lambda w: w.id):
+            cards = {c["id"]: c for c in ws.cards}
+            for m in ws.models:
+                known.setdefault(m, cards.get(m) or _card(m))
+                if ws.healthy and ws.active and ws.rec.role == ROLE_MIXED:
+                    rotation.setdefault(m, []).append(ws)
+        self._rotation = {m: tuple(v) for m, v in rotation.items()}
+        self._known_models = known
+        for fn in self._listeners:
+            fn()
+
+    def _shared_record(self, ws: WorkerState) -> WorkerRecord:
+        r = ws.rec
+        return WorkerRecord(id=r.id, url=r.url, role=r.role, models=list(ws.models), labels=dict(r.labels),
+                            profile=r.profile, cap=r.cap, state=r.state, healthy=ws.healthy, source=r.source)
+
+    # --- control loops ----------------------------------------------------------------------------
+    async def sync(self) -> None:
+        """Adopt the store's view of the fleet (workers added/removed/drained by any replica)."""
+        records = await self.store.list_workers()
+        seen = set()
+        for rec in records:
+            seen.add(rec.id)
+            ws = self.workers.get(rec.id)
+            if ws is None:
+                ws = self._adopt(rec)
+                if self._tasks:  # running: probe it now rather than at the next health round
+                    t = asyncio.get_running_loop().create_task(self.probe(ws))
+                    self._background.add(t)
+                    t.add_done_callback(self._background.discard)
+            elif (rec.url, rec.state, rec.cap, rec.role) != (ws.rec.url, ws.rec.state, ws.rec.cap, ws.rec.role):
+                rec.models = list(ws.models) if not rec.models else rec.models
+                self._adopt(rec)
+        for wid in [w for w in self.workers if w not in seen]:
+            self._drop(wid)
+
+    async def probe_all(self) -> None:
+        if self.workers:
+            await asyncio.gather(*(self.probe(ws) for ws in list(self.workers.values())))
+
+    async def probe(self, ws: WorkerState) -> None:
+        """One health check, plus model discovery when the worker's models are not configured."""
+        ok = await self._get_ok(ws.rec.url + self.adapter.health_path)
+        if ok and not ws.rec.models and (
+            not ws.models or time.monotonic() - ws.discovered_at > self.config.discovery_interval_s
+        ):
+            await self._discover(ws)
+        if ws.id in self.workers:
+            self._note_health(ws, ok and bool(ws.models))
+
+    def _note_health(self, ws: WorkerState, ok: bool) -> None:
+        h = self.config.health
+        before = ws.healthy
+        if ok:
+            ws.oks += 1
+            ws.fails = 0
+            if not ws.healthy and (not ws.checked or ws.oks >= h.successes_to_restore):
+                ws.healthy = True
+        else:
+            ws.fails += 1
+            ws.oks = 0
+            if ws.healthy and ws.fails >= h.failures_to_eject:
+                ws.healthy = False
+        ws.checked = True
+        if ws.healthy != before:
+            log.info("worker %s %s", ws.id, "in rotation" if ws.healthy else "out of rotation")
+            self._rebuild()
+
+    async def _get_ok(self, url: str) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(url, timeout=self._probe_timeout) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+    async def _discover(self, ws: WorkerState) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(ws.rec.url + self.adapter.models_path, timeout=self._probe_timeout) as r:
+                payload = await r.read()
+                if r.status != 200:
+                    return
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return
+        cards = self.adapter.parse_models(payload)
+        ws.discovered_at = time.monotonic()
+        models = tuple(c["id"] for c in cards)
+        if models != ws.models or cards != ws.cards:
+            ws.models, ws.cards = models, cards
+            self._rebuild()
+            if ws.id in self.workers:
+                await self.store.upsert_worker(self._shared_record(ws))
+
+    async def scrape_all(self) -> None:
+        targets = [ws for ws in self.workers.values() if ws.healthy]
+        if targets:
+            await asyncio.gather(*(self.scrape(ws) for ws in targets))
+
+    async def scrape(self, ws: WorkerState) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(ws.rec.url + self.adapter.metrics_path, timeout=self._scrape_timeout) as r:
+                if r.status != 200:
+                    self.metrics.upstream_error(ws.id, "scrape")
+                    return
+                text = await r.text()
+        except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
+            self.metrics.upstream_error(ws.id, "scrape")
+            return
+        m = self.adapter.parse_metrics(text, time.time())
+        ws.metrics = m
+        await self.store.put_metrics(ws.id, m)
+
+    # --- reporting --------------------------------------------------------------------------------
+    def refresh_gauges(self) -> None:
+        inflight = self.store.inflight()
+        for ws in self.workers.values():
+            f = inflight.get(ws.id)
+            self.metrics.set_worker(ws.id, ws.healthy, f.requests if f else 0)
+
+    def describe(self, ws: WorkerState) -> dict[str, Any]:
+        f = self.store.inflight().get(ws.id)
+        m = ws.metrics
+        r = ws.rec
+        return {
+            "id": r.id, "url": r.url, "role": r.role, "models": list(ws.models), "labels": r.labels,
+            "profile": r.profile, "cap": r.cap, "state": r.state, "healthy": ws.healthy, "source": r.source,
+            "inflight": f.requests if f else 0,
+            "engine": {"running": m.running, "waiting": m.waiting, "kv_usage": m.kv_usage,
+                       "scraped_at": m.scraped_at},
+        }
+
+    def describe_all(self, ids: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        return [self.describe(self.workers[i]) for i in sorted(ids or self.workers) if i in self.workers]
+
+
+def _card(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "fleetgate"}
+
+
+def _weight(labels: dict[str, str]) -> float:
+    try:
+        w = float(labels.get("weight", 1.0))
+    except (TypeError, ValueError):
+        return 1.0
+    return w if w > 0 else 1.0

@@ -1,0 +1,175 @@
+"""Send one request to one worker and relay the answer to the ASGI client as it arrives.
+
+One pooled aiohttp session serves every upstream call (measured: ~0.2-0.4 ms CPU per request at
+concurrency 32 against 3.5-5 ms for an httpx client). Rules:
+
+- nothing has been sent to the client yet -> any failure raises `UpstreamFailure` and the dispatcher
+  may retry on another worker (connection refused/reset, timeout to headers, a 5xx status, a body
+  cut short);
+- the client has seen the response start -> a failure ends the stream with an SSE error event and
+  `data: [DONE]` (vllm-interface.md section 2), never a hang;
+- upstream statuses and bodies other than retried 5xx are passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from engine_adapters.base import EngineAdapter, Usage
+from gateway.config import TimeoutsConfig
+
+_BODY_END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+class UpstreamFailure(Exception):
+    """The worker failed before the client saw a byte; the dispatcher may try another worker."""
+
+    def __init__(self, kind: str, detail: str, status: int | None = None, body: bytes = b"",
+                 content_type: bytes = b"application/json") -> None:
+        super().__init__(detail)
+        self.kind = kind  # connect | timeout | status_5xx | body
+        self.detail = detail
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+@dataclass(slots=True)
+class RelayResult:
+    status: int = 0
+    usage: Usage | None = None
+    tokens: int = 0  # output-token events seen (streams)
+    first_token_at: float | None = None  # perf_counter() times
+    last_token_at: float | None = None
+    midstream_error: str | None = None  # the stream broke after it started
+
+
+class ResponseState:
+    """Where the client's response is: started (no retry possible any more), ended (last byte queued)."""
+
+    __slots__ = ("started", "ended")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.ended = False
+
+
+def make_session(timeouts: TimeoutsConfig) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s),
+        auto_decompress=False,
+        headers={"Accept-Encoding": "identity"},
+        skip_auto_headers=("User-Agent",),
+    )
+
+
+class Relay:
+    def __init__(self, session: aiohttp.ClientSession, adapter: EngineAdapter, timeouts: TimeoutsConfig) -> None:
+        self.session = session
+        self.adapter = adapter
+        self.first_byte_s = timeouts.first_byte_s
+        c = timeouts.connect_s
+        # sock_read bounds each read: between stream chunks; for a non-streaming answer the whole wait.
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=c, sock_connect=c,
+                                                     sock_read=timeouts.idle_s)
+        self._unary_timeout = aiohttp.ClientTimeout(total=None, connect=c, sock_connect=c,
+                                                    sock_read=timeouts.first_byte_s)
+
+    async def forward(
+        self,
+        send,  # noqa: ANN001 - ASGI send
+        url: str,
+        payload: bytes,
+        upstream_headers: list[tuple[str, str]],
+        client_headers: list[tuple[bytes, bytes]],
+        stream: bool,
+        strip_usage: bool,
+        retry_5xx: bool,
+        state: ResponseState,
+    ) -> RelayResult:
+        resp = await self._open(url, payload, upstream_headers, stream)
+        clean = False
+        try:
+            status = resp.status
+            ctype = resp.headers.get("Content-Type", "application/json").encode("latin-1", "replace")
+            if status >= 500 and retry_5xx:
+                body = await self._read_all(resp, "status_5xx")
+                raise UpstreamFailure("status_5xx", f"worker answered {status}", status, body, ctype)
+            if not (stream and ctype.startswith(b"text/event-stream")):
+                body = await self._read_all(resp, "body")
+                clean = True
+                result = RelayResult(status=status)
+                if status == 200:
+                    result.usage = self.adapter.parse_usage(body)
+                state.started = True
+                await send({"type": "http.response.start", "status": status,
+                            "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode()),
+                                        *client_headers]})
+                state.ended = True
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+                return result
+            result = await self._relay_stream(resp, send, ctype, client_headers, strip_usage, state)
+            clean = result.midstream_error is None
+            return result
+        finally:
+            if clean:
+                resp.release()
+            else:
+                resp.close()  # drops the connection: vLLM sees the disconnect and aborts the request
+
+    async def _open(self, url: str, payload: bytes, headers: list[tuple[str, str]], stream: bool) -> aiohttp.ClientResponse:
+        try:
+            if stream:
+                async with asyncio.timeout(self.first_byte_s):
+                    return await self.session.post(url, data=payload, headers=headers, timeout=self._stream_timeout)
+            return await self.session.post(url, data=payload, headers=headers, timeout=self._unary_timeout)
+        except (TimeoutError, aiohttp.ServerTimeoutError) as e:
+            raise UpstreamFailure("timeout", f"no response headers in time ({type(e).__name__})") from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise UpstreamFailure("connect", f"{type(e).__name__}: {e}") from None
+
+    async def _read_all(self, resp: aiohttp.ClientResponse, kind: str) -> bytes:
+        try:
+            return await resp.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            raise UpstreamFailure(kind, f"response body cut short ({type(e).__name__})") from None
+
+    async def _relay_stream(self, resp: aiohttp.ClientResponse, send, ctype: bytes,  # noqa: ANN001
+                            client_headers: list[tuple[bytes, bytes]], strip_usage: bool,
+                            state: ResponseState) -> RelayResult:
+        result = RelayResult(status=resp.status)
+        scanner = self.adapter.new_stream_scanner(strip_usage)
+        state.started = True
+        await send({"type": "http.response.start", "status": resp.status,
+                    "headers": [(b"content-type", ctype), *client_headers]})
+        tokens = 0
+        feed = scanner.feed
+        try:
+            async for chunk in resp.content.iter_any():
+                out = feed(chunk)
+                if scanner.tokens != tokens:
+                    now = time.perf_counter()
+                    if tokens == 0:
+                        result.first_token_at = now
+                    result.last_token_at = now
+                    tokens = scanner.tokens
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            if not scanner.done:
+                result.midstream_error = "the worker closed the stream before [DONE]"
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            result.midstream_error = f"the worker stopped responding mid-stream ({type(e).__name__})"
+        result.tokens = scanner.tokens
+        result.usage = scanner.usage
+        if result.midstream_error is not None:
+            await send({"type": "http.response.body", "body": scanner.error_event(result.midstream_error),
+                        "more_body": True})
+        state.ended = True
+        await send(_BODY_END)
+        return result

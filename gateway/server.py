@@ -1,0 +1,213 @@
+"""Run the gateway: `fleetgate serve` (run_serve) and an in-process server for tests and the demo.
+
+uvicorn with uvloop and httptools, access log off. The listening socket is bound here, so port 0
+works: the actual address is printed as `fleetgate listening on http://HOST:PORT` once the gateway
+is ready (scripts and tests read that line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import uvicorn
+
+from gateway.app import FleetgateApp, Gateway, create_app
+from gateway.config import ConfigError, GatewayConfig, check_worker_url, load_config
+from gateway.state.base import StateStore
+
+log = logging.getLogger("fleetgate")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP matters: asyncio's selector loop sets TCP_NODELAY on accepted sockets only when
+    # the listening socket says TCP explicitly; with proto 0 Nagle + delayed ACK add ~40 ms per response.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _uvicorn_config(app: FleetgateApp) -> uvicorn.Config:
+    # lifespan off: the gateway is started before uvicorn and stopped after it, so start-up errors
+    # (Redis unreachable...) come out as one clear message instead of uvicorn's traceback.
+    return uvicorn.Config(app, http="httptools", loop="none", lifespan="off", access_log=False,
+                          log_level="warning", timeout_graceful_shutdown=5, server_header=False,
+                          date_header=False)
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside someone else's program: leaves signal handling to the host."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class GatewayServer:
+    """`async with GatewayServer(config) as gw:` serves on `gw.url` inside the running event loop."""
+
+    def __init__(self, config: GatewayConfig, store: StateStore | None = None) -> None:
+        self.config = config
+        self.app = create_app(config, store)
+        self.gateway = self.app.gateway
+        self.url = ""
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> GatewayServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        sock = bind_socket(self.config.listen.host, self.config.listen.port)
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        try:
+            await start_gateway(self.gateway)
+        except BaseException:
+            sock.close()
+            raise
+        self._server = _EmbeddedServer(_uvicorn_config(self.app))
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="fleetgate-uvicorn")
+        while not self._server.started:
+            if self._task.done():
+                sock.close()
+                await self.gateway.stop()
+                exc = self._task.exception()
+                raise RuntimeError(f"gateway failed to start: {exc or 'see the log'}")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout=10)
+        except TimeoutError:
+            self._server.force_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, timeout=5)
+        finally:
+            self._server = self._task = None
+            await self.gateway.stop()
+
+
+async def start_gateway(gateway: Gateway) -> None:
+    """Start the gateway's store, session and control loops; on failure undo what started."""
+    try:
+        await gateway.start()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await gateway.stop()
+        raise
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Serve until SIGINT/SIGTERM; print the listening line once ready."""
+    sock = bind_socket(config.listen.host, config.listen.port)
+    host, port = sock.getsockname()[:2]
+    app = create_app(config)
+    try:
+        await start_gateway(app.gateway)
+    except Exception as e:  # noqa: BLE001 - reported in one line, details at debug level
+        sock.close()
+        log.debug("start-up failure", exc_info=True)
+        print(f"fleetgate: cannot start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    server = uvicorn.Server(_uvicorn_config(app))
+    try:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            print(f"fleetgate listening on http://{host}:{port}", flush=True)
+        await task
+    finally:
+        await app.gateway.stop()
+    if not server.started:
+        raise SystemExit(1)
+
+
+def run(config: GatewayConfig) -> None:
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(config))
+
+
+def build_serve_config(config: Path | None = None, host: str | None = None, port: int | None = None,
+                       workers: Sequence[str] = (), policy: str | None = None,
+                       redis_url: str | None = None) -> GatewayConfig:
+    """The config file (and environment), with the command line's values on top."""
+    base = load_config(config)
+    overrides: dict[str, Any] = {}
+    if workers:
+        records = [w.model_dump() for w in base.workers]
+        taken = {r["id"] for r in records}
+        for url in workers:
+            try:
+                url = check_worker_url(url)
+            except ValueError as e:
+                raise ConfigError([f"--worker {url!r}: {e}"]) from None
+            wid = _worker_id(url, taken)
+            taken.add(wid)
+            records.append({"id": wid, "url": url})
+        overrides["workers"] = records
+    if host is not None or port is not None:
+        overrides["listen"] = {"host": host if host is not None else base.listen.host,
+                               "port": port if port is not None else base.listen.port}
+    if policy is not None:
+        overrides["default_policy"] = policy
+    if redis_url is not None:
+        overrides["redis_url"] = redis_url
+    return load_config(config, **overrides) if overrides else base
+
+
+def _worker_id(url: str, taken: set[str]) -> str:
+    base = urlsplit(url).netloc.replace("[", "").replace("]", "") or "worker"
+    wid, n = base, 1
+    while wid in taken:
+        n += 1
+        wid = f"{base}-{n}"
+    return wid
+
+
+def run_serve(config: Path | None = None, host: str | None = None, port: int | None = None,
+              workers: Sequence[str] = (), policy: str | None = None, redis_url: str | None = None) -> None:
+    """`fleetgate serve`."""
+    try:
+        cfg = build_serve_config(config, host, port, workers, policy, redis_url)
+    except ConfigError as e:
+        print("fleetgate: invalid configuration:", file=sys.stderr)
+        for p in e.problems:
+            print(f"  - {p}", file=sys.stderr)
+        raise SystemExit(1) from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not cfg.workers:
+        log.warning("no workers configured; add some with POST /admin/workers")
+    try:
+        run(cfg)
+    except OSError as e:
+        print(f"fleetgate: cannot listen on {cfg.listen.host}:{cfg.listen.port}: {e.strerror or e}", file=sys.stderr)
+        raise SystemExit(1) from None

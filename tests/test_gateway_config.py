@@ -1,0 +1,121 @@
+"""Configuration: `fleetgate config check` on good and bad files, environment overrides, serve's checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, load_config
+from gateway.server import build_serve_config
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "fleetgate.yaml"
+
+
+def fleetgate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_config_check_accepts_the_shipped_example() -> None:
+    r = fleetgate("config", "check", str(EXAMPLE))
+    assert r.returncode == 0, r.stderr
+    assert "OK" in r.stdout and "3 worker(s)" in r.stdout and "prefix_affinity" in r.stdout
+    cfg = load_config(EXAMPLE)
+    assert [w.id for w in cfg.workers] == ["gpu-0", "gpu-1", "gpu-2"] and cfg.workers[0].cap == 64
+
+
+BAD = """\
+listen: {host: 0.0.0.0, port: 70000}
+workers:
+  - {id: a, url: "http://127.0.0.1:8101", role: both}
+  - {id: "b c", url: "ftp://example"}
+  - {url: "http://h:1", capp: 3}
+models:
+  m1: {slo: {ttft_ms: -5, tpot: 3}}
+limits: {queue_timeout_s: "soon"}
+"""
+
+
+def test_config_check_explains_every_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD)
+    r = fleetgate("config", "check", str(bad))
+    assert r.returncode == 1
+    err = r.stderr
+    expected = [
+        "listen.port: Input should be less than or equal to 65535 (got 70000)",
+        "workers[0].role: Input should be 'mixed', 'prefill' or 'decode' (got 'both')",
+        "workers[1].id: must be 1-128 characters",
+        "workers[1].url: must be an http:// or https:// URL",
+        "(got 'ftp://example')",
+        "workers[2].id: required field is missing",
+        "workers[2].capp: unknown field (known fields here: id, url, role, models, labels, profile, cap)",
+        "models.m1.slo.ttft_ms: Input should be greater than 0 (got -5)",
+        "models.m1.slo.tpot: unknown field (known fields here: ttft_ms, tpot_ms)",
+        "limits.queue_timeout_s: Input should be a valid number",
+    ]
+    for line in expected:
+        assert line in err, (line, err)
+    assert "9 problem(s)" in err
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("workers: [\n  {id: a, url: 'http://x:1'\n", "YAML syntax error at line"),
+    ("- just\n- a list\n", "the top level must be a mapping"),
+    ("default_policy: fastest\n", "default_policy: unknown policy 'fastest'; expected one of:"),
+    ("models: {m: {policy: round_robin, params: {speed: 3}}}\n", "models.m.policy: policy 'round_robin' rejects"),
+    ("workers: [{id: a, url: 'http://x:1'}, {id: a, url: 'http://y:1'}]\n", "duplicate worker id 'a'"),
+    ("redis_url: localhost:6379\n", "redis_url: expected redis://host:port/db"),
+])
+def test_config_semantic_and_syntax_errors(tmp_path: Path, text: str, message: str) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(f)
+    assert message in str(exc.value)
+
+
+def test_missing_file_and_empty_file(tmp_path: Path) -> None:
+    r = fleetgate("config", "check", str(tmp_path / "nope.yaml"))
+    assert r.returncode == 1 and "cannot read the file" in r.stderr
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    r = fleetgate("config", "check", str(empty))
+    assert r.returncode == 0 and "0 worker(s)" in r.stdout
+
+
+def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEETGATE_LIMITS__QUEUE_SIZE", "7")
+    monkeypatch.setenv("FLEETGATE_API_KEYS", '["k1", "k2"]')
+    monkeypatch.setenv("FLEETGATE_DEFAULT_POLICY", "round_robin")
+    cfg = load_config(EXAMPLE)
+    assert cfg.limits.queue_size == 7 and cfg.limits.queue_timeout_s == 5.0  # the rest of limits from the file
+    assert cfg.api_keys == ["k1", "k2"] and cfg.default_policy == "round_robin"
+    assert len(cfg.workers) == 3
+    monkeypatch.setenv("FLEETGATE_HEALTH__INTERVAL_S", "-1")
+    with pytest.raises(ConfigError, match=r"health.interval_s: Input should be greater than 0 \(got '-1'\)"):
+        load_config(EXAMPLE)
+
+
+def test_serve_refuses_a_bad_config_with_the_same_messages(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD)
+    r = fleetgate("serve", "--config", str(bad), "--port", "0")
+    assert r.returncode == 1 and "workers[0].role" in r.stderr and "workers[2].capp" in r.stderr
+    with pytest.raises(ConfigError, match="--worker 'not-a-url': must be an http"):
+        build_serve_config(workers=["not-a-url"])
+    with pytest.raises(ConfigError, match="default_policy: unknown policy 'nope'"):
+        build_serve_config(policy="nope")
+
+
+def test_serve_command_line_on_top_of_the_file() -> None:
+    cfg = build_serve_config(EXAMPLE, port=0, workers=["http://10.0.0.9:8000", "http://10.0.0.9:8000/"],
+                             policy="round_robin", redis_url="redis://127.0.0.1:6379/15")
+    assert cfg.listen.port == 0 and cfg.listen.host == "127.0.0.1"
+    assert [w.id for w in cfg.workers][-2:] == ["10.0.0.9:8000", "10.0.0.9:8000-2"]
+    assert cfg.workers[-1].url == "http://10.0.0.9:8000"
+    assert cfg.default_policy == "round_robin" and cfg.redis_url.endswith("/15")
