@@ -62,4 +62,6 @@ def policy_names() -> list[str]:
 
 def _load_builtin() -> None:
     # Importing the modules registers their policies.
+    import policies.aladdin  # noqa: F401
     import policies.baselines  # noqa: F401
+    import policies.hetero  # noqa: F401
