@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint bench-overhead bench-sim clean
+.PHONY: install demo test test-fast lint bench-overhead bench-sim clean test-vllm
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,13 @@ demo: install
 test: install
 	$(BIN)/python scripts/preflight.py
 	$(BIN)/pytest -q
+
+# End to end against REAL vLLM (CPU build, tiny local model): creates or reuses the vLLM venv and the model
+# (cached in ~/.cache/fleetgate, override with FLEETGATE_VLLM_VENV), then starts two servers and gateways.
+test-vllm: install
+	scripts/vllm_env.sh
+	$(BIN)/python scripts/vllm_servers.py model
+	$(BIN)/pytest tests_vllm -q
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,0 +1,30 @@
+"""Sanity checks straight against the real servers: what the rest of the suite relies on is true."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests_vllm.conftest import MODEL, direct_client, engine_metric, wait_until
+
+
+def test_servers_serve_the_tiny_model(vllm_fleet) -> None:  # noqa: ANN001
+    for server in vllm_fleet.servers.values():
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        models = httpx.get(server.url + "/v1/models", timeout=5).json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 1024)]
+        # Each server keeps its scratch files (ZMQ sockets) in its own TMPDIR inside the run dir.
+        assert server.tmpdir.is_relative_to(vllm_fleet.run_dir)
+
+
+def test_fcfs_server_accepts_and_ignores_priority(plain_server) -> None:  # noqa: ANN001
+    resp = direct_client(plain_server.url).completions.create(
+        model=MODEL, prompt="p", max_tokens=3, extra_body={"priority": 5, "ignore_eos": True})
+    assert resp.usage.completion_tokens == 3
+
+
+def test_generation_counter_counts_tokens(plain_server) -> None:  # noqa: ANN001
+    before = engine_metric(plain_server.url, "vllm:generation_tokens_total")
+    direct_client(plain_server.url).completions.create(
+        model=MODEL, prompt="count", max_tokens=7, extra_body={"ignore_eos": True})
+    wait_until(lambda: engine_metric(plain_server.url, "vllm:generation_tokens_total") == before + 7, 5,
+               "generation_tokens_total to grow by exactly 7")
