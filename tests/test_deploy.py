@@ -1,0 +1,71 @@
+"""The deployment files stay consistent with the code: the dashboard only plots series the gateway exports,
+compose, Prometheus and Kubernetes files parse, and the compose gateway config passes `config check`."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from gateway.config import load_config
+from gateway.metrics import GatewayMetrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def exported_series() -> set[str]:
+    names: set[str] = set()
+    for family in GatewayMetrics().registry.collect():
+        for sample in family.samples:
+            names.add(sample.name)
+        names.add(family.name)
+    return names
+
+
+def test_dashboard_is_generated_from_its_script() -> None:
+    from deploy.grafana.make_dashboard import build
+
+    on_disk = json.loads((ROOT / "deploy/grafana/dashboards/fleetgate.json").read_text())
+    assert on_disk == build(), "run: python deploy/grafana/make_dashboard.py"
+
+
+def test_dashboard_only_uses_exported_gateway_series() -> None:
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/fleetgate.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\bfleetgate_[a-z_]+", e)}
+    assert used, "the dashboard plots no gateway series"
+    exported = exported_series()
+    # Series with labels appear only once a label set exists; accept the family name too.
+    def base(m: str) -> str:
+        for suffix in ("_bucket", "_count", "_sum", "_total"):
+            m = m.removesuffix(suffix)
+        return m
+
+    missing = {m for m in used if m not in exported and base(m) not in exported}
+    assert not missing, f"dashboard uses series the gateway does not export: {sorted(missing)}"
+
+
+def test_compose_prometheus_and_kubernetes_files_parse() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert {"gateway", "redis", "sim", "prometheus", "grafana"} <= set(compose["services"])
+    assert any("gpu" in s.get("profiles", []) for s in compose["services"].values())
+    prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    assert any("gateway:8000" in t for j in prom["scrape_configs"] for c in j["static_configs"] for t in c["targets"])
+    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/fleetgate.yaml").read_text()))
+    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "ConfigMap"}
+
+
+def test_shipped_configs_are_valid() -> None:
+    for path in (ROOT / "deploy/compose/fleetgate.yaml", ROOT / "examples/fleetgate.yaml"):
+        cfg = load_config(path)
+        assert cfg.workers, path
+    k8s = next(d for d in yaml.safe_load_all((ROOT / "deploy/kubernetes/fleetgate.yaml").read_text())
+               if d["kind"] == "ConfigMap")
+    tmp = ROOT / "tests" / ".k8s-config.yaml"
+    try:
+        tmp.write_text(k8s["data"]["fleetgate.yaml"])
+        assert load_config(tmp).workers
+    finally:
+        tmp.unlink(missing_ok=True)
