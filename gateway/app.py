@@ -21,12 +21,17 @@ from engine_adapters.base import EngineAdapter
 from engine_adapters.vllm import VllmAdapter
 from gateway import errors
 from gateway.admin import admin_router, check_api_key
+from gateway.autoscaler import Autoscaler
+from gateway.batch_api import batch_router
+from gateway.batch_runner import BatchRunner
 from gateway.config import GatewayConfig
 from gateway.dispatch import ROUTES, Dispatcher
 from gateway.errors import GatewayError
+from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
 from gateway.relay import Relay, make_session
+from gateway.slo import SloBook
 from gateway.state.base import StateStore
 from gateway.state.factory import make_store
 
@@ -49,6 +54,10 @@ class Gateway:
         self.adapter = adapter or VllmAdapter()
         self.metrics = GatewayMetrics()
         self.registry = Registry(config, self.store, self.adapter, self.metrics)
+        self.slo = SloBook(config, self.metrics.registry)
+        self.learner = Learner(config, self.store, self.registry, self.metrics.registry)
+        self.batch = BatchRunner(config, self.store, self.registry, self.metrics)  # Batch API work
+        self.autoscaler = Autoscaler(config, self.store, self.registry, self.metrics, self.batch)
         self.session = None
         self.relay: Relay | None = None
         self.dispatcher: Dispatcher | None = None
@@ -60,11 +69,17 @@ class Gateway:
         self.session = make_session(self.config.timeouts)
         self.relay = Relay(self.session, self.adapter, self.config.timeouts)
         self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,
-                                     self.metrics, shared_state=self.shared_state)
+                                     self.metrics, shared_state=self.shared_state, slo=self.slo, learner=self.learner)
         await self.registry.start(self.session)
+        await self.learner.start()
+        await self.batch.start(self.dispatcher)
+        await self.autoscaler.start(self.dispatcher)
 
     async def stop(self) -> None:
         """Stop loops, close the upstream pool and the store; safe on a partly started gateway."""
+        await self.batch.stop()
+        await self.autoscaler.stop()
+        await self.learner.stop()
         await self.registry.stop()
         session, self.session = self.session, None
         if session is not None:
@@ -201,4 +216,5 @@ def build_api(gw: Gateway) -> FastAPI:
         return _error_response(GatewayError(405, f"Use POST for {request.url.path}.", "invalid_request_error"))
 
     api.include_router(admin_router())
+    api.include_router(batch_router())
     return api

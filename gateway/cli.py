@@ -85,6 +85,8 @@ def simulate(
     slo_tpot_ms: float = typer.Option(30.0, "--slo-tpot-ms"),
     seed: int = typer.Option(0),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    pd: str | None = typer.Option(None, "--pd", help="P:D prefill and decode workers (replaces --workers); "
+                                     "--policy then places the decode legs."),
 ) -> None:
     """Virtual-time cluster simulation: same engine model, same policies, no sockets."""
     from simulator.cluster import run_simulate_cli
@@ -92,7 +94,7 @@ def simulate(
     run_simulate_cli(
         trace=trace, workers=workers, profile=profile, policy=policy, rate=rate, rate_scale=rate_scale,
         arrival=arrival, cv=cv, duration=duration, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-        seed=seed, as_json=as_json,
+        seed=seed, as_json=as_json, pd=pd,
     )
 
 

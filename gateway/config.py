@@ -68,16 +68,49 @@ class SloConfig(_Strict):
     tpot_ms: float | None = Field(None, gt=0)
 
 
+SloClassName = Literal["interactive", "batch"]  # RequestFeatures.request_class (X-Request-Class header)
+
+
 class ModelConfig(_Strict):
     policy: str | None = None  # None: default_policy
     params: dict[str, Any] = Field(default_factory=dict)
     slo: SloConfig = Field(default_factory=SloConfig)
+    slo_classes: dict[SloClassName, SloConfig] = Field(default_factory=dict)  # per-class overrides of `slo`
+
+
+class LearningConfig(_Strict):
+    """Online performance models and output-length prediction (gateway/learning.py)."""
+
+    enabled: bool = True
+    interval_s: float = Field(0.5, gt=0)           # control loop tick: observations, progress reports, gauges
+    refit_interval_s: float = Field(10.0, gt=0)    # refit a profile's PerfModel at most this often...
+    refit_min_new: int = Field(16, ge=1)           # ...once this many new observations arrived
+    sync_interval_s: float = Field(5.0, gt=0)      # publish to / read from the state store
+    max_samples: int = Field(512, ge=8)            # observations kept per profile and phase (this replica)
+    prior_weight: float = Field(20.0, ge=0)        # pseudo-observations of the declared profile in a fit
+    time_scale: float = Field(1.0, gt=0)           # workers run K x faster than their profiles (simulated fleets)
+    priors: dict[str, dict[str, Any]] = Field(default_factory=dict)  # profile -> coefficients (see learning.py)
+
+    @field_validator("priors")
+    @classmethod
+    def _priors_build(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        from gateway.learning import prior_from_mapping
+
+        for name, data in v.items():
+            try:
+                prior_from_mapping(data)
+            except (TypeError, ValueError, KeyError) as e:
+                raise ValueError(f"priors.{name}: {e}") from None
+        return v
 
 
 class LimitsConfig(_Strict):
     max_body_bytes: int = Field(4 * MiB, ge=1024)
     queue_size: int = Field(256, ge=0)  # per model; 0 disables queueing (429 at once when full)
     queue_timeout_s: float = Field(5.0, ge=0)
+    # How often the queue's head retries placement besides on every release (None: 0.05 s with shared
+    # state, 0.5 s without). SLO-aware policies whose answer changes with time (aladdin) want ~0.02.
+    queue_poll_s: float | None = Field(None, gt=0)
     retries: int = Field(2, ge=0, le=10)  # extra workers tried when one fails before any byte was sent
 
 
@@ -89,12 +122,107 @@ class TimeoutsConfig(_Strict):
     idle_s: float = Field(60.0, gt=0)  # between two chunks of a stream
 
 
+class PdConfig(_Strict):
+    """Prefill/decode disaggregation, active for a model while it has prefill or decode workers (gateway/pd.py)."""
+
+    # Prompts whose tokens not cached on a decode-capable worker are at most this many are prefilled
+    # there, without a prefill worker (vLLM Router's pd_uncached_token_threshold, peer-routers.md 8.4).
+    local_prefill_tokens: int = Field(256, ge=0)
+    decode_policy: str | None = None            # placement of the decode leg; None: the model's policy
+    decode_policy_params: dict[str, Any] = Field(default_factory=dict)
+    kv_hold_s: float = Field(120.0, gt=0)       # producers keep KV this long (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
+    prefill_timeout_s: float = Field(60.0, gt=0)  # a prefill leg that answers nothing this long has failed
+    # A prompt the prefill pool's backlog would make miss its TTFT SLO is prefilled by its decode worker.
+    prefill_overflow: bool = True
+
+
 class HealthConfig(_Strict):
     interval_s: float = Field(2.0, gt=0)
     timeout_s: float = Field(1.0, gt=0)
     failures_to_eject: int = Field(2, ge=1)
     successes_to_restore: int = Field(2, ge=1)
 
+
+
+class BatchConfig(_Strict):
+    """OpenAI Files + Batches API and the runner that feeds queued batch requests to spare capacity
+    (gateway/batch_api.py, gateway/batch_runner.py)."""
+
+    enabled: bool = True
+    max_file_bytes: int = Field(100 * MiB, ge=1024)   # one uploaded JSONL file
+    max_requests: int = Field(50_000, ge=1)           # lines in one batch input file
+    poll_s: float = Field(0.1, gt=0)                  # the runner looks for spare capacity this often
+    lease_s: float = Field(30.0, gt=0)                # a claimed request returns to the queue if not renewed
+    slots_per_worker: int = Field(8, ge=1)            # batch requests per worker that has no cap
+    max_inflight: int = Field(256, ge=1)              # batch requests this replica runs at once
+
+
+class SimActuatorConfig(_Strict):
+    """`sim`: workers are simulated vLLM servers started in this process (simulator/fleet.py)."""
+
+    profile: str = "llama3-8b-h100"
+    model: str | None = None                          # served model name (default: the profile's)
+    time_scale: float = Field(1.0, gt=0)
+    cold_start_s: float = Field(30.0, ge=0)           # wall seconds before a new worker takes traffic
+    initial: dict[Literal["interactive", "mixed", "batch"], int] = Field(default_factory=dict)  # at start, no cold start
+    seed: int = 0
+    cap: int | None = Field(None, ge=1)               # new workers' cap (None: the local autoscaler's, if on)
+
+
+class WebhookActuatorConfig(_Strict):
+    """`webhook`: POST the desired state to `url`, read back the fleet (gateway/actuators.py)."""
+
+    url: str | None = None
+    timeout_s: float = Field(5.0, gt=0)
+    headers: dict[str, str] = Field(default_factory=dict)
+
+
+class ActuatorConfig(_Strict):
+    kind: Literal["none", "sim", "webhook"] = "none"  # none: export the numbers only (KEDA reads them)
+    sim: SimActuatorConfig = Field(default_factory=SimActuatorConfig)
+    webhook: WebhookActuatorConfig = Field(default_factory=WebhookActuatorConfig)
+
+    @model_validator(mode="after")
+    def _webhook_url(self) -> ActuatorConfig:
+        if self.kind == "webhook":
+            if not self.webhook.url:
+                raise ValueError("webhook.url is required with kind: webhook")
+            check_worker_url(self.webhook.url)
+        return self
+
+
+class AutoscaleConfig(_Strict):
+    """Chiron's local caps and global pool sizes with a leader lease (gateway/autoscaler.py)."""
+
+    enabled: bool = False
+    interval_s: float = Field(5.0, gt=0)              # global decision period
+    local_interval_s: float = Field(2.0, gt=0)        # local cap window (Chiron Algorithm 1)
+    sample_s: float = Field(0.25, gt=0)               # in-flight sampling for busy / cap-binding
+    local_caps: bool = True                           # enforce per-worker caps from Algorithm 1
+    itl_slo_ms: float | None = Field(None, gt=0)      # interactive/mixed workers; default slo.tpot_ms, else 200
+    batch_itl_slo_ms: float = Field(2000.0, gt=0)     # batch workers (Chiron section 6: 2 s)
+    busy_cap: int = Field(16, ge=1)                   # "busy" denominator for a worker without a cap
+    local: dict[str, Any] = Field(default_factory=dict)    # policies.autoscale.LocalConfig fields
+    scaler: dict[str, Any] = Field(default_factory=dict)   # policies.autoscale.GlobalConfig fields
+    lease_ttl_s: float = Field(10.0, gt=0)            # leader lease; a dead leader is replaced after this
+    drain_timeout_s: float = Field(60.0, gt=0)        # in-flight requests of a removed worker get this long
+    rate_window_s: float = Field(60.0, gt=0)
+    throughput_window_s: float = Field(60.0, gt=0)
+    actuator: ActuatorConfig = Field(default_factory=ActuatorConfig)
+
+    @field_validator("local", "scaler")
+    @classmethod
+    def _policy_params(cls, v: dict[str, Any], info: Any) -> dict[str, Any]:
+        from policies.autoscale import GlobalConfig, LocalConfig
+
+        try:
+            if info.field_name == "local":
+                LocalConfig(itl_slo_s=1.0, **v)
+            else:
+                GlobalConfig(**v)
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        return v
 
 _FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("fleetgate_file", default=None)
 
@@ -115,6 +243,10 @@ class GatewayConfig(BaseSettings):
     listen: ListenConfig = Field(default_factory=ListenConfig)
     workers: list[WorkerConfig] = Field(default_factory=list)
     models: dict[str, ModelConfig] = Field(default_factory=dict)
+    slo: SloConfig = Field(default_factory=SloConfig)  # every model's SLO unless models.<name> sets one
+    slo_classes: dict[SloClassName, SloConfig] = Field(default_factory=dict)
+    slo_window_s: float = Field(300.0, gt=0)  # fleetgate_slo_attainment_ratio covers this many seconds
+    learning: LearningConfig = Field(default_factory=LearningConfig)
     default_policy: str = "least_requests"
     default_policy_params: dict[str, Any] = Field(default_factory=dict)
     redis_url: str | None = None
@@ -124,6 +256,9 @@ class GatewayConfig(BaseSettings):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    pd: PdConfig = Field(default_factory=PdConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     scrape_interval_s: float = Field(0.5, gt=0)
     discovery_interval_s: float = Field(10.0, gt=0)  # re-read /v1/models of workers without configured models
 
@@ -217,6 +352,8 @@ def semantic_problems(cfg: GatewayConfig) -> list[str]:
     for name, mc in cfg.models.items():
         if mc.policy is not None:
             checks.append((f"models.{name}.policy", mc.policy, mc.params))
+    if cfg.pd.decode_policy is not None:
+        checks.append(("pd.decode_policy", cfg.pd.decode_policy, cfg.pd.decode_policy_params))
     for where, name, params in checks:
         if name not in known:
             problems.append(f"{where}: unknown policy {name!r}; expected one of: {', '.join(known)}")

@@ -10,12 +10,16 @@ import contextlib
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import yaml
+
 from gateway.config import ConfigError, load_config
+from policies.pd import parse_pd_split
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 60.0
@@ -24,10 +28,18 @@ READY_TIMEOUT_S = 60.0
 def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests", profile: str = "llama3-8b-h100",
              model: str = "meta-llama/Llama-3.1-8B-Instruct", time_scale: float = 1.0, base_port: int = 8001,
              pd: str | None = None, autoscale: bool = False) -> None:
-    if pd is not None:
-        _fail("--pd (prefill/decode pools) is not implemented yet; run the demo without it.")
+    roles = ["mixed"] * workers
+    if pd is not None:  # P prefill + D decode workers replace --workers (gateway/pd.py)
+        try:
+            n_prefill, n_decode = parse_pd_split(pd)
+        except ValueError as e:
+            _fail(f"--pd: {e}")
+        workers, roles = n_prefill + n_decode, ["prefill"] * n_prefill + ["decode"] * n_decode
     if autoscale:
-        _fail("--autoscale is not implemented yet; run the demo without it.")
+        if pd is not None:
+            _fail("--autoscale and --pd cannot be combined yet.")
+        _run_autoscale_demo(port, workers, policy, profile, model, time_scale)
+        return
     if workers < 1:
         _fail(f"--workers must be at least 1, got {workers}.")
     if not (base_port > 0 and base_port + workers - 1 < 65536):
@@ -37,11 +49,15 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
     urls = [f"http://127.0.0.1:{base_port + i}" for i in range(workers)]
     try:
         cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy,
-                          workers=[{"id": f"sim-{i}", "url": u, "profile": profile} for i, u in enumerate(urls)])
+                          workers=[{"id": f"sim-{i}" if pd is None else f"{roles[i]}-{i}", "url": u,
+                                    "profile": profile, "role": roles[i]} for i, u in enumerate(urls)])
     except ConfigError as e:
         _fail("; ".join(e.problems))
     cmd = [sys.executable, "-m", "gateway.cli", "sim", "--workers", str(workers), "--base-port", str(base_port),
            "--profile", profile, "--model", model, "--time-scale", str(time_scale)]
+    fleet_file = _pd_fleet_file(roles) if pd is not None else None
+    if fleet_file is not None:
+        cmd += ["--fleet", str(fleet_file)]
     print(f"starting {workers} simulated vLLM worker(s): {shlex.join(cmd[1:])}", flush=True)
     sim = subprocess.Popen(cmd, cwd=ROOT)
     try:
@@ -54,7 +70,70 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
         pass
     finally:
         _stop(sim)
+        if fleet_file is not None:
+            fleet_file.unlink(missing_ok=True)
         print("demo stopped", flush=True)
+
+
+def _run_autoscale_demo(port: int, workers: int, policy: str, profile: str, model: str, time_scale: float) -> None:
+    """The gateway with the autoscaler and the `sim` actuator: it starts and stops simulated workers itself
+    (gateway/actuators.py), each with a 30 s cold start in model time (Chiron section 6: 30-60 s)."""
+    if workers < 1:
+        _fail(f"--workers must be at least 1, got {workers}.")
+    cold = 30.0 / time_scale
+    try:
+        cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy, autoscale={
+            "enabled": True, "interval_s": 1.0, "local_interval_s": 1.0, "drain_timeout_s": 30.0,
+            "scaler": {"min_interactive": 1, "max_interactive": max(8, workers), "max_batch": 4,
+                       "cooldown_out_s": 2.0, "cooldown_in_s": 10.0, "stabilization_s": 30.0, "cold_start_s": cold,
+                       "batch_settle_s": 10.0, "batch_cooldown_s": 15.0, "deadline_margin_s": 10.0},
+            "actuator": {"kind": "sim", "sim": {"profile": profile, "model": model, "time_scale": time_scale,
+                                                "cold_start_s": cold, "initial": {"mixed": workers}}}})
+    except ConfigError as e:
+        _fail("; ".join(e.problems))
+    base = f"http://127.0.0.1:{port}" if port else "http://127.0.0.1:<port printed below>"
+    print(f"""
+fleetgate demo --autoscale: {workers} simulated worker(s) to start with; the autoscaler adds and removes
+workers (cold start {cold:g} s) as load comes and goes. Watch it:
+
+  watch -n1 "curl -s {base}/metrics | grep -E '^fleetgate_(desired|current)_workers|^fleetgate_backpressure'"
+  curl -s {base}/admin/workers
+
+Make a one-minute burst of 32 concurrent users, then watch the fleet drain and shrink after it:
+
+  python - <<'EOF'
+  import asyncio, time
+  from openai import AsyncOpenAI
+  client = AsyncOpenAI(base_url="{base}/v1", api_key="unused", max_retries=5)
+  async def user(end):
+      while time.time() < end:
+          await client.chat.completions.create(model="{model}", max_tokens=256,
+                                               messages=[{{"role": "user", "content": "Hello!"}}])
+  async def main():
+      end = time.time() + 60
+      await asyncio.gather(*(user(end) for _ in range(32)))
+  asyncio.run(main())
+  EOF
+
+Ctrl-C stops the gateway and its workers.
+""", flush=True)
+    from gateway.server import run
+
+    try:
+        run(cfg)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("demo stopped", flush=True)
+
+
+def _pd_fleet_file(roles: list[str]) -> Path:
+    """A fleet YAML (simulator/fleet.py) with the NIXL roles of the workers, in port order."""
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}
+    servers = [{"name": f"{r}-{i}", "role": kv_role[r]} for i, r in enumerate(roles)]
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="fleetgate-pd-", delete=False) as f:
+        yaml.safe_dump({"servers": servers}, f)
+    return Path(f.name)
 
 
 def _wait_healthy(sim: subprocess.Popen, urls: list[str]) -> None:

@@ -6,7 +6,8 @@ Requests that find every candidate at its cap wait in a bounded FIFO admission q
 
 Request headers the gateway reads: `Authorization: Bearer <key>` (when api_keys are set),
 `X-Request-Id` (kept if 1-128 chars of [A-Za-z0-9._:-], else a uuid4 hex is generated),
-`X-Session-Id` (session affinity), `X-Request-Class: batch` (RequestFeatures.request_class).
+`X-Session-Id` (session affinity), `X-Request-Class: batch` (RequestFeatures.request_class),
+`X-SLO-TTFT-Ms` / `X-SLO-TPOT-Ms` (the request's SLO; gateway/slo.py).
 Other end-to-end headers are forwarded to the worker; hop-by-hop ones and credentials are not.
 """
 
@@ -30,9 +31,12 @@ from engine_adapters.base import EngineAdapter
 from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, sse_error_event
+from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
+from gateway.pd import PdRouter
 from gateway.registry import Registry, WorkerState
 from gateway.relay import Relay, RelayResult, ResponseState, UpstreamFailure
+from gateway.slo import SloBook
 from gateway.state.base import StateStore
 from policies.base import Policy, make_policy
 from policies.prefix import prompt_chunk_hashes
@@ -121,7 +125,8 @@ class ParsedRequest:
 
 class Dispatcher:
     def __init__(self, config: GatewayConfig, store: StateStore, registry: Registry, relay: Relay,
-                 adapter: EngineAdapter, metrics: GatewayMetrics, shared_state: bool = False) -> None:
+                 adapter: EngineAdapter, metrics: GatewayMetrics, shared_state: bool = False,
+                 slo: SloBook | None = None, learner: Learner | None = None) -> None:
         self.config = config
         self.store = store
         self.registry = registry
@@ -133,11 +138,17 @@ class Dispatcher:
         self.attempts = config.limits.retries + 1
         self.api_keys = [k.encode() for k in config.api_keys]
         # With shared state another replica's release frees a slot without telling us: poll sooner.
-        self.poll_s = 0.05 if shared_state else 0.5
+        self.poll_s = config.limits.queue_poll_s or (0.05 if shared_state else 0.5)
         self.shield_release = shared_state
         self.retry_after_s = max(1.0, config.health.interval_s)
         self.runtimes: dict[str, ModelRuntime] = {}
+        self.pd = PdRouter(self)  # models with prefill/decode workers take the two-leg path
+        self.slo = slo if slo is not None else SloBook(config, metrics.registry)
+        self.learner = learner if learner is not None else Learner(config, store, registry, metrics.registry)
         registry.on_change(self._wake_all)
+        # Request classes and worker types (gateway/batch_runner.py ClassRouter): pool-aware candidates,
+        # per-worker class counts, eviction of batch work; None: every worker takes every request.
+        self.pools: Any = None
 
     # --- per-model state ------------------------------------------------------------------------
     def runtime(self, model: str) -> ModelRuntime:
@@ -152,6 +163,7 @@ class Dispatcher:
                 queue=AdmissionQueue(self.config.limits.queue_size),
             )
             self.runtimes[model] = rt
+            self.learner.attach(model, policy)
         return rt
 
     def _wake_all(self) -> None:
@@ -169,6 +181,7 @@ class Dispatcher:
         hdrs = _read_headers(scope["headers"])
         rid = hdrs.request_id
         client_headers = [(b"x-request-id", rid)]
+        feats: RequestFeatures | None = None
         try:
             try:
                 if hdrs.content_length == -1:
@@ -182,15 +195,18 @@ class Dispatcher:
                 rt = self.runtime(model)
                 model_label, policy_label = model, rt.policy_name
                 shaped = self.adapter.shape_request(raw, req.body, req.stream, changed)
-                feats = self._features(req, route, rt, rid.decode(), hdrs.session_id, hdrs.request_class)
+                feats = self._features(req, route, rt, rid.decode(), hdrs)
                 upstream_headers = [("Content-Type", "application/json"), ("X-Request-Id", feats.request_id),
                                     *hdrs.forward]
                 result = await self._run(rt, feats, route, shaped.body, shaped.strip_usage, req.stream,
                                          upstream_headers, client_headers, send, state)
                 status = result.status
                 self._observe(model, t0, result)
+                self.slo.record(feats, req.stream, t0, result, time.perf_counter())
             except GatewayError as e:
                 status = e.status
+                if feats is not None and status in (429, 503):
+                    self.slo.record_refused(feats)
                 if not state.started:
                     await _send_error(send, e, client_headers)
         except ClientGone:
@@ -266,8 +282,8 @@ class Dispatcher:
         raise errors.bad_request(
             f"`model` is required: this gateway serves several models ({', '.join(served)}).", "model")
 
-    def _features(self, req: ParsedRequest, route: Route, rt: ModelRuntime, rid: str, session_id: str | None,
-                  rclass: str) -> RequestFeatures:
+    def _features(self, req: ParsedRequest, route: Route, rt: ModelRuntime, rid: str,
+                  hdrs: ClientHeaders) -> RequestFeatures:
         body = req.body
         if route is CHAT:
             messages = body["messages"]
@@ -278,10 +294,12 @@ class Dispatcher:
             prompt_tokens = estimate_prompt_tokens(prompt)
             prefix = prompt_chunk_hashes(prompt) if rt.needs_prefix and isinstance(prompt, str) else ()
         max_tokens = req.max_tokens if req.max_tokens is not None else route.default_max_tokens
+        rclass = hdrs.request_class
+        slo_ttft, slo_tpot = self.slo.targets(rt.model, rclass, hdrs.slo_ttft, hdrs.slo_tpot)
         return RequestFeatures(
             request_id=rid, model=rt.model, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-            predicted_output_tokens=float(max_tokens) if max_tokens is not None else _DEFAULT_OUTPUT_TOKENS,
-            session_id=session_id, prefix_hashes=prefix, slo_ttft_s=rt.slo_ttft_s, slo_tpot_s=rt.slo_tpot_s,
+            predicted_output_tokens=self.learner.predict(rt.model, prompt_tokens, max_tokens),
+            session_id=hdrs.session_id, prefix_hashes=prefix, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
             priority=req.priority, request_class=rclass, arrival=time.time(),
         )
 
@@ -289,6 +307,9 @@ class Dispatcher:
     async def _run(self, rt: ModelRuntime, feats: RequestFeatures, route: Route, payload: bytes,
                    strip_usage: bool, stream: bool, upstream_headers: list[tuple[str, str]],
                    client_headers: list[tuple[bytes, bytes]], send, state: ResponseState) -> RelayResult:  # noqa: ANN001
+        if self.pd.active(rt.model):
+            return await self.pd.run(rt, feats, route, payload, strip_usage, stream, upstream_headers,
+                                     client_headers, send, state)
         tried: list[str] = []
         failure: UpstreamFailure | None = None
         for attempt in range(self.attempts):
@@ -297,12 +318,14 @@ class Dispatcher:
                 break  # a retry found nobody else to try
             if attempt:
                 self.metrics.count_retry(rt.model)
+            t_sent = self.learner.dispatched(rt.policy, feats, ws.id, state)
             try:
                 result = await self.relay.forward(
                     send, getattr(ws, route.url_attr), payload, upstream_headers, client_headers, stream,
                     strip_usage, attempt + 1 < self.attempts, state)
                 if result.midstream_error is not None:
                     self.metrics.upstream_error(ws.id, "midstream")
+                self.learner.finished(feats, ws.id, t_sent, result)
                 return result
             except UpstreamFailure as f:
                 failure = f
@@ -331,6 +354,8 @@ class Dispatcher:
             ws = await self._try_place(rt, feats, exclude)
             if ws is not None:
                 return ws
+        if self.pools is not None:  # may evict batch work, or refuse a batch-runner request at once
+            await self.pools.no_room(rt, feats)
         if not self.registry.rotation(rt.model):
             raise errors.no_worker(rt.model, self.retry_after_s)
         return await self._wait_in_queue(rt, feats)
@@ -350,15 +375,20 @@ class Dispatcher:
                 continue
             views.append(ws.view(n, f.tokens if f is not None else 0))
             by_id[ws.id] = ws
+        if self.pools is not None:
+            views = self.pools.filter(feats, views)
         tokens = feats.prompt_tokens + int(feats.predicted_output_tokens)
         placed = None
+        now = time.time()
         while views:
-            decision = rt.policy.choose(feats, views, feats.arrival)
+            decision = rt.policy.choose(feats, views, now)
             ws = by_id.get(decision.worker_id) if decision.worker_id is not None else None
             if ws is None:
                 break
             if await self.store.try_reserve(ws.id, feats.request_id, ws.rec.cap, tokens):
                 rt.policy.on_dispatch(feats, ws.id, time.time())
+                if self.pools is not None:
+                    self.pools.placed(feats, ws.id)
                 placed = ws
                 break
             views = [v for v in views if v.id != ws.id]  # another replica took the last slot
@@ -370,15 +400,15 @@ class Dispatcher:
         if q.full():
             raise errors.overloaded(rt.model, self.retry_after_s, "admission queue full")
         t0 = time.perf_counter()
-        deadline = t0 + self.queue_timeout
+        budget, why = self.slo.queue_budget(feats, self.queue_timeout)
+        deadline = t0 + budget
         ev = q.enter()
         self.metrics.set_queue_depth(rt.model, len(q.waiters))
         try:
             while True:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
-                    raise errors.overloaded(rt.model, self.retry_after_s,
-                                            f"waited {self.queue_timeout:g}s in the admission queue")
+                    raise errors.overloaded(rt.model, self.retry_after_s, why)
                 if not ev.is_set():
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(min(remaining, self.poll_s)):
@@ -403,6 +433,9 @@ class Dispatcher:
             else:
                 await self.store.release(ws.id, feats.request_id)
         finally:
+            self.learner.released(feats.request_id)
+            if self.pools is not None:
+                self.pools.released(feats, ws.id)
             rt.policy.on_complete(feats, ws.id, time.time())
             for m in ws.models:
                 other = self.runtimes.get(m)
@@ -559,10 +592,12 @@ class ClientHeaders:
     session_id: str | None
     request_class: str
     forward: list[tuple[str, str]]
+    slo_ttft: bytes | None = None  # raw x-slo-ttft-ms / x-slo-tpot-ms (validated in gateway/slo.py)
+    slo_tpot: bytes | None = None
 
 
 def _read_headers(headers: list[tuple[bytes, bytes]]) -> ClientHeaders:
-    content_length = auth = rid = session = None
+    content_length = auth = rid = session = slo_ttft = slo_tpot = None
     rclass = CLASS_INTERACTIVE
     forward: list[tuple[str, str]] = []
     for k, v in headers:
@@ -581,10 +616,14 @@ def _read_headers(headers: list[tuple[bytes, bytes]]) -> ClientHeaders:
             session = v.decode("latin-1") or None
         elif k == b"x-request-class" and v == b"batch":
             rclass = CLASS_BATCH
+        elif k == b"x-slo-ttft-ms":
+            slo_ttft = v
+        elif k == b"x-slo-tpot-ms":
+            slo_tpot = v
         forward.append((k.decode("latin-1"), v.decode("latin-1")))
     if rid is None or not _REQUEST_ID_RE.match(rid):
         rid = uuid.uuid4().hex.encode()
-    return ClientHeaders(content_length, auth, rid, session, rclass, forward)
+    return ClientHeaders(content_length, auth, rid, session, rclass, forward, slo_ttft, slo_tpot)
 
 
 async def _watch_disconnect(receive, task: asyncio.Task, state: ResponseState, gone: list[bool]) -> None:  # noqa: ANN001

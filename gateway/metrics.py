@@ -45,8 +45,9 @@ class GatewayMetrics:
         self.queue_wait = Histogram("fleetgate_queue_wait_seconds",
                                     "Time spent in the admission queue by requests that had to wait.",
                                     ["model"], buckets=QUEUE_BUCKETS, registry=r)
-        self.queue_depth = Gauge("fleetgate_queue_depth", "Requests waiting in the admission queue.",
-                                 ["model"], registry=r)
+        self.queue_depth = Gauge("fleetgate_queue_depth",
+                                 "Requests waiting: class interactive in this replica's admission queue, class "
+                                 "batch in the shared batch queue.", ["model", "class"], registry=r)
         self.worker_inflight = Gauge("fleetgate_worker_inflight",
                                      "Requests reserved on the worker (all gateway replicas).", ["worker"],
                                      registry=r)
@@ -56,6 +57,25 @@ class GatewayMetrics:
                                        ["worker", "kind"], registry=r)
         self.retries = Counter("fleetgate_retries", "Requests re-sent to another worker after a failure.",
                                ["model"], registry=r)
+        # Backpressure and autoscaling (gateway/autoscaler.py); every replica exports the leader's numbers.
+        self.queue_wait_estimate = Gauge("fleetgate_queue_wait_estimate_seconds",
+                                         "Estimated wait of a request joining the queue now (batch: Chiron eq. 1).",
+                                         ["class"], registry=r)
+        self.backpressure = Gauge("fleetgate_backpressure",
+                                  "Chiron backpressure: lbp / tbp (max over the pool's workers), ibp, bbp.",
+                                  ["kind", "pool"], registry=r)
+        self.desired_workers = Gauge("fleetgate_desired_workers", "Workers the autoscaler wants per pool.",
+                                     ["pool"], registry=r)
+        self.current_workers = Gauge("fleetgate_current_workers",
+                                     "Workers per pool: taking traffic plus starting (not draining).", ["pool"],
+                                     registry=r)
+        self.scale_actions = Counter("fleetgate_scale_actions", "Scale actions (workers added or removed).",
+                                     ["pool", "direction", "reason"], registry=r)
+        self.worker_batch_cap = Gauge("fleetgate_worker_batch_cap",
+                                      "Per-worker cap on concurrent requests (Chiron Algorithm 1).", ["worker"],
+                                      registry=r)
+        self.autoscaler_leader = Gauge("fleetgate_autoscaler_leader",
+                                       "1 on the replica holding the autoscaler lease, else 0.", registry=r)
         self._children: dict[tuple, object] = {}
 
     # --- cached label children ---------------------------------------------------------------
@@ -85,7 +105,16 @@ class GatewayMetrics:
         self._child(self.queue_wait, model).observe(seconds)
 
     def set_queue_depth(self, model: str, depth: int) -> None:
-        self._child(self.queue_depth, model).set(depth)
+        self._child(self.queue_depth, model, "interactive").set(depth)
+
+    def set_batch_queue_depth(self, depth: dict[str, int]) -> None:
+        """Batch queue depth per model (all replicas); models no longer queued drop to 0."""
+        depth = {m or "_default": n for m, n in depth.items()}
+        for (mid, *labels), child in list(self._children.items()):
+            if mid == id(self.queue_depth) and labels[1] == "batch" and labels[0] not in depth:
+                child.set(0)
+        for model, n in depth.items():
+            self._child(self.queue_depth, model, "batch").set(n)
 
     def upstream_error(self, worker: str, kind: str) -> None:
         self._child(self.upstream_errors, worker, kind).inc()
@@ -98,7 +127,7 @@ class GatewayMetrics:
         self._child(self.worker_inflight, worker).set(inflight)
 
     def forget_worker(self, worker: str) -> None:
-        for metric in (self.worker_healthy, self.worker_inflight):
+        for metric in (self.worker_healthy, self.worker_inflight, self.worker_batch_cap):
             self._children.pop((id(metric), worker), None)
             with contextlib.suppress(KeyError):
                 metric.remove(worker)

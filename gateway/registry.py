@@ -82,6 +82,7 @@ class Registry:
         self.workers: dict[str, WorkerState] = {}
         # model -> workers that may take a request for it (active, healthy, role mixed); rebuilt on change
         self._rotation: dict[str, tuple[WorkerState, ...]] = {}
+        self._pools: dict[tuple[str, str], tuple[WorkerState, ...]] = {}  # (model, role) -> workers
         self._known_models: dict[str, dict[str, Any]] = {}
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # one-off probes of workers adopted by sync
@@ -131,6 +132,10 @@ class Registry:
     def rotation(self, model: str) -> tuple[WorkerState, ...]:
         return self._rotation.get(model, ())
 
+    def pool(self, model: str, role: str) -> tuple[WorkerState, ...]:
+        """Active, healthy workers of one role (mixed | prefill | decode) serving `model` (P/D: gateway/pd.py)."""
+        return self._pools.get((model, role), ())
+
     def served_models(self) -> list[str]:
         return sorted(self._known_models)
 
@@ -169,6 +174,20 @@ class Registry:
     async def drain(self, worker_id: str) -> WorkerState | None:
         return await self.set_state(worker_id, WORKER_DRAINING)
 
+    async def update_worker(self, worker_id: str, *, cap: int | None = None,
+                            labels: dict[str, str] | None = None) -> WorkerState | None:
+        """Set a worker's cap and/or labels (the autoscaler's caps and pools), shared with every replica."""
+        ws = self.workers.get(worker_id)
+        if ws is None:
+            return None
+        if cap is not None:
+            ws.rec.cap = cap
+        if labels is not None:
+            ws.rec.labels = dict(labels)
+        await self.store.upsert_worker(self._shared_record(ws))
+        self._rebuild()  # listeners wake waiting requests: a cap may have grown
+        return ws
+
     def report_failure(self, worker_id: str) -> None:
         """Passive health: a refused connection on the data path counts like a failed check."""
         ws = self.workers.get(worker_id)
@@ -197,14 +216,18 @@ class Registry:
 
     def _rebuild(self) -> None:
         rotation: dict[str, list[WorkerState]] = {}
+        pools: dict[tuple[str, str], list[WorkerState]] = {}
         known: dict[str, dict[str, Any]] = {}
         for ws in sorted(self.workers.values(), key=lambda w: w.id):
             cards = {c["id"]: c for c in ws.cards}
             for m in ws.models:
                 known.setdefault(m, cards.get(m) or _card(m))
-                if ws.healthy and ws.active and ws.rec.role == ROLE_MIXED:
-                    rotation.setdefault(m, []).append(ws)
+                if ws.healthy and ws.active:
+                    pools.setdefault((m, ws.rec.role), []).append(ws)
+                    if ws.rec.role == ROLE_MIXED:
+                        rotation.setdefault(m, []).append(ws)
         self._rotation = {m: tuple(v) for m, v in rotation.items()}
+        self._pools = {k: tuple(v) for k, v in pools.items()}
         self._known_models = known
         for fn in self._listeners:
             fn()
@@ -228,7 +251,8 @@ class Registry:
                     t = asyncio.get_running_loop().create_task(self.probe(ws))
                     self._background.add(t)
                     t.add_done_callback(self._background.discard)
-            elif (rec.url, rec.state, rec.cap, rec.role) != (ws.rec.url, ws.rec.state, ws.rec.cap, ws.rec.role):
+            elif ((rec.url, rec.state, rec.cap, rec.role, rec.labels)
+                  != (ws.rec.url, ws.rec.state, ws.rec.cap, ws.rec.role, ws.rec.labels)):
                 rec.models = list(ws.models) if not rec.models else rec.models
                 self._adopt(rec)
         for wid in [w for w in self.workers if w not in seen]:

@@ -49,13 +49,15 @@ class RelayResult:
 
 
 class ResponseState:
-    """Where the client's response is: started (no retry possible any more), ended (last byte queued)."""
+    """Where the client's response is: started (no retry possible any more), ended (last byte queued),
+    and the output tokens relayed so far (read by the learning loop for progress reports)."""
 
-    __slots__ = ("started", "ended")
+    __slots__ = ("started", "ended", "tokens")
 
     def __init__(self) -> None:
         self.started = False
         self.ended = False
+        self.tokens = 0
 
 
 def make_session(timeouts: TimeoutsConfig) -> aiohttp.ClientSession:
@@ -158,7 +160,7 @@ class Relay:
                     if tokens == 0:
                         result.first_token_at = now
                     result.last_token_at = now
-                    tokens = scanner.tokens
+                    tokens = state.tokens = scanner.tokens
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             if not scanner.done:

@@ -30,9 +30,23 @@ How the ledger stays O(workers) per decision (no loop over in-flight requests):
 Events (dispatch, completion, report, re-prediction) cost O(log n) plus one numpy slice.
 
 Choices beyond the paper (each a parameter):
-  * slack="lifetime" (default) adds to (d) a lower bound on the slack ongoing requests will still save
-    (their fewest remaining steps x (T_dec − current step time)); "paper" is (d) as printed, which
-    closes a worker to any prompt right after each admission; "off" drops (d).
+  * slack="risk" (default) turns (d) into a risk budget: the new prefill stalls every decode on the
+    worker, and a request that has not saved that much slack yet misses its ATGT only if its remaining
+    output is too short to earn the deficit back. The expected number of such misses, summed over the
+    worker's `_YOUNG` most recently started decodes and its not yet started requests, comes from the
+    conditional distribution of output lengths (appendix C: P(L < g + x | L >= g) over the predictor's
+    recent completed lengths) and must stay <= `stall_risk`. Until 32 lengths were seen it is "lifetime".
+    "lifetime" adds to (d) a lower bound on the slack ongoing requests will still save (their fewest
+    predicted remaining steps x (T_dec − current step time)): it trusts mean lengths, so the short
+    answers miss; "paper" is (d) as printed (placed requests not decoding yet have slack 0), which closes
+    a worker to any prompt after each admission; "off" drops (d). bench/results/placement.md compares them.
+  * Risk mode waits for a worker within the budget only while the TTFT allows: once no worker would meet
+    the TTFT after `deadline_margin_s` more, it takes the feasible ((b), (c), (e)) worker with the least
+    risk ("deadline"). The caller must retry queued requests at least that often.
+  * (c) counts the time the request already waited (now − arrival, `count_wait`), the decode step in
+    flight and, per prefill chunk of `prefill_chunk_tokens` (vLLM's max_num_batched_tokens), the ongoing
+    decodes batched with it. A request whose TTFT is lost anyway ("late") is placed where (b), (d), (e)
+    hold, or (risk mode) where the risk is least, instead of waiting and blocking others.
   * capacity_norm divides batch size and context by the worker's own limits (eq. 4 at b=1, (T−c3)/c2)
     so that workers of different profiles rank on one scale.
   * A request that fits no worker even when alone (e.g. its prefill exceeds the TTFT target) is placed
@@ -66,8 +80,11 @@ _INF = math.inf
 # Constraint (d) modes: "paper" is Aladdin's θ·min(T_dec·l_out − t_dec), the slack saved so far;
 # "lifetime" adds a lower bound on the slack still to come (a worker with only young requests is not
 # closed to new prompts); "off" skips (d).
-SLACK_PAPER, SLACK_LIFETIME, SLACK_OFF = "paper", "lifetime", "off"
-SLACK_MODES = (SLACK_PAPER, SLACK_LIFETIME, SLACK_OFF)
+SLACK_PAPER, SLACK_LIFETIME, SLACK_RISK, SLACK_OFF = "paper", "lifetime", "risk", "off"
+SLACK_MODES = (SLACK_PAPER, SLACK_LIFETIME, SLACK_RISK, SLACK_OFF)
+_YOUNG = 8              # risk mode: the most recently started decodes tracked per worker
+_MIN_SAMPLES = 32       # risk mode: fewer completed lengths than this -> the lifetime rule
+_FAR = 1e12             # "never recovers", in tokens
 
 # Constraint names, as counted in `last_rejections`.
 C_ATGT, C_TTFT, C_SLACK, C_KV = "atgt", "ttft", "prefill_slack", "kv"
@@ -78,7 +95,7 @@ class _Req:
 
     __slots__ = (
         "rid", "model", "l_in", "lp", "lp0", "var", "t_dec", "t_pre", "grp", "state", "g0", "t0",
-        "pend_end", "kv_lo", "kv_hi", "a", "version", "max_tokens", "reported", "exhausted",
+        "pend_end", "kv_lo", "kv_hi", "a", "version", "max_tokens", "reported", "exhausted", "yslot",
     )
 
     def __init__(self, rid: str, model: str, l_in: int, lp: float, var: float, t_dec: float, t_pre: float,
@@ -91,12 +108,13 @@ class _Req:
         self.version = 0
         self.reported: int | None = None
         self.exhausted = False
+        self.yslot = -1
 
 
 class _Row:
     """Per-worker Python-side state (the numeric aggregates live in the policy's arrays)."""
 
-    __slots__ = ("idx", "worker_id", "profile", "reqs", "pending", "ends", "heaps", "tcount", "early")
+    __slots__ = ("idx", "worker_id", "profile", "reqs", "pending", "ends", "heaps", "tcount", "early", "young")
 
     def __init__(self, idx: int, worker_id: str, profile: str) -> None:
         self.idx, self.worker_id, self.profile = idx, worker_id, profile
@@ -106,6 +124,7 @@ class _Row:
         self.heaps: dict[int, list[tuple[float, int, str]]] = {}  # slack keys per SLO group
         self.tcount: dict[float, int] = {}                # ATGT target -> requests holding it
         self.early: deque[tuple[float, float]] = deque(maxlen=1024)  # (expiry step, l_real − l_pred)
+        self.young: list[str | None] = [None] * _YOUNG                # risk mode: rids in the young slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,10 +222,14 @@ class AladdinPolicy(Policy):
         predictor: LengthPredictor | None = None,
         learn_lengths: bool | None = None,
         use_predictor: bool = False,
-        slack: str = "lifetime",
+        slack: str = "risk",
         bucket_steps: int = 16,
         horizon_steps: int = 8192,
         unplaced_ttl_s: float = 30.0,
+        prefill_chunk_tokens: int = 2048,
+        count_wait: bool = True,
+        stall_risk: float = 0.005,
+        deadline_margin_s: float = 0.05,
     ) -> None:
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"gamma (strictness knob) must be in [0, 1], got {gamma}")
@@ -216,6 +239,8 @@ class AladdinPolicy(Policy):
             raise ValueError(f"tail must be None, 'cantelli' or 'normal', got {tail!r}")
         if bucket_steps < 1 or horizon_steps < bucket_steps:
             raise ValueError("bucket_steps >= 1 and horizon_steps >= bucket_steps required")
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         self.gamma, self.theta = float(gamma), float(theta)
         self.tail = None if tail in (None, "none") else tail
         self.delta = float(delta)
@@ -231,6 +256,15 @@ class AladdinPolicy(Policy):
         self.horizon_steps = int(horizon_steps)
         self.H = -(-self.horizon_steps // self.bucket) + 2
         self.unplaced_ttl_s = unplaced_ttl_s
+        self.chunk = int(prefill_chunk_tokens)
+        self.count_wait = count_wait
+        if not 0.0 <= stall_risk < 1.0 or deadline_margin_s < 0:
+            raise ValueError("stall_risk must be in [0, 1) and deadline_margin_s >= 0")
+        self.stall_risk = float(stall_risk)
+        self.deadline_margin_s = float(deadline_margin_s)
+        self._cdf_cache: dict[str, tuple[int, np.ndarray]] = {}
+        self._parts: tuple[np.ndarray, ...] | None = None
+        self._ttft_reachable = True
         self._default_model = _as_model(default_perf_model) if default_perf_model is not None else PerfModel()
         self._models: dict[str, PerfModel] = {k: _as_model(v) for k, v in (perf_models or {}).items()}
 
@@ -248,6 +282,8 @@ class AladdinPolicy(Policy):
         self.decisions = 0
         self.no_fits = 0
         self.best_efforts = 0
+        self.late = 0
+        self.deadline_placements = 0
 
     # --- storage ---------------------------------------------------------------------------------
     _SCALARS = (
@@ -268,9 +304,13 @@ class AladdinPolicy(Policy):
         cur = np.zeros(cap, dtype=np.int64)
         minkey = np.full((cap, _MAX_SLO_GROUPS), _INF)
         kn, ka = np.zeros((cap, self.H)), np.zeros((cap, self.H))
+        yg, yt, yT, ypos = np.zeros((cap, _YOUNG)), np.zeros((cap, _YOUNG)), np.zeros((cap, _YOUNG)), np.zeros(cap, np.int64)
         if old:
             cur[:old], minkey[:old], kn[:old], ka[:old] = self._cur, self._minkey, self._KN, self._KA
+            yg[:old], yt[:old], yT[:old], ypos[:old] = self._Yg0, self._Yt0, self._YT, self._Ypos
         self._cur, self._minkey, self._KN, self._KA = cur, minkey, kn, ka
+        # risk mode: (g0, t0, ATGT target) of each worker's most recently started decodes (target 0: empty)
+        self._Yg0, self._Yt0, self._YT, self._Ypos = yg, yt, yT, ypos
         self._cap = cap
 
     def _new_row(self, worker_id: str, profile: str) -> int:
@@ -461,6 +501,27 @@ class AladdinPolicy(Policy):
         self._s_in_dec[r] += req.l_in
         self._s_g0[r] += req.g0
         self._push_slack(row, req)
+        if self.slack == SLACK_RISK:
+            self._young_add(r, req)
+
+    def _young_add(self, r: int, req: _Req) -> None:
+        """Risk mode: the request takes the oldest of the worker's young slots."""
+        row = self._rows[r]
+        s = int(self._Ypos[r]) % _YOUNG
+        self._Ypos[r] += 1
+        prev = row.young[s]
+        if prev is not None and (q := row.reqs.get(prev)) is not None:
+            q.yslot = -1
+        row.young[s] = req.rid
+        req.yslot = s
+        self._Yg0[r, s], self._Yt0[r, s], self._YT[r, s] = req.g0, req.t0, req.t_dec
+
+    def _young_drop(self, r: int, req: _Req) -> None:
+        s = req.yslot
+        if s >= 0 and self._rows[r].young[s] == req.rid:
+            self._rows[r].young[s] = None
+            self._YT[r, s] = 0.0
+        req.yslot = -1
 
     def _push_slack(self, row: _Row, req: _Req) -> None:
         # slack_k(t) = T·l_out − t_dec = T·(G − g0 + 1) − (t − t0) = T·(G + 1) − t + (t0 − T·g0)
@@ -563,12 +624,11 @@ class AladdinPolicy(Policy):
         self._advance(rows, now)
         ok, norm = self._feasible(request, rows, now)
         if ok.any():
-            order = np.argsort(-norm, kind="stable")
-            best = order[int(np.argmax(ok[order]))]
-            if request.request_id in self._unplaced:
-                del self._unplaced[request.request_id]
-                self._shortfall = None
-            return Decision(workers[int(best)].id, "best_fit")
+            return self._best_fit(request, workers, ok, norm, "best_fit")
+        if self.slack == SLACK_RISK:
+            d = self._least_risk(request, workers, rows, norm, at_deadline=True)
+            if d is not None:
+                return d
         alone = self._fits_alone(request, rows)
         if not alone.any():
             # Not even an empty worker meets its SLO (say a prompt whose prefill alone exceeds the TTFT
@@ -576,9 +636,59 @@ class AladdinPolicy(Policy):
             self.best_efforts += 1
             self._unplaced.pop(request.request_id, None)
             return Decision(workers[int(np.argmin(norm))].id, "best_effort")
+        if not self._ttft_reachable:
+            # No worker meets its TTFT any more (waiting only adds to the estimate: the wait grows as fast
+            # as queued prefill can drain): place it where it harms nobody else's SLO ((b), (d), (e)) as
+            # soon as there is such a worker.
+            late, norm = self._feasible(request, rows, now, check_ttft=False)
+            if late.any():
+                self.late += 1
+                return self._best_fit(request, workers, late, norm, "late")
+            if self.slack == SLACK_RISK:
+                d = self._least_risk(request, workers, rows, norm, at_deadline=False)
+                if d is not None:
+                    self.late += 1
+                    return d
         self.no_fits += 1
         self._note_unplaced(request, rows, now)
         return Decision(None, "no_fit")
+
+    def _best_fit(self, request: RequestFeatures, workers: Sequence[WorkerView], ok: np.ndarray, norm: np.ndarray,
+                  reason: str) -> Decision:
+        """Algorithm 1: the feasible worker with the largest capacity_norm (the fullest bin that fits)."""
+        order = np.argsort(-norm, kind="stable")
+        best = order[int(np.argmax(ok[order]))]
+        if request.request_id in self._unplaced:
+            del self._unplaced[request.request_id]
+            self._shortfall = None
+        return Decision(workers[int(best)].id, reason)
+
+    def _least_risk(self, request: RequestFeatures, workers: Sequence[WorkerView], rows: np.ndarray,
+                    norm: np.ndarray, at_deadline: bool) -> Decision | None:
+        """Risk mode: no worker is within the stall-risk budget. Waiting for one costs TTFT, so wait only
+        while some worker would still meet the TTFT after `deadline_margin_s` more; at that deadline (or
+        once the TTFT is lost anyway) take the worker where the prefill breaks the fewest ATGTs."""
+        base, later, risk, l_in, lp, var, z = self._parts
+        if at_deadline and (not base.any() or later.any()):
+            return None
+        idx = np.nonzero(base)[0]
+        if not len(idx):
+            return None
+        idx = idx[self._kv_fits(rows[idx], l_in, lp, var, z)]
+        if not len(idx):
+            return None
+        best = idx[np.lexsort((-norm[idx], risk[idx]))[0]]
+        if request.request_id in self._unplaced:
+            del self._unplaced[request.request_id]
+            self._shortfall = None
+        self.deadline_placements += 1
+        return Decision(workers[int(best)].id, "deadline" if at_deadline else "late")
+
+    def _waited(self, request: RequestFeatures, now: float) -> float:
+        """Time the request already spent waiting for a placement (it counts against its TTFT)."""
+        if not self.count_wait or not request.arrival > 0:
+            return 0.0
+        return max(now - request.arrival, 0.0)
 
     def _fits_alone(self, request: RequestFeatures, rows: np.ndarray) -> np.ndarray:
         """Constraints (b), (c), (e) for the request on an empty worker of each candidate's profile."""
@@ -591,7 +701,8 @@ class AladdinPolicy(Policy):
         ok_e = self._h[rows] * (l_in + lp) + self._j[rows] <= self._M[rows]                  # eq. 1
         return ok_b & ok_c & ok_e
 
-    def _feasible(self, request: RequestFeatures, rows: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
+    def _feasible(self, request: RequestFeatures, rows: np.ndarray, now: float,
+                  check_ttft: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Constraints (b)-(e) for every candidate row at once, and their capacity_norm."""
         g, th = self.gamma, self.theta
         slo = target_for(request, self.slo)
@@ -611,23 +722,44 @@ class AladdinPolicy(Policy):
         b = b_now + 1.0
         t_dec = np.minimum(self._min_tdec[rows], slo.atgt_s)
         limit = th * (t_dec - c2 * b - c3) / k2                       # (b) via eq. 4
-        pre = k1 * (np.maximum(self._P[rows] - self._C[rows], 0.0) + l_in) + c1  # eq. 2 over queued + new
+        queued = np.maximum(self._P[rows] - self._C[rows], 0.0)
+        pre = k1 * (queued + l_in) + c1                                # eq. 2 over queued + new
+        # TTFT also pays what it waited, the decode step in flight and, in every prefill chunk, the ongoing
+        # decodes (vLLM V1 batches them with the chunk): (chunks + 1) decode steps of eq. 3.
+        n_dec = self._n_dec[rows]
+        t_d = np.where(n_dec > 0, k2 * (self._s_in_dec[rows] + n_dec * (self._G[rows] + 1.0) - self._s_g0[rows])
+                       + c2 * n_dec + c3, 0.0)
+        ttft = self._waited(request, now) + pre + (np.ceil((queued + l_in) / self.chunk) + 1.0) * t_d
         z = 0.0
         if self.tail:
             busy = int(np.count_nonzero(n_all)) + 1
             z = tail_factor(self.tail, split_budget(self.delta, busy))
             ctx_tot = ctx_tot + z * np.sqrt(g * g * (self._s_var[rows] + var) + (self._rmse_dec[rows] / k2) ** 2)
             pre = pre + z * self._rmse_pre[rows]
+            ttft = ttft + z * self._rmse_pre[rows]
         ok_b = (ctx_tot <= limit) & (b <= self._bmax[rows])
-        ok_c = pre <= slo.ttft_s                                       # (c)
+        ok_c = ttft <= slo.ttft_s if check_ttft else np.ones(len(rows), dtype=bool)  # (c)
+        # Waiting never helps a TTFT that counts the wait (queued prefill drains at most as fast as it grows).
+        self._ttft_reachable = bool(ok_c.any()) or not (self.count_wait and request.arrival > 0)
         if self.slack != SLACK_OFF:                                    # (d)
             G = self._G[rows]
             slack = (self._Tg * (G + 1.0)[:, None] - now + self._minkey[rows]).min(axis=1)
-            if self.slack == SLACK_LIFETIME:
-                slack = slack + self._future_slack(rows, G)
-            ok_d = pre <= th * slack
+            F = self._length_cdf(request.model) if self.slack == SLACK_RISK else None
+            if F is not None:
+                risk = self._stall_risk(F, rows, now, pre / th, queued, t_d, l_in, slo.atgt_s)
+                ok_d = risk <= self.stall_risk
+            else:
+                if self.slack in (SLACK_LIFETIME, SLACK_RISK):  # risk mode without length data: lifetime
+                    slack = slack + self._future_slack(rows, G)
+                else:  # the MIP's ongoing requests include placed ones not decoding yet: l_out = t_dec = 0
+                    slack = np.where(queued > 0, np.minimum(slack, 0.0), slack)
+                ok_d = pre <= th * slack
+                risk = np.where(ok_d, 0.0, 1.0)
         else:
             ok_d = np.ones(len(rows), dtype=bool)
+        if self.slack == SLACK_RISK:
+            later = ok_b & (ttft + self.deadline_margin_s <= slo.ttft_s) if check_ttft else ok_b
+            self._parts = (ok_b & ok_c, later, risk, l_in, lp, var, z)
         ok = ok_b & ok_c & ok_d
         rej = {C_ATGT: int(np.count_nonzero(~ok_b)), C_TTFT: int(np.count_nonzero(~ok_c)),
                C_SLACK: int(np.count_nonzero(~ok_d)), C_KV: 0}
@@ -638,6 +770,52 @@ class AladdinPolicy(Policy):
             rej[C_KV] = int(np.count_nonzero(~ok_e))
         self.last_rejections = rej
         return ok, norm
+
+    def _stall_risk(self, F: np.ndarray, rows: np.ndarray, now: float, need: np.ndarray,
+                    queued: np.ndarray, t_d: np.ndarray, l_in: float, t_slo: float) -> np.ndarray:
+        """Risk mode of (d): the expected number of ongoing requests whose ATGT the new prefill breaks.
+
+        The prefill stalls every decode on the worker by `need` (= t_pre / θ). A request that has saved
+        slack S (T·l_out − t_dec, the paper's (d)) and will still generate R tokens, each saving
+        gain = T − t_d (eq. 3 with the newcomer), keeps its ATGT iff S + R·gain >= need. R is unknown:
+        P(R < x | L >= g) for a request g tokens old comes from the completed output lengths (appendix C's
+        conditional distribution), x = (need − S) / gain. Summed over the worker's youngest decodes (old
+        ones have saved enough) and its not yet started requests (S = 0, g = 1), which only the part of the
+        new prompt beyond the prefill chunk their own prefill ends in stalls (vLLM batches prompts up to
+        max_num_batched_tokens per step)."""
+        n = len(rows)
+        n_dec = self._n_dec[rows]
+        step = np.where(n_dec > 0, t_d, self._c3[rows]) + self._k2[rows] * l_in + self._c2[rows]
+        gain = np.minimum(self._min_tdec[rows], t_slo) - step
+        inv_gain = np.where(gain > 0, 1.0 / np.maximum(gain, 1e-12), _FAR)  # no saving: a deficit stays
+        risk = np.zeros(n)
+        # The young decodes: saved slack S = T·l_out − t_dec; only those short of `need` are at risk.
+        T = self._YT[rows]
+        gen = self._G[rows][:, None] - self._Yg0[rows] + 1.0
+        deficit = need[:, None] - (T * gen - (now - self._Yt0[rows]))
+        ri, ci = np.nonzero((T > 0) & (deficit > 0))
+        if len(ri):
+            p = _cond_cdf(F, np.maximum(gen[ri, ci], 1.0), deficit[ri, ci] * inv_gain[ri])
+            risk += np.bincount(ri, weights=p, minlength=n)
+        # The not yet started requests (S = 0, one token): stalled by the prompt beyond their last chunk.
+        pend = self._n_all[rows] - n_dec
+        beyond = queued + l_in - np.ceil(queued / self.chunk) * self.chunk
+        pi = np.nonzero((pend > 0) & (beyond > 0))[0]
+        if len(pi):
+            x = self._k1[rows[pi]] * beyond[pi] / self.theta * inv_gain[pi]
+            risk[pi] += pend[pi] * _cond_cdf(F, np.ones(len(pi)), x)
+        return risk
+
+    def _length_cdf(self, model: str) -> np.ndarray | None:
+        """Sorted recent output lengths of `model` (the predictor's model-wide ring), cached."""
+        st = getattr(self.predictor, "_models", {}).get(model)  # LengthPredictor keeps them per model
+        if st is None or st.filled < _MIN_SAMPLES:
+            return None
+        cached = self._cdf_cache.get(model)
+        if cached is None or st.n - cached[0] >= 64:
+            cached = (st.n, np.sort(st.samples()))
+            self._cdf_cache[model] = cached
+        return cached[1]
 
     def _future_slack(self, rows: np.ndarray, G: np.ndarray) -> np.ndarray:
         """A lower bound on the slack ongoing requests will still save before they end: every one has
@@ -732,6 +910,11 @@ class AladdinPolicy(Policy):
             self._rekey(r, req, g0)
         self._repredict_due(r)
 
+    def observe_completion(self, request: RequestFeatures, output_tokens: int, now: float) -> None:
+        """The request completed after `output_tokens` tokens (called just before `on_complete`): corrects
+        the ledger and, with `learn_lengths`, teaches the length predictor."""
+        self.report_progress(request.request_id, output_tokens, now)
+
     def _force_prefilled(self, r: int, req: _Req, now: float) -> None:
         """The request's first token exists, so the prefill queue up to it has drained."""
         self._C[r] = max(self._C[r], req.pend_end)
@@ -749,6 +932,8 @@ class AladdinPolicy(Policy):
         if req.state == _DECODING:
             self._push_slack(row, req)
             self._refresh_slack(row, req.grp)
+            if req.yslot >= 0:
+                self._Yg0[r, req.yslot], self._Yt0[r, req.yslot] = req.g0, req.t0
 
     def on_complete(self, request: RequestFeatures, worker_id: str, now: float) -> None:
         r = self._index.get(worker_id)
@@ -773,6 +958,8 @@ class AladdinPolicy(Policy):
             self._n_dec[r] -= 1
             self._s_in_dec[r] -= req.l_in
             self._s_g0[r] -= req.g0
+        if req.yslot >= 0:
+            self._young_drop(r, req)
         self._unplace_kv(r, req)
         del row.reqs[req.rid]
         self._req_row.pop(req.rid, None)
@@ -935,6 +1122,13 @@ class _FreshBin:
         if fits or force:
             self.n, self.s_in, self.s_ctx, self.s_tok, self.t_dec, self.t_pre = n, s_in, s_ctx, s_tok, t_dec, t_pre
         return fits
+
+
+def _cond_cdf(sorted_lengths: np.ndarray, gen: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """P(L < g + x | L >= g) from sorted samples of L (0 where x <= 0; 0 for g beyond every sample)."""
+    f_g = np.searchsorted(sorted_lengths, gen, side="left")
+    f_gx = np.searchsorted(sorted_lengths, gen + np.clip(x, 0.0, _FAR), side="left")
+    return (f_gx - f_g) / np.maximum(len(sorted_lengths) - f_g, 1)
 
 
 def _as_model(m: PerfModel | Mapping[str, Any]) -> PerfModel:

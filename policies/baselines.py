@@ -67,6 +67,40 @@ def _zero(w: WorkerView) -> int:
     return 0
 
 
+@register("weighted_round_robin")
+class WeightedRoundRobin(Policy):
+    """Round robin in proportion to `WorkerView.weight`: smooth weighted round robin (nginx's upstream
+    algorithm): every candidate gains its weight, the one with the most credit is chosen and pays the
+    candidates' total weight. Weights 4:1 give A A B A A, A A B A A, ...; a worker leaving or rejoining
+    the candidates keeps its credit, so the proportions hold when the candidate set changes."""
+
+    name = "weighted_round_robin"
+
+    def __init__(self) -> None:
+        self._credit: dict[str, float] = {}
+
+    def choose(self, request: RequestFeatures, workers: Sequence[WorkerView], now: float) -> Decision:
+        if not workers:
+            return NO_CANDIDATES
+        credit = self._credit
+        total = 0.0
+        best: WorkerView | None = None
+        best_credit = -math.inf
+        uniform = not any(w.weight > 0 and math.isfinite(w.weight) for w in workers)  # no usable weights
+        for w in workers:
+            weight = 1.0 if uniform else w.weight if w.weight > 0 and math.isfinite(w.weight) else 0.0
+            total += weight
+            c = credit.get(w.id, 0.0) + weight
+            credit[w.id] = c
+            if c > best_credit or (c == best_credit and best is not None and w.id < best.id):
+                best, best_credit = w, c
+        credit[best.id] = best_credit - total  # type: ignore[union-attr]
+        if len(credit) > 4 * len(workers) + 64:  # forget workers that left long ago
+            live = {w.id for w in workers}
+            self._credit = {k: v for k, v in credit.items() if k in live}
+        return Decision(best.id, "weighted_round_robin")  # type: ignore[union-attr]
+
+
 @register("random")
 class RandomChoice(Policy):
     name = "random"

@@ -3,8 +3,12 @@
 Per candidate instance s and request r (input I, predicted output O):
   eq. 5  b_r^s = KVTotal_s / KVSize(r)              identical copies of r that fit in s's KV cache
   eq. 6  T_r^s = (T_prefill(s, B_r) + T_decode(s, B_r)) / b_r^s     (eq. 3-4 of the fitted profile)
-  eq. 8  kv_usage(s) = KV of (Σ I + Σ Õ) of s's unfinished requests / KVTotal_s   (may exceed 1)
+  eq. 8  kv_usage(s) = KV of (Σ I + Σ Õ) of s's unfinished requests / KVTotal_s
   eq. 7  w_r^s = T_r^s · exp(θ · kv_usage(s))
+kv_usage is capped at 1 (deviation, `kv_cap`): under overload the unfinished requests beyond a full
+cache wait in the engine's queue, where they cost time (already in the load Σ w) but no memory. Uncapped,
+exp(θ · kv_usage) grows with the backlog and, on workers of equal KV size, drowns the speed term T_r^s:
+the split drifts to 50/50 whatever the speeds (bench/results/hetero_pair.md).
 Algorithm 2 (the mapper): send r to the instance that minimises max_s(load_s), adding w_r^s to the
 chosen instance's load, and subtract it again in the completion hook.
 """
@@ -72,12 +76,16 @@ class HeteroPolicy(Policy):
         theta: float = 2.0,
         memory_only: bool = False,
         use_engine_kv: bool = True,
+        kv_cap: float | None = 1.0,
     ) -> None:
         if theta < 0:
             raise ValueError(f"theta must be >= 0, got {theta}")
         self.theta = float(theta)          # the paper's experiments use θ = 2
         self.memory_only = memory_only     # the paper's "MB" baseline: T_r^s = 1
         self.use_engine_kv = use_engine_kv  # also count the engine-reported KV usage (other replicas' load)
+        if kv_cap is not None and not kv_cap > 0:
+            raise ValueError(f"kv_cap must be > 0 or None, got {kv_cap}")
+        self.kv_cap = kv_cap               # None: eq. 8 uncapped, as printed
         self._default = _as_model(default_perf_model) if default_perf_model is not None else PerfModel()
         self._models: dict[str, PerfModel] = {k: _as_model(v) for k, v in (perf_models or {}).items()}
         self._index: dict[str, int] = {}
@@ -122,6 +130,8 @@ class HeteroPolicy(Policy):
         kv_usage = (h * self._tokens[rows] + j * self._reqs[rows]) / M          # eq. 8
         if engine_kv is not None:
             kv_usage = np.maximum(kv_usage, engine_kv)
+        if self.kv_cap is not None:
+            kv_usage = np.minimum(kv_usage, self.kv_cap)
         if self.memory_only:
             t = np.ones(len(rows))
         else:

@@ -18,7 +18,17 @@ Policies see `WorkerView`s: inflight / inflight_tokens are the simulator's own r
 running / waiting / kv_usage come from the engine, refreshed at most once per `scrape_interval_s` tick
 (the first look after a tick reads the engine then), like the gateway's metric scraping. 0 disables the lag.
 `predicted_output_tokens` defaults to the workload's true mean output length; pass a number or a
-function of the WorkloadRequest (e.g. an oracle `lambda r: r.output_tokens`) to change it.
+function of the WorkloadRequest (e.g. an oracle `lambda r: r.output_tokens`) to change it, or a
+`policies.length_predictor.LengthPredictor` to predict online as the gateway does (the simulator feeds
+it every completed request's output length, so early requests see its default).
+
+Feedback to policies that want it (optional methods, looked up once): `report_progress(request_id,
+generated_tokens, now)` at a request's first token (generated_tokens = 1) and `observe_completion(request,
+output_tokens, now)` just before `on_complete` of a request that completed (stop/length), the counts a
+gateway sees in the stream. `queue_poll_s` also retries the admission queue's head every that many
+seconds while it is non-empty (the gateway's admission queue polls too), not only on completions;
+`queue_lookahead` > 1 lets that many waiting requests behind a head that does not fit try too (a policy
+that holds requests until their own deadline, like `aladdin`'s risk mode, must not block the rest).
 
 Engines are macro-stepped (EngineCore.plan_step(max_iterations=...)) and cut at the next iteration
 boundary when a request reaches them mid-step, so runs match per-iteration stepping (max_iterations=1);
@@ -45,8 +55,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policies.base import Policy, make_policy
-from policies.types import ROLE_MIXED, Decision, RequestFeatures, WorkerView
-from simulator.engine import EngineConfig, EngineCore, SimRequest
+from policies.length_predictor import LengthPredictor
+from policies.pd import parse_pd_split, pd_policy_for_profiles
+from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, Decision, RequestFeatures, WorkerView
+from simulator.engine import BLOCK_SIZE, EngineConfig, EngineCore, SimRequest
 from simulator.profiles import Profile, load_profile
 from simulator.workload import WorkloadRequest, load_workload, mean_output_tokens
 
@@ -71,6 +83,11 @@ class RequestResult:
     slo_ttft_s: float = math.inf
     slo_tpot_s: float = math.inf
     error: str | None = None
+    # P/D (Decision.prefill_worker_id set): the prefill leg's worker, its first scheduling and finish.
+    prefill_worker_id: str | None = None
+    prefill_scheduled: float | None = None
+    prefill_done: float | None = None
+    pd_decision: str | None = None          # the policy's Decision.reason for P/D policies
 
     @property
     def completed(self) -> bool:
@@ -93,7 +110,8 @@ class RequestResult:
     @property
     def queue_s(self) -> float | None:
         """Arrival to first scheduling (gateway queue + API overhead + engine WAITING)."""
-        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+        first = self.prefill_scheduled if self.prefill_scheduled is not None else self.first_scheduled
+        return None if first is None else first - self.arrival
 
     @property
     def slo_met(self) -> bool:
@@ -120,10 +138,21 @@ class SimWorker:
     m_running: int = 0
     m_waiting: int = 0
     m_kv: float = 0.0
+    weight: float = 1.0                # WorkerView.weight (e.g. for weighted_round_robin)
 
     @property
     def gpus(self) -> int:
         return self.profile.gpus_per_worker
+
+
+@dataclass(slots=True)
+class _PdLeg:
+    """A disaggregated request in flight: its prefill leg's engine id and the two workers."""
+
+    request_id: str
+    prefill_id: str
+    prefill: SimWorker
+    decode: SimWorker
 
 
 @dataclass
@@ -173,10 +202,27 @@ class SimResult:
             "profile": self.profile,
             "duration_s": span,
             "wall_s": self.wall_s,
+            **_pd_summary(rs),
         }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+
+def _pd_summary(rs: list[RequestResult]) -> dict[str, Any]:
+    """P/D runs only: decisions, and the split of TTFT into the prefill leg and the hand-off to the first
+    decode token (API overhead + KV transfer + the decode worker's queue), over completed split requests."""
+    decisions: dict[str, int] = {}
+    for r in rs:
+        if r.pd_decision is not None:
+            decisions[r.pd_decision] = decisions.get(r.pd_decision, 0) + 1
+    if not decisions:
+        return {}
+    split = [r for r in rs if r.completed and r.prefill_done is not None]
+    prefill = sorted(r.prefill_done - r.arrival for r in split)
+    handoff = sorted(r.first_token - r.prefill_done for r in split)
+    return {"pd_decisions": decisions, "pd_prefill_p50": _pct(prefill, 50), "pd_prefill_p99": _pct(prefill, 99),
+            "pd_handoff_p50": _pct(handoff, 50), "pd_handoff_p99": _pct(handoff, 99)}
 
 
 def _pct(sorted_values: list[float], q: float) -> float | None:
@@ -204,26 +250,47 @@ class ClusterSim:
         predicted_output_tokens: float | Callable[[WorkloadRequest], float] | None = None,
         policy_params: dict[str, Any] | None = None,
         cap: int | None = None,
+        queue_poll_s: float | None = None,
+        queue_lookahead: int = 1,
+        prefill_workers: int = 0,
     ) -> None:
         if workers < 0:
             raise ValueError("workers must be >= 0")
+        if prefill_workers and not 0 < prefill_workers < workers:
+            raise ValueError("prefill_workers must leave at least one of the workers for decode")
         if slo_ttft_s <= 0 or slo_tpot_s <= 0:
             raise ValueError("SLOs must be > 0")
         if scrape_interval_s < 0:
             raise ValueError("scrape_interval_s must be >= 0")
         if max_iterations < 1:
             raise ValueError("max_iterations must be >= 1")
+        if queue_poll_s is not None and not queue_poll_s > 0:
+            raise ValueError("queue_poll_s must be > 0 (or None)")
+        if queue_lookahead < 1:
+            raise ValueError("queue_lookahead must be >= 1")
         plist = [profiles] if isinstance(profiles, str | Profile) else list(profiles)
         if not plist:
             raise ValueError("at least one profile is needed")
         self.profiles = [load_profile(p) for p in plist]
         self.policy = make_policy(policy, **(policy_params or {})) if isinstance(policy, str) else policy
         self.policy_name = policy if isinstance(policy, str) else getattr(policy, "name", type(policy).__name__)
+        self.prefill_workers = prefill_workers
+        if prefill_workers and isinstance(policy, str):  # P/D pools: the named policy places decodes
+            self.policy = pd_policy_for_profiles(policy, policy_params, self.profiles, slo_ttft_s=slo_ttft_s,
+                                                 slo_tpot_s=slo_tpot_s, prefix_chunk_tokens=BLOCK_SIZE)
+            self.policy_name = f"pd/{policy}"
+        self._pd_legs: dict[str, _PdLeg] = {}
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.scrape_interval_s = scrape_interval_s
         self.engine_config = engine_config
         self.max_iterations = max_iterations
         self.predicted_output_tokens = predicted_output_tokens
+        self.length_predictor = predicted_output_tokens if isinstance(predicted_output_tokens, LengthPredictor) else None
+        self._progress_hook = getattr(self.policy, "report_progress", None)
+        self._completion_hook = getattr(self.policy, "observe_completion", None)
+        self.queue_poll_s = queue_poll_s
+        self.queue_lookahead = queue_lookahead
+        self._poll_armed = False
         self.cap = cap
         self.now = 0.0
         self.workers: dict[str, SimWorker] = {}
@@ -239,19 +306,22 @@ class ClusterSim:
         self._max_queue = 0
         self._pending: dict[str, tuple[WorkloadRequest, RequestFeatures]] = {}
         for i in range(workers):
-            self.add_worker(self.profiles[i % len(self.profiles)], now=0.0)
+            role = ROLE_MIXED if not prefill_workers else ROLE_PREFILL if i < prefill_workers else ROLE_DECODE
+            self.add_worker(self.profiles[i % len(self.profiles)], role=role, now=0.0)
 
     # ---- fleet ------------------------------------------------------------------------------------
     def add_worker(self, profile: str | Profile | None = None, worker_id: str | None = None, *,
                    role: str = ROLE_MIXED, cap: int | None = None, labels: dict[str, str] | None = None,
-                   now: float | None = None) -> str:
+                   now: float | None = None, weight: float = 1.0) -> str:
         prof = load_profile(profile) if profile is not None else self.profiles[0]
         wid = worker_id or f"w{next(self._ids)}"
         if wid in self.workers:
             raise ValueError(f"worker {wid!r} exists")
+        if not weight > 0:
+            raise ValueError("weight must be > 0")
         t = self.now if now is None else now
         self.workers[wid] = SimWorker(wid, prof, EngineCore(prof, self.engine_config), t, role,
-                                      cap if cap is not None else self.cap, dict(labels or {}))
+                                      cap if cap is not None else self.cap, dict(labels or {}), weight=weight)
         if self._queue:
             self._drain_queue(t)
         return wid
@@ -280,10 +350,12 @@ class ClusterSim:
             eng = w.engine
             w.scrape_tick, w.m_running, w.m_waiting, w.m_kv = tick, eng.num_running, eng.num_waiting, eng.kv_usage
         return WorkerView(w.id, w.role, w.inflight, w.inflight_tokens, w.cap, w.m_running, w.m_waiting, w.m_kv,
-                          w.profile.name, 1.0, w.labels)
+                          w.profile.name, w.weight, w.labels)
 
     def _predict(self, r: WorkloadRequest) -> float:
         p = self.predicted_output_tokens
+        if self.length_predictor is not None:
+            return self.length_predictor.predict(self.profiles[0].model, r.prompt_tokens, r.max_tokens)
         return float(p(r)) if callable(p) else float(p or 128.0)
 
     def features(self, r: WorkloadRequest) -> RequestFeatures:
@@ -307,6 +379,10 @@ class ClusterSim:
         w = self.workers.get(wid)
         if w is None or w.draining:
             raise RuntimeError(f"policy {self.policy_name} chose {wid!r}, which is not a candidate")
+        if decision.prefill_worker_id is not None or self.prefill_workers:
+            self.results[r.request_id].pd_decision = decision.reason
+        if decision.prefill_worker_id is not None:
+            return self._dispatch_pd(r, feats, w, decision.prefill_worker_id, now)
         self.policy.on_dispatch(feats, wid, now)
         w.inflight += 1
         w.inflight_tokens += r.prompt_tokens + int(feats.predicted_output_tokens)
@@ -322,10 +398,25 @@ class ClusterSim:
         q = self._queue
         while q and self._try_dispatch(q[0][0], q[0][1], now):
             q.popleft()
+        i = 1
+        while i < min(len(q), self.queue_lookahead):   # a head that does not fit: the next ones may
+            if self._try_dispatch(q[i][0], q[i][1], now):
+                del q[i]
+            else:
+                i += 1
+        if q and self.queue_poll_s is not None and not self._poll_armed:
+            self._poll_armed = True
+            self.schedule(now + self.queue_poll_s, _poll_queue)
 
     def _complete(self, w: SimWorker, r: WorkloadRequest, feats: RequestFeatures, now: float) -> None:
         w.inflight -= 1
         w.inflight_tokens -= r.prompt_tokens + int(feats.predicted_output_tokens)
+        res = self.results[r.request_id]
+        if res.completed:
+            if self.length_predictor is not None:
+                self.length_predictor.observe(feats.model, r.prompt_tokens, res.output_tokens)
+            if self._completion_hook is not None:
+                self._completion_hook(feats, res.output_tokens, now)
         self.policy.on_complete(feats, w.id, now)
         for hook in self.on_finish:
             hook(self, self.results[r.request_id])
@@ -373,7 +464,11 @@ class ClusterSim:
         w.step_end = None
         finished = False
         for ev in w.engine.finish_step(now):
+            if self._pd_legs and ev.request_id in self._pd_legs and self._pd_step_event(w, ev, now):
+                continue
             if not ev.finished:
+                if ev.first_token and self._progress_hook is not None:
+                    self._progress_hook(ev.request_id, 1, now)
                 continue
             rec = ev.record
             r, feats = self._pending.pop(ev.request_id)
@@ -387,6 +482,117 @@ class ClusterSim:
             self._plan(w, now)
         if finished and self._queue:
             self._drain_queue(now)
+
+    # ---- P/D: prefill leg on one worker, KV transfer, decode leg on another (policies/pd.py) ---------
+    # The legs follow the gateway's protocol (vllm-interface.md 4.2): the prefill leg is a max_tokens=1
+    # `remote_decode` request whose blocks stay pinned; its finish starts the decode leg (after the API
+    # overhead) as a `remote_prefill` request whose KV is ready after the profile's transfer time; the
+    # decode leg's first token (the KV has been read) releases the producer's pins.
+    def _dispatch_pd(self, r: WorkloadRequest, feats: RequestFeatures, wd: SimWorker, pid: str, now: float) -> bool:
+        wp = self.workers.get(pid)
+        if wp is None or wp.draining or wp is wd:
+            raise RuntimeError(f"policy {self.policy_name} chose prefill worker {pid!r}, which is not a candidate")
+        self.policy.on_dispatch(feats, wd.id, now)
+        wd.inflight += 1
+        wd.inflight_tokens += r.prompt_tokens + int(feats.predicted_output_tokens)
+        wp.inflight += 1
+        wp.inflight_tokens += r.prompt_tokens        # a prefill leg reserves its prompt only
+        res = self.results[r.request_id]
+        res.worker_id, res.prefill_worker_id, res.dispatched = wd.id, pid, now
+        for hook in self.on_dispatch:
+            hook(self, r, wd.id, now)
+        self._pending[r.request_id] = (r, feats)
+        leg = _PdLeg(r.request_id, r.request_id + "#prefill", wp, wd)
+        self._pd_legs[leg.prefill_id] = leg
+        self._pd_legs[leg.request_id] = leg
+        self.schedule(now + wp.profile.ttft_overhead_s, lambda sim, t: sim._pd_add_prefill(leg, t))
+        return True
+
+    def _pd_add_prefill(self, leg: _PdLeg, now: float) -> None:
+        r, _ = self._pending[leg.request_id]
+        sreq = SimRequest(leg.prefill_id, r.prompt_tokens, list(r.prefix_blocks), 1, 1, priority=r.priority,
+                          arrival=now, remote_decode=True)
+        try:
+            leg.prefill.engine.add(sreq, now)
+        except ValueError as exc:
+            self._pd_release_prefill(leg, now)
+            self._pd_reject(leg, str(exc), now)
+            return
+        self._poke(leg.prefill, now)
+
+    def _pd_step_event(self, w: SimWorker, ev: Any, now: float) -> bool:
+        """P/D bookkeeping for one StepEvent; True when the event was the prefill leg's (consumed)."""
+        leg = self._pd_legs[ev.request_id]
+        if ev.request_id == leg.prefill_id:
+            if ev.finished:
+                del self._pd_legs[leg.prefill_id]
+                rec = ev.record
+                res = self.results[leg.request_id]
+                res.prefill_scheduled, res.prefill_done = rec.first_scheduled, rec.finished
+                res.num_cached_tokens = rec.num_cached_tokens
+                self._pd_release_prefill(leg, now)
+                transfer = leg.prefill.profile.kv_transfer_s(rec.prompt_len)
+                t_add = now + leg.decode.profile.ttft_overhead_s
+                self.schedule(t_add, lambda sim, t: sim._pd_add_decode(leg, t, t + transfer))
+            return True
+        if ev.first_token:   # the decode worker holds the KV now: the producer lets its blocks go
+            del self._pd_legs[leg.request_id]
+            wp = leg.prefill
+            if wp.removed_at is None and wp.step_end is not None:
+                self._truncate(wp, now)
+            wp.engine.release_remote(leg.prefill_id, now)
+            if wp.removed_at is None and wp.step_end is None:
+                self._plan(wp, now)
+        return False
+
+    def _pd_add_decode(self, leg: _PdLeg, now: float, kv_ready_at: float) -> None:
+        r, _ = self._pending[leg.request_id]
+        wd = leg.decode
+        max_tokens = r.max_tokens or max(1, wd.engine.max_model_len - r.prompt_tokens)
+        sreq = SimRequest(leg.request_id, r.prompt_tokens, list(r.prefix_blocks), max_tokens,
+                          min(r.output_tokens, max_tokens), priority=r.priority, arrival=now,
+                          remote_prefill=True, kv_ready_at=kv_ready_at)
+        try:
+            wd.engine.add(sreq, now)
+        except ValueError as exc:
+            self._pd_legs.pop(leg.request_id, None)
+            self._pd_reject(leg, str(exc), now)
+            return
+        self._poke(wd, now)
+
+    def _pd_release_prefill(self, leg: _PdLeg, now: float) -> None:
+        r, _ = self._pending[leg.request_id]
+        wp = leg.prefill
+        wp.inflight -= 1
+        wp.inflight_tokens -= r.prompt_tokens
+        self._maybe_retire(wp, now)
+        if self._queue:
+            self._drain_queue(now)
+
+    def _pd_reject(self, leg: _PdLeg, error: str, now: float) -> None:
+        """What vLLM answers with HTTP 400 on either leg: the request ends, the decode slot is freed."""
+        self._pd_legs.pop(leg.request_id, None)
+        r, feats = self._pending.pop(leg.request_id)
+        res = self.results[leg.request_id]
+        res.finish_reason, res.error, res.finished = "rejected", error, now
+        self._complete(leg.decode, r, feats, now)
+
+    def _poke(self, w: SimWorker, now: float) -> None:
+        """A request reached w's engine: plan a step if it is idle, else cut a macro step at `now`."""
+        if w.removed_at is not None:
+            return
+        if w.step_end is None:
+            self._plan(w, now)
+        elif w.step_end > now:
+            self._truncate(w, now)
+
+    def _truncate(self, w: SimWorker, now: float) -> None:
+        if self.max_iterations > 1 and w.step_end is not None and w.step_end > now:
+            end = w.step_start + w.engine.truncate_step(now)
+            if end != w.step_end:
+                w.step_end = end
+                w.token += 1
+                heapq.heappush(self._heap, (end, next(self._seq), _STEP, (w, w.token)))
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self, workload: Sequence[WorkloadRequest], until: float | None = None) -> SimResult:
@@ -439,9 +645,12 @@ class ClusterSim:
         for hook in self.on_arrival:
             hook(self, r, now)
         feats = self.features(r)
-        if self._queue or not self._try_dispatch(r, feats, now):
+        if len(self._queue) >= self.queue_lookahead or not self._try_dispatch(r, feats, now):
             self._queue.append((r, feats))
             self._max_queue = max(self._max_queue, len(self._queue))
+            if self.queue_poll_s is not None and not self._poll_armed:
+                self._poll_armed = True
+                self.schedule(now + self.queue_poll_s, _poll_queue)
 
     def _result(self, start: float, end: float, wall: float) -> SimResult:
         all_workers = list(self.workers.values()) + self.retired
@@ -458,15 +667,26 @@ class ClusterSim:
         )
 
 
+def _poll_queue(sim: ClusterSim, now: float) -> None:
+    """Timer: retry the admission queue's head (re-armed by `_drain_queue` while requests wait)."""
+    sim._poll_armed = False
+    if sim._queue:
+        sim._drain_queue(now)
+
+
 # ---- `fleetgate simulate` -------------------------------------------------------------------------
 def run_simulate_cli(
     trace: str | None, workers: int, profile: str, policy: str, rate: float | None, rate_scale: float,
     arrival: str, cv: float, duration: float | None, slo_ttft_ms: float, slo_tpot_ms: float, seed: int,
-    as_json: bool,
+    as_json: bool, pd: str | None = None,
 ) -> None:
     import typer
 
     try:
+        prefill_workers = 0
+        if pd is not None:  # P prefill + D decode workers; `policy` places the decode legs (policies/pd.py)
+            prefill_workers, decode_workers = parse_pd_split(pd)
+            workers = prefill_workers + decode_workers
         if workers < 1:
             raise ValueError("--workers must be >= 1")
         workload = load_workload(trace or "azure_conv", rate=rate, rate_scale=rate_scale, arrival=arrival,
@@ -475,7 +695,8 @@ def run_simulate_cli(
             raise ValueError("the workload is empty (check --duration / --rate)")
         profiles = [p.strip() for p in profile.split(",") if p.strip()]
         sim = ClusterSim(profiles, workers, policy, slo_ttft_s=slo_ttft_ms / 1000.0, slo_tpot_s=slo_tpot_ms / 1000.0,
-                         policy_params={"seed": seed} if policy in ("random", "power_of_two") else None)
+                         policy_params={"seed": seed} if policy in ("random", "power_of_two") else None,
+                         prefill_workers=prefill_workers)
         result = sim.run(workload)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

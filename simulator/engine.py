@@ -317,6 +317,12 @@ class EngineCore:
             raise ValueError(f"prompt of {req.prompt_len} tokens does not fit max_model_len {self.max_model_len}")
         if -(-(req.prompt_len + 1) // self.block_size) > self.num_gpu_blocks:
             raise ValueError(f"prompt of {req.prompt_len} tokens exceeds the KV cache ({self.num_gpu_blocks} blocks)")
+        if self.block_size != BLOCK_SIZE and req.block_hashes:
+            # Hashes arrive per 16-token block and are chained, so an engine block of r x 16 tokens is named by
+            # the hash of its last 16-token sub-block (vLLM hashes whole blocks of its own block_size: the CPU
+            # backend's 128). Without this a 128-token block would hit on 16 matching tokens.
+            r = self.block_size // BLOCK_SIZE
+            req.block_hashes = req.block_hashes[r - 1::r] if self.block_size % BLOCK_SIZE == 0 else []
         max_tokens = max(1, req.max_tokens)
         limit = max(1, min(req.target_output_tokens, max_tokens, self.max_model_len - req.prompt_len))
         if req.remote_decode:

@@ -72,9 +72,4 @@ def test_demo_serves_requests_and_ctrl_c_stops_everything() -> None:
             proc.kill()
             proc.wait(5)
 
-
-def test_demo_pd_and_autoscale_are_not_implemented_yet() -> None:
-    for flag in (["--pd", "1:1"], ["--autoscale"]):
-        r = subprocess.run([sys.executable, "-m", "gateway.cli", "demo", *flag], cwd=ROOT, capture_output=True,
-                           text=True, timeout=60)
-        assert r.returncode == 2 and "not implemented yet" in r.stderr
+# --pd: tests/test_gateway_pd.py; --autoscale: tests/test_gateway_autoscale.py

@@ -33,6 +33,25 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
      [("max by (instance) (vllm:kv_cache_usage_perc)", "{{instance}}")]),
     ("Prefix-cache hit rate", "percentunit",
      [("sum(rate(vllm:prefix_cache_hits_total[1m])) / sum(rate(vllm:prefix_cache_queries_total[1m]))", "hit rate")]),
+    # Backpressure and autoscaling (gateway/autoscaler.py). Every replica exports the leader's numbers: take
+    # max over replicas, not sum. The interactive admission queue is per replica: that one is summed.
+    ("Workers per pool: desired vs current", "short",
+     [("max by (pool) (fleetgate_desired_workers)", "desired {{pool}}"),
+      ("max by (pool) (fleetgate_current_workers)", "current {{pool}}")]),
+    ("Backpressure (Chiron: lbp, tbp, ibp, bbp)", "short",
+     [("max by (kind, pool) (fleetgate_backpressure)", "{{kind}} {{pool}}")]),
+    ("Scale actions (last 5 min)", "short",
+     [("max by (pool, direction, reason) (increase(fleetgate_scale_actions_total[5m]))",
+       "{{pool}} {{direction}} {{reason}}")]),
+    ("Queue depth", "short",
+     [("sum(fleetgate_queue_depth{class=\"interactive\"})", "interactive (admission, all replicas)"),
+      ("max by (model) (fleetgate_queue_depth{class=\"batch\"})", "batch {{model}}")]),
+    ("Queue wait estimate", "s",
+     [("max by (class) (fleetgate_queue_wait_estimate_seconds)", "{{class}}")]),
+    ("Per-worker cap (Chiron Algorithm 1)", "short",
+     [("max by (worker) (fleetgate_worker_batch_cap)", "{{worker}}")]),
+    ("Autoscaler leader", "short",
+     [("fleetgate_autoscaler_leader", "{{instance}}")]),
 ]
 
 

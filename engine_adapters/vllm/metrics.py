@@ -28,6 +28,13 @@ _WANTED: dict[str, tuple[str, int]] = {
     "vllm:prefix_cache_hits": ("prefix_cache_hits", 0),
     "vllm:gpu_prefix_cache_hits_total": ("prefix_cache_hits", 1),
     "vllm:gpu_prefix_cache_hits": ("prefix_cache_hits", 1),
+    # local autoscaler (gateway/autoscaler.py): throughput and inter-token latency (reference section 3.2)
+    "vllm:generation_tokens_total": ("generation_tokens", 0),
+    "vllm:generation_tokens": ("generation_tokens", 0),
+    "vllm:inter_token_latency_seconds_sum": ("itl_sum", 0),
+    "vllm:inter_token_latency_seconds_count": ("itl_count", 0),
+    "vllm:time_per_output_token_seconds_sum": ("itl_sum", 1),
+    "vllm:time_per_output_token_seconds_count": ("itl_count", 1),
 }
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 _LABEL_RE = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')

@@ -11,6 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from gateway.state.jobs import JobStore
+
 WORKER_ACTIVE = "active"
 WORKER_DRAINING = "draining"
 
@@ -42,6 +44,9 @@ class EngineMetrics:
     prefix_cache_hits: float = 0.0
     num_gpu_blocks: int | None = None
     block_size: int | None = None
+    generation_tokens: float = 0.0      # counter: output tokens generated (local autoscaler throughput)
+    itl_sum: float = 0.0                # inter-token latency histogram _sum / _count (seconds, engine time)
+    itl_count: float = 0.0
     scraped_at: float = 0.0             # unix time of the scrape
 
 
@@ -51,8 +56,11 @@ class Inflight:
     tokens: int = 0
 
 
-class StateStore(ABC):
-    """What the gateway shares between its control loops and, with Redis, between replicas."""
+class StateStore(JobStore, ABC):
+    """What the gateway shares between its control loops and, with Redis, between replicas.
+
+    Batch files, batch objects, the durable batch queue and leases: gateway/state/jobs.py (JobStore).
+    """
 
     replica_id: str
 
@@ -90,3 +98,18 @@ class StateStore(ABC):
     @abstractmethod
     def inflight(self) -> dict[str, Inflight]:
         """Cached in-flight reservations per worker, summed over replicas (no I/O)."""
+
+    # --- shared documents (control loops only: fitted models, predictor state) -------------------
+    # Small JSON-able dicts under string keys; last writer wins. Not for the hot path.
+    async def put_doc(self, key: str, doc: dict) -> None:
+        raise NotImplementedError
+
+    async def get_doc(self, key: str) -> dict | None:
+        raise NotImplementedError
+
+    async def get_docs(self, prefix: str) -> dict[str, dict]:
+        """Every document whose key starts with `prefix`, by key."""
+        raise NotImplementedError
+
+    async def delete_doc(self, key: str) -> None:
+        raise NotImplementedError

@@ -11,6 +11,7 @@ import os
 import socket
 
 from gateway.state.base import EngineMetrics, Inflight, StateStore, WorkerRecord
+from gateway.state.jobs import MemoryJobs
 
 
 def default_replica_id() -> str:
@@ -18,7 +19,7 @@ def default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class MemoryStore(StateStore):
+class MemoryStore(MemoryJobs, StateStore):
     """All state in this process. `inflight()` is exact and costs O(workers) for the copy only."""
 
     def __init__(self, replica_id: str | None = None) -> None:
@@ -30,6 +31,7 @@ class MemoryStore(StateStore):
         # worker -> running totals. Inflight objects are replaced, never mutated, so a dict returned by
         # inflight() is a true snapshot.
         self._inflight: dict[str, Inflight] = {}
+        self._docs: dict[str, dict] = {}
 
     # --- registry -------------------------------------------------------------------------------
     async def upsert_worker(self, rec: WorkerRecord) -> None:
@@ -76,3 +78,17 @@ class MemoryStore(StateStore):
 
     def inflight(self) -> dict[str, Inflight]:
         return dict(self._inflight)
+
+    # --- shared documents ------------------------------------------------------------------------
+    async def put_doc(self, key: str, doc: dict) -> None:
+        self._docs[key] = copy.deepcopy(doc)
+
+    async def get_doc(self, key: str) -> dict | None:
+        doc = self._docs.get(key)
+        return copy.deepcopy(doc) if doc is not None else None
+
+    async def get_docs(self, prefix: str) -> dict[str, dict]:
+        return {k: copy.deepcopy(v) for k, v in self._docs.items() if k.startswith(prefix)}
+
+    async def delete_doc(self, key: str) -> None:
+        self._docs.pop(key, None)

@@ -8,6 +8,7 @@ Keys (prefix `fg:` by default; DESIGN.md "State", adapted):
   fg:load:<replica>     hash  "r:<worker>" -> requests, "t:<worker>" -> tokens this replica holds;
                               PEXPIRE'd with the lease and rewritten from local truth by each heartbeat
   fg:replicas           zset  replica id scored by lease expiry (ms)
+  fg:docs               hash  document key -> JSON (fitted models, predictor state; control loops only)
 
 Admission is one Lua script (DESIGN principle 3): drop expired members, compare ZCARD with the cap,
 ZADD. Each replica re-scores its own members every lease_ttl/3, so a SIGKILLed replica's reservations
@@ -45,6 +46,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.state.base import EngineMetrics, Inflight, StateStore, WorkerRecord
+from gateway.state.jobs import RedisJobs
 
 log = logging.getLogger("fleetgate.state.redis")
 
@@ -166,7 +168,7 @@ def _metrics_from(raw: str | bytes) -> EngineMetrics:
     return EngineMetrics(**{k: v for k, v in d.items() if k in names})
 
 
-class RedisStore(StateStore):
+class RedisStore(RedisJobs, StateStore):
     def __init__(
         self,
         url: str,
@@ -206,6 +208,8 @@ class RedisStore(StateStore):
         self._workers_cache: dict[str, WorkerRecord] = {}
         self._metrics_cache: dict[str, EngineMetrics] = {}
         self._pending_registry: dict[str, WorkerRecord | None] = {}
+        # Last known shared documents (key -> JSON), served while Redis is down; writers re-put them.
+        self._docs_cache: dict[str, str | bytes] = {}
 
     # --- keys -----------------------------------------------------------------------------------
     def _k(self, name: str) -> str:
@@ -494,3 +498,52 @@ class RedisStore(StateStore):
             except _DOWN_ERRORS as exc:
                 self._mark_down(exc)
         return {wid: dataclasses.replace(m) for wid, m in self._metrics_cache.items()}
+
+    # --- shared documents (control loops; a write while Redis is down stays local until re-put) ---
+    async def put_doc(self, key: str, doc: dict) -> None:
+        raw = orjson.dumps(doc)
+        self._docs_cache[key] = raw
+        if self._ok:
+            try:
+                await self._client().hset(self._k("docs"), key, raw)
+            except _DOWN_ERRORS as exc:
+                self._mark_down(exc)
+
+    async def get_doc(self, key: str) -> dict | None:
+        if self._ok:
+            try:
+                raw = await self._client().hget(self._k("docs"), key)
+            except _DOWN_ERRORS as exc:
+                self._mark_down(exc)
+            else:
+                if raw is None:
+                    self._docs_cache.pop(key, None)
+                else:
+                    self._docs_cache[key] = raw
+        raw = self._docs_cache.get(key)
+        return orjson.loads(raw) if raw is not None else None
+
+    async def get_docs(self, prefix: str) -> dict[str, dict]:
+        if self._ok:
+            try:
+                found = {k: v async for k, v in self._client().hscan_iter(
+                    self._k("docs"), match=_glob_escape(prefix) + "*", count=200)}
+            except _DOWN_ERRORS as exc:
+                self._mark_down(exc)
+            else:
+                kept = {k: v for k, v in self._docs_cache.items() if not k.startswith(prefix)}
+                self._docs_cache = {**kept, **found}
+        return {k: orjson.loads(v) for k, v in self._docs_cache.items() if k.startswith(prefix)}
+
+    async def delete_doc(self, key: str) -> None:
+        self._docs_cache.pop(key, None)
+        if self._ok:
+            try:
+                await self._client().hdel(self._k("docs"), key)
+            except _DOWN_ERRORS as exc:
+                self._mark_down(exc)
+
+
+def _glob_escape(text: str) -> str:
+    """Escape Redis glob metacharacters so a key prefix matches literally (HSCAN MATCH)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

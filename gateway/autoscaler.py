@@ -1,0 +1,459 @@
+"""The gateway's autoscaling loop: Chiron's local caps and global pool sizes, acted on by one leader.
+
+Every replica, every `autoscale.sample_s`: samples its own interactive / batch requests in flight per
+worker (gateway/batch_runner.py ClassRouter) and the shared reservations; every `interval_s` it
+publishes those time averages and its cumulative counts (interactive dispatches, batch output tokens,
+batch output lengths) as `autoscale:load:<replica>` in the state store.
+
+The replica holding the lease `autoscaler` (state store, TTL `lease_ttl_s`, renewed every TTL/3) also:
+- every `local_interval_s`, per worker (Chiron Algorithm 1, policies/autoscale/local.py): LBP = window
+  ITL / ITL SLO from the engine's inter-token-latency histogram (scraped `_sum` / `_count` deltas, engine
+  seconds), TBP from the engine's generated-token counter; the cap binds when the sampled peak in flight
+  reached it while the engine queued nothing. The new cap is written to the worker record (every
+  replica enforces it; `fleetgate_worker_batch_cap{worker}`). ITL SLO: `itl_slo_ms` (default: slo.tpot_ms,
+  else 200 ms) for interactive and mixed workers, `batch_itl_slo_ms` for batch workers (section 4.2);
+- every `interval_s`, builds a FleetObservation from all replicas' load documents, the registry, the
+  batch queue and the scraped engine counters, runs GlobalAutoscaler (policies/autoscale/global_.py:
+  interactive band, Aladdin's rate fit, batch deadline groups, hysteresis, cooldowns, bounds, scale to
+  zero), hands the desired counts to the actuator (gateway/actuators.py), keeps `desired[interactive]` of
+  the interactive+mixed workers labelled interactive (labels are free, Chiron section 3), and publishes the
+  result as `autoscale:state`.
+Every other replica exports the leader's `autoscale:state`, so all replicas show the same numbers.
+
+Gateway-level rule beyond the policy: when batch work is queued and no worker may run it (no mixed or
+batch worker, none starting), the batch pool gets one worker ("bootstrap"): the policy needs a measured
+per-worker batch throughput before it sizes the pool, and there is none to measure yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import statistics
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gateway.actuators import Actuator, ActuatorContext, make_actuator, pool_label
+from gateway.state.base import EngineMetrics
+from policies.autoscale.global_ import (
+    POOL_BATCH,
+    POOL_INTERACTIVE,
+    POOL_MIXED,
+    POOLS,
+    FleetObservation,
+    GlobalAutoscaler,
+    GlobalConfig,
+    ScaleAction,
+)
+from policies.autoscale.local import LocalAutoscaler, LocalConfig
+from policies.batch_queue import estimate_wait
+from policies.types import ROLE_MIXED
+
+if TYPE_CHECKING:
+    from gateway.batch_runner import BatchRunner
+    from gateway.config import GatewayConfig
+    from gateway.dispatch import Dispatcher
+    from gateway.metrics import GatewayMetrics
+    from gateway.registry import Registry, WorkerState
+    from gateway.state.base import StateStore
+
+log = logging.getLogger("fleetgate.autoscaler")
+
+LEASE = "autoscaler"
+DOC_LOAD = "autoscale:load:"
+DOC_STATE = "autoscale:state"
+MIN_ITL_TOKENS = 16          # fewer inter-token samples in a window say little about the ITL
+MIN_OUTPUT_SAMPLES = 20      # batch output length statistics from this many finished requests on
+DEFAULT_ITL_SLO_S = 0.2      # Chiron section 6: interactive ITL SLO 200 ms
+BP_KINDS = ("lbp", "tbp", "ibp", "bbp")
+
+
+class WindowSum:
+    """Sum of (time, value) samples over the last `window_s` seconds."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._q: deque[tuple[float, float]] = deque()
+        self._sum = 0.0
+
+    def add(self, t: float, v: float) -> None:
+        self._q.append((t, v))
+        self._sum += v
+
+    def total(self, now: float) -> float:
+        while self._q and self._q[0][0] <= now - self.window_s:
+            self._sum -= self._q.popleft()[1]
+        return self._sum if self._q else 0.0
+
+    def mean(self, now: float) -> float | None:
+        total = self.total(now)
+        return total / len(self._q) if self._q else None
+
+
+@dataclass(slots=True)
+class _LocalState:
+    """The leader's Algorithm 1 state for one worker."""
+
+    la: LocalAutoscaler
+    pool: str
+    prev: EngineMetrics
+    peak: int = 0
+
+
+@dataclass(slots=True)
+class _ReplicaMark:
+    t: float
+    dispatched: float
+    batch_tokens: float
+
+
+class Autoscaler:
+    def __init__(self, config: GatewayConfig, store: StateStore, registry: Registry, metrics: GatewayMetrics,
+                 batch: BatchRunner) -> None:
+        self.config = config
+        self.cfg = cfg = config.autoscale
+        self.store = store
+        self.registry = registry
+        self.metrics = metrics
+        self.batch = batch
+        self.dispatcher: Dispatcher | None = None
+        self.itl_slo_s = (cfg.itl_slo_ms or config.slo.tpot_ms or DEFAULT_ITL_SLO_S * 1000) / 1000
+        self.batch_itl_slo_s = cfg.batch_itl_slo_ms / 1000
+        self.ctx = ActuatorContext(registry, store, batch, cfg.drain_timeout_s, store.replica_id)
+        self.actuator: Actuator = make_actuator(cfg, self.ctx)
+        params = dict(cfg.scaler)
+        if cfg.actuator.kind == "sim":
+            params.setdefault("cold_start_s", cfg.actuator.sim.cold_start_s)
+        self.scaler = GlobalAutoscaler(GlobalConfig(**params))
+        self.leader = False
+        self.state: dict[str, Any] = {}
+        self.actions: Counter[str] = Counter()           # "pool|direction|reason" -> workers (leader, cumulative)
+        self._local: dict[str, _LocalState] = {}
+        self._peak: dict[str, int] = {}
+        self._area: dict[str, list[float]] = {}         # worker -> [interactive, batch] x seconds (this replica)
+        self._area_t0 = self._t_sample = time.monotonic()
+        self._marks: dict[str, _ReplicaMark] = {}
+        self._gen: dict[str, tuple[float, float]] = {}   # worker -> (scraped_at, generation tokens)
+        self._rate = WindowSum(cfg.rate_window_s)
+        self._batch_tokens = WindowSum(cfg.throughput_window_s)
+        self._worker_tokens = WindowSum(cfg.throughput_window_s)
+        self._best_worker_tokens = WindowSum(cfg.throughput_window_s)
+        self._t_start = time.time()
+        self._exported_actions: Counter[str] = Counter()
+        self._task: asyncio.Task | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    async def start(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+        if self.cfg.enabled:
+            await self.actuator.start()
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="fg-autoscaler")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(Exception):
+            await self.actuator.stop()
+        if self.leader:
+            with contextlib.suppress(Exception):
+                await self.store.release_lease(LEASE, self.store.replica_id)
+            self.leader = False
+
+    async def _loop(self) -> None:
+        cfg = self.cfg
+        now = time.monotonic()
+        next_lease, next_local, next_global = now, now + cfg.local_interval_s, now + cfg.interval_s
+        while True:
+            await asyncio.sleep(cfg.sample_s)
+            try:
+                now = time.monotonic()
+                self._sample(now)
+                if cfg.enabled and now >= next_lease:
+                    await self._renew_lease()
+                    next_lease = now + min(cfg.lease_ttl_s / 3, cfg.interval_s)
+                if now >= next_local:
+                    next_local = now + cfg.local_interval_s
+                    if cfg.enabled and cfg.local_caps and self.leader:
+                        await self.local_tick(time.time())
+                if now >= next_global:
+                    next_global = now + cfg.interval_s
+                    await self.global_tick(time.time())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a control loop must survive anything
+                log.exception("autoscaler round failed")
+
+    async def _renew_lease(self) -> None:
+        was = self.leader
+        self.leader = await self.store.acquire_lease(LEASE, self.store.replica_id, self.cfg.lease_ttl_s)
+        if self.leader != was:
+            log.info("replica %s %s the autoscaler lease", self.store.replica_id, "holds" if self.leader else "lost")
+            self._local.clear()
+        self.metrics.autoscaler_leader.set(1 if self.leader else 0)
+
+    # --- sampling (every replica) -------------------------------------------------------------------
+    def _sample(self, now: float) -> None:
+        dt = now - self._t_sample
+        self._t_sample = now
+        for wid, (inter, batch) in self.batch.class_counts().items():
+            a = self._area.get(wid)
+            if a is None:
+                a = self._area[wid] = [0.0, 0.0]
+            a[0] += inter * dt
+            a[1] += batch * dt
+        for wid, f in self.store.inflight().items():
+            if f.requests > self._peak.get(wid, 0):
+                self._peak[wid] = f.requests
+
+    def _load_doc(self, now_wall: float) -> dict[str, Any]:
+        mono = time.monotonic()
+        span = max(mono - self._area_t0, 1e-9)
+        workers = {wid: [a[0] / span, a[1] / span] for wid, a in self._area.items() if a[0] or a[1]}
+        self._area = {}
+        self._area_t0 = mono
+        out = self.batch.outputs
+        waiting = 0
+        if self.dispatcher is not None:
+            waiting = sum(len(rt.queue.waiters) for rt in self.dispatcher.runtimes.values())
+        return {"t": now_wall, "workers": workers, "dispatched": self.batch.router.interactive_dispatched,
+                "batch_tokens": self.batch.batch_tokens, "out": [out.n, out.total, out.total_sq], "waiting": waiting}
+
+    # --- Chiron Algorithm 1 (leader) ------------------------------------------------------------------
+    def _slo_for(self, pool: str) -> float:
+        return self.batch_itl_slo_s if pool == POOL_BATCH else self.itl_slo_s
+
+    async def local_tick(self, now: float) -> None:
+        inflight = self.store.inflight()
+        seen = set()
+        for ws in list(self.registry.workers.values()):
+            if not (ws.healthy and ws.active and ws.rec.role == ROLE_MIXED):
+                continue
+            seen.add(ws.id)
+            pool = pool_label(ws)
+            st = self._local.get(ws.id)
+            if st is None or st.pool != pool:
+                la = LocalAutoscaler(LocalConfig(itl_slo_s=self._slo_for(pool), **self.cfg.local),
+                                     initial_cap=ws.rec.cap or self._peer_cap(pool))
+                self._local[ws.id] = _LocalState(la, pool, dataclasses.replace(ws.metrics))
+                self._peak[ws.id] = 0
+                if ws.rec.cap != la.cap:
+                    await self.registry.update_worker(ws.id, cap=la.cap)
+                continue
+            m, prev = ws.metrics, st.prev
+            if m.scraped_at <= prev.scraped_at:
+                continue  # no new scrape since the last window
+            d_count, d_sum = m.itl_count - prev.itl_count, m.itl_sum - prev.itl_sum
+            d_gen, dt = m.generation_tokens - prev.generation_tokens, m.scraped_at - prev.scraped_at
+            st.prev = dataclasses.replace(m)
+            f = inflight.get(ws.id)
+            n_now = f.requests if f is not None else 0
+            peak, self._peak[ws.id] = max(self._peak.get(ws.id, 0), n_now), n_now
+            if d_count < 0 or d_gen < 0 or dt <= 0:
+                continue  # the engine restarted: counters went back
+            cap = ws.rec.cap or st.la.cap
+            st.la.observe(itl_s=d_sum / d_count if d_count >= MIN_ITL_TOKENS else None, tokens_per_s=d_gen / dt,
+                          saturated=peak >= cap and m.waiting == 0)
+            new = st.la.update(now)
+            if new != ws.rec.cap:
+                await self.registry.update_worker(ws.id, cap=new)
+                self.metrics.worker_batch_cap.labels(ws.id).set(new)
+        for wid in [w for w in self._local if w not in seen]:
+            del self._local[wid]
+
+    def _peer_cap(self, pool: str) -> int | None:
+        """A new worker starts from the median cap its peers learned (same ITL SLO), else the default."""
+        is_batch = pool == POOL_BATCH
+        caps = sorted(st.la.cap for st in self._local.values() if (st.pool == POOL_BATCH) == is_batch)
+        return caps[len(caps) // 2] if caps else None
+
+    # --- Chiron section 5 (leader) / export (all) -----------------------------------------------------
+    async def global_tick(self, now: float) -> None:
+        await self.store.put_doc(DOC_LOAD + self.store.replica_id, self._load_doc(now))
+        if self.cfg.enabled and self.leader:
+            self.state = await self._plan(now)
+            await self.store.put_doc(DOC_STATE, self.state)
+        elif self.cfg.enabled:
+            self.state = await self.store.get_doc(DOC_STATE) or {}
+        else:
+            self.state = await self._observe_only(now)
+        self._export(self.state)
+
+    async def _gather(self, now: float) -> tuple[FleetObservation, dict[str, Any]]:
+        """The FleetObservation from every replica's load document, the registry, the queue and the engines."""
+        cfg = self.cfg
+        stale = 3 * cfg.interval_s + cfg.lease_ttl_s
+        docs = await self.store.get_docs(DOC_LOAD)
+        per_worker: dict[str, list[float]] = {}
+        new_dispatches = new_tokens = 0.0
+        out_n = out_sum = out_sq = 0.0
+        waiting = 0
+        for key, d in docs.items():
+            if now - d.get("t", 0.0) > stale:
+                if now - d.get("t", 0.0) > 100 * stale:
+                    await self.store.delete_doc(key)  # a replica long gone
+                continue
+            for wid, (inter, batch) in d.get("workers", {}).items():
+                acc = per_worker.setdefault(wid, [0.0, 0.0])
+                acc[0] += inter
+                acc[1] += batch
+            mark = self._marks.get(key)
+            if mark is not None and d["t"] > mark.t:
+                new_dispatches += max(0.0, d["dispatched"] - mark.dispatched)
+                new_tokens += max(0.0, d["batch_tokens"] - mark.batch_tokens)
+            if mark is None or d["t"] > mark.t:
+                self._marks[key] = _ReplicaMark(d["t"], d["dispatched"], d["batch_tokens"])
+            n, s, sq = d.get("out", (0, 0.0, 0.0))
+            out_n, out_sum, out_sq = out_n + n, out_sum + s, out_sq + sq
+            waiting += int(d.get("waiting", 0))
+        self._rate.add(now, new_dispatches)
+        span = max(1e-9, min(cfg.rate_window_s, now - self._t_start))
+        rate = self._rate.total(now) / span
+
+        active = self.ctx.active_by_pool()
+        pending = self.actuator.pending()
+        caps = [ws.rec.cap or cfg.busy_cap for p in POOLS for ws in active[p]]
+        median_cap = statistics.median(caps) if caps else cfg.busy_cap
+        busy = 0.0
+        for ws in (*active[POOL_INTERACTIVE], *active[POOL_MIXED]):
+            busy += min(1.0, per_worker.get(ws.id, (0.0, 0.0))[0] / (ws.rec.cap or cfg.busy_cap))
+        busy += waiting / median_cap  # interactive requests waiting for room are demand too
+
+        snap = await self.store.queue_snapshot()
+        self.metrics.set_batch_queue_depth(snap.depth)
+        batch_work = snap.queued > 0 or snap.running > 0
+        self._worker_throughput(now, active, batch_work)
+        if batch_work:
+            self._batch_tokens.add(now, new_tokens)
+        else:
+            self._batch_tokens = WindowSum(cfg.throughput_window_s)
+        thr_span = max(1e-9, min(cfg.throughput_window_s, now - self._t_start))
+        mean = out_sum / out_n if out_n >= MIN_OUTPUT_SAMPLES else 256.0
+        std = math.sqrt(max(0.0, out_sq / out_n - mean * mean)) if out_n >= MIN_OUTPUT_SAMPLES else 0.0
+        obs = FleetObservation(
+            interactive_busy=busy, workers={p: len(active[p]) for p in POOLS}, pending=pending,
+            interactive_rate=rate, queue=snap.deadlines, batch_inflight=snap.running,
+            batch_tokens_per_s=self._batch_tokens.total(now) / thr_span,
+            worker_tokens_per_s=self._worker_tokens.mean(now) or self._best(now),
+            output_mean=mean, output_std=std)
+        extra = {"queue": snap.queued, "waiting": waiting, "lbp": self._pool_bp("lbp"), "tbp": self._pool_bp("tbp")}
+        return obs, extra
+
+    def _worker_throughput(self, now: float, active: dict[str, list[WorkerState]], batch_work: bool) -> None:
+        """Output tokens/s of one worker busy with batch work (engine counters): the batch pool's mean, else
+        the mean of full mixed workers; the best single worker as a last resort."""
+        pool_rates: list[float] = []
+        full_rates: list[float] = []
+        best = 0.0
+        for p in POOLS:
+            for ws in active[p]:
+                m = ws.metrics
+                prev = self._gen.get(ws.id)
+                self._gen[ws.id] = (m.scraped_at, m.generation_tokens)
+                if prev is None or m.scraped_at <= prev[0] or m.generation_tokens < prev[1]:
+                    continue
+                r = (m.generation_tokens - prev[1]) / (m.scraped_at - prev[0])
+                best = max(best, r)
+                if p == POOL_BATCH:
+                    pool_rates.append(r)
+                elif p == POOL_MIXED and ws.rec.cap and self._peak.get(ws.id, 0) >= ws.rec.cap:
+                    full_rates.append(r)
+        if best > 0:
+            self._best_worker_tokens.add(now, best)
+        if batch_work and (pool_rates or full_rates):
+            self._worker_tokens.add(now, statistics.fmean(pool_rates or full_rates))
+
+    def _best(self, now: float) -> float | None:
+        self._best_worker_tokens.total(now)
+        vals = [v for _, v in self._best_worker_tokens._q]  # noqa: SLF001 - own helper
+        return max(vals) if vals else None
+
+    def _pool_bp(self, kind: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for st in self._local.values():
+            v = getattr(st.la, kind)
+            if v is not None and math.isfinite(v):
+                out[st.pool] = max(out.get(st.pool, 0.0), v)
+        return out
+
+    async def _plan(self, now: float) -> dict[str, Any]:
+        obs, extra = await self._gather(now)
+        plan = self.scaler.update(obs, now)
+        desired, actions = dict(plan.desired), list(plan.actions)
+        can_batch = obs.workers.get(POOL_MIXED, 0) + obs.workers.get(POOL_BATCH, 0) + obs.pending.get(POOL_MIXED, 0)
+        if (extra["queue"] and not can_batch and desired[POOL_MIXED] == 0 and desired[POOL_BATCH] == 0
+                and not obs.pending.get(POOL_BATCH, 0) and self.scaler.config.max_batch > 0):
+            desired[POOL_BATCH] = 1
+            actions.append(ScaleAction(POOL_BATCH, "up", 1, "bootstrap"))
+        for a in actions:
+            self.actions[f"{a.pool}|{a.direction}|{a.reason}"] += a.count
+            log.info("scale %s %s %+d (%s)", a.pool, a.direction, a.count if a.direction == "up" else -a.count, a.reason)
+        if self.actuator.kind != "none":
+            await self.actuator.apply(desired)
+            await self._relabel(desired[POOL_INTERACTIVE])
+        active = self.ctx.active_by_pool()
+        pending = self.actuator.pending()
+        bp = plan.backpressure
+        wait_i = extra["waiting"] / obs.interactive_rate if obs.interactive_rate > 0 else 0.0
+        return {
+            "t": now, "leader": self.store.replica_id, "desired": desired,
+            "current": {p: len(active[p]) + pending.get(p, 0) for p in POOLS}, "pending": pending,
+            "backpressure": {"ibp": {POOL_INTERACTIVE: bp["ibp"]}, "bbp": {POOL_BATCH: bp["bbp"]},
+                             "lbp": extra["lbp"], "tbp": extra["tbp"]},
+            "wait": {"batch": bp["batch_wait_s"] if math.isfinite(bp["batch_wait_s"]) else 1e9,
+                     "interactive": wait_i},
+            "actions": dict(self.actions), "rate": obs.interactive_rate, "busy": obs.interactive_busy,
+            "forecast": bp.get("forecast_busy"),
+        }
+
+    async def _observe_only(self, now: float) -> dict[str, Any]:
+        """Autoscaling off: still export what the queues look like (depth, wait estimates, pool sizes)."""
+        obs, extra = await self._gather(now)
+        q = sum(n for _, n in obs.queue) + obs.batch_inflight
+        w = estimate_wait(q, obs.output_mean, obs.output_std, obs.batch_tokens_per_s)
+        active = self.ctx.active_by_pool()
+        return {"t": now, "current": {p: len(active[p]) for p in POOLS},
+                "wait": {"batch": w if math.isfinite(w) else 1e9,
+                         "interactive": extra["waiting"] / obs.interactive_rate if obs.interactive_rate > 0 else 0.0}}
+
+    async def _relabel(self, want_interactive: int) -> None:
+        """Keep `want_interactive` of the active interactive+mixed workers labelled interactive."""
+        active = self.ctx.active_by_pool()
+        inter, mixed = active[POOL_INTERACTIVE], active[POOL_MIXED]
+        want = min(want_interactive, len(inter) + len(mixed))
+        counts = self.batch.class_counts()
+        if len(inter) > want:
+            for ws in sorted(inter, key=lambda w: sum(counts.get(w.id, (0, 0))))[: len(inter) - want]:
+                await self.registry.update_worker(ws.id, labels={**ws.rec.labels, "pool": POOL_MIXED})
+        elif len(inter) < want:
+            for ws in sorted(mixed, key=lambda w: counts.get(w.id, (0, 0))[1])[: want - len(inter)]:
+                await self.registry.update_worker(ws.id, labels={**ws.rec.labels, "pool": POOL_INTERACTIVE})
+
+    # --- metrics ----------------------------------------------------------------------------------
+    def _export(self, state: dict[str, Any]) -> None:
+        m = self.metrics
+        for pool, n in state.get("desired", {}).items():
+            m.desired_workers.labels(pool).set(n)
+        for pool, n in state.get("current", {}).items():
+            m.current_workers.labels(pool).set(n)
+        for kind, by_pool in state.get("backpressure", {}).items():
+            for pool, v in by_pool.items():
+                m.backpressure.labels(kind, pool).set(v)
+        for cls, w in state.get("wait", {}).items():
+            m.queue_wait_estimate.labels(cls).set(w)
+        for key, total in state.get("actions", {}).items():  # mirror the leader's cumulative counts
+            grow = total - self._exported_actions[key]
+            if grow > 0:
+                m.scale_actions.labels(*key.split("|")).inc(grow)
+                self._exported_actions[key] = total
+        for ws in self.registry.workers.values():
+            if ws.rec.cap is not None:
+                m.worker_batch_cap.labels(ws.id).set(ws.rec.cap)

@@ -1,0 +1,455 @@
+"""Runs queued batch requests on spare capacity through the normal dispatch path; writes the result files.
+
+The runner (one per gateway replica) claims the earliest-deadline request from the durable queue
+(gateway/state/jobs.py) whenever a worker that may take batch work has a free slot and no interactive
+request is waiting for that model, and replays it through `Dispatcher.handle` as a local, non-streaming
+request with `X-Request-Class: batch`: same validation, placement policy, caps, reservations, retries,
+metrics and learning as any other request. Its claim is renewed every lease_s / 3; a replica that dies
+stops renewing, and any replica's reaper returns the request to the queue after lease_s.
+
+`ClassRouter` is the dispatcher's hook for request classes and worker types (Chiron section 3):
+- candidates: a request goes to workers of its own type (label `pool`: interactive | batch) and spills to
+  `mixed` (unlabelled) workers when its own pool has no room;
+- an interactive request that finds no room evicts a batch request of this replica from the mixed worker
+  running the most batch work (policies.autoscale.routing.eviction_victim): the runner "disconnects"
+  (the relay closes the upstream request, vLLM aborts it) and the request returns to its place in the queue;
+- a runner request that finds no room is not queued in the interactive admission queue: it gets a 429
+  at once and goes back to the batch queue;
+- it counts interactive and batch requests in flight per worker (the autoscaler's busy measure).
+
+Results: a 2xx answer is an output-file line, anything else an error-file line (OpenAI's format); the
+gateway's own "no capacity" answers (429 capacity_exceeded, 503 no_healthy_worker) and evictions requeue.
+When a batch's last request resolves, exactly one replica (claim in the store) writes the output and error
+files and moves the batch to completed / cancelled / expired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway import errors
+from gateway.batch_api import new_id
+from gateway.dispatch import ROUTES
+from gateway.state.jobs import BatchStats, QueuedRequest, QueueSnapshot, expired_line
+from policies.autoscale.global_ import POOL_BATCH, POOL_INTERACTIVE, POOL_MIXED
+from policies.autoscale.routing import eviction_victim, pool_of
+from policies.types import CLASS_BATCH, RequestFeatures, WorkerView
+
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
+    from gateway.dispatch import Dispatcher, ModelRuntime
+    from gateway.metrics import GatewayMetrics
+    from gateway.registry import Registry
+    from gateway.state.base import StateStore
+
+log = logging.getLogger("fleetgate.batch")
+
+_ACTIVE_STATUSES = ("validating", "in_progress", "cancelling", "finalizing")
+_REQUEUE_CODES = ("capacity_exceeded", "no_healthy_worker")
+EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+EVICT_WAIT_S = 5.0
+SWEEP_S = 1.0
+
+
+def worker_pool(labels: dict[str, str]) -> str:
+    return labels.get("pool", POOL_MIXED)
+
+
+@dataclass(slots=True)
+class _Run:
+    item: QueuedRequest
+    started: float
+    task: asyncio.Task | None = None
+    worker: str | None = None
+    evicted: bool = False
+    evict: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(slots=True)
+class OutputStats:
+    """Output lengths of finished batch requests (this replica, cumulative): the autoscaler's O_i."""
+
+    n: int = 0
+    total: float = 0.0
+    total_sq: float = 0.0
+
+    def add(self, tokens: int) -> None:
+        self.n += 1
+        self.total += tokens
+        self.total_sq += tokens * tokens
+
+
+class ClassRouter:
+    """Dispatcher hook (see the module docstring). All methods are O(workers) at most and do no I/O,
+    except `no_room`, which may wait for an evicted request to leave its worker."""
+
+    def __init__(self, registry: Registry, runner: BatchRunner) -> None:
+        self.registry = registry
+        self.runner = runner
+        self.pools_in_use = False
+        self.counts: dict[str, list[int]] = {}       # worker -> [interactive, batch] in flight (this replica)
+        self.interactive_dispatched = 0                # cumulative, for the arrival rate
+        registry.on_change(self._refresh)
+
+    def _refresh(self) -> None:
+        self.pools_in_use = any(worker_pool(ws.rec.labels) != POOL_MIXED for ws in self.registry.workers.values())
+
+    def filter(self, feats: RequestFeatures, views: list[WorkerView]) -> list[WorkerView]:
+        """Own pool first, else mixed (Chiron section 3); unchanged while no worker carries a pool label."""
+        if not self.pools_in_use:
+            return views
+        own = POOL_BATCH if feats.request_class == CLASS_BATCH else POOL_INTERACTIVE
+        mine = [v for v in views if pool_of(v) == own]
+        return mine or [v for v in views if pool_of(v) == POOL_MIXED]
+
+    def placed(self, feats: RequestFeatures, worker_id: str) -> None:
+        c = self.counts.get(worker_id)
+        if c is None:
+            c = self.counts[worker_id] = [0, 0]
+        if feats.request_class == CLASS_BATCH:
+            c[1] += 1
+        else:
+            c[0] += 1
+            self.interactive_dispatched += 1
+        run = self.runner.active.get(feats.request_id)
+        if run is not None:
+            run.worker = worker_id
+
+    def released(self, feats: RequestFeatures, worker_id: str) -> None:
+        c = self.counts.get(worker_id)
+        if c is not None:
+            c[1 if feats.request_class == CLASS_BATCH else 0] -= 1
+            if c == [0, 0]:
+                del self.counts[worker_id]
+        run = self.runner.active.get(feats.request_id)
+        if run is not None and run.worker == worker_id:
+            run.worker = None
+
+    async def no_room(self, rt: ModelRuntime, feats: RequestFeatures) -> None:
+        """Called before a request would wait in the admission queue."""
+        if feats.request_id in self.runner.active:
+            raise errors.overloaded(rt.model, 1.0, "no spare capacity for batch work right now")
+        if feats.request_class != CLASS_BATCH:
+            await self.runner.evict_for(rt.model)
+
+
+class BatchRunner:
+    def __init__(self, config: GatewayConfig, store: StateStore, registry: Registry, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.cfg = config.batch
+        self.store = store
+        self.registry = registry
+        self.metrics = metrics
+        self.router = ClassRouter(registry, self)
+        self.active: dict[str, _Run] = {}
+        self.dispatcher: Dispatcher | None = None
+        self.outputs = OutputStats()
+        self.batch_tokens = 0              # output tokens of finished batch requests (this replica, cumulative)
+        self.evictions = 0
+        self.snapshot = QueueSnapshot()    # last read of the shared queue
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._backoff_until = 0.0
+        self._evicting = 0                 # interactive requests freeing a slot: no new batch work meanwhile
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    async def start(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+        dispatcher.pools = self.router
+        self.router._refresh()
+        if self.cfg.enabled and self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="fg-batch-runner")
+
+    async def stop(self) -> None:
+        """Stop claiming; hand running requests back to the queue (a successor replica runs them)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        runs = list(self.active.values())
+        for run in runs:
+            run.evicted = True
+            run.evict.set()
+        tasks = [r.task for r in runs if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=EVICT_WAIT_S)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # --- submission and lifecycle of batch objects (called by gateway/batch_api.py) ---------------------
+    async def submit(self, doc: dict[str, Any], items: list[QueuedRequest]) -> dict[str, Any]:
+        doc.update(status="in_progress", in_progress_at=int(time.time()),
+                   request_counts={"total": len(items), "completed": 0, "failed": 0})
+        await self.store.put_batch(doc)
+        await self.store.enqueue_batch(doc["id"], items)
+        self.wake()
+        return doc
+
+    async def cancel(self, doc: dict[str, Any]) -> dict[str, Any]:
+        if doc["status"] not in ("cancelling", "cancelled"):
+            doc.update(status="cancelling", cancelling_at=int(time.time()))
+            await self.store.put_batch(doc)
+            await self.store.drop_queued(doc["id"], doc["request_counts"]["total"])
+            if (await self.store.batch_stats(doc["id"])).pending <= 0:
+                await self.finalize(doc["id"])
+        return await self.with_counts(await self.store.get_batch(doc["id"]) or doc)
+
+    async def with_counts(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """The stored object with live request counts and usage while the batch runs."""
+        if doc["status"] in _ACTIVE_STATUSES:
+            _set_counts(doc, await self.store.batch_stats(doc["id"]))
+        return doc
+
+    async def finalize(self, batch_id: str) -> None:
+        """Write the output and error files and close the batch (one replica wins the claim)."""
+        if not await self.store.claim_final(batch_id, self.store.replica_id):
+            return
+        doc = await self.store.get_batch(batch_id)
+        if doc is None:
+            return
+        final = ("cancelled" if doc["status"] == "cancelling"
+                 else "expired" if doc.get("_fg_expiring") else "completed")
+        doc.update(status="finalizing", finalizing_at=int(time.time()))
+        await self.store.put_batch(doc)
+        out, err = await self.store.batch_results(batch_id)
+        for lines, key, purpose in ((out, "output_file_id", "batch_output"), (err, "error_file_id", "batch_output")):
+            if lines:
+                text = "".join(lines[i] + "\n" for i in sorted(lines))
+                fid = new_id("file-")
+                await self.store.put_file({"id": fid, "object": "file", "bytes": len(text.encode()),
+                                           "created_at": int(time.time()), "filename": f"{batch_id}_{key[:-8]}.jsonl",
+                                           "purpose": purpose, "status": "processed", "expires_at": None,
+                                           "status_details": None}, text)
+                doc[key] = fid
+        _set_counts(doc, await self.store.batch_stats(batch_id))
+        doc["status"] = final
+        doc[f"{final}_at"] = int(time.time())
+        await self.store.put_batch(doc)
+        log.info("batch %s %s: %s", batch_id, final, doc["request_counts"])
+
+    # --- the loop ---------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        lease = self.cfg.lease_s
+        next_renew = next_reap = next_sweep = 0.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cfg.poll_s):
+                    await self._wake.wait()
+            self._wake.clear()
+            try:
+                now = time.monotonic()
+                if now >= next_renew and self.active:
+                    await self.store.renew_claims(list(self.active), lease)
+                    next_renew = now + lease / 3
+                if now >= next_reap:
+                    if await self.store.reap_claims():
+                        log.info("returned claims of a stopped replica to the batch queue")
+                    next_reap = now + max(0.2, lease / 2)
+                if now >= next_sweep:
+                    await self._sweep()
+                    next_sweep = now + SWEEP_S
+                if now >= self._backoff_until:
+                    await self._fill()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a control loop must survive anything (Redis away: retried next round)
+                log.exception("batch runner round failed")
+
+    async def _sweep(self) -> None:
+        """Expire batches past their window; refresh the queue snapshot and its depth gauges."""
+        now = time.time()
+        for doc in await self.store.list_batches():
+            if doc["status"] == "in_progress" and doc["expires_at"] <= now and not doc.get("_fg_expiring"):
+                doc["_fg_expiring"] = True
+                await self.store.put_batch(doc)
+                await self.store.drop_queued(doc["id"], doc["request_counts"]["total"], EXPIRED_MESSAGE)
+                if (await self.store.batch_stats(doc["id"])).pending <= 0:
+                    await self.finalize(doc["id"])
+        self.snapshot = await self.store.queue_snapshot()
+        self.metrics.set_batch_queue_depth(self.snapshot.depth)
+
+    async def _fill(self) -> None:
+        assert self.dispatcher is not None
+        while len(self.active) < self.cfg.max_inflight and self.room(None) > 0:
+            item = await self.store.claim_next(self.store.replica_id, self.cfg.lease_s)
+            if item is None:
+                return
+            if item.deadline <= time.time():
+                pending = await self.store.finish_request(item, False, expired_line(item, EXPIRED_MESSAGE))
+                if pending == 0:
+                    await self.finalize(item.batch_id)
+                continue
+            if self.room(item.model) <= 0:
+                await self.store.requeue(item)
+                return
+            run = _Run(item, time.monotonic())
+            self.active[item.request_id] = run
+            run.task = asyncio.create_task(self._execute(run), name=f"fg-batch-{item.request_id}")
+
+    def room(self, model: str | None) -> int:
+        """Free batch slots for `model` (None: any model): workers of the batch and mixed pools under their
+        cap (or slots_per_worker when uncapped), minus runs not placed yet; 0 while interactive work waits."""
+        assert self.dispatcher is not None
+        if self._evicting:
+            return 0
+        if model is None or not model:
+            models = self.registry.served_models() if model is None else self._default_model()
+        else:
+            models = [model]
+        inflight = self.dispatcher.store.inflight()
+        unplaced: dict[str, int] = {}
+        for run in self.active.values():
+            if run.worker is None:
+                unplaced[run.item.model] = unplaced.get(run.item.model, 0) + 1
+        best = 0
+        for m in models:
+            rt = self.dispatcher.runtimes.get(m)
+            if rt is not None and rt.queue.waiters:
+                continue
+            free = 0
+            for ws in self.registry.rotation(m):
+                if self.router.pools_in_use and worker_pool(ws.rec.labels) == POOL_INTERACTIVE:
+                    continue
+                f = inflight.get(ws.id)
+                free += max(0, (ws.rec.cap or self.cfg.slots_per_worker) - (f.requests if f is not None else 0))
+            free -= unplaced.get(m, 0) + (unplaced.get("", 0) if len(models) == 1 else 0)
+            best = max(best, free)
+        return best
+
+    def _default_model(self) -> list[str]:
+        served = self.registry.served_models()
+        return served[:1] if len(served) == 1 else []
+
+    # --- one request ------------------------------------------------------------------------------
+    async def _execute(self, run: _Run) -> None:
+        item = run.item
+        status, chunks = 0, []
+        try:
+            body = {k: v for k, v in item.body.items() if k not in ("stream", "stream_options")}
+            raw = orjson.dumps(body)
+            sent = False
+
+            async def receive() -> dict[str, Any]:
+                nonlocal sent
+                if not sent:
+                    sent = True
+                    return {"type": "http.request", "body": raw, "more_body": False}
+                await run.evict.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(msg: dict[str, Any]) -> None:
+                nonlocal status
+                if msg["type"] == "http.response.start":
+                    status = msg["status"]
+                elif msg.get("body"):
+                    chunks.append(msg["body"])
+
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
+                       (b"x-request-id", item.request_id.encode()), (b"x-request-class", b"batch")]
+            if self.config.api_keys:  # the batch's creator was authenticated by the Batch API
+                headers.append((b"authorization", b"Bearer " + self.config.api_keys[0].encode()))
+            scope = {"type": "http", "method": "POST", "path": item.url, "query_string": b"", "headers": headers}
+            assert self.dispatcher is not None
+            await self.dispatcher.handle(scope, receive, send, ROUTES[item.url])
+        except Exception:
+            log.exception("batch request %s crashed in the runner", item.request_id)
+            status = 0
+        finally:
+            self.active.pop(item.request_id, None)
+            self.wake()
+        try:
+            await self._settle(run, status, b"".join(chunks))
+        except Exception:  # the claim lease returns it to the queue
+            log.exception("could not record batch request %s", item.request_id)
+
+    async def _settle(self, run: _Run, status: int, payload: bytes) -> None:
+        item = run.item
+        try:
+            body: Any = orjson.loads(payload) if payload else None
+        except orjson.JSONDecodeError:
+            body = {"error": {"message": payload[:2000].decode("utf-8", "replace"), "type": "upstream_error"}}
+        code = body.get("error", {}).get("code") if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
+        if run.evicted or status in (0, 499) or (status in (429, 503) and code in _REQUEUE_CODES):
+            if status in (429, 503):
+                self._backoff_until = time.monotonic() + self.cfg.poll_s
+            if run.evicted:
+                self.evictions += 1
+            await self.store.requeue(item)
+            return
+        ok = 200 <= status < 300
+        line = orjson.dumps({"id": f"batch_req_{item.request_id}", "custom_id": item.custom_id,
+                             "response": {"status_code": status, "request_id": item.request_id, "body": body},
+                             "error": None}).decode()
+        usage = body.get("usage") if ok and isinstance(body, dict) else None
+        n_in = int(usage.get("prompt_tokens") or 0) if isinstance(usage, dict) else 0
+        n_out = int(usage.get("completion_tokens") or 0) if isinstance(usage, dict) else 0
+        if ok:
+            self.outputs.add(n_out)
+            self.batch_tokens += n_out
+        pending = await self.store.finish_request(item, ok, line, n_in, n_out)
+        if pending == 0:
+            await self.finalize(item.batch_id)
+
+    # --- eviction ---------------------------------------------------------------------------------
+    async def evict_for(self, model: str) -> bool:
+        """Free a slot for an interactive request: evict this replica's newest batch request on the mixed
+        worker running the most batch work (Chiron section 3). True if one was evicted."""
+        assert self.dispatcher is not None
+        per_worker: dict[str, int] = {}
+        for run in self.active.values():
+            if run.worker is not None and not run.evicted:
+                per_worker[run.worker] = per_worker.get(run.worker, 0) + 1
+        if not per_worker:
+            return False
+        inflight = self.dispatcher.store.inflight()
+        views = []
+        for ws in self.registry.rotation(model):
+            f = inflight.get(ws.id)
+            views.append(ws.view(f.requests if f else 0, f.tokens if f else 0))
+        wid = eviction_victim(views, per_worker)
+        if wid is None:
+            return False
+        self._evicting += 1
+        try:  # the caller enters the admission queue right after, before the runner looks for room again
+            return await self.evict_on(wid, 1) > 0
+        finally:
+            self._evicting -= 1
+
+    async def evict_on(self, worker_id: str, n: int | None = None) -> int:
+        """Send up to n (None: all) of this replica's batch requests on a worker back to the queue and wait
+        until they left it. Returns how many."""
+        runs = sorted((r for r in self.active.values() if r.worker == worker_id and not r.evicted),
+                      key=lambda r: -r.started)[:n]
+        for run in runs:
+            run.evicted = True
+            run.evict.set()
+        tasks = [r.task for r in runs if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=EVICT_WAIT_S)
+        return len(runs)
+
+    # --- measurements for the autoscaler ------------------------------------------------------------
+    def class_counts(self) -> dict[str, tuple[int, int]]:
+        return {w: (c[0], c[1]) for w, c in self.router.counts.items()}
+
+    def running_on(self, workers: Sequence[str]) -> int:
+        ids = set(workers)
+        return sum(1 for r in self.active.values() if r.worker in ids)
+
+
+def _set_counts(doc: dict[str, Any], s: BatchStats) -> None:
+    total = doc.get("request_counts", {}).get("total", 0)
+    doc["request_counts"] = {"total": total, "completed": s.completed, "failed": s.failed}
+    doc["usage"] = {"input_tokens": s.input_tokens, "output_tokens": s.output_tokens,
+                    "total_tokens": s.input_tokens + s.output_tokens,
+                    "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}

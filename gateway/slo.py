@@ -1,0 +1,221 @@
+"""Per-request SLOs: where a request's targets come from, and how each finished request is judged.
+
+Resolution: TTFT and ATGT targets are resolved independently; the first source that sets one wins:
+  1. request headers `x-slo-ttft-ms` / `x-slo-tpot-ms` (milliseconds, > 0; anything else is a 400),
+  2. `models.<model>.slo_classes.<class>`, 3. `models.<model>.slo`, 4. `slo_classes.<class>`, 5. `slo`.
+The class is RequestFeatures.request_class (`X-Request-Class: batch`, else interactive).
+
+Measurement (ATGT = average time per output token after the first, Aladdin appendix G "Metrics"; a
+request attains its SLO when both targets hold; a missing target holds trivially):
+  * streaming: TTFT = first content token relayed to the client - request arrival at the gateway;
+    ATGT = (last token - first token) / (n - 1), n from the usage block (else the tokens counted).
+  * non-streaming: the whole answer is the client's first byte, so TTFT and ATGT are not separable;
+    the request meets its SLO iff its response time <= ttft_target + tpot_target x (n - 1), i.e. it
+    arrived no later than a streamed answer within both targets would have finished.
+  * refused for capacity (429 from the admission queue, 503 no worker) after the model resolved:
+    missed. A non-200 answer from a worker (e.g. a 400 for a too-long prompt) is not an SLO matter
+    and is not counted; a stream that broke mid-way is missed. Requests with no target are not counted.
+
+Series: counters `fleetgate_slo_requests_total{model,class,result="met|missed"}` (since start) and the
+gauge `fleetgate_slo_attainment_ratio{model,class}` over a sliding window of the last `slo_window_s`
+seconds (at most the last 10,000 judged requests per series), computed when /metrics is scraped; a
+series with no request in its window is not exported.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gateway import errors
+from gateway.config import GatewayConfig, SloConfig
+from gateway.relay import RelayResult
+from policies.types import CLASS_BATCH, CLASS_INTERACTIVE, RequestFeatures
+
+TTFT_HEADER = "x-slo-ttft-ms"
+TPOT_HEADER = "x-slo-tpot-ms"
+MAX_TARGET_MS = 86_400_000.0  # one day: anything longer is a typo, not an SLO
+WINDOW_MAX_REQUESTS = 10_000
+_CLASSES = (CLASS_INTERACTIVE, CLASS_BATCH)
+
+
+def parse_target_ms(raw: bytes | str | None, header: str) -> float | None:
+    """A header's SLO target in seconds (None when absent); a clear 400 when it is not a usable number."""
+    if raw is None:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = math.nan
+    if not (0.0 < ms <= MAX_TARGET_MS):  # also rejects nan and inf
+        shown = raw.decode("latin-1") if isinstance(raw, bytes) else raw
+        raise errors.bad_request(
+            f"`{header}` must be a number of milliseconds in (0, {MAX_TARGET_MS:.0f}], got {shown[:40]!r}.", header)
+    return ms / 1000.0
+
+
+def _first(*values: float | None) -> float | None:
+    for v in values:
+        if v is not None:
+            return v
+    return None
+
+
+def _ms(cfg: SloConfig | None, attr: str) -> float | None:
+    v = getattr(cfg, attr) if cfg is not None else None
+    return v / 1000.0 if v is not None else None
+
+
+class _Window:
+    """Judged requests of one (model, class) in the last `window_s` seconds (bounded), and the
+    met / missed totals since start (the counters)."""
+
+    __slots__ = ("events", "met", "window_s", "total_met", "total_missed")
+
+    def __init__(self, window_s: float) -> None:
+        self.events: deque[tuple[float, bool]] = deque()
+        self.met = 0
+        self.window_s = window_s
+        self.total_met = self.total_missed = 0
+
+    def add(self, now: float, met: bool) -> None:
+        if len(self.events) >= WINDOW_MAX_REQUESTS:
+            self.met -= self.events.popleft()[1]
+        self.events.append((now, met))
+        if met:
+            self.met += 1
+            self.total_met += 1
+        else:
+            self.total_missed += 1
+
+    def prune(self, now: float) -> None:
+        ev, cut = self.events, now - self.window_s
+        while ev and ev[0][0] < cut:
+            self.met -= ev.popleft()[1]
+
+    def ratio(self) -> float | None:
+        return self.met / len(self.events) if self.events else None
+
+
+class SloBook:
+    """SLO targets per (model, class) from the config, header parsing, and attainment accounting."""
+
+    def __init__(self, config: GatewayConfig, registry: CollectorRegistry) -> None:
+        self.config = config
+        self.window_s = config.slo_window_s
+        self._targets: dict[tuple[str, str], tuple[float | None, float | None]] = {}
+        self._windows: dict[tuple[str, str], _Window] = {}
+        registry.register(_SloCollector(self))
+
+    # --- resolution (per request) ----------------------------------------------------------------
+    def config_targets(self, model: str, request_class: str) -> tuple[float | None, float | None]:
+        """(ttft_s, tpot_s) the config gives a model and class (cached; the config does not change)."""
+        key = (model, request_class)
+        hit = self._targets.get(key)
+        if hit is None:
+            cfg = self.config
+            mc = cfg.models.get(model)
+            mcls = mc.slo_classes.get(request_class) if mc is not None else None
+            mslo = mc.slo if mc is not None else None
+            gcls = cfg.slo_classes.get(request_class)
+            sources = (mcls, mslo, gcls, cfg.slo)
+            hit = (_first(*(_ms(s, "ttft_ms") for s in sources)), _first(*(_ms(s, "tpot_ms") for s in sources)))
+            self._targets[key] = hit
+        return hit
+
+    def targets(self, model: str, request_class: str, raw_ttft: bytes | None,
+                raw_tpot: bytes | None) -> tuple[float | None, float | None]:
+        """The request's (ttft_s, tpot_s): its headers where given, else the config's."""
+        ttft, tpot = self.config_targets(model, request_class)
+        if raw_ttft is not None:
+            ttft = parse_target_ms(raw_ttft, TTFT_HEADER)
+        if raw_tpot is not None:
+            tpot = parse_target_ms(raw_tpot, TPOT_HEADER)
+        return ttft, tpot
+
+    @staticmethod
+    def queue_budget(feats: RequestFeatures, queue_timeout_s: float) -> tuple[float, str]:
+        """How long the request may wait for a worker, and why that long: an interactive request with a
+        TTFT target gives up when the target has passed (waiting longer cannot meet it); else the
+        configured queue timeout."""
+        if feats.slo_ttft_s is not None and feats.request_class != CLASS_BATCH:
+            left = feats.slo_ttft_s - max(time.time() - feats.arrival, 0.0)
+            if left < queue_timeout_s:
+                return max(left, 0.0), f"its TTFT target of {feats.slo_ttft_s * 1000:g} ms passed while queued"
+        return queue_timeout_s, f"waited {queue_timeout_s:g}s in the admission queue"
+
+    # --- measurement (per finished request) -------------------------------------------------------
+    def record(self, feats: RequestFeatures, stream: bool, t0: float, result: RelayResult, t_end: float) -> None:
+        """Judge one answered request; t0 / t_end are perf_counter() at arrival and after the last byte."""
+        ttft_t, tpot_t = feats.slo_ttft_s, feats.slo_tpot_s
+        if (ttft_t is None and tpot_t is None) or result.status != 200:
+            return
+        if result.midstream_error is not None:
+            met = False
+        elif result.first_token_at is not None:  # streamed
+            n = result.usage.completion_tokens if result.usage is not None else result.tokens
+            met = ttft_t is None or result.first_token_at - t0 <= ttft_t
+            if met and tpot_t is not None and n > 1 and result.last_token_at is not None:
+                met = (result.last_token_at - result.first_token_at) / (n - 1) <= tpot_t
+        elif not stream and result.usage is not None:  # the whole answer at once
+            n = result.usage.completion_tokens
+            # ATGT alone cannot be observed without a stream: a TPOT-only target holds trivially.
+            met = ttft_t is None or t_end - t0 <= ttft_t + (tpot_t or 0.0) * max(n - 1, 0)
+        else:
+            met = False  # a stream without any token
+        self._count(feats, met)
+
+    def record_refused(self, feats: RequestFeatures) -> None:
+        """The request was turned away for capacity (429 / 503): a miss, if it had a target."""
+        if feats.slo_ttft_s is not None or feats.slo_tpot_s is not None:
+            self._count(feats, False)
+
+    def _count(self, feats: RequestFeatures, met: bool) -> None:
+        key = (feats.model, feats.request_class)
+        w = self._windows.get(key)
+        if w is None:
+            w = self._windows[key] = _Window(self.window_s)
+        w.add(time.monotonic(), met)
+
+    def attainment(self, model: str, request_class: str = CLASS_INTERACTIVE) -> float | None:
+        """The windowed ratio (None: no judged request in the window)."""
+        w = self._windows.get((model, request_class))
+        if w is None:
+            return None
+        w.prune(time.monotonic())
+        return w.ratio()
+
+
+class _SloCollector:
+    """Builds the SLO series at scrape time from plain counts (the hot path touches no metric object)."""
+
+    RATIO = "fleetgate_slo_attainment_ratio"
+    RATIO_DOC = "Fraction of requests that met their SLO over the sliding window (slo_window_s seconds)."
+    COUNT = "fleetgate_slo_requests"
+    COUNT_DOC = "Requests judged against their SLO, by result."
+
+    def __init__(self, book: SloBook) -> None:
+        self.book = book
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.RATIO, self.RATIO_DOC, labels=["model", "class"])
+        yield CounterMetricFamily(self.COUNT, self.COUNT_DOC, labels=["model", "class", "result"])
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(self.RATIO, self.RATIO_DOC, labels=["model", "class"])
+        c = CounterMetricFamily(self.COUNT, self.COUNT_DOC, labels=["model", "class", "result"])
+        now = time.monotonic()
+        for (model, rclass), w in list(self.book._windows.items()):
+            w.prune(now)
+            ratio = w.ratio()
+            if ratio is not None:
+                g.add_metric([model, rclass], ratio)
+            c.add_metric([model, rclass, "met"], w.total_met)
+            c.add_metric([model, rclass, "missed"], w.total_missed)
+        yield g
+        yield c

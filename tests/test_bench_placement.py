@@ -1,0 +1,196 @@
+"""Smoke versions of the placement experiments (bench/placement.py, bench/hetero_pair.py), so they do not rot,
+plus the pieces they added: the simulator's feedback hooks, admission-queue polling and look-ahead, worker
+weights, `weighted_round_robin`, and `aladdin`'s risk mode of constraint (d)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+import bench.hetero_pair as hp
+import bench.placement as bp
+from policies.aladdin import AladdinPolicy, _cond_cdf
+from policies.base import Policy, make_policy
+from policies.baselines import LeastRequests
+from policies.length_predictor import LengthPredictor
+from policies.perf_model import PerfModel
+from policies.types import Decision, RequestFeatures, WorkerView
+from simulator.cluster import ClusterSim
+from simulator.workload import WorkloadRequest, synthetic_workload
+
+# Decode step 10 ms whatever the batch, prefill 1 ms per prompt token, KV never binding.
+CLOCK = PerfModel(k1=1e-3, c1=0.0, k2=1e-9, c2=0.0, c3=0.01, h=1.0, j=0.0, kv_capacity=1e6, max_batch=256)
+
+
+# --- the experiments, tiny ---------------------------------------------------------------------------
+def test_min_workers_search_is_consistent():
+    for policy in ("least_requests", "aladdin"):
+        s = bp.min_workers(policy, "sharegpt", rate=1.0, seed=0, duration=30.0)
+        assert s.needed is not None and s.needed >= 1, s.runs
+        assert s.runs[s.needed].attainment >= bp.TARGET and not s.runs[s.needed].stopped_early
+        if s.needed - 1 in s.runs:                      # the bisection's lower neighbour failed
+            assert s.runs[s.needed - 1].attainment < bp.TARGET
+        assert all(r.requests == s.runs[s.needed].requests > 0 for r in s.runs.values())
+
+
+def test_workloads_fit_the_context_and_scale_the_rate():
+    share = bp.sharegpt_workload(4.0, 60.0, seed=1, max_model_len=4096)
+    assert all(r.prompt_tokens + r.output_tokens <= 4096 for r in share)
+    assert 150 < len(share) < 330 and share == sorted(share, key=lambda r: r.arrival)
+    azure = bp.azure_workload(8.0, 60.0, seed=0, max_model_len=4096)
+    assert all(r.prompt_tokens + r.output_tokens <= 4096 and 0 <= r.arrival < 60 for r in azure)
+    assert azure != bp.azure_workload(8.0, 60.0, seed=1, max_model_len=4096)   # another window
+
+
+def test_placement_main_writes_report_and_plot(tmp_path):
+    out = tmp_path / "placement.md"
+    bp.main(["--traces", "sharegpt", "--rates", "1", "--seeds", "0", "--duration", "20",
+             "--policies", "least_requests,aladdin", "--out", str(out)])
+    text = out.read_text()
+    assert "| 1 | 0 |" in text and "aladdin vs least_requests" in text and "N=" in text
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_hetero_pair_main_writes_report_and_plot(tmp_path):
+    out = tmp_path / "pair.md"
+    hp.main(["--requests", "40", "--seeds", "0", "--out", str(out)])
+    text = out.read_text()
+    for p in hp.POLICIES:
+        assert f"| {p} |" in text
+    assert "Target: `hetero` >= 1.5x the throughput of round robin at 24 req/s (seed 0)" in text and "all at once" in text
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_hetero_pair_weights_reach_the_policy():
+    r = hp.run_pair("weighted_round_robin", None, 50, seed=0)
+    assert r.requests == 50 and r.strong_share == pytest.approx(0.8)   # 4:1
+    assert r.throughput_rps > 0 and r.strong_done_s > 0 and r.weak_done_s > 0
+
+
+# --- weighted_round_robin ----------------------------------------------------------------------------
+def test_weighted_round_robin_is_smooth_and_proportional():
+    p = make_policy("weighted_round_robin")
+    r = RequestFeatures("x", "m", 10)
+    ws = [WorkerView("a", weight=4.0), WorkerView("b", weight=1.0)]
+    assert "".join(p.choose(r, ws, 0.0).worker_id for _ in range(10)) == "aabaaaabaa"
+    ws3 = [WorkerView("a", weight=2.0), WorkerView("b", weight=1.0), WorkerView("c", weight=1.0)]
+    picks = [p.choose(r, ws3, 0.0).worker_id for _ in range(400)]
+    assert picks.count("a") == 200 and picks.count("b") == picks.count("c") == 100
+    zero = [WorkerView("a", weight=0.0), WorkerView("b", weight=0.0)]   # no usable weights: plain rotation
+    assert {p.choose(r, zero, 0.0).worker_id for _ in range(2)} == {"a", "b"}
+    assert p.choose(r, [], 0.0).worker_id is None
+
+
+# --- simulator additions ------------------------------------------------------------------------------
+class Recorder(LeastRequests):
+    """least_requests that records the optional feedback the simulator gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.progress: dict[str, int] = {}
+        self.completions: dict[str, int] = {}
+
+    def report_progress(self, request_id: str, generated_tokens: int, now: float) -> None:
+        self.progress[request_id] = generated_tokens
+
+    def observe_completion(self, request: RequestFeatures, output_tokens: int, now: float) -> None:
+        self.completions[request.request_id] = output_tokens
+
+
+def test_cluster_feeds_progress_completions_and_an_online_predictor():
+    pol = Recorder()
+    pred = LengthPredictor()
+    wl = synthetic_workload(60, 20.0, (50, 300), (1, 40), seed=4)
+    sim = ClusterSim("llama3-8b-a100", 2, pol, predicted_output_tokens=pred)
+    res = sim.run(wl)
+    done = {r.request_id: r.output_tokens for r in res.results if r.completed}
+    assert len(done) == 60 and pol.completions == done
+    assert pol.progress == {rid: 1 for rid, n in done.items() if n > 1}   # first token of multi-token answers
+    assert pred.count(sim.profiles[0].model) == 60
+    assert sim.features(wl[0]).predicted_output_tokens == pytest.approx(
+        pred.predict(sim.profiles[0].model, wl[0].prompt_tokens))
+
+
+class HoldBig(Policy):
+    """Refuses prompts over 100 tokens before t = 1 s; places everything else on w0."""
+
+    name = "hold_big"
+
+    def choose(self, request: RequestFeatures, workers: Sequence[WorkerView], now: float) -> Decision:
+        if request.prompt_tokens > 100 and now < 1.0:
+            return Decision(None, "no_fit")
+        return Decision(workers[0].id, "ok")
+
+
+def test_queue_poll_and_lookahead():
+    wl = [WorkloadRequest("big", 0.0, 500, 2)] + [WorkloadRequest(f"s{i}", 0.1 * (i + 1), 20, 2) for i in range(5)]
+    # Head-only queue without polling: the small ones wait behind the big one until something completes.
+    res = {r.request_id: r for r in ClusterSim("llama3-8b-a100", 1, HoldBig()).run(wl).results}
+    assert res["big"].dispatched is None and res["s0"].dispatched is None
+    # Polling: the head goes at the first poll after t = 1 s; the small ones follow right behind it.
+    res = {r.request_id: r for r in ClusterSim("llama3-8b-a100", 1, HoldBig(), queue_poll_s=0.05).run(wl).results}
+    assert 1.0 <= res["big"].dispatched < 1.0 + 0.05 + 1e-9
+    assert all(res[f"s{i}"].dispatched >= res["big"].dispatched for i in range(5))
+    # Look-ahead: the small ones overtake the waiting head.
+    sim = ClusterSim("llama3-8b-a100", 1, HoldBig(), queue_poll_s=0.05, queue_lookahead=4)
+    res = {r.request_id: r for r in sim.run(wl).results}
+    assert all(res[f"s{i}"].dispatched == pytest.approx(0.1 * (i + 1)) for i in range(5))
+    assert res["big"].completed and res["big"].dispatched >= 1.0
+    for bad in ({"queue_poll_s": 0.0}, {"queue_lookahead": 0}):
+        with pytest.raises(ValueError):
+            ClusterSim("llama3-8b-a100", 1, "round_robin", **bad)
+
+
+# --- aladdin: risk mode of (d) -----------------------------------------------------------------------
+def test_cond_cdf_by_hand():
+    s = np.array([1.0, 2.0, 5.0, 10.0, 50.0])
+    # P(L < 2 + 4 | L >= 2) = #{2, 5} / #{2, 5, 10, 50} = 0.5
+    assert _cond_cdf(s, np.array([2.0]), np.array([4.0]))[0] == pytest.approx(0.5)
+    assert _cond_cdf(s, np.array([2.0]), np.array([-3.0]))[0] == 0.0          # no deficit
+    assert _cond_cdf(s, np.array([2.0]), np.array([1e30]))[0] == 1.0          # never recovers
+    assert _cond_cdf(s, np.array([60.0]), np.array([5.0]))[0] == 0.0          # older than every sample
+
+
+def risk_policy(output_length: int) -> AladdinPolicy:
+    pred = LengthPredictor()
+    for _ in range(64):
+        pred.observe("m", 10, output_length)
+    return AladdinPolicy(perf_models={"p": CLOCK}, predictor=pred, theta=1.0, slack="risk")
+
+
+def young_worker(p: AladdinPolicy) -> list[WorkerView]:
+    """One worker with one request that started decoding at t = 1.01 s (2 tokens by 1.02 s)."""
+    ws = [WorkerView(id="w0", profile="p")]
+    r0 = RequestFeatures("r0", "m", 10, predicted_output_tokens=40, arrival=1.0)
+    assert p.choose(r0, ws, 1.0).worker_id == "w0"
+    p.on_dispatch(r0, "w0", 1.0)
+    p.report_progress("r0", 1, 1.01)
+    return ws
+
+
+def test_risk_mode_waits_while_a_young_request_would_likely_miss():
+    # A 400-token prompt stalls r0 by 0.4 s; r0 saved 2·30 − 10 = 50 ms and saves ~20 ms per further
+    # token, so it needs >= 18 more tokens to absorb the stall.
+    newcomer = RequestFeatures("new", "m", 400, predicted_output_tokens=40, arrival=1.02)
+    short = risk_policy(5)        # every answer is 5 tokens: r0 surely misses -> wait
+    ws = young_worker(short)
+    d = short.choose(newcomer, ws, 1.02)
+    assert d == Decision(None, "no_fit") and short.last_rejections["prefill_slack"] == 1
+    long = risk_policy(1000)      # every answer is 1000 tokens: r0 recovers -> place now
+    ws = young_worker(long)
+    assert long.choose(newcomer, ws, 1.02) == Decision("w0", "best_fit")
+
+
+def test_risk_mode_places_at_the_ttft_deadline_and_when_late():
+    p = risk_policy(5)
+    ws = young_worker(p)
+    # TTFT estimate 0.4 s of prefill + 2 decode steps + what it waited: with 0.15 s waited it still fits,
+    # but not after another deadline margin (50 ms): waiting longer would cost its TTFT -> placed now.
+    at_deadline = RequestFeatures("dl", "m", 400, predicted_output_tokens=40, arrival=1.02 - 0.16)
+    assert p.choose(at_deadline, ws, 1.02) == Decision("w0", "deadline")
+    early = RequestFeatures("early", "m", 400, predicted_output_tokens=40, arrival=1.02 - 0.05)
+    assert p.choose(early, ws, 1.02).worker_id is None
+    late = RequestFeatures("late", "m", 400, predicted_output_tokens=40, arrival=1.02 - 0.5)
+    assert p.choose(late, ws, 1.02) == Decision("w0", "late")       # its TTFT is lost: waiting helps nobody

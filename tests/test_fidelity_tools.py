@@ -1,0 +1,285 @@
+"""The calibration and fidelity tools without vLLM: fitting math, workload, statistics, report, streaming client.
+
+The client test streams from a real simulated server over HTTP on 127.0.0.1 (SimFleet with the fitted profile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+
+import numpy as np
+import pytest
+
+from bench.calibrate import (
+    TOKEN_HI,
+    TOKEN_LO,
+    Calibration,
+    DecodeSample,
+    EngineInfo,
+    PrefillSample,
+    StreamResult,
+    cache_config_info,
+    client_session,
+    decode_step,
+    derive_profile,
+    fit_perf_model,
+    fit_prefill_form,
+    gateway_overhead,
+    profile_yaml,
+    random_prompt,
+    scheduler_limits,
+    stream_completion,
+)
+from bench.fidelity import (
+    SCALE,
+    Cell,
+    LevelResult,
+    compare,
+    leg_stats,
+    load_lengths,
+    make_workload,
+    poisson_arrivals,
+    render_report,
+    run_open_loop,
+    scale_lengths,
+)
+from simulator import tokenizer
+from simulator.engine import EngineCore, SimRequest
+from simulator.profiles import load_profile
+
+INFO = EngineInfo(num_gpu_blocks=512, block_size=128, max_num_seqs=128, max_num_batched_tokens=2048,
+                  weight_bytes=13_638_856)
+
+
+# --- workload --------------------------------------------------------------------------------------------
+def test_scale_lengths_rounds_clips_and_fits_the_context():
+    assert scale_lengths(1730, 415) == (216, 52)            # 1/8, rounded
+    assert scale_lengths(1, 2) == (1, 1)                    # never 0 tokens
+    assert scale_lengths(9000, 50) == (1023, 1)             # the prompt leaves room for one output token
+    p, o = scale_lengths(7000, 2000)                         # prompt + output <= 1024
+    assert (p, o) == (875, 149) and p + o <= 1024
+
+
+def test_workload_is_the_scaled_trace_and_deterministic():
+    rows = load_lengths()
+    assert len(rows) > 30_000
+    a, b = make_workload(200, seed=3), make_workload(200, seed=3)
+    assert [(x.prompt, x.max_tokens) for x in a] == [(x.prompt, x.max_tokens) for x in b]
+    assert [x.prompt for x in make_workload(5, seed=4)] != [x.prompt for x in a[:5]]
+    for item in a:
+        assert len(item.prompt) >= 1 and len(item.prompt) + item.max_tokens <= 1024
+        assert all(TOKEN_LO <= t < TOKEN_HI for t in item.prompt)
+    # the sample's mean output is the trace's scaled mean, within sampling error
+    trace_mean = np.mean([d for _, d in rows]) * SCALE
+    assert np.mean([x.max_tokens for x in make_workload(1000, seed=5)]) == pytest.approx(trace_mean, rel=0.08)
+
+
+def test_poisson_arrivals_have_the_asked_rate():
+    t = poisson_arrivals(20_000, rate=40.0, seed=1)
+    assert t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:], strict=False))
+    assert len(t) / t[-1] == pytest.approx(40.0, rel=0.03)
+    gaps = np.diff(t)
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, rel=0.05)   # exponential gaps: CV 1
+    assert poisson_arrivals(10, 5.0, seed=2) == poisson_arrivals(10, 5.0, seed=2)
+    with pytest.raises(ValueError):
+        poisson_arrivals(10, 0.0, seed=1)
+
+
+# --- per-request timing ----------------------------------------------------------------------------------------
+def test_stream_result_ttft_and_tpot_count_tokens_not_chunks():
+    # 10 tokens, 2 ms apart, the 4th and 5th arriving merged in one chunk
+    r = StreamResult(prompt_tokens=5, max_tokens=10, sent=1.0, status=200,
+                     chunks=[(1.050, 1), (1.052, 2), (1.054, 3), (1.058, 5), (1.060, 6), (1.062, 7), (1.064, 8),
+                             (1.066, 9), (1.068, 10)])
+    assert r.ok and r.output_tokens == 10
+    assert r.ttft == pytest.approx(0.050)
+    assert r.tpot == pytest.approx(0.018 / 9)
+    one = StreamResult(5, 1, sent=0.0, status=200, chunks=[(0.01, 1)])
+    assert one.tpot is None and one.ttft == pytest.approx(0.01)
+    assert not StreamResult(5, 1, status=502, error="x").ok
+
+
+def _stream(prompt: int, t_first: float, step: float, n: int) -> StreamResult:
+    return StreamResult(prompt, n, sent=0.0, status=200, chunks=[(t_first + i * step, i + 1) for i in range(n)])
+
+
+def test_decode_step_uses_the_window_where_every_stream_decodes():
+    # 4 streams admitted one step apart (their prefills interleave), then decode together every 10 ms
+    streams = [_stream(100, 0.01 * k, 0.010, 40) for k in range(4)]
+    step, ctx, steps = decode_step(streams)
+    assert step == pytest.approx(0.010)
+    assert 100 + 1 < ctx < 100 + 40
+    assert steps >= 30
+    # no common window: one stream finished before another started
+    assert decode_step([_stream(10, 0.0, 0.01, 5), _stream(10, 1.0, 0.01, 5)]) is None
+    assert decode_step([]) is None
+
+
+# --- fitting ---------------------------------------------------------------------------------------------------
+K1, C1, K2, C2, C3 = 20e-6, 0.012, 8e-9, 60e-6, 0.004
+
+
+def _synthetic(noise: float = 0.0, outliers: int = 0, seed: int = 0):
+    rng = random.Random(seed)
+    prefill = []
+    for n in (8, 64, 128, 256, 512, 768, 1000) * 3:
+        t = K1 * n + C1
+        prefill.append(PrefillSample(n, t * (1 + rng.gauss(0, noise)), t - 0.0015))
+    decode = []
+    for ctx in (50, 300, 700):
+        for b in (1, 2, 4, 8, 16, 32, 64):
+            t = (K2 * ctx + C2) * b + C3
+            decode.append(DecodeSample(b, ctx - 30, ctx, t * (1 + rng.gauss(0, noise)), 50))
+    for i in range(outliers):   # stalls of the host: much slower samples
+        prefill[i].ttft_s *= 4
+        decode[i].step_s *= 4
+    return prefill, decode
+
+
+def test_fit_recovers_aladdin_coefficients_from_clean_samples():
+    prefill, decode = _synthetic()
+    m = fit_perf_model(prefill, decode, INFO)
+    for got, want in ((m.k1, K1), (m.c1, C1), (m.k2, K2), (m.c2, C2), (m.c3, C3)):
+        assert got == pytest.approx(want, rel=1e-3)
+    assert m.fit["decode"].rel_err < 1e-3 and m.fit["prefill"].n == len(prefill)
+    assert m.kv_capacity == 512 and m.max_batch == 128 and m.h == pytest.approx(1 / 128)
+
+
+def test_fit_is_robust_to_a_few_stalls():
+    prefill, decode = _synthetic(noise=0.02, outliers=3, seed=1)
+    m = fit_perf_model(prefill, decode, INFO)
+    assert m.k1 == pytest.approx(K1, rel=0.1) and m.c1 == pytest.approx(C1, rel=0.1)
+    assert m.c3 == pytest.approx(C3, rel=0.15) and m.c2 == pytest.approx(C2, rel=0.15)
+
+
+def test_prefill_form_finds_the_attention_term():
+    c, kp, ka = 0.010, 15e-6, 20e-9
+    samples = [PrefillSample(n, c + kp * n + ka * n * n / 2, None) for n in (8, 64, 128, 256, 512, 768, 1000)]
+    f = fit_prefill_form(samples)
+    assert f["c"] == pytest.approx(c, rel=1e-3) and f["k_prefill"] == pytest.approx(kp, rel=1e-2)
+    assert f["k_attn"] == pytest.approx(ka, rel=1e-2) and f["rel_err"] < 1e-3
+
+
+def test_gateway_overhead_is_the_median_paired_difference():
+    samples = [PrefillSample(8, 0.020 + d, 0.020) for d in (0.001, 0.002, 0.003, 0.050)]
+    assert gateway_overhead(samples) == pytest.approx(0.0025)
+    assert gateway_overhead([PrefillSample(8, 0.01, 0.02)]) == 0.0       # never negative
+    assert gateway_overhead([PrefillSample(8, 0.01, None)]) == 0.0
+
+
+def test_derived_profile_maps_the_fit_term_by_term_and_loads(tmp_path):
+    prefill, decode = _synthetic()
+    m = fit_perf_model(prefill, decode, INFO)
+    form = {"c": 0.012, "k_prefill": 18e-6, "k_attn": 3e-9, "n": 21, "rmse": 0.0, "rel_err": 0.0}
+    prof = derive_profile(m, form, INFO, gw_overhead_s=0.0015, output_mean_tokens=55.0)
+    assert prof["c_step_s"] == pytest.approx(C3, rel=1e-3) and prof["c_decode_s"] == pytest.approx(C2, rel=1e-3)
+    assert prof["k_ctx_s"] == pytest.approx(K2, rel=1e-3) and prof["t_weights_s"] == 0.0
+    assert prof["ttft_overhead_s"] == pytest.approx(0.012 - prof["c_step_s"] - 0.0015)
+    assert prof["kv_bytes_per_token"] == 256 * 2**20 // (512 * 128)
+    cal = Calibration(aladdin=m.to_dict(), prefill_form=form, gateway_overhead_s=0.0015, engine={}, profile=prof,
+                      measured_at="now", load_average=0.5)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(profile_yaml(cal))
+    loaded = load_profile(str(path))
+    assert loaded.c_step_s == pytest.approx(prof["c_step_s"], rel=1e-5)
+    assert loaded.num_gpu_blocks == 512 and loaded.block_size == 128 and loaded.max_model_len == 1024
+    # a lone request's TTFT in the simulator's model = overhead + one prefill step = the fitted curve minus
+    # the gateway's share
+    n = 500
+    ttft = loaded.ttft_overhead_s + loaded.step_time(n, 0, 0, n * n / 2)
+    assert ttft == pytest.approx(form["c"] + form["k_prefill"] * n + form["k_attn"] * n * n / 2 - 0.0015, rel=1e-4)
+    # overhead never negative even when the gateway's share exceeds the constant
+    assert derive_profile(m, {**form, "c": 0.001}, INFO, 0.0015, 55.0)["ttft_overhead_s"] == 0.0
+
+
+def test_shipped_tiny_cpu_profile_is_valid():
+    prof = load_profile("tiny-cpu")
+    assert prof.model == "tiny" and prof.max_model_len == 1024 and prof.block_size >= 16
+    assert prof.max_model_len <= prof.kv_capacity_tokens and prof.c_step_s > 0 and prof.k_prefill_s > 0
+
+
+def test_engine_facts_from_metrics_and_server_info():
+    text = ('# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="128",engine="0",'
+            'num_gpu_blocks="512",prefix_caching_hash_algo="sha256"} 1.0\n')
+    labels = cache_config_info(text)
+    assert labels["block_size"] == "128" and labels["num_gpu_blocks"] == "512"
+    with pytest.raises(ValueError):
+        cache_config_info("vllm:num_requests_running 0\n")
+    info = {"vllm_config": {"scheduler_config": {"max_num_seqs": 64, "max_num_batched_tokens": 4096}}}
+    assert scheduler_limits(info) == (64, 4096)
+    assert scheduler_limits(None) == (128, 2048)       # vLLM CPU API-server defaults
+
+
+def test_prefix_cache_hits_whole_engine_blocks_only():
+    """The tiny-cpu profile has vLLM-CPU's 128-token blocks: 16-token hashes name whole 128-token blocks."""
+    core = EngineCore("tiny-cpu")
+    assert core.block_size == 128
+
+    def run(rid: str, tokens: list[int]) -> int:
+        core.add(SimRequest(rid, len(tokens), tokenizer.block_hashes(tokens), 2, 2), 0.0)
+        rec = None
+        t = 0.0
+        while core.has_work():
+            t += core.plan_step(t)
+            rec = next((e.record for e in core.finish_step(t) if e.record), rec)
+        return rec.num_cached_tokens
+
+    base = list(range(100, 400))
+    assert run("a", base) == 0
+    assert run("b", base[:64] + list(range(1000, 1236))) == 0      # 64 shared tokens: no whole block
+    assert run("c", base[:200] + list(range(2000, 2100))) == 128    # one whole block shared
+    assert run("d", base) == 256                                    # (300 - 1) // 128 full blocks
+
+
+# --- statistics and report ---------------------------------------------------------------------------------------
+def test_leg_stats_and_pass_miss():
+    results = [_stream(10, 0.1 + 0.01 * i, 0.005, 20) for i in range(10)]
+    results.append(StreamResult(10, 20, status=502, error="boom"))
+    s = leg_stats(results, start=0.0)
+    assert s.n == 11 and s.failed == 1
+    assert s.ttft_p50 == pytest.approx(np.percentile([0.1 + 0.01 * i for i in range(10)], 50))
+    assert s.tpot_p50 == pytest.approx(0.005) and s.tpot_p90 == pytest.approx(0.005)
+    last = 0.1 + 0.09 + 19 * 0.005
+    assert s.tokens_per_s == pytest.approx(200 / last) and s.requests_per_s == pytest.approx(10 / last)
+    assert Cell("ttft_p50", "x", 100.0, 119.0, 0.2).passed
+    assert not Cell("ttft_p50", "x", 100.0, 79.0, 0.2).passed
+    assert Cell("ttft_p90", "x", 100.0, 129.0, 0.3).passed and not Cell("ttft_p90", "x", 100.0, 131.0, 0.3).passed
+    assert not Cell("ttft_p50", "x", 0.0, 1.0, 0.2).passed
+
+
+def test_report_lists_every_cell_with_its_verdict():
+    real = leg_stats([_stream(10, 0.1, 0.005, 20)], 0.0)
+    sim = leg_stats([_stream(10, 0.2, 0.005, 20)], 0.0)
+    cells = compare(real, sim)
+    assert [c.metric for c in cells] == ["ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "tokens_per_s"]
+    lv = LevelResult("light", 0.25, 3.0, 1, real, sim, 0.4, 0.5, 0.0, 0.0, cells)
+    setup = {"cpu": 0, "profile": "p.yaml", "n": 1, "seed": 1, "saturation_rps": 12.0, "max_load": 1.5,
+             "prompt_mean": 10, "prompt_p50": 10, "prompt_max": 10, "output_mean": 20, "output_p50": 20,
+             "output_max": 20}
+    text = render_report([lv], None, None, setup, notes="because")
+    assert "| light | 3.0 | TTFT p50 (ms) | 100.0 | 200.0 | 2.00 | ±20% | **MISS** |" in text
+    assert "| TPOT p50 (ms) | 5.0 | 5.0 | 1.00 | ±20% | PASS |" in text
+    assert "2 of 5 cells within target" in text and "because" in text   # both TTFTs and throughput miss
+
+
+# --- the client over real HTTP ------------------------------------------------------------------------------------
+def test_client_times_every_token_of_a_simulated_server(sim_fleet):
+    fleet = sim_fleet(1, profile="tiny-cpu", model="tiny", time_scale=5)
+    url = fleet.urls[0]
+
+    async def go():
+        async with client_session() as session:
+            one = await stream_completion(session, url, random_prompt(random.Random(1), 100), 12)
+            bad = await stream_completion(session, url, [5] * 2000, 4)   # longer than the 1024 context
+            leg = await run_open_loop(url, make_workload(6, seed=2), poisson_arrivals(6, 50.0, seed=3))
+        return one, bad, leg
+
+    one, bad, leg = asyncio.run(go())
+    assert one.ok and one.output_tokens == 12 and len(one.chunks) == 12 and one.prompt_tokens == 100
+    assert 0 < one.ttft < 5 and one.tpot is not None and one.tpot > 0
+    assert not bad.ok and bad.status == 400 and "context" in bad.error
+    assert len(leg.results) == 6 and all(r.ok for r in leg.results)
+    assert [r.output_tokens for r in leg.results] == [w.max_tokens for w in make_workload(6, seed=2)]
+    assert math.isfinite(leg_stats(leg.results, leg.start).ttft_p50)

@@ -1,0 +1,157 @@
+"""`aladdin` and `hetero` selected per model in the config, working live through the gateway.
+
+aladdin packs requests onto one worker while their SLOs allow, makes a request that fits nowhere wait in
+the admission queue (429 + Retry-After when the queue is full or its TTFT budget ran out) and exports the
+shortfall; hetero sends more requests to the stronger of two simulated profiles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from gateway.config import load_config
+from gateway.server import GatewayServer
+from tests.test_gateway_slo import metric
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+STRONG, WEAK = "llama3-8b-h100", "llama2-13b-a100"
+GENEROUS_SLO = {"ttft_ms": 60000, "tpot_ms": 60000}
+
+
+@contextlib.asynccontextmanager
+async def gateway(urls: list[str], policy: str, profiles: list[str] | None = None,
+                  **cfg: Any) -> AsyncIterator[GatewayServer]:
+    profiles = profiles or [STRONG] * len(urls)
+    config = load_config(
+        None, listen={"host": "127.0.0.1", "port": 0}, scrape_interval_s=0.1,
+        workers=[{"id": f"w{i}", "url": u, "profile": p} for i, (u, p) in enumerate(zip(urls, profiles, strict=True))],
+        models={MODEL: {"policy": policy, "slo": GENEROUS_SLO}}, **cfg)
+    async with GatewayServer(config) as gw:
+        yield gw
+
+
+async def served(http: httpx.AsyncClient, urls: list[str]) -> list[int]:
+    states = await asyncio.gather(*(http.get(u + "/sim/state") for u in urls))
+    return [sum(s.json()["stats"]["finished"].values()) for s in states]
+
+
+def chat(tokens: int, text: str = "hello") -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def stream(http: httpx.AsyncClient, url: str, tokens: int, headers: dict | None = None) -> httpx.Response:
+    """One streamed chat request read to the end; the response (its body consumed)."""
+    h = {"x-sim-output-tokens": str(tokens), **(headers or {})}
+    async with http.stream("POST", url + "/v1/chat/completions", json=chat(tokens), headers=h) as r:
+        await r.aread()
+    return r
+
+
+async def poll(fn, timeout: float = 10.0, every: float = 0.05):  # noqa: ANN001, ANN201
+    """Await fn() until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await fn()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(every)
+
+
+async def test_aladdin_packs_one_worker_while_slos_allow(sim_fleet) -> None:
+    fleet = sim_fleet(3, time_scale=20)
+    async with gateway(fleet.urls, "aladdin") as gw, httpx.AsyncClient(timeout=30) as http:
+        before = await served(http, fleet.urls)
+        rs = await asyncio.gather(*(stream(http, gw.url, 40) for _ in range(6)))  # concurrent
+        rs += [await stream(http, gw.url, 20) for _ in range(6)]                # one at a time
+        assert all(r.status_code == 200 for r in rs)
+        counts = [a - b for a, b in zip(await served(http, fleet.urls), before, strict=True)]
+        assert sorted(counts) == [0, 0, 12], counts  # best fit: the fullest worker that still fits
+        text = (await http.get(gw.url + "/metrics")).text
+        assert metric(text, "fleetgate_slo_requests_total", {"model": MODEL, "result": "met"}) == 12
+        shortfall = await poll(lambda: _has_metric(http, gw.url, "fleetgate_placement_shortfall_workers",
+                                                   {"model": MODEL}))
+        assert shortfall == [0.0]  # exported by the learning loop's next tick
+
+
+async def test_aladdin_queues_on_no_fit_then_429_and_exports_the_shortfall(sim_fleet) -> None:
+    fleet = sim_fleet(2, time_scale=10)
+    # A prior that admits one request per worker (max_batch 1): the third request fits nowhere.
+    async with gateway(fleet.urls, "aladdin", profiles=["one-seat"] * 2, limits={"queue_size": 1},
+                       learning={"priors": {"one-seat": {"max_batch": 1}}}) as gw, \
+            httpx.AsyncClient(timeout=30) as http:
+        long = [asyncio.create_task(stream(http, gw.url, 1500)) for _ in range(2)]  # ~1.1 s each
+        await poll(lambda: _inflight_is(http, gw.url, 2))
+        queued = asyncio.create_task(stream(http, gw.url, 4))
+        depth = await poll(lambda: _metric(http, gw.url, "fleetgate_queue_depth", {"model": MODEL}))
+        assert depth == 1 and not queued.done()
+
+        full = await http.post(gw.url + "/v1/chat/completions", json=chat(4), headers={"x-sim-output-tokens": "4"})
+        assert full.status_code == 429
+        assert int(full.headers["retry-after"]) >= 1
+        err = full.json()["error"]
+        assert err["type"] == "rate_limit_error" and "queue full" in err["message"]
+
+        shortfall = await poll(lambda: _metric(http, gw.url, "fleetgate_placement_shortfall_workers",
+                                               {"model": MODEL}))
+        assert shortfall >= 1
+
+        assert all(r.status_code == 200 for r in await asyncio.gather(*long))
+        assert (await queued).status_code == 200  # placed once a worker freed up
+        text = (await http.get(gw.url + "/metrics")).text
+        assert metric(text, "fleetgate_slo_requests_total", {"model": MODEL, "result": "missed"}) == 1  # the 429
+
+
+async def test_aladdin_refuses_a_queued_request_when_its_ttft_budget_ran_out(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=10)
+    async with gateway(fleet.urls, "aladdin", profiles=["one-seat"],
+                       learning={"priors": {"one-seat": {"max_batch": 1}}}) as gw, \
+            httpx.AsyncClient(timeout=30) as http:
+        long = asyncio.create_task(stream(http, gw.url, 1500))
+        await poll(lambda: _inflight_is(http, gw.url, 1))
+        t0 = time.monotonic()
+        r = await http.post(gw.url + "/v1/chat/completions", json=chat(4),
+                            headers={"x-sim-output-tokens": "4", "x-slo-ttft-ms": "300"})
+        waited = time.monotonic() - t0
+        assert r.status_code == 429 and "retry-after" in r.headers
+        assert "TTFT target of 300 ms" in r.json()["error"]["message"]
+        assert 0.25 < waited < 0.9  # it waited for its budget, not the 5 s queue timeout
+        assert not long.done()
+        assert (await long).status_code == 200
+
+
+async def test_hetero_sends_more_to_the_stronger_worker(sim_fleet) -> None:
+    fleet = sim_fleet(fleet={"servers": [{"profile": STRONG, "model": MODEL}, {"profile": WEAK, "model": MODEL}]},
+                      time_scale=20)
+    async with gateway(fleet.urls, "hetero", profiles=[STRONG, WEAK]) as gw, \
+            httpx.AsyncClient(timeout=60) as http:
+        before = await served(http, fleet.urls)
+        rs = await asyncio.gather(*(stream(http, gw.url, 64) for _ in range(30)))
+        assert all(r.status_code == 200 for r in rs)
+        strong, weak = (a - b for a, b in zip(await served(http, fleet.urls), before, strict=True))
+    assert strong + weak == 30
+    assert strong >= 2 * weak, (strong, weak)
+
+
+async def _metric(http: httpx.AsyncClient, url: str, name: str, labels: dict[str, str]) -> float | None:
+    return metric((await http.get(url + "/metrics")).text, name, labels)
+
+
+async def _inflight_is(http: httpx.AsyncClient, url: str, n: int) -> bool:
+    text = (await http.get(url + "/metrics")).text
+    total = 0.0
+    for w in ("w0", "w1"):
+        total += metric(text, "fleetgate_worker_inflight", {"worker": w}) or 0.0
+    return total == n
+
+
+async def _has_metric(http: httpx.AsyncClient, url: str, name: str, labels: dict[str, str]) -> list[float]:
+    v = await _metric(http, url, name, labels)
+    return [] if v is None else [v]

@@ -1,0 +1,325 @@
+"""OpenAI Batch API on the gateway: the official `openai` client against a simulated fleet, the durable
+deadline-ordered queue in both stores, eviction by interactive work, and a gateway restart on Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+from openai import AsyncOpenAI
+
+from gateway.config import load_config
+from gateway.server import GatewayServer
+from gateway.state.jobs import QueuedRequest, request_id_for
+from gateway.state.memory import MemoryStore
+from gateway.state.redis_store import RedisStore
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+REDIS_URL = os.environ.get("FLEETGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+DONE = ("completed", "failed", "cancelled", "expired")
+
+
+def chat_line(custom_id: str, tokens: int, **body: Any) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": MODEL, "messages": [{"role": "user", "content": f"hello {custom_id}"}],
+                                "max_tokens": tokens, "ignore_eos": True, **body}})
+
+
+@asynccontextmanager
+async def gateway(urls: list[str], **cfg: Any) -> AsyncIterator[GatewayServer]:
+    workers = cfg.pop("workers", None) or [{"id": f"w{i}", "url": u} for i, u in enumerate(urls)]
+    config = load_config(None, listen={"host": "127.0.0.1", "port": 0}, scrape_interval_s=0.1,
+                         health={"interval_s": 0.2}, workers=workers, **cfg)
+    async with GatewayServer(config) as gw:
+        yield gw
+
+
+async def poll(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = cond()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def finished(client: AsyncOpenAI, batch_id: str, timeout: float = 15.0) -> Any:
+    async def done() -> Any:
+        b = await client.batches.retrieve(batch_id)
+        return b if b.status in DONE else None
+    return await poll(done, timeout, f"batch {batch_id} to finish")
+
+
+def lines_of(text: str) -> list[dict]:
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
+
+
+# --- the round trip ---------------------------------------------------------------------------------
+async def test_batch_round_trip_with_the_openai_client(sim_fleet) -> None:
+    fleet = sim_fleet(2, time_scale=20)
+    async with gateway(fleet.urls, api_keys=["sk-batch"]) as gw:
+        with pytest.raises(openai.AuthenticationError):
+            await AsyncOpenAI(base_url=gw.url + "/v1", api_key="wrong").batches.list()
+        client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-batch")
+        good = [chat_line(f"req-{i}", 4 + i) for i in range(6)]
+        broken = json.dumps({"custom_id": "broken", "method": "POST", "url": "/v1/chat/completions",
+                             "body": {"model": MODEL, "max_tokens": 4}})  # no messages: the gateway's 400
+        upload = await client.files.create(file=("jobs.jsonl", ("\n".join([*good, broken]) + "\n").encode()),
+                                           purpose="batch")
+        assert upload.purpose == "batch" and upload.bytes > 0 and upload.id.startswith("file-")
+        assert (await client.files.retrieve(upload.id)).filename == "jobs.jsonl"
+
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h", metadata={"job": "nightly"})
+        assert batch.status == "in_progress" and batch.request_counts.total == 7
+        assert batch.expires_at - batch.created_at == 86_400
+
+        done = await finished(client, batch.id)
+        assert done.status == "completed", done
+        assert (done.request_counts.completed, done.request_counts.failed) == (6, 1)
+        assert done.usage.output_tokens == sum(4 + i for i in range(6))
+        assert done.completed_at >= done.in_progress_at and done.metadata == {"job": "nightly"}
+
+        out = lines_of((await client.files.content(done.output_file_id)).text)
+        assert sorted(x["custom_id"] for x in out) == [f"req-{i}" for i in range(6)]
+        for x in out:
+            n = int(x["custom_id"].split("-")[1])
+            assert x["error"] is None and x["response"]["status_code"] == 200
+            assert x["response"]["body"]["usage"]["completion_tokens"] == 4 + n  # ignore_eos: exactly max_tokens
+            assert x["response"]["body"]["choices"][0]["message"]["role"] == "assistant"
+        err = lines_of((await client.files.content(done.error_file_id)).text)
+        assert [x["custom_id"] for x in err] == ["broken"]
+        assert err[0]["response"]["status_code"] == 400 and "messages" in err[0]["response"]["body"]["error"]["message"]
+        assert (await client.files.retrieve(done.output_file_id)).purpose == "batch_output"
+
+        listed = [b.id async for b in client.batches.list(limit=5)]
+        assert listed[0] == batch.id
+
+
+async def test_cancel_stops_queued_requests_and_keeps_finished_ones(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=10)
+    async with gateway(fleet.urls, workers=[{"id": "w0", "url": fleet.urls[0], "cap": 1}]) as gw:
+        client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused")
+        upload = await client.files.create(
+            file=("many.jsonl", "\n".join(chat_line(f"c{i}", 200) for i in range(20)).encode()), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        await poll(lambda: gw.gateway.batch.active, what="a request running")
+        cancelling = await client.batches.cancel(batch.id)
+        assert cancelling.status in ("cancelling", "cancelled")
+        done = await finished(client, batch.id)
+        assert done.status == "cancelled" and done.cancelled_at is not None
+        assert done.request_counts.total == 20 and done.request_counts.completed + done.request_counts.failed < 20
+        assert (await client.batches.cancel(batch.id)).status == "cancelled"  # idempotent
+        snap = await gw.gateway.store.queue_snapshot()
+        assert snap.queued == 0 and snap.running == 0
+
+
+async def test_bad_input_gives_clear_errors(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    async with gateway(fleet.urls) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+        client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused")
+        with pytest.raises(openai.BadRequestError, match="purpose"):
+            await client.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
+        with pytest.raises(openai.NotFoundError):
+            await client.batches.create(input_file_id="file-missing", endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+        with pytest.raises(openai.NotFoundError):
+            await client.batches.retrieve("batch_nope")
+        mixed = "\n".join([chat_line("a", 4), "not json", chat_line("a", 4),
+                           json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {}})])
+        upload = await client.files.create(file=("bad.jsonl", mixed.encode()), purpose="batch")
+        failed = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h")
+        assert failed.status == "failed" and failed.failed_at is not None
+        assert [(e.code, e.line) for e in failed.errors.data] == [
+            ("invalid_json_line", 2), ("duplicate_custom_id", 3), ("mismatched_endpoint", 4)]
+        with pytest.raises(openai.BadRequestError, match="completion_window"):
+            await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                        completion_window="forever")  # type: ignore[arg-type]
+        with pytest.raises(openai.BadRequestError, match="endpoint"):
+            await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
+        with pytest.raises(openai.APIStatusError) as exc:
+            await client.batches.cancel(failed.id)
+        assert exc.value.status_code == 409
+
+        r = await http.post("/v1/files", content=b"plain", headers={"content-type": "text/plain"})
+        assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
+        r = await http.get("/v1/batches", params={"limit": "0"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+        r = await http.post("/v1/batches", content=b"[1]", headers={"content-type": "application/json"})
+        assert r.status_code == 400
+
+
+# --- the durable queue ------------------------------------------------------------------------------
+@pytest.fixture
+def redis_prefix():
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1, socket_timeout=1).ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis is not reachable at {REDIS_URL} ({exc}). Start it with "
+                    "`redis-server --daemonize yes --port 6379` or point FLEETGATE_TEST_REDIS_URL at one.")
+    prefix = f"fgtest-batch:{uuid.uuid4().hex[:12]}:"
+    yield prefix
+    r = redis.Redis.from_url(REDIS_URL)
+    keys = list(r.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        r.delete(*keys)
+    r.close()
+
+
+def items(batch_id: str, n: int, deadline: float) -> list[QueuedRequest]:
+    return [QueuedRequest(request_id_for(batch_id, i), batch_id, i, f"c{i}", "/v1/completions", {"prompt": "x"},
+                          deadline, MODEL, 1) for i in range(n)]
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_queue_is_deadline_ordered_and_every_request_resolves_once(backend: str, request) -> None:
+    if backend == "redis":
+        store = RedisStore(REDIS_URL, key_prefix=request.getfixturevalue("redis_prefix"))
+    else:
+        store = MemoryStore()
+    await store.start()
+    try:
+        await store.enqueue_batch("late", items("late", 3, 2000.0))
+        await store.enqueue_batch("soon", items("soon", 2, 1000.0))
+        snap = await store.queue_snapshot()
+        assert snap.depth == {MODEL: 5} and snap.deadlines == [(1000.0, 2), (2000.0, 3)]
+
+        first = await store.claim_next("r1", 30)
+        second = await store.claim_next("r1", 30)
+        assert [first.request_id, second.request_id] == ["soon-000000", "soon-000001"]
+        await store.requeue(first)  # evicted: back to its old place, ahead of the later deadline
+        assert (await store.claim_next("r1", 30)).request_id == "soon-000000"
+        assert await store.finish_request(first, True, '{"ok":1}', 5, 7) == 1
+        assert await store.finish_request(first, True, '{"again":1}') == -1  # a re-run's result is ignored
+        assert await store.finish_request(second, False, '{"err":1}') == 0
+        out, err = await store.batch_results("soon")
+        assert out == {0: '{"ok":1}'} and err == {1: '{"err":1}'}
+        stats = await store.batch_stats("soon")
+        assert (stats.completed, stats.failed, stats.pending, stats.output_tokens) == (1, 1, 0, 7)
+        assert await store.claim_final("soon", "r1") and not await store.claim_final("soon", "r2")
+
+        lost = await store.claim_next("dead-replica", 0.05)  # its holder stops renewing
+        assert lost.request_id == "late-000000"
+        await asyncio.sleep(0.1)
+        assert await store.reap_claims() == 1
+        assert (await store.queue_snapshot()).queued == 3
+        assert await store.drop_queued("late", 3, "window over") == 3
+        _, err = await store.batch_results("late")
+        assert sorted(err) == [0, 1, 2] and json.loads(err[0])["error"]["code"] == "batch_expired"
+        assert (await store.batch_stats("late")).pending == 0
+        assert await store.claim_next("r1", 30) is None
+
+        assert await store.acquire_lease("leader", "a", 5) and not await store.acquire_lease("leader", "b", 5)
+        await store.release_lease("leader", "a")
+        assert await store.acquire_lease("leader", "b", 5)
+    finally:
+        await store.close()
+
+
+# --- eviction ----------------------------------------------------------------------------------------
+async def test_interactive_request_evicts_batch_work_which_then_completes(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=10)
+    async with gateway(fleet.urls, workers=[{"id": "w0", "url": fleet.urls[0], "cap": 2}]) as gw, \
+            httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+        client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused")
+        upload = await client.files.create(
+            file=("long.jsonl", "\n".join(chat_line(f"b{i}", 1500) for i in range(3)).encode()), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        runner = gw.gateway.batch
+        await poll(lambda: sum(1 for r in runner.active.values() if r.worker == "w0") == 2, what="worker full")
+        t0 = time.monotonic()
+        r = await http.post("/v1/chat/completions", headers={"x-sim-output-tokens": "4"},
+                            json={"model": MODEL, "messages": [{"role": "user", "content": "now"}], "max_tokens": 4})
+        waited = time.monotonic() - t0
+        assert r.status_code == 200
+        assert runner.evictions == 1
+        assert waited < 0.5  # a batch request takes ~1.1 s here: the interactive one did not wait for it
+        done = await finished(client, batch.id, timeout=20)
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 3, 0)
+
+
+# --- a restart on Redis -------------------------------------------------------------------------------
+def spawn_gateway(config: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", "0"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def listening_url(proc: subprocess.Popen) -> str:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("fleetgate listening on "):
+            return line.split()[-1]
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"gateway did not start: {proc.stderr.read()[-2000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+
+
+@pytest.mark.redis
+@pytest.mark.slow  # two gateway processes start (~3 s each on a busy machine)
+async def test_batch_survives_a_gateway_restart_on_redis(sim_fleet, redis_prefix, tmp_path) -> None:
+    fleet = sim_fleet(1, time_scale=4)
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(json.dumps({
+        "workers": [{"id": "w0", "url": fleet.urls[0]}], "redis_url": REDIS_URL, "redis_key_prefix": redis_prefix,
+        "scrape_interval_s": 0.2, "health": {"interval_s": 0.2},
+        # max_inflight < slots_per_worker: the killed replica's reservations (leased for 10 s in Redis) leave
+        # the worker room for its successor
+        "batch": {"lease_s": 1.0, "slots_per_worker": 4, "max_inflight": 2, "poll_s": 0.05}}))
+    first = spawn_gateway(cfg)
+    second = None
+    try:
+        url = listening_url(first)
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="unused")
+        upload = await client.files.create(
+            file=("jobs.jsonl", "\n".join(chat_line(f"r{i}", 120) for i in range(16)).encode()), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+
+        async def some_done() -> bool:
+            b = await client.batches.retrieve(batch.id)
+            return b.request_counts.completed >= 2
+        await poll(some_done, 15, "the first gateway to finish some requests")
+        first.send_signal(signal.SIGKILL)  # requests it held stay claimed in Redis until their lease runs out
+        first.wait(10)
+
+        second = spawn_gateway(cfg)
+        url = listening_url(second)
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="unused")
+        done = await finished(client, batch.id, timeout=30)
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 16, 0)
+        out = lines_of((await client.files.content(done.output_file_id)).text)
+        assert sorted(x["custom_id"] for x in out) == sorted(f"r{i}" for i in range(16))
+    finally:
+        stop(first)
+        if second is not None:
+            stop(second)

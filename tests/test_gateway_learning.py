@@ -1,0 +1,236 @@
+"""Online learning in the live gateway: performance models fitted from traffic, the output-length
+predictor, and both shared between gateway processes through Redis; plus unit tests of the pieces."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from gateway.config import ConfigError, load_config
+from gateway.learning import (
+    SIM_PROFILES_DIR,
+    _PrefillLog,
+    _Trace,
+    merge_predictors,
+    profile_prior,
+    scale_time,
+)
+from gateway.server import GatewayServer
+from policies.length_predictor import LengthPredictor
+from policies.perf_model import PerfModel
+from simulator.fleet import FleetProcess
+from simulator.tokenizer import synthetic_text
+from tests.test_gateway_redis import REDIS_URL, ROOT, listening_url, redis_prefix, spawn_gateway, stop  # noqa: F401
+from tests.test_gateway_slo import metric
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+FAST = {"interval_s": 0.05, "refit_interval_s": 0.2, "refit_min_new": 8, "sync_interval_s": 0.2}
+
+
+def true_model(profile: str = "llama3-8b-h100") -> PerfModel:
+    """The simulator profile's coefficients in Aladdin's form (model seconds)."""
+    return PerfModel.from_step_profile(yaml.safe_load((SIM_PROFILES_DIR / f"{profile}.yaml").read_text()))
+
+
+@contextlib.asynccontextmanager
+async def gateway(urls: list[str], profile: str, **cfg: Any) -> AsyncIterator[GatewayServer]:
+    config = load_config(None, listen={"host": "127.0.0.1", "port": 0}, scrape_interval_s=0.1,
+                         workers=[{"id": f"w{i}", "url": u, "profile": profile} for i, u in enumerate(urls)], **cfg)
+    async with GatewayServer(config) as gw:
+        yield gw
+
+
+async def send(http: httpx.AsyncClient, url: str, prompt_tokens: int, tokens: int, key: int, stream: bool = True) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": synthetic_text(prompt_tokens, key)}],
+            "max_tokens": tokens + 50, "stream": stream}
+    async with http.stream("POST", url + "/v1/chat/completions", json=body,
+                           headers={"x-sim-output-tokens": str(tokens)}) as r:
+        await r.aread()
+        assert r.status_code == 200, r.text
+
+
+async def poll_metrics(http: httpx.AsyncClient, url: str, ready, timeout: float = 15.0) -> str:  # noqa: ANN001
+    """GET /metrics until `ready(text)` holds; the text."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = (await http.get(url + "/metrics")).text
+        if ready(text):
+            return text
+        assert time.monotonic() < deadline, "metrics never got there:\n" + "\n".join(
+            line for line in text.splitlines() if "perf_model" in line or "output_length" in line)
+        await asyncio.sleep(0.05)
+
+
+def coef(text: str, profile: str, name: str) -> float | None:
+    return metric(text, "fleetgate_perf_model_coefficient", {"profile": profile, "name": name})
+
+
+# --- through the gateway -----------------------------------------------------------------------------
+async def test_fitted_coefficients_appear_and_move_toward_the_simulators(tmp_path) -> None:
+    k = 5.0  # the fleet runs 5x faster than its profile: true wall-time coefficients are the profile's / 5
+    truth = true_model()
+    wrong = {"k1": 3 * truth.k1, "c1": 3 * truth.c1, "k2": 3 * truth.k2, "c2": 3 * truth.c2, "c3": 3 * truth.c3}
+    rng = random.Random(7)
+    with FleetProcess(2, time_scale=k) as fleet:  # own process: the simulator's timing is not ours
+        async with gateway(fleet.urls, "mystery", learning={**FAST, "time_scale": k, "priors": {"mystery": wrong}}) as gw, \
+                httpx.AsyncClient(timeout=60) as http:
+            text = (await http.get(gw.url + "/metrics")).text
+            prior = {n: coef(text, "mystery", n) for n in ("k1", "c1", "k2", "c2", "c3")}
+            assert prior["c3"] == pytest.approx(wrong["c3"] / k)  # the declared prior, in wall seconds
+            sem = asyncio.Semaphore(4)
+
+            async def one(i: int) -> None:
+                async with sem:
+                    await send(http, gw.url, rng.choice([64, 256, 512, 1024, 2048]), 24, i)
+
+            await asyncio.gather(*(one(i) for i in range(60)))
+            text = await poll_metrics(http, gw.url, lambda t: (metric(
+                t, "fleetgate_perf_model_samples", {"profile": "mystery", "phase": "prefill"}) or 0) >= 40)
+    fit = {n: coef(text, "mystery", n) for n in ("k1", "c1", "k2", "c2", "c3")}
+    assert metric(text, "fleetgate_perf_model_samples", {"profile": "mystery", "phase": "decode"}) >= 40
+    assert metric(text, "fleetgate_perf_model_fit_error", {"profile": "mystery", "phase": "decode"}) is not None
+    for n in ("h", "kv_capacity", "p1", "p8"):
+        assert coef(text, "mystery", n) is not None
+    assert coef(text, "mystery", "kv_capacity") == 27255  # from the workers' scraped cache_config_info
+
+    def step(m: dict, ctx: float = 700.0) -> float:  # one decode step of one request (eq. 3, b = 1)
+        return m["k2"] * ctx + m["c2"] + m["c3"]
+
+    def err(m: dict, scale: float) -> tuple[float, float]:
+        t = vars_of(truth)
+        return abs(m["k1"] * scale - t["k1"]), abs(step(m) * scale - step(t))
+
+    # The prefill slope and the decode step moved (most of the way) from the 3x-wrong prior to the truth.
+    (k1_fit, step_fit), (k1_prior, step_prior) = err(fit, k), err(prior, k)
+    assert k1_fit < 0.6 * k1_prior, (fit, prior)
+    assert step_fit < 0.6 * step_prior, (fit, prior)
+
+
+def vars_of(m: PerfModel) -> dict[str, float]:
+    return {n: getattr(m, n) for n in ("k1", "c1", "k2", "c2", "c3")}
+
+
+async def test_predictor_learns_a_fixed_output_length(sim_fleet) -> None:
+    fleet = sim_fleet(2, time_scale=50)
+    async with gateway(fleet.urls, "llama3-8b-h100", learning=FAST) as gw, httpx.AsyncClient(timeout=30) as http:
+        name = "fleetgate_output_length_prediction_tokens"
+        labels = {"model": MODEL, "bucket": "512-1023"}
+        assert metric((await http.get(gw.url + "/metrics")).text, name, labels) is None
+        for i in range(12):  # streamed and whole answers alike
+            await send(http, gw.url, 600, 37, i, stream=i % 2 == 0)
+        text = await poll_metrics(http, gw.url, lambda t: metric(t, name, labels) is not None)
+    assert metric(text, name, labels) == pytest.approx(37.0)
+    # the model-wide mean pulls an unseen bucket the same way (bucket means shrink to it)
+    assert gw.gateway.learner.predict(MODEL, 10, None) == pytest.approx(37.0)
+    assert gw.gateway.learner.predict(MODEL, 600, 20) == 20.0  # max_tokens bounds it
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+async def test_two_gateway_processes_share_fitted_models_through_redis(sim_fleet, redis_prefix, tmp_path) -> None:  # noqa: F811
+    fleet = sim_fleet(1, time_scale=20)
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "workers": [{"id": "w0", "url": fleet.urls[0], "profile": "llama3-8b-h100"}],
+        "redis_key_prefix": redis_prefix, "scrape_interval_s": 0.1, "health": {"interval_s": 0.5},
+        "learning": {**FAST, "time_scale": 20.0},
+    }))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [spawn_gateway(cfg, env), spawn_gateway(cfg, env)]
+    try:
+        a, b = (listening_url(p) for p in procs)
+        async with httpx.AsyncClient(timeout=60) as http:
+            before = coef((await http.get(b + "/metrics")).text, "llama3-8b-h100", "c3")
+            for i in range(24):  # traffic through A only
+                await send(http, a, 64 * (1 + i % 8), 12, i)
+            await poll_metrics(http, a, lambda t: (metric(
+                t, "fleetgate_perf_model_samples", {"profile": "llama3-8b-h100", "phase": "prefill"}) or 0) >= 16)
+
+            async def both() -> tuple[str, str]:
+                return (await http.get(a + "/metrics")).text, (await http.get(b + "/metrics")).text
+
+            # B never saw a request, yet adopts A's fit and A's output lengths from the shared store.
+            deadline = time.monotonic() + 15
+            while True:
+                text_a, text_b = await both()
+                fitted = coef(text_a, "llama3-8b-h100", "c3")
+                if coef(text_b, "llama3-8b-h100", "c3") == fitted:
+                    break
+                assert time.monotonic() < deadline, (fitted, coef(text_b, "llama3-8b-h100", "c3"))
+                await asyncio.sleep(0.05)
+            assert fitted != before
+            assert metric(text_b, "fleetgate_output_length_prediction_tokens", {"model": MODEL}) == pytest.approx(12.0)
+            # A gateway started now loads the shared models at start, before its first request.
+            procs.append(spawn_gateway(cfg, env))
+            c = listening_url(procs[-1])
+            fitted = coef((await http.get(a + "/metrics")).text, "llama3-8b-h100", "c3")
+            assert coef((await http.get(c + "/metrics")).text, "llama3-8b-h100", "c3") == fitted
+    finally:
+        for p in procs:
+            stop(p)
+
+
+# --- units ----------------------------------------------------------------------------------------------
+def test_priors_come_from_config_then_simulator_profiles_then_defaults() -> None:
+    assert profile_prior("llama3-8b-h100", {}).c3 == pytest.approx(true_model().c3)
+    assert profile_prior("llama3-8b-h100", {}, time_scale=10).c3 == pytest.approx(true_model().c3 / 10)
+    assert profile_prior("custom", {"custom": {"k1": 1e-4, "max_batch": 8}}).max_batch == 8
+    step_like = yaml.safe_load((SIM_PROFILES_DIR / "llama2-13b-a100.yaml").read_text())
+    assert profile_prior("x", {"x": step_like}).k2 == pytest.approx(true_model("llama2-13b-a100").k2)
+    assert profile_prior("no-such-profile", {}).c3 == PerfModel().c3
+    assert profile_prior(str(SIM_PROFILES_DIR / "llama3-8b-a100.yaml"), {}).c3 == pytest.approx(
+        true_model("llama3-8b-a100").c3)
+    m = scale_time(PerfModel(p=(1, 2, 3, 4, 5, 6, 7, 8)), 2.0)
+    assert (m.k1, m.c3, m.p[7], m.h, m.kv_capacity) == (PerfModel().k1 / 2, PerfModel().c3 / 2, 4.0, 1 / 16, 3682.0)
+
+
+def test_a_bad_prior_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, learning={"priors": {"gpu": {"k1": -1.0}}})
+    assert "learning.priors" in str(e.value) and "k1" in str(e.value)
+
+
+def test_merged_predictor_equals_one_that_saw_everything() -> None:
+    rng = random.Random(3)
+    parts = [LengthPredictor(), LengthPredictor()]
+    whole = LengthPredictor()
+    for i in range(400):
+        prompt, out = rng.randint(1, 3000), rng.randint(1, 900)
+        parts[i % 2].observe("m", prompt, out)
+        whole.observe("m", prompt, out)
+    merged = LengthPredictor.from_dict(merge_predictors([p.to_dict() for p in parts]))
+    for prompt in (5, 100, 1000, 2500):
+        assert merged.predict("m", prompt) == pytest.approx(whole.predict("m", prompt))
+        assert merged.predict_std("m", prompt) == pytest.approx(whole.predict_std("m", prompt))
+    assert merged.count("m") == 400
+
+
+def test_trace_averages_the_scraped_batch_over_an_interval() -> None:
+    tr = _Trace()
+    assert tr.average(0.0, 1.0) is None
+    tr.add(0.0, 2.0, 100.0)   # 2 running, 100 KV tokens from t=0
+    tr.add(1.0, 4.0, 300.0)   # 4 running from t=1
+    b, kv = tr.average(0.5, 2.0)  # 0.5 s at 2, 1 s at 4
+    assert b == pytest.approx((0.5 * 2 + 1.0 * 4) / 1.5)
+    assert kv == pytest.approx((0.5 * 100 + 1.0 * 300) / 1.5)
+    assert tr.average(-1.0, 2.0) is None  # before the first sample: unknown
+
+
+def test_prefill_log_counts_prompts_prefilled_while_a_request_waited() -> None:
+    log = _PrefillLog()
+    log.add(1.0, 0.0, 100.0)    # A: sent 0.0, first token 1.0
+    log.add(1.5, 0.2, 300.0)    # B: sent 0.2, first token 1.5 (prefilled after A)
+    log.add(3.0, 2.0, 50.0)     # C: sent after B's first token
+    log.add(1.2, 1.1, 70.0)     # D: sent after B yet prefilled before it (one chunked-prefill step)
+    assert log.others_between(0.2, 1.5) == 100.0 + 70.0  # A's and D's prefills fell in B's wait
+    assert log.others_between(0.0, 1.0) == 0.0            # A waited for nobody
+    assert log.others_between(2.0, 3.0) == 0.0
