@@ -12,7 +12,8 @@ pair, TP4 vs TP1 V100s, differs ~4x in compute and more in memory).
 As in the paper: 4000 requests with lengths drawn from ShareGPT (i.i.d., seeded), sent at 8, 16 and 24
 req/s (Poisson) and all at once; policies round robin (RR), weighted round robin 4:1 (WRR, the weight the
 paper gives its 4-GPU instance), memory-only (`hetero` with memory_only=True, the paper's MB: T_r^s = 1)
-and `hetero` (θ = 2, T_r^s from eq. 3-6 of each worker's PerfModel, derived from its profile). Throughput =
+and `hetero` (θ = 2, T_r^s from eq. 3-6 of each worker's PerfModel, derived from its profile), plus
+`hetero_uncapped`: eq. 8 as printed, kv_usage not capped at 1 (see the notes in the report). Throughput =
 completed requests / (last completion − first arrival); each worker's completion time is when its last
 request finished. All policies get the same predicted output lengths (one online length predictor,
 warm-started from the trace and fed every completion). Target of the issue: `hetero` >= 1.5x the
@@ -41,7 +42,8 @@ ROOT = Path(__file__).parents[1]
 RESULTS_MD = ROOT / "bench" / "results" / "hetero_pair.md"
 STRONG, WEAK = "llama3-8b-h100", "llama3-8b-a100"
 STRONG_WEIGHT, WEAK_WEIGHT = 4.0, 1.0
-POLICIES = ("round_robin", "weighted_round_robin", "memory_only", "hetero")
+UNCAPPED = "hetero_uncapped"
+POLICIES = ("round_robin", "weighted_round_robin", "memory_only", "hetero", UNCAPPED)
 RATES: tuple[float | None, ...] = (8.0, 16.0, 24.0, None)   # None: all requests at once
 TARGET_RATIO = 1.5
 WARM_SAMPLES = 2000
@@ -64,9 +66,10 @@ def workload(n: int, rate: float | None, seed: int) -> list[WorkloadRequest]:
 
 
 def make_pair_policy(name: str) -> Policy:
-    if name in ("hetero", "memory_only"):
+    if name in ("hetero", "memory_only", UNCAPPED):
         models = {p: PerfModel.from_step_profile(load_profile(p)) for p in (STRONG, WEAK)}
-        return make_policy("hetero", perf_models=models, memory_only=name == "memory_only")
+        return make_policy("hetero", perf_models=models, memory_only=name == "memory_only",
+                           kv_cap=None if name == UNCAPPED else 1.0)
     return make_policy(name)
 
 
@@ -139,9 +142,31 @@ def report(results: list[PairResult], args: argparse.Namespace, png: Path | None
             lines.append(f"Target: `hetero` >= {TARGET_RATIO}x the throughput of round robin at 24 req/s "
                          f"(seed {seed}): **{ratio:.2f}x, {verdict}**.")
     lines.append("")
+    lines += [NOTES, ""]
     if png is not None:
         lines += [f"![throughput and completion times]({png.name})", ""]
+    lines += [f"Wall time of the whole run: {args.wall_s:.0f} s (machine shared with other jobs).", ""]
     return "\n".join(lines)
+
+
+NOTES = """Notes:
+
+- Capacities on these lengths (from the runs above): the weak A100 completes ~2.8 req/s, the strong H100
+  ~6.9 req/s, so the best split is ~70/30 and the pair tops out near 9.7 req/s. Round robin sends half to
+  the A100, which finishes last (its completion time sets the makespan) whatever the arrival rate above ~6
+  req/s. WRR 4:1 overshoots the other way (the A100 idles early) but is close, as in the paper, because 4:1
+  happens to be near the true ratio; `hetero` gets the ratio from the profiles without being told.
+- "to strong" counts requests; `hetero` sends fewer but longer requests to the H100 (T_r^s grows faster
+  with length on the A100), so the completion times balance at ~57/43 requests.
+- `hetero_uncapped` (eq. 8 as printed) lets kv_usage grow with the backlog: the unfinished requests'
+  tokens over the cache size reach several times 1 under overload, and exp(θ · kv_usage) then dominates
+  T_r^s. Both workers have ~27k KV blocks, so the split drifts back to ~50/50 and the gain over round robin
+  shrinks as the load grows. `hetero` therefore caps kv_usage at 1 (`kv_cap`, default): requests beyond a
+  full cache wait in the engine's queue, where they cost time (already in the load Σ w) but no memory. In
+  the paper the weak instance also had ~10x less KV memory, so memory and speed pointed the same way there.
+- All at once, no request has finished when all are placed, so only the predicted loads decide; `hetero`
+  still leaves the A100 finishing ~20% after the H100 (the eq. 3-6 static-batch model underrates the
+  A100's continuous batching of short requests)."""
 
 
 def plot(results: list[PairResult], args: argparse.Namespace, path: Path) -> None:
@@ -204,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
                 results.append(r)
                 print(f"{_rate(rate)} seed {seed} {p}: {r.throughput_rps:.2f} req/s, strong {r.strong_done_s:.0f} s, "
                       f"weak {r.weak_done_s:.0f} s ({r.wall_s:.1f} s)", file=sys.stderr, flush=True)
-    print(f"total {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    args.wall_s = time.perf_counter() - t0
+    print(f"total {args.wall_s:.0f} s", file=sys.stderr)
     if args.no_write:
         print(report(results, args, None))
         return

@@ -338,7 +338,7 @@ NOTES = """## How to read this
 - azure_conv has shorter answers (mean 211 tokens vs 424, few short ones), so fewer stalls land on
   vulnerable requests and least_requests already runs near the fleet's capacity (at rate 8, 5 workers put
   the mean time per output token, prefill stalls included, at ~29 ms by eq. 2-3): there is little left to
-  save, and the gains are 0-22% and not stable across seeds.
+  save, and the gains (0-25%; the 25% is 3 workers instead of 4 on one seed) are not stable across seeds.
 - Attainment is not exactly monotone in N (power_of_two most of all); the search bisects, and every probed
   N is listed above. A packing policy never reaches 100%: it fills workers to the SLO limit whatever N is."""
 
