@@ -49,6 +49,20 @@ async def gateway(urls: list[str], **cfg: Any) -> AsyncIterator[GatewayServer]:
         yield gw
 
 
+@pytest.fixture
+async def make_client() -> AsyncIterator[Callable[..., AsyncOpenAI]]:
+    """Official OpenAI clients for a gateway URL, closed at teardown."""
+    made: list[AsyncOpenAI] = []
+
+    def make(url: str, api_key: str = "unused", **kw: Any) -> AsyncOpenAI:
+        made.append(AsyncOpenAI(base_url=url + "/v1", api_key=api_key, **kw))
+        return made[-1]
+
+    yield make
+    for c in made:
+        await c.close()
+
+
 async def poll(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -74,12 +88,12 @@ def lines_of(text: str) -> list[dict]:
 
 
 # --- the round trip ---------------------------------------------------------------------------------
-async def test_batch_round_trip_with_the_openai_client(sim_fleet) -> None:
+async def test_batch_round_trip_with_the_openai_client(sim_fleet, make_client) -> None:
     fleet = sim_fleet(2, time_scale=20)
     async with gateway(fleet.urls, api_keys=["sk-batch"]) as gw:
         with pytest.raises(openai.AuthenticationError):
-            await AsyncOpenAI(base_url=gw.url + "/v1", api_key="wrong").batches.list()
-        client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-batch")
+            await make_client(gw.url, "wrong").batches.list()
+        client = make_client(gw.url, "sk-batch")
         good = [chat_line(f"req-{i}", 4 + i) for i in range(6)]
         broken = json.dumps({"custom_id": "broken", "method": "POST", "url": "/v1/chat/completions",
                              "body": {"model": MODEL, "max_tokens": 4}})  # no messages: the gateway's 400
@@ -115,10 +129,10 @@ async def test_batch_round_trip_with_the_openai_client(sim_fleet) -> None:
         assert listed[0] == batch.id
 
 
-async def test_cancel_stops_queued_requests_and_keeps_finished_ones(sim_fleet) -> None:
+async def test_cancel_stops_queued_requests_and_keeps_finished_ones(sim_fleet, make_client) -> None:
     fleet = sim_fleet(1, time_scale=10)
     async with gateway(fleet.urls, workers=[{"id": "w0", "url": fleet.urls[0], "cap": 1}]) as gw:
-        client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused")
+        client = make_client(gw.url, "unused")
         upload = await client.files.create(
             file=("many.jsonl", "\n".join(chat_line(f"c{i}", 200) for i in range(20)).encode()), purpose="batch")
         batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
@@ -134,10 +148,10 @@ async def test_cancel_stops_queued_requests_and_keeps_finished_ones(sim_fleet) -
         assert snap.queued == 0 and snap.running == 0
 
 
-async def test_bad_input_gives_clear_errors(sim_fleet) -> None:
+async def test_bad_input_gives_clear_errors(sim_fleet, make_client) -> None:
     fleet = sim_fleet(1, time_scale=20)
     async with gateway(fleet.urls) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
-        client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused")
+        client = make_client(gw.url, "unused")
         with pytest.raises(openai.BadRequestError, match="purpose"):
             await client.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
         with pytest.raises(openai.NotFoundError):
@@ -192,7 +206,7 @@ def items(batch_id: str, n: int, deadline: float) -> list[QueuedRequest]:
                           deadline, MODEL, 1) for i in range(n)]
 
 
-@pytest.mark.parametrize("backend", ["memory", "redis"])
+@pytest.mark.parametrize("backend", ["memory", pytest.param("redis", marks=pytest.mark.redis)])
 async def test_queue_is_deadline_ordered_and_every_request_resolves_once(backend: str, request) -> None:
     if backend == "redis":
         store = RedisStore(REDIS_URL, key_prefix=request.getfixturevalue("redis_prefix"))
@@ -238,11 +252,11 @@ async def test_queue_is_deadline_ordered_and_every_request_resolves_once(backend
 
 
 # --- eviction ----------------------------------------------------------------------------------------
-async def test_interactive_request_evicts_batch_work_which_then_completes(sim_fleet) -> None:
+async def test_interactive_request_evicts_batch_work_which_then_completes(sim_fleet, make_client) -> None:
     fleet = sim_fleet(1, time_scale=10)
     async with gateway(fleet.urls, workers=[{"id": "w0", "url": fleet.urls[0], "cap": 2}]) as gw, \
             httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
-        client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused")
+        client = make_client(gw.url, "unused")
         upload = await client.files.create(
             file=("long.jsonl", "\n".join(chat_line(f"b{i}", 1500) for i in range(3)).encode()), purpose="batch")
         batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
@@ -286,7 +300,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.mark.redis
 @pytest.mark.slow  # two gateway processes start (~3 s each on a busy machine)
-async def test_batch_survives_a_gateway_restart_on_redis(sim_fleet, redis_prefix, tmp_path) -> None:
+async def test_batch_survives_a_gateway_restart_on_redis(sim_fleet, redis_prefix, tmp_path, make_client) -> None:
     fleet = sim_fleet(1, time_scale=4)
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(json.dumps({
@@ -299,7 +313,7 @@ async def test_batch_survives_a_gateway_restart_on_redis(sim_fleet, redis_prefix
     second = None
     try:
         url = listening_url(first)
-        client = AsyncOpenAI(base_url=url + "/v1", api_key="unused")
+        client = make_client(url, "unused")
         upload = await client.files.create(
             file=("jobs.jsonl", "\n".join(chat_line(f"r{i}", 120) for i in range(16)).encode()), purpose="batch")
         batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
@@ -314,7 +328,7 @@ async def test_batch_survives_a_gateway_restart_on_redis(sim_fleet, redis_prefix
 
         second = spawn_gateway(cfg)
         url = listening_url(second)
-        client = AsyncOpenAI(base_url=url + "/v1", api_key="unused")
+        client = make_client(url, "unused")
         done = await finished(client, batch.id, timeout=30)
         assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 16, 0)
         out = lines_of((await client.files.content(done.output_file_id)).text)
