@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -14,12 +13,12 @@ app.add_typer(config_app, name="config")
 
 @app.command()
 def serve(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config file."),
-    host: Optional[str] = typer.Option(None, help="Address to listen on (default: config listen.host, 127.0.0.1)."),
-    port: Optional[int] = typer.Option(None, help="Port to listen on; 0 picks a free one (default: config, 8000)."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML config file."),
+    host: str | None = typer.Option(None, help="Address to listen on (default: config listen.host, 127.0.0.1)."),
+    port: int | None = typer.Option(None, help="Port to listen on; 0 picks a free one (default: config, 8000)."),
     worker: list[str] = typer.Option([], "--worker", "-w", help="Worker URL (repeatable); adds to the config."),
-    policy: Optional[str] = typer.Option(None, help="Default routing policy (overrides the config)."),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Share state through Redis."),
+    policy: str | None = typer.Option(None, help="Default routing policy (overrides the config)."),
+    redis_url: str | None = typer.Option(None, "--redis-url", help="Share state through Redis."),
 ) -> None:
     """Run the gateway in front of the workers named in the config (and/or --worker)."""
     from gateway.server import run_serve
@@ -36,7 +35,7 @@ def demo(
     model: str = typer.Option("meta-llama/Llama-3.1-8B-Instruct", help="Model name the fleet serves."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="Run the simulated engines K times faster."),
     base_port: int = typer.Option(0, "--base-port", help="First simulator port (0: gateway port + 1)."),
-    pd: Optional[str] = typer.Option(None, "--pd", help="P:D, e.g. 2:2 — prefill and decode workers."),
+    pd: str | None = typer.Option(None, "--pd", help="P:D, e.g. 2:2 — prefill and decode workers."),
     autoscale: bool = typer.Option(False, "--autoscale", help="Run the autoscaler with the sim actuator."),
 ) -> None:
     """Gateway plus N simulated vLLM workers in one command; in-memory state, nothing else to start."""
@@ -55,7 +54,7 @@ def sim(
     profile: str = typer.Option("llama3-8b-h100", help="Profile name or YAML file."),
     model: str = typer.Option("meta-llama/Llama-3.1-8B-Instruct", help="Served model name."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="Run the timing model K times faster."),
-    fleet: Optional[Path] = typer.Option(None, "--fleet", help="YAML fleet file (mixes profiles, models, roles)."),
+    fleet: Path | None = typer.Option(None, "--fleet", help="YAML fleet file (mixes profiles, models, roles)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     seed: int = typer.Option(0, help="Random seed for output lengths."),
     list_profiles: bool = typer.Option(False, "--list-profiles", help="List built-in profiles and exit."),
@@ -72,15 +71,15 @@ def sim(
 
 @app.command()
 def simulate(
-    trace: Optional[str] = typer.Option(None, help="Trace file or built-in name (azure_conv, sharegpt, ...)."),
+    trace: str | None = typer.Option(None, help="Trace file or built-in name (azure_conv, sharegpt, ...)."),
     workers: int = typer.Option(8, help="Number of workers."),
     profile: str = typer.Option("llama3-8b-h100", help="Profile name or YAML file."),
     policy: str = typer.Option("least_requests", help="Routing policy."),
-    rate: Optional[float] = typer.Option(None, help="Synthetic arrival rate (req/s) when no timestamps."),
+    rate: float | None = typer.Option(None, help="Synthetic arrival rate (req/s) when no timestamps."),
     rate_scale: float = typer.Option(1.0, "--rate-scale", help="Multiply the trace's arrival rate."),
     arrival: str = typer.Option("poisson", help="Synthetic arrivals: poisson or gamma."),
     cv: float = typer.Option(1.0, help="Coefficient of variation for gamma arrivals."),
-    duration: Optional[float] = typer.Option(None, help="Simulated seconds of arrivals."),
+    duration: float | None = typer.Option(None, help="Simulated seconds of arrivals."),
     slo_ttft_ms: float = typer.Option(600.0, "--slo-ttft-ms"),
     slo_tpot_ms: float = typer.Option(30.0, "--slo-tpot-ms"),
     seed: int = typer.Option(0),

@@ -60,10 +60,7 @@ def block_hashes(token_ids: Sequence[int], salt: str | None = None) -> list[int]
     return out
 
 
-_WORDS = (
-    "the of and to in is was for on that with as by at from it an be this are or which have has not "
-    "but were they been one their all more also can its new first two would other after into time"
-).split()
+_WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "it", "an", "be", "this", "are", "or", "which", "have", "has", "not", "but", "were", "they", "been", "one", "their", "all", "more", "also", "can", "its", "new", "first", "two", "would", "other", "after", "into", "time"]
 
 
 def synthetic_text(num_tokens: int, key: int | str = 0) -> str:
