@@ -2,11 +2,14 @@
 
 `python -m bench.null_backend --port 8200` serves /v1/chat/completions and /v1/completions (streaming or not,
 `max_tokens` chunks), /v1/models, /health and an empty /metrics, with vLLM 0.11's framing.
+`--token-interval-ms` spaces a stream's chunks (default 0: all at once), so each chunk reaches the gateway on its
+own as with a real engine, instead of however the scheduler happens to coalesce them.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import orjson
 import uvicorn
@@ -40,6 +43,7 @@ def _chunk(chat: bool) -> bytes:
 
 
 _CHUNK = {True: _chunk(True), False: _chunk(False)}
+TOKEN_INTERVAL_S = 0.0  # --token-interval-ms
 
 
 async def app(scope, receive, send):  # noqa: ANN001 - raw ASGI
@@ -64,6 +68,8 @@ async def app(scope, receive, send):  # noqa: ANN001 - raw ASGI
         chunk = _CHUNK[chat]
         for _ in range(n):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if TOKEN_INTERVAL_S:
+                await asyncio.sleep(TOKEN_INTERVAL_S)
         usage = {"id": "x", "object": "x", "created": 0, "model": MODEL, "choices": [],
                  "usage": {"prompt_tokens": 8, "total_tokens": 8 + n, "completion_tokens": n}}
         tail = b"data: " + orjson.dumps(usage) + b"\n\n" if (req.get("stream_options") or {}).get("include_usage") else b""
@@ -82,7 +88,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8200)
+    ap.add_argument("--token-interval-ms", type=float, default=0.0, help="pause between a stream's chunks")
     args = ap.parse_args()
+    global TOKEN_INTERVAL_S
+    TOKEN_INTERVAL_S = args.token_interval_ms / 1000.0
     uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools", access_log=False,
                 log_level="warning")
 

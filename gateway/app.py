@@ -81,6 +81,8 @@ class Gateway:
         await self.autoscaler.stop()
         await self.learner.stop()
         await self.registry.stop()
+        if self.relay is not None:
+            await self.relay.close()  # upstream keep-alive connections of the hot path
         session, self.session = self.session, None
         if session is not None:
             await session.close()

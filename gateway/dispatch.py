@@ -17,9 +17,9 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import re
 import time
-import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +38,7 @@ from gateway.registry import Registry, WorkerState
 from gateway.relay import Relay, RelayResult, ResponseState, UpstreamFailure
 from gateway.slo import SloBook
 from gateway.state.base import StateStore
+from gateway.upstream import encode_headers
 from policies.base import Policy, make_policy
 from policies.prefix import prompt_chunk_hashes
 from policies.types import CLASS_BATCH, CLASS_INTERACTIVE, RequestFeatures
@@ -196,8 +197,8 @@ class Dispatcher:
                 model_label, policy_label = model, rt.policy_name
                 shaped = self.adapter.shape_request(raw, req.body, req.stream, changed)
                 feats = self._features(req, route, rt, rid.decode(), hdrs)
-                upstream_headers = [("Content-Type", "application/json"), ("X-Request-Id", feats.request_id),
-                                    *hdrs.forward]
+                upstream_headers = b"".join((b"Content-Type: application/json\r\nX-Request-Id: ", rid, b"\r\n",
+                                             hdrs.forward))
                 result = await self._run(rt, feats, route, shaped.body, shaped.strip_usage, req.stream,
                                          upstream_headers, client_headers, send, state)
                 status = result.status
@@ -305,8 +306,9 @@ class Dispatcher:
 
     # --- placement ----------------------------------------------------------------------------------
     async def _run(self, rt: ModelRuntime, feats: RequestFeatures, route: Route, payload: bytes,
-                   strip_usage: bool, stream: bool, upstream_headers: list[tuple[str, str]],
+                   strip_usage: bool, stream: bool, upstream_headers: bytes,
                    client_headers: list[tuple[bytes, bytes]], send, state: ResponseState) -> RelayResult:  # noqa: ANN001
+        """`upstream_headers`: the request headers for the worker besides Host and Content-Length, encoded."""
         if self.pd.active(rt.model):
             return await self.pd.run(rt, feats, route, payload, strip_usage, stream, upstream_headers,
                                      client_headers, send, state)
@@ -366,32 +368,39 @@ class Dispatcher:
         views = []
         by_id: dict[str, WorkerState] = {}
         for ws in self.registry.rotation(rt.model):
-            if ws.id in exclude:
+            wid = ws.rec.id
+            if exclude and wid in exclude:
                 continue
-            f = inflight.get(ws.id)
-            n = f.requests if f is not None else 0
+            f = inflight.get(wid)
+            if f is None:
+                n = tokens_in = 0
+            else:
+                n, tokens_in = f.requests, f.tokens
             cap = ws.rec.cap
             if cap is not None and n >= cap:
                 continue
-            views.append(ws.view(n, f.tokens if f is not None else 0))
-            by_id[ws.id] = ws
-        if self.pools is not None:
-            views = self.pools.filter(feats, views)
+            views.append(ws.view(n, tokens_in))
+            by_id[wid] = ws
+        pools = self.pools
+        if pools is not None:
+            views = pools.filter(feats, views)
         tokens = feats.prompt_tokens + int(feats.predicted_output_tokens)
         placed = None
         now = time.time()
+        policy = rt.policy
         while views:
-            decision = rt.policy.choose(feats, views, now)
+            decision = policy.choose(feats, views, now)
             ws = by_id.get(decision.worker_id) if decision.worker_id is not None else None
             if ws is None:
                 break
-            if await self.store.try_reserve(ws.id, feats.request_id, ws.rec.cap, tokens):
-                rt.policy.on_dispatch(feats, ws.id, time.time())
-                if self.pools is not None:
-                    self.pools.placed(feats, ws.id)
+            wid = ws.rec.id
+            if await self.store.try_reserve(wid, feats.request_id, ws.rec.cap, tokens):
+                policy.on_dispatch(feats, wid, time.time())
+                if pools is not None:
+                    pools.placed(feats, wid)
                 placed = ws
                 break
-            views = [v for v in views if v.id != ws.id]  # another replica took the last slot
+            views = [v for v in views if v.id != wid]  # another replica took the last slot
         self.metrics.observe_routing(rt.model, time.perf_counter() - t)
         return placed
 
@@ -591,15 +600,19 @@ class ClientHeaders:
     request_id: bytes
     session_id: str | None
     request_class: str
-    forward: list[tuple[str, str]]
+    forward: bytes  # the headers passed on to the worker, encoded `name: value\r\n` lines (Accept: */* if none)
     slo_ttft: bytes | None = None  # raw x-slo-ttft-ms / x-slo-tpot-ms (validated in gateway/slo.py)
     slo_tpot: bytes | None = None
+
+
+_ACCEPT_ANY = b"Accept: */*\r\n"  # what aiohttp sent upstream when the client gave no Accept
 
 
 def _read_headers(headers: list[tuple[bytes, bytes]]) -> ClientHeaders:
     content_length = auth = rid = session = slo_ttft = slo_tpot = None
     rclass = CLASS_INTERACTIVE
-    forward: list[tuple[str, str]] = []
+    forward: list[bytes] = []
+    accept = False
     for k, v in headers:
         if k in _NOT_FORWARDED:
             if k == b"content-length":
@@ -612,7 +625,9 @@ def _read_headers(headers: list[tuple[bytes, bytes]]) -> ClientHeaders:
             elif k == b"x-request-id":
                 rid = v
             continue
-        if k == b"x-session-id":
+        if k == b"accept":
+            accept = True
+        elif k == b"x-session-id":
             session = v.decode("latin-1") or None
         elif k == b"x-request-class" and v == b"batch":
             rclass = CLASS_BATCH
@@ -620,10 +635,27 @@ def _read_headers(headers: list[tuple[bytes, bytes]]) -> ClientHeaders:
             slo_ttft = v
         elif k == b"x-slo-tpot-ms":
             slo_tpot = v
-        forward.append((k.decode("latin-1"), v.decode("latin-1")))
+        forward += (k, b": ", v, b"\r\n")
+    if not accept:
+        forward.append(_ACCEPT_ANY)
+    block = b"".join(forward)
+    lines = (len(forward) + 3) // 4
+    if block.count(b"\n") != lines or block.count(b"\r") != lines:
+        # A header holds a CR or LF (it could smuggle a header upstream; httptools in front refuses them
+        # already, so only a hand-made scope gets here): encode again, dropping those lines.
+        block = encode_headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
+                                if k not in _NOT_FORWARDED])
     if rid is None or not _REQUEST_ID_RE.match(rid):
-        rid = uuid.uuid4().hex.encode()
-    return ClientHeaders(content_length, auth, rid, session, rclass, forward, slo_ttft, slo_tpot)
+        rid = new_request_id()
+    return ClientHeaders(content_length, auth, rid, session, rclass, block, slo_ttft, slo_tpot)
+
+
+def new_request_id() -> bytes:
+    """A random (version 4) UUID as 32 hex digits, like uuid.uuid4().hex, without building a UUID object."""
+    b = bytearray(os.urandom(16))
+    b[6] = (b[6] & 0x0F) | 0x40  # version 4
+    b[8] = (b[8] & 0x3F) | 0x80  # RFC 4122 variant
+    return b.hex().encode()
 
 
 async def _watch_disconnect(receive, task: asyncio.Task, state: ResponseState, gone: list[bool]) -> None:  # noqa: ANN001

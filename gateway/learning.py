@@ -275,8 +275,10 @@ class Learner:
         self.store = store
         self.registry = registry
         self.replica_id = store.replica_id
-        self.predictor = LengthPredictor()      # what policies and `predict` use (own + other replicas)
         self._own_predictor = LengthPredictor()  # this replica's observations only (published)
+        # What policies and `predict` use: own + other replicas' observations. Until another replica's state is
+        # adopted that is exactly the own predictor, so both are one object and each completion is observed once.
+        self.predictor = self._own_predictor
         self._pred_cache: dict[tuple[str, int, int | None], float] = {}
         self._profiles: dict[str, _Profile] = {}
         self._traces: dict[str, _Trace] = {}
@@ -466,10 +468,12 @@ class Learner:
             return
         workers = self.registry.workers
         self._own_dirty = True
+        merged = self.predictor if self.predictor is not self._own_predictor else None
         while done:
             model, l_in, n, wid, t_sent, t_first, t_last = done.popleft()
-            self.predictor.observe(model, l_in, n)
             self._own_predictor.observe(model, l_in, n)
+            if merged is not None:
+                merged.observe(model, l_in, n)
             self._buckets_seen.add((model, length_bucket(l_in)))
             ws = workers.get(wid)
             if ws is None or t_first is None:

@@ -2,14 +2,20 @@
 
 Bucket boundaries follow vLLM 0.11 where a vLLM series exists (vllm-interface.md section 3.2), so
 gateway and engine histograms line up in Grafana. Label children are cached: the hot path does a
-dict lookup, never `labels(...)`.
+dict lookup, never `labels(...)`. The per-request series (requests, duration, routing, TTFT, TPOT,
+queue wait) are buffered: the hot path appends a number to a list, and the buffers are added to the
+prometheus objects in bulk whenever the registry is collected (a scrape) and every FLUSH_EVERY
+observations, so a scrape always sees every request that finished before it.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
 
 # vllm:e2e_request_latency_seconds (reference section 3.2)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
@@ -25,9 +31,86 @@ ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+FLUSH_EVERY = 512  # buffered observations per series before they are added without waiting for a scrape
+
+
+class _HistogramBuffer:
+    """Observations of one labelled histogram child not yet added to it."""
+
+    __slots__ = ("child", "values", "_bulk")
+
+    def __init__(self, child) -> None:  # noqa: ANN001 - a prometheus Histogram child
+        self.child = child
+        self.values: list[float] = []
+        # Bulk update through the child's own value cells when this prometheus_client has them, else one
+        # observe() per value (same result, just slower).
+        self._bulk = all(hasattr(child, a) for a in ("_upper_bounds", "_buckets", "_sum"))
+
+    def add(self, value: float) -> None:
+        values = self.values
+        values.append(value)
+        if len(values) >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        values, self.values = self.values, []
+        if not values:
+            return
+        child = self.child
+        if not self._bulk:
+            for v in values:
+                child.observe(v)
+            return
+        bounds = child._upper_bounds
+        counts = [0] * len(bounds)
+        for v in values:
+            if v == v:  # prometheus puts a NaN in no bucket (its sum still takes it)
+                counts[bisect.bisect_left(bounds, v)] += 1  # the first bucket with v <= le, as observe()
+        child._sum.inc(sum(values))
+        buckets = child._buckets
+        for i, c in enumerate(counts):
+            if c:
+                buckets[i].inc(c)
+
+
+class _CounterBuffer:
+    __slots__ = ("child", "n")
+
+    def __init__(self, child) -> None:  # noqa: ANN001 - a prometheus Counter child
+        self.child = child
+        self.n = 0
+
+    def add(self) -> None:
+        self.n += 1
+        if self.n >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        n, self.n = self.n, 0
+        if n:
+            self.child.inc(n)
+
+
+class _Flusher:
+    """Registered first, so collecting the registry adds every buffered observation before any series is read."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        self.metrics.flush()
+        return iter(())
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self._histograms: dict[tuple[int, str], _HistogramBuffer] = {}
+        self._counters: dict[tuple[str, str, int], _CounterBuffer] = {}
+        r.register(_Flusher(self))
         self.requests = Counter("fleetgate_requests", "Requests answered, by model, policy and HTTP status.",
                                 ["model", "policy", "status"], registry=r)
         self.duration = Histogram("fleetgate_request_duration_seconds",
@@ -86,23 +169,40 @@ class GatewayMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
+    # --- buffered per-request series ---------------------------------------------------------------
+    def _histogram(self, metric: Histogram, model: str) -> _HistogramBuffer:
+        key = (id(metric), model)
+        buf = self._histograms.get(key)
+        if buf is None:
+            buf = self._histograms[key] = _HistogramBuffer(self._child(metric, model))
+        return buf
+
+    def flush(self) -> None:
+        """Add every buffered observation to its series (runs when the registry is collected)."""
+        for buf in [*self._histograms.values(), *self._counters.values()]:
+            buf.flush()
+
     def count_request(self, model: str, policy: str, status: int) -> None:
-        self._child(self.requests, model, policy, str(status)).inc()
+        key = (model, policy, status)
+        buf = self._counters.get(key)
+        if buf is None:
+            buf = self._counters[key] = _CounterBuffer(self._child(self.requests, model, policy, str(status)))
+        buf.add()
 
     def observe_duration(self, model: str, seconds: float) -> None:
-        self._child(self.duration, model).observe(seconds)
+        self._histogram(self.duration, model).add(seconds)
 
     def observe_ttft(self, model: str, seconds: float) -> None:
-        self._child(self.ttft, model).observe(seconds)
+        self._histogram(self.ttft, model).add(seconds)
 
     def observe_tpot(self, model: str, seconds: float) -> None:
-        self._child(self.tpot, model).observe(seconds)
+        self._histogram(self.tpot, model).add(seconds)
 
     def observe_routing(self, model: str, seconds: float) -> None:
-        self._child(self.routing, model).observe(seconds)
+        self._histogram(self.routing, model).add(seconds)
 
     def observe_queue_wait(self, model: str, seconds: float) -> None:
-        self._child(self.queue_wait, model).observe(seconds)
+        self._histogram(self.queue_wait, model).add(seconds)
 
     def set_queue_depth(self, model: str, depth: int) -> None:
         self._child(self.queue_depth, model, "interactive").set(depth)

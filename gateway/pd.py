@@ -42,6 +42,7 @@ from engine_adapters.vllm.pd import decode_body, extract_kv_transfer_params, par
 from gateway import errors
 from gateway.registry import WorkerState
 from gateway.relay import RelayResult, ResponseState, UpstreamFailure
+from gateway.upstream import header_pairs
 from policies.pd import PdPlan, PdPolicy
 from policies.prefix import CHUNK_CHARS, prompt_chunk_hashes
 from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, RequestFeatures
@@ -147,8 +148,9 @@ class PdRouter:
 
     # --- one request ----------------------------------------------------------------------------------
     async def run(self, rt: ModelRuntime, feats: RequestFeatures, route: Route, payload: bytes,
-                  strip_usage: bool, stream: bool, upstream_headers: list[tuple[str, str]],
+                  strip_usage: bool, stream: bool, upstream_headers: bytes,
                   client_headers: list[tuple[bytes, bytes]], send, state: ResponseState) -> RelayResult:  # noqa: ANN001
+        """`upstream_headers`: the worker-bound request headers as encoded lines (gateway/upstream.py)."""
         body = orjson.loads(payload)
         if not feats.prefix_hashes:
             feats = replace(feats, prefix_hashes=_prefix_hashes(body, route))
@@ -268,7 +270,7 @@ class PdRouter:
 
     # --- the prefill leg ---------------------------------------------------------------------------------
     async def _prefill(self, rt: ModelRuntime, pol: PdPolicy, feats: RequestFeatures, route: Route,
-                       body: dict[str, Any], pair: _Pair, headers: list[tuple[str, str]]) -> dict[str, Any] | None:
+                       body: dict[str, Any], pair: _Pair, headers: bytes) -> dict[str, Any] | None:
         """Run the prefill leg, retrying other prefill workers; the params, or None for a local prefill.
         Releases the prefill reservation(s) as each attempt ends; `pair.prefill` is None afterwards."""
         leg = prefill_body(body)
@@ -306,10 +308,11 @@ class PdRouter:
                 await self._release(rt, ws, feats.request_id)
 
     async def _prefill_once(self, ws: WorkerState, route: Route, leg: bytes,
-                            headers: list[tuple[str, str]]) -> dict[str, Any] | None:
+                            headers: bytes) -> dict[str, Any] | None:
         url = getattr(ws, route.url_attr)
         try:
-            async with self.d.relay.session.post(url, data=leg, headers=headers, timeout=self._prefill_timeout) as r:
+            async with self.d.relay.session.post(url, data=leg, headers=header_pairs(headers),
+                                                 timeout=self._prefill_timeout) as r:
                 answer = await r.read()
                 status = r.status
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
@@ -338,7 +341,7 @@ class PdRouter:
     # --- the decode leg ----------------------------------------------------------------------------------
     async def _decode(self, rt: ModelRuntime, pol: PdPolicy, feats: RequestFeatures, route: Route,
                       body: dict[str, Any], payload: bytes, params: dict[str, Any] | None, pair: _Pair,
-                      strip_usage: bool, stream: bool, headers: list[tuple[str, str]],
+                      strip_usage: bool, stream: bool, headers: bytes,
                       client_headers: list[tuple[bytes, bytes]], send, state: ResponseState) -> RelayResult:  # noqa: ANN001
         if params is not None and params_expired(params, pair.params_at, time.time(), self.cfg.kv_hold_s):
             self.metrics.decision(rt.model, EXPIRED)

@@ -94,8 +94,14 @@ class LengthPredictor:
             raise ValueError("token counts must be >= 0")
         x = float(output_tokens)
         key = (model, length_bucket(prompt_tokens))
-        self._buckets.setdefault(key, _Stats()).add(x, self.ring_size)
-        self._models.setdefault(model, _Stats()).add(x, self.ring_size)
+        st = self._buckets.get(key)  # not setdefault: that would build (and drop) a _Stats on every call
+        if st is None:
+            st = self._buckets[key] = _Stats()
+        st.add(x, self.ring_size)
+        st = self._models.get(model)
+        if st is None:
+            st = self._models[model] = _Stats()
+        st.add(x, self.ring_size)
 
     def count(self, model: str, prompt_tokens: int | None = None) -> int:
         if prompt_tokens is None:

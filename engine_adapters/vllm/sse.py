@@ -39,8 +39,12 @@ class VllmStreamScanner(StreamScanner):
             self._tail = data
             return b"" if self.strip_usage else chunk
         cut = end + 2
-        complete = data[:cut]
-        self._tail = data[cut:]
+        if cut == len(data):  # the usual case: the chunk ends on an event boundary, nothing to copy
+            complete = data
+            self._tail = b""
+        else:
+            complete = data[:cut]
+            self._tail = data[cut:]
         usage_at = self._scan(complete)
         if not self.strip_usage:
             return chunk
@@ -55,19 +59,19 @@ class VllmStreamScanner(StreamScanner):
         span = None
         pos = 0
         n = len(complete)
+        find, starts = complete.find, complete.startswith  # searched in place: no copy per event
         while pos < n:
-            stop = complete.find(EVENT_END, pos)
+            stop = find(EVENT_END, pos)
             if stop < 0:
                 break
             stop += 2
-            ev = complete[pos:stop]
-            if ev.startswith(DONE_EVENT):
+            if starts(DONE_EVENT, pos, stop):
                 self.done = True
-            elif _USAGE_KEY in ev and _EMPTY_CHOICES in ev:
-                self.usage = _usage_from_event(ev) or self.usage
+            elif find(_USAGE_KEY, pos, stop) >= 0 and find(_EMPTY_CHOICES, pos, stop) >= 0:
+                self.usage = _usage_from_event(complete[pos:stop]) or self.usage
                 span = (pos, stop)
-            elif ev.startswith(b"data: {") and _ROLE_DELTA not in ev and _EMPTY_DELTA not in ev \
-                    and not ev.startswith(b'data: {"error"'):
+            elif starts(b"data: {", pos, stop) and find(_ROLE_DELTA, pos, stop) < 0 \
+                    and find(_EMPTY_DELTA, pos, stop) < 0 and not starts(b'data: {"error"', pos, stop):
                 self.tokens += 1
             pos = stop
         return span
