@@ -11,6 +11,14 @@
         fleet = sim_fleet_process(2, time_scale=5)       # GIL, for timing-sensitive tests and benchmarks
         fleet.urls
 
+Gateways as child processes, OpenAI clients and Redis key prefixes (tests/helpers.py has the rest):
+
+    def test_w(gateway_process, redis_prefix, tmp_path):  # `fleetgate serve` children, stopped at teardown
+        url = gateway_process(tmp_path / "gw.yaml", "--redis-url", REDIS_URL).listening_url()
+
+    async def test_v(make_client):                        # AsyncOpenAI clients, closed at teardown
+        client = make_client(gw.url, "sk-key")
+
 For a mixed fleet pass a fleet mapping (the YAML format of simulator/fleet.py):
 `sim_fleet(fleet={"servers": [{"role": "kv_producer"}, {"role": "kv_consumer"}]}, time_scale=20)`,
 or specs: `sim_fleet(specs=[ServerSpec(...), ...])`. Outside pytest, `simulator.fleet.running_fleet(...)`
@@ -19,12 +27,17 @@ or specs: `sim_fleet(specs=[ServerSpec(...), ...])`. Outside pytest, `simulator.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
+from openai import AsyncOpenAI
 
 from simulator.fleet import FleetProcess, ServerSpec, SimFleet, fleet_from_dict
+from tests.helpers import REDIS_URL, GatewayProcess
 
 FAST_TIME_SCALE = 20.0
 _FLEET_FILE_OPTIONS = ("profile", "model", "time_scale", "seed")
@@ -72,3 +85,56 @@ def sim_fleet_process() -> Iterator[Callable[..., FleetProcess]]:
     yield start
     for proc in reversed(started):
         proc.stop()
+
+
+@pytest.fixture
+def gateway_process() -> Iterator[Callable[..., GatewayProcess]]:
+    """Factory fixture: `fleetgate serve --config PATH --port 0 [ARGS]` children (GatewayProcess options);
+    SIGTERM (then SIGKILL) at teardown."""
+    started: list[GatewayProcess] = []
+
+    def start(config: Path, *args: str, env: dict[str, str] | None = None) -> GatewayProcess:
+        started.append(GatewayProcess(config, *args, env=env))
+        return started[-1]
+
+    yield start
+    for proc in reversed(started):
+        proc.stop()
+
+
+@pytest.fixture
+async def make_client() -> AsyncIterator[Callable[..., AsyncOpenAI]]:
+    """Official OpenAI clients for a gateway URL, closed at teardown."""
+    made: list[AsyncOpenAI] = []
+
+    def make(url: str, api_key: str = "unused", **kw: Any) -> AsyncOpenAI:
+        made.append(AsyncOpenAI(base_url=url + "/v1", api_key=api_key, **kw))
+        return made[-1]
+
+    yield make
+    for c in made:
+        await c.close()
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """FLEETGATE_TEST_REDIS_URL (default db 15 on 127.0.0.1:6379); the test fails, saying what to start, when
+    that Redis does not answer."""
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1, socket_timeout=1).ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis is not reachable at {REDIS_URL} ({exc}). Start it with `redis-server --daemonize yes "
+                    "--port 6379` or `docker run -p 6379:6379 redis:7`, or point FLEETGATE_TEST_REDIS_URL at one.")
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix of this test's own; its keys are deleted at teardown."""
+    prefix = f"fgtest:{uuid.uuid4().hex[:12]}:"
+    yield prefix
+    r = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=5)
+    keys = list(r.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        r.delete(*keys)
+    r.close()

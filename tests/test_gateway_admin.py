@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-from collections.abc import AsyncIterator
 
 import httpx
 import openai
 
-from gateway.config import load_config
-from gateway.server import GatewayServer
+from tests.helpers import MODEL
+from tests.helpers import running_gateway as gateway
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
-
-
-@contextlib.asynccontextmanager
-async def gateway(urls: list[str], **settings) -> AsyncIterator[GatewayServer]:
-    cfg = load_config(None, listen={"host": "127.0.0.1", "port": 0},
-                      workers=[{"id": f"w{i}", "url": u} for i, u in enumerate(urls)], **settings)
-    async with GatewayServer(cfg) as gw:
-        yield gw
 
 
 async def served(http: httpx.AsyncClient, url: str) -> int:

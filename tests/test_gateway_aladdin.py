@@ -8,32 +8,25 @@ shortfall; hetero sends more requests to the stronger of two simulated profiles.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
 
-from gateway.config import load_config
 from gateway.server import GatewayServer
-from tests.test_gateway_slo import metric
+from tests.helpers import MODEL, metric, poll, running_gateway
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 STRONG, WEAK = "llama3-8b-h100", "llama2-13b-a100"
 GENEROUS_SLO = {"ttft_ms": 60000, "tpot_ms": 60000}
 
 
-@contextlib.asynccontextmanager
-async def gateway(urls: list[str], policy: str, profiles: list[str] | None = None,
-                  **cfg: Any) -> AsyncIterator[GatewayServer]:
+def gateway(urls: list[str], policy: str, profiles: list[str] | None = None,
+            **cfg: Any) -> AbstractAsyncContextManager[GatewayServer]:
     profiles = profiles or [STRONG] * len(urls)
-    config = load_config(
-        None, listen={"host": "127.0.0.1", "port": 0}, scrape_interval_s=0.1,
-        workers=[{"id": f"w{i}", "url": u, "profile": p} for i, (u, p) in enumerate(zip(urls, profiles, strict=True))],
-        models={MODEL: {"policy": policy, "slo": GENEROUS_SLO}}, **cfg)
-    async with GatewayServer(config) as gw:
-        yield gw
+    workers = [{"id": f"w{i}", "url": u, "profile": p} for i, (u, p) in enumerate(zip(urls, profiles, strict=True))]
+    return running_gateway(workers=workers, scrape_interval_s=0.1,
+                           models={MODEL: {"policy": policy, "slo": GENEROUS_SLO}}, **cfg)
 
 
 async def served(http: httpx.AsyncClient, urls: list[str]) -> list[int]:
@@ -52,17 +45,6 @@ async def stream(http: httpx.AsyncClient, url: str, tokens: int, headers: dict |
     async with http.stream("POST", url + "/v1/chat/completions", json=chat(tokens), headers=h) as r:
         await r.aread()
     return r
-
-
-async def poll(fn, timeout: float = 10.0, every: float = 0.05):  # noqa: ANN001, ANN201
-    """Await fn() until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await fn()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(every)
 
 
 async def test_aladdin_packs_one_worker_while_slos_allow(sim_fleet) -> None:

@@ -5,32 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from pathlib import Path
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import redis
 from openai import AsyncOpenAI
 
-from gateway.config import load_config
 from gateway.server import GatewayServer
 from gateway.state.jobs import QueuedRequest, request_id_for
 from gateway.state.memory import MemoryStore
 from gateway.state.redis_store import RedisStore
+from tests.helpers import MODEL, REDIS_URL, poll, running_gateway
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-REDIS_URL = os.environ.get("FLEETGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 DONE = ("completed", "failed", "cancelled", "expired")
 
 
@@ -40,40 +29,8 @@ def chat_line(custom_id: str, tokens: int, **body: Any) -> str:
                                 "max_tokens": tokens, "ignore_eos": True, **body}})
 
 
-@asynccontextmanager
-async def gateway(urls: list[str], **cfg: Any) -> AsyncIterator[GatewayServer]:
-    workers = cfg.pop("workers", None) or [{"id": f"w{i}", "url": u} for i, u in enumerate(urls)]
-    config = load_config(None, listen={"host": "127.0.0.1", "port": 0}, scrape_interval_s=0.1,
-                         health={"interval_s": 0.2}, workers=workers, **cfg)
-    async with GatewayServer(config) as gw:
-        yield gw
-
-
-@pytest.fixture
-async def make_client() -> AsyncIterator[Callable[..., AsyncOpenAI]]:
-    """Official OpenAI clients for a gateway URL, closed at teardown."""
-    made: list[AsyncOpenAI] = []
-
-    def make(url: str, api_key: str = "unused", **kw: Any) -> AsyncOpenAI:
-        made.append(AsyncOpenAI(base_url=url + "/v1", api_key=api_key, **kw))
-        return made[-1]
-
-    yield make
-    for c in made:
-        await c.close()
-
-
-async def poll(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = cond()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
+def gateway(urls: list[str], **cfg: Any) -> AbstractAsyncContextManager[GatewayServer]:
+    return running_gateway(urls, scrape_interval_s=0.1, health={"interval_s": 0.2}, **cfg)
 
 
 async def finished(client: AsyncOpenAI, batch_id: str, timeout: float = 15.0) -> Any:
@@ -185,22 +142,6 @@ async def test_bad_input_gives_clear_errors(sim_fleet, make_client) -> None:
 
 
 # --- the durable queue ------------------------------------------------------------------------------
-@pytest.fixture
-def redis_prefix():
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1, socket_timeout=1).ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"Redis is not reachable at {REDIS_URL} ({exc}). Start it with "
-                    "`redis-server --daemonize yes --port 6379` or point FLEETGATE_TEST_REDIS_URL at one.")
-    prefix = f"fgtest-batch:{uuid.uuid4().hex[:12]}:"
-    yield prefix
-    r = redis.Redis.from_url(REDIS_URL)
-    keys = list(r.scan_iter(match=prefix + "*", count=1000))
-    if keys:
-        r.delete(*keys)
-    r.close()
-
-
 def items(batch_id: str, n: int, deadline: float) -> list[QueuedRequest]:
     return [QueuedRequest(request_id_for(batch_id, i), batch_id, i, f"c{i}", "/v1/completions", {"prompt": "x"},
                           deadline, MODEL, 1) for i in range(n)]
@@ -275,32 +216,10 @@ async def test_interactive_request_evicts_batch_work_which_then_completes(sim_fl
 
 
 # --- a restart on Redis -------------------------------------------------------------------------------
-def spawn_gateway(config: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", "0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def listening_url(proc: subprocess.Popen) -> str:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("fleetgate listening on "):
-            return line.split()[-1]
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"gateway did not start: {proc.stderr.read()[-2000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(10)
-
-
 @pytest.mark.redis
 @pytest.mark.slow  # two gateway processes start (~3 s each on a busy machine)
-async def test_batch_survives_a_gateway_restart_on_redis(sim_fleet, redis_prefix, tmp_path, make_client) -> None:
+async def test_batch_survives_a_gateway_restart_on_redis(sim_fleet, redis_prefix, tmp_path, make_client,
+                                                        gateway_process) -> None:
     fleet = sim_fleet(1, time_scale=4)
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(json.dumps({
@@ -309,31 +228,21 @@ async def test_batch_survives_a_gateway_restart_on_redis(sim_fleet, redis_prefix
         # max_inflight < slots_per_worker: the killed replica's reservations (leased for 10 s in Redis) leave
         # the worker room for its successor
         "batch": {"lease_s": 1.0, "slots_per_worker": 4, "max_inflight": 2, "poll_s": 0.05}}))
-    first = spawn_gateway(cfg)
-    second = None
-    try:
-        url = listening_url(first)
-        client = make_client(url, "unused")
-        upload = await client.files.create(
-            file=("jobs.jsonl", "\n".join(chat_line(f"r{i}", 120) for i in range(16)).encode()), purpose="batch")
-        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
-                                            completion_window="24h")
+    first = gateway_process(cfg)
+    client = make_client(first.listening_url(), "unused")
+    upload = await client.files.create(
+        file=("jobs.jsonl", "\n".join(chat_line(f"r{i}", 120) for i in range(16)).encode()), purpose="batch")
+    batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
 
-        async def some_done() -> bool:
-            b = await client.batches.retrieve(batch.id)
-            return b.request_counts.completed >= 2
-        await poll(some_done, 15, "the first gateway to finish some requests")
-        first.send_signal(signal.SIGKILL)  # requests it held stay claimed in Redis until their lease runs out
-        first.wait(10)
+    async def some_done() -> bool:
+        b = await client.batches.retrieve(batch.id)
+        return b.request_counts.completed >= 2
+    await poll(some_done, 15, "the first gateway to finish some requests")
+    first.kill()  # SIGKILL: requests it held stay claimed in Redis until their lease runs out
 
-        second = spawn_gateway(cfg)
-        url = listening_url(second)
-        client = make_client(url, "unused")
-        done = await finished(client, batch.id, timeout=30)
-        assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 16, 0)
-        out = lines_of((await client.files.content(done.output_file_id)).text)
-        assert sorted(x["custom_id"] for x in out) == sorted(f"r{i}" for i in range(16))
-    finally:
-        stop(first)
-        if second is not None:
-            stop(second)
+    client = make_client(gateway_process(cfg).listening_url(), "unused")
+    done = await finished(client, batch.id, timeout=30)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 16, 0)
+    out = lines_of((await client.files.content(done.output_file_id)).text)
+    assert sorted(x["custom_id"] for x in out) == sorted(f"r{i}" for i in range(16))

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gateway.config import ConfigError, load_config
 from gateway.server import build_serve_config
+from tests.helpers import ROOT
+from tests.helpers import run_cli as fleetgate
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "fleetgate.yaml"
-
-
-def fleetgate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env=env)
 
 
 def test_config_check_accepts_the_shipped_example() -> None:

@@ -3,30 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 
 import httpx
 import openai
 import orjson
 import pytest
 
-from gateway.config import load_config
 from gateway.server import GatewayServer
+from tests.helpers import MODEL, running_gateway
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
 
 
-@contextlib.asynccontextmanager
-async def gateway(urls: list[str], **settings) -> AsyncIterator[GatewayServer]:
+def gateway(urls: list[str], **settings) -> AbstractAsyncContextManager[GatewayServer]:
     settings.setdefault("health", {"interval_s": 0.1, "timeout_s": 0.5, "failures_to_eject": 1})
-    workers = settings.pop("workers", [{"id": f"w{i}", "url": u} for i, u in enumerate(urls)])
-    cfg = load_config(None, listen={"host": "127.0.0.1", "port": 0}, workers=workers, **settings)
-    async with GatewayServer(cfg) as gw:
-        yield gw
+    return running_gateway(urls, **settings)
 
 
 def assert_error(r: httpx.Response, status: int, type_: str | None = None, param: str | None = None) -> dict:

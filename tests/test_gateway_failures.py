@@ -2,45 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 
 import httpx
 import openai
 import orjson
 import pytest
 
-from gateway.config import load_config
 from gateway.server import GatewayServer
+from tests.helpers import MODEL, poll, running_gateway
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 20}
 
 
-@contextlib.asynccontextmanager
-async def gateway(urls: list[str], **settings) -> AsyncIterator[GatewayServer]:
+def gateway(urls: list[str], **settings) -> AbstractAsyncContextManager[GatewayServer]:
     settings.setdefault("health", {"interval_s": 0.1, "timeout_s": 0.5, "failures_to_eject": 2,
                                    "successes_to_restore": 2})
-    cfg = load_config(None, listen={"host": "127.0.0.1", "port": 0},
-                      workers=[{"id": f"w{i}", "url": u} for i, u in enumerate(urls)], **settings)
-    async with GatewayServer(cfg) as gw:
-        yield gw
-
-
-async def poll(cond: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = cond()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+    return running_gateway(urls, **settings)
 
 
 def metric(text: str, name: str, **labels: str) -> float:

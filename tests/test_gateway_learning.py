@@ -4,11 +4,9 @@ predictor, and both shared between gateway processes through Redis; plus unit te
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import random
 import time
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
@@ -29,10 +27,8 @@ from policies.length_predictor import LengthPredictor
 from policies.perf_model import PerfModel
 from simulator.fleet import FleetProcess
 from simulator.tokenizer import synthetic_text
-from tests.test_gateway_redis import REDIS_URL, ROOT, listening_url, redis_prefix, spawn_gateway, stop  # noqa: F401
-from tests.test_gateway_slo import metric
+from tests.helpers import MODEL, REDIS_URL, metric, poll, running_gateway, worker_entries
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 FAST = {"interval_s": 0.05, "refit_interval_s": 0.2, "refit_min_new": 8, "sync_interval_s": 0.2}
 
 
@@ -41,12 +37,8 @@ def true_model(profile: str = "llama3-8b-h100") -> PerfModel:
     return PerfModel.from_step_profile(yaml.safe_load((SIM_PROFILES_DIR / f"{profile}.yaml").read_text()))
 
 
-@contextlib.asynccontextmanager
-async def gateway(urls: list[str], profile: str, **cfg: Any) -> AsyncIterator[GatewayServer]:
-    config = load_config(None, listen={"host": "127.0.0.1", "port": 0}, scrape_interval_s=0.1,
-                         workers=[{"id": f"w{i}", "url": u, "profile": profile} for i, u in enumerate(urls)], **cfg)
-    async with GatewayServer(config) as gw:
-        yield gw
+def gateway(urls: list[str], profile: str, **cfg: Any) -> AbstractAsyncContextManager[GatewayServer]:
+    return running_gateway(workers=worker_entries(urls, profile=profile), scrape_interval_s=0.1, **cfg)
 
 
 async def send(http: httpx.AsyncClient, url: str, prompt_tokens: int, tokens: int, key: int, stream: bool = True) -> None:
@@ -136,7 +128,8 @@ async def test_predictor_learns_a_fixed_output_length(sim_fleet) -> None:
 
 @pytest.mark.redis
 @pytest.mark.slow
-async def test_two_gateway_processes_share_fitted_models_through_redis(sim_fleet, redis_prefix, tmp_path) -> None:  # noqa: F811
+async def test_two_gateway_processes_share_fitted_models_through_redis(sim_fleet, redis_prefix, tmp_path,
+                                                                       gateway_process) -> None:
     fleet = sim_fleet(1, time_scale=20)
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(yaml.safe_dump({
@@ -144,39 +137,30 @@ async def test_two_gateway_processes_share_fitted_models_through_redis(sim_fleet
         "redis_key_prefix": redis_prefix, "scrape_interval_s": 0.1, "health": {"interval_s": 0.5},
         "learning": {**FAST, "time_scale": 20.0},
     }))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [spawn_gateway(cfg, env), spawn_gateway(cfg, env)]
-    try:
-        a, b = (listening_url(p) for p in procs)
-        async with httpx.AsyncClient(timeout=60) as http:
-            before = coef((await http.get(b + "/metrics")).text, "llama3-8b-h100", "c3")
-            for i in range(24):  # traffic through A only
-                await send(http, a, 64 * (1 + i % 8), 12, i)
-            await poll_metrics(http, a, lambda t: (metric(
-                t, "fleetgate_perf_model_samples", {"profile": "llama3-8b-h100", "phase": "prefill"}) or 0) >= 16)
+    procs = [gateway_process(cfg, "--redis-url", REDIS_URL) for _ in range(2)]  # both start at once
+    a, b = (p.listening_url() for p in procs)
+    async with httpx.AsyncClient(timeout=60) as http:
+        before = coef((await http.get(b + "/metrics")).text, "llama3-8b-h100", "c3")
+        for i in range(24):  # traffic through A only
+            await send(http, a, 64 * (1 + i % 8), 12, i)
+        await poll_metrics(http, a, lambda t: (metric(
+            t, "fleetgate_perf_model_samples", {"profile": "llama3-8b-h100", "phase": "prefill"}) or 0) >= 16)
 
-            async def both() -> tuple[str, str]:
-                return (await http.get(a + "/metrics")).text, (await http.get(b + "/metrics")).text
+        async def same_fit() -> tuple[float, str] | None:
+            text_a, text_b = (await http.get(a + "/metrics")).text, (await http.get(b + "/metrics")).text
+            fitted = coef(text_a, "llama3-8b-h100", "c3")
+            lengths = metric(text_b, "fleetgate_output_length_prediction_tokens", {"model": MODEL})
+            # the fit and the length predictor are published separately: wait for both to reach B
+            return (fitted, text_b) if coef(text_b, "llama3-8b-h100", "c3") == fitted and lengths else None
 
-            # B never saw a request, yet adopts A's fit and A's output lengths from the shared store.
-            deadline = time.monotonic() + 15
-            while True:
-                text_a, text_b = await both()
-                fitted = coef(text_a, "llama3-8b-h100", "c3")
-                if coef(text_b, "llama3-8b-h100", "c3") == fitted:
-                    break
-                assert time.monotonic() < deadline, (fitted, coef(text_b, "llama3-8b-h100", "c3"))
-                await asyncio.sleep(0.05)
-            assert fitted != before
-            assert metric(text_b, "fleetgate_output_length_prediction_tokens", {"model": MODEL}) == pytest.approx(12.0)
-            # A gateway started now loads the shared models at start, before its first request.
-            procs.append(spawn_gateway(cfg, env))
-            c = listening_url(procs[-1])
-            fitted = coef((await http.get(a + "/metrics")).text, "llama3-8b-h100", "c3")
-            assert coef((await http.get(c + "/metrics")).text, "llama3-8b-h100", "c3") == fitted
-    finally:
-        for p in procs:
-            stop(p)
+        # B never saw a request, yet adopts A's fit and A's output lengths from the shared store.
+        fitted, text_b = await poll(same_fit, 15, "B to adopt A's fitted model and output lengths")
+        assert fitted != before
+        assert metric(text_b, "fleetgate_output_length_prediction_tokens", {"model": MODEL}) == pytest.approx(12.0)
+        # A gateway started now loads the shared models at start, before its first request.
+        c = gateway_process(cfg, "--redis-url", REDIS_URL).listening_url()
+        fitted = coef((await http.get(a + "/metrics")).text, "llama3-8b-h100", "c3")
+        assert coef((await http.get(c + "/metrics")).text, "llama3-8b-h100", "c3") == fitted
 
 
 # --- units ----------------------------------------------------------------------------------------------

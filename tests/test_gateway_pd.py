@@ -8,16 +8,8 @@ involved; failures come from the simulator's fault injection (POST /sim/faults).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import random
 import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from contextlib import AbstractAsyncContextManager
 
 import aiohttp
 import httpx
@@ -28,26 +20,20 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_adapters.vllm.pd import PREFILL_LEG_PARAMS
-from gateway.config import load_config
 from gateway.server import GatewayServer
 from simulator.tokenizer import count_tokens, render_chat, synthetic_text
+from tests.helpers import MODEL, CliProcess, free_port_range, poll, run_cli, running_gateway
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-ROOT = Path(__file__).resolve().parent.parent
 PRODUCER = {"role": "kv_producer"}
 CONSUMER = {"role": "kv_consumer"}
 
 
 # --- helpers ------------------------------------------------------------------------------------------------
 
-@contextlib.asynccontextmanager
-async def gateway(workers: list[tuple[str, str, str]], **settings) -> AsyncIterator[GatewayServer]:
+def gateway(workers: list[tuple[str, str, str]], **settings) -> AbstractAsyncContextManager[GatewayServer]:
     """A gateway over (id, url, role) workers."""
     settings.setdefault("health", {"interval_s": 0.1, "timeout_s": 0.5})
-    cfg = load_config(None, listen={"host": "127.0.0.1", "port": 0},
-                      workers=[{"id": i, "url": u, "role": r} for i, u, r in workers], **settings)
-    async with GatewayServer(cfg) as gw:
-        yield gw
+    return running_gateway(workers=[{"id": i, "url": u, "role": r} for i, u, r in workers], **settings)
 
 
 def samples(text: str, name: str, **labels: str) -> float:
@@ -67,19 +53,6 @@ async def tokens(http: httpx.AsyncClient, url: str) -> tuple[float, float]:
     """(prompt tokens computed, tokens generated) by a simulated worker."""
     text = (await http.get(url + "/metrics")).text
     return samples(text, "vllm:prompt_tokens_total"), samples(text, "vllm:generation_tokens_total")
-
-
-async def poll(cond: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = cond()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def held(gw: GatewayServer, worker: str) -> int:
@@ -397,22 +370,12 @@ async def test_client_leaving_during_prefill_releases_everything(sim_fleet) -> N
 # --- fleetgate demo --pd ---------------------------------------------------------------------------------------
 
 def test_demo_pd_serves_split_requests_and_stops_cleanly() -> None:
-    base = _free_run(3)  # the demo's gateway port, then the P and D ports in a row
+    base = free_port_range(3)  # the demo's gateway port, then the P and D ports in a row
     gw_port, sim_port = base, base + 1
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "demo", "--port", str(gw_port), "--base-port", str(sim_port),
-         "--pd", "1:1", "--time-scale", "20"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
-    out = []
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            out.append(line)
-            if line.startswith("fleetgate listening on") or (not line and proc.poll() is not None):
-                break
-        assert f"fleetgate listening on http://127.0.0.1:{gw_port}" in "".join(out), "".join(out)
+    with CliProcess("demo", "--port", str(gw_port), "--base-port", str(sim_port), "--pd", "1:1", "--time-scale", "20",
+                    merge_stderr=True) as demo:
+        line = demo.wait_for("fleetgate listening on", timeout=60)
+        assert line.startswith(f"fleetgate listening on http://127.0.0.1:{gw_port}"), demo.describe()
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{gw_port}/v1", api_key="x", max_retries=0, timeout=20)
         messages, n = long_chat("demo")
         r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
@@ -422,31 +385,9 @@ def test_demo_pd_serves_split_requests_and_stops_cleanly() -> None:
         assert (prefill, decode) == (n, 0)
         workers = httpx.get(f"http://127.0.0.1:{gw_port}/admin/workers").json()["data"]
         assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
-
-
-def _free_run(n: int) -> int:
-    """A base port P such that P..P+n-1 are free right now."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000)
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base, base + n):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError("no free port range")
+        assert demo.send_signal(signal.SIGINT, timeout=20) == 0
 
 
 def test_demo_pd_bad_split_is_refused() -> None:
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "demo", "--pd", "0:2"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+    r = run_cli("demo", "--pd", "0:2")
     assert r.returncode == 2 and "--pd" in r.stderr and "P:D" in r.stderr

@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 
 import httpx
 import pytest
 
-from gateway.config import load_config
 from gateway.server import GatewayServer
 from policies.base import policy_names
+from tests.helpers import MODEL, running_gateway
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
-
-@contextlib.asynccontextmanager
-async def gateway(urls: list[str], policy: str) -> AsyncIterator[GatewayServer]:
-    cfg = load_config(None, listen={"host": "127.0.0.1", "port": 0}, default_policy=policy,
-                      workers=[{"id": f"w{i}", "url": u} for i, u in enumerate(urls)])
-    async with GatewayServer(cfg) as gw:
-        yield gw
+def gateway(urls: list[str], policy: str) -> AbstractAsyncContextManager[GatewayServer]:
+    return running_gateway(urls, default_policy=policy)
 
 
 async def served(http: httpx.AsyncClient, urls: list[str]) -> list[int]:

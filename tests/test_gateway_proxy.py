@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import AsyncIterator
 
 import httpx
 import openai
 import pytest
 
-from gateway.config import load_config
 from gateway.server import GatewayServer
 from simulator import tokenizer
+from tests.helpers import MODEL
+from tests.helpers import running_gateway as gateway
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 FAST = 20.0
 _CREATED = re.compile(rb'"created":\d+')
-
-
-@contextlib.asynccontextmanager
-async def gateway(urls: list[str], **settings) -> AsyncIterator[GatewayServer]:
-    cfg = load_config(None, listen={"host": "127.0.0.1", "port": 0},
-                      workers=[{"id": f"w{i}", "url": u} for i, u in enumerate(urls)], **settings)
-    async with GatewayServer(cfg) as gw:
-        yield gw
 
 
 def client(gw: GatewayServer) -> openai.AsyncOpenAI:

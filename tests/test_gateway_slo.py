@@ -6,54 +6,34 @@ tests cover the resolution order, the queue budget, the sliding window and the m
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine_adapters.base import Usage
 from gateway.config import load_config
 from gateway.errors import GatewayError
 from gateway.relay import RelayResult
-from gateway.server import GatewayServer
 from gateway.slo import SloBook, _Window, parse_target_ms
 from policies.types import RequestFeatures
+from tests.helpers import MODEL, metric
+from tests.helpers import running_gateway as gateway
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 GENEROUS = {"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "60000"}
 IMPOSSIBLE = {"x-slo-ttft-ms": "0.001", "x-slo-tpot-ms": "0.001"}
 
 
-# --- helpers (also used by the other gateway test modules) -----------------------------------------
-def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
-    """The value of the first sample `name` whose labels include `labels`, or None."""
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
-                return s.value
-    return None
-
-
+# --- helpers -------------------------------------------------------------------------------------------
 def slo_counts(text: str, rclass: str = "interactive") -> tuple[float, float, float | None]:
     """(met, missed, windowed ratio) of MODEL for one class."""
     lab = {"model": MODEL, "class": rclass}
     met = metric(text, "fleetgate_slo_requests_total", {**lab, "result": "met"}) or 0.0
     missed = metric(text, "fleetgate_slo_requests_total", {**lab, "result": "missed"}) or 0.0
     return met, missed, metric(text, "fleetgate_slo_attainment_ratio", lab)
-
-
-@contextlib.asynccontextmanager
-async def gateway(urls: list[str], **cfg: Any) -> AsyncIterator[GatewayServer]:
-    config = load_config(None, listen={"host": "127.0.0.1", "port": 0},
-                         workers=[{"id": f"w{i}", "url": u} for i, u in enumerate(urls)], **cfg)
-    async with GatewayServer(config) as gw:
-        yield gw
 
 
 async def chat(client: openai.AsyncOpenAI, headers: dict[str, str], stream: bool, tokens: int = 8,
@@ -87,8 +67,12 @@ async def test_slo_headers_decide_met_and_missed(sim_fleet) -> None:
         await chat(client, IMPOSSIBLE, stream=False)
         assert slo_counts((await http.get(gw.url + "/metrics")).text) == (2.0, 2.0, 0.5)
 
-        # ATGT alone: a generous TTFT but 1 us per token after the first is missed on a stream.
+        # ATGT alone: a generous TTFT but 1 us per token after the first is missed on a stream. At this time
+        # scale a token takes 0.1 ms, so a host stall could send all 12 in one write (the gateway would then
+        # measure a TPOT of 0); slowed 100x (~10 ms a token) they leave in separate writes.
+        assert (await http.post(fleet.urls[0] + "/sim/faults", json={"slowdown": 100})).status_code == 200
         await chat(client, {"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "0.001"}, stream=True, tokens=12)
+        assert (await http.delete(fleet.urls[0] + "/sim/faults")).status_code == 200
         assert slo_counts((await http.get(gw.url + "/metrics")).text) == (2.0, 3.0, 0.4)
 
         # The windowed ratio moves with new requests.
@@ -160,7 +144,8 @@ def test_parse_target_ms() -> None:
 def test_queue_budget_is_the_ttft_left_for_interactive_requests() -> None:
     now = time.time()
     budget, why = SloBook.queue_budget(feats(2.0, None, arrival=now - 0.5), 5.0)
-    assert 1.4 < budget <= 1.5 and "TTFT" in why
+    elapsed = time.time() - now  # queue_budget reads the wall clock itself: what passed since `now` is spent too
+    assert 1.5 - elapsed <= budget <= 1.5 and "TTFT" in why
     assert SloBook.queue_budget(feats(2.0, None, arrival=now - 3.0), 5.0)[0] == 0.0
     assert SloBook.queue_budget(feats(9.0, None, arrival=now), 5.0)[0] == 5.0     # the timeout is shorter
     assert SloBook.queue_budget(feats(2.0, None, "batch", now), 5.0)[0] == 5.0    # batch waits the timeout

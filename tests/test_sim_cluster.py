@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 
@@ -22,16 +19,12 @@ from simulator.workload import (
     poisson_arrivals,
     synthetic_workload,
 )
+from tests.helpers import ROOT
+from tests.helpers import run_cli as fleetgate
 
-ROOT = Path(__file__).parents[1]
 KEYS = {"requests", "completed", "slo_attainment", "goodput_rps", "throughput_rps", "output_tokens_per_s",
         "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99", "gpu_seconds", "preemptions",
         "policy", "workers", "profile", "duration_s", "wall_s"}
-
-
-def fleetgate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
 
 
 def test_cli_json_on_a_slice():

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from simulator.faults import FaultConfigError, Faults, parse_faults
 from simulator.fleet import SimFleet
 from simulator.server import ConfigError
+from tests.helpers import poll_sync as poll
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "ignore_eos": True}
@@ -23,13 +24,6 @@ def sample(client: httpx.Client, name: str, **labels: str) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     raise KeyError(name)
-
-
-def poll(cond, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -97,19 +91,22 @@ def test_health_fail(client):
 
 
 def test_drop_mid_stream(client):
+    # Long answers (1000 tokens, ~0.1 s of wall time at this time scale): the handler sees the 3rd token while
+    # the request still runs even when a stalled host runs many engine steps in one burst, so every cut is an
+    # abort. (A request the engine already finished counts as finished; its whole answer is not cut at all.)
     client.post("/sim/faults", json={"drop_after_tokens": 3})
     got = []
     with pytest.raises(httpx.RemoteProtocolError), \
-            client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+            client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 1000}) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 got.append(line)
     assert len(got) == 1 + 3  # the role chunk and three tokens, then the connection closes; no [DONE]
     with pytest.raises(httpx.RemoteProtocolError):
-        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10, "ignore_eos": True})
+        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1000, "ignore_eos": True})
     oa = openai.OpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.APIConnectionError):
-        oa.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=10,
+        oa.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=1000,
                                    extra_body={"ignore_eos": True})
     poll(lambda: sample(client, "vllm:request_success_total", finished_reason="abort") == 3)
     assert sample(client, "vllm:num_requests_running") == 0

@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import queue
 import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,8 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.fleet import SimFleet, fleet_from_dict, load_fleet_file
 from simulator.server import ConfigError
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import CliProcess, free_port_range, run_cli
 
 
 def gen_tokens(client: httpx.Client) -> float:
@@ -106,69 +98,17 @@ def test_port_in_use_is_a_clear_error():
 
 
 # --- the CLI, as a user runs it ---------------------------------------------------------------------
-def free_port_range(n: int) -> int:
-    for _ in range(50):
-        socks = []
-        try:
-            first = socket.socket()
-            first.bind(("127.0.0.1", 0))
-            socks.append(first)
-            base = first.getsockname()[1]
-            for i in range(1, n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
-def run_cli(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", "sim", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def read_lines(proc: subprocess.Popen, n: int, timeout: float = 15.0) -> list[str]:
-    """The first n stdout lines (a reader thread: buffered pipes and select() do not mix)."""
-    lines: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.put(line.strip())
-
-    threading.Thread(target=pump, daemon=True).start()
-    out: list[str] = []
-    deadline = time.monotonic() + timeout
-    while len(out) < n:
-        try:
-            out.append(lines.get(timeout=max(0.01, deadline - time.monotonic())))
-        except queue.Empty:
-            raise AssertionError(f"only got {out}; exit code {proc.poll()}") from None
-    return out
-
-
 def test_cli_serves_and_stops_on_sigterm():
     base = free_port_range(2)
-    proc = run_cli("--workers", "2", "--base-port", str(base), "--time-scale", "20", "--seed", "5",
-                   "--scheduling-policy", "priority")
-    try:
-        lines = read_lines(proc, 2)
+    with CliProcess("sim", "--workers", "2", "--base-port", str(base), "--time-scale", "20", "--seed", "5",
+                    "--scheduling-policy", "priority") as sim:
+        lines = [sim.next_line(), sim.next_line()]
         assert lines[0].startswith(f"sim-0 http://127.0.0.1:{base} model=meta-llama/Llama-3.1-8B-Instruct")
         assert lines[1].startswith(f"sim-1 http://127.0.0.1:{base + 1} ") and "policy=priority" in lines[1]
         for port in (base, base + 1):
             r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert r.status_code == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert sim.send_signal(signal.SIGTERM, timeout=10) == 0
 
 
 def test_cli_fleet_file_and_sigint(tmp_path):
@@ -176,27 +116,19 @@ def test_cli_fleet_file_and_sigint(tmp_path):
     path = tmp_path / "fleet.yaml"
     path.write_text(f"defaults: {{time_scale: 20}}\nservers:\n  - {{name: p, role: kv_producer, port: {base}}}\n"
                     f"  - {{name: d, role: kv_consumer, port: {base + 1}, model: tiny}}\n")
-    proc = run_cli("--fleet", str(path))
-    try:
-        lines = read_lines(proc, 2)
+    with CliProcess("sim", "--fleet", str(path)) as sim:
+        lines = [sim.next_line(), sim.next_line()]
         assert "role=kv_producer" in lines[0] and "model=tiny" in lines[1]
         assert httpx.get(f"http://127.0.0.1:{base + 1}/v1/models").json()["data"][0]["id"] == "tiny"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert sim.send_signal(signal.SIGINT, timeout=10) == 0
 
 
 def test_cli_list_profiles_and_bad_fleet(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "sim", "--list-profiles"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=30, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = run_cli("sim", "--list-profiles", timeout=30)
     assert out.returncode == 0 and "llama3-8b-h100" in out.stdout and "llama3-8b-a100" in out.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("servers:\n  - {role: boss}\n")
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "sim", "--fleet", str(bad)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=30, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = run_cli("sim", "--fleet", str(bad), timeout=30)
     assert out.returncode == 2 and "error:" in out.stderr and "role" in out.stderr
 
 

@@ -17,8 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.tokenizer import count_tokens, render_chat, synthetic_text
+from tests.helpers import MODEL
+from tests.helpers import poll_sync as poll
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SMALL = {"max_model_len": 1024}  # profile override: small context for the length-error tests
 
 
@@ -46,17 +47,6 @@ def sse_events(body: str) -> list[str]:
     events = body[:-2].split("\n\n")
     assert all(e.startswith("data: ") for e in events), events
     return [e[len("data: "):] for e in events]
-
-
-def poll(cond, timeout: float = 5.0, interval: float = 0.01):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(interval)
 
 
 def stream_ttft(client: httpx.Client, body: dict) -> float:

@@ -13,10 +13,8 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import time
-import uuid
 
 import pytest
 import redis
@@ -24,54 +22,17 @@ import redis.asyncio as aioredis
 
 from gateway.state.base import EngineMetrics, Inflight, WorkerRecord
 from gateway.state.redis_store import RedisStore, RedisUnavailableError
+from tests.helpers import free_port, poll
 
 pytestmark = pytest.mark.redis
 
-REDIS_URL = os.environ.get("FLEETGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 SPAWN = mp.get_context("spawn")
+BOUNDED = {"socket_timeout": 5, "socket_connect_timeout": 5}  # a raw client's commands can fail, never hang
 
 
 @pytest.fixture
-def redis_url() -> str:
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1, socket_timeout=1).ping()
-    except redis.RedisError as exc:
-        pytest.fail(
-            f"Redis is not reachable at {REDIS_URL} ({exc}). Start it with `redis-server --daemonize yes --port 6379` "
-            "or `docker run -p 6379:6379 redis:7`, or point FLEETGATE_TEST_REDIS_URL at one."
-        )
-    return REDIS_URL
-
-
-@pytest.fixture
-def prefix(redis_url):
-    p = f"fgtest:{uuid.uuid4().hex[:12]}:"
-    yield p
-    r = redis.Redis.from_url(redis_url)
-    keys = list(r.scan_iter(match=p + "*", count=1000))
-    if keys:
-        r.delete(*keys)
-    r.close()
-
-
-async def poll(cond, timeout: float = 3.0, every: float = 0.02):
-    """Wait until cond() is truthy (sync or async); fail with the last value on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if asyncio.iscoroutine(v):
-            v = await v
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(every)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def prefix(redis_prefix: str) -> str:  # redis_url and redis_prefix: tests/conftest.py
+    return redis_prefix
 
 
 def store(url: str, prefix: str, replica: str, **kw) -> RedisStore:
@@ -125,7 +86,7 @@ async def test_registry_and_metrics_round_trip_between_replicas(redis_url, prefi
 async def test_cap_enforced_under_concurrency_in_one_store(redis_url, prefix):
     s = store(redis_url, prefix, "solo")
     await s.start()
-    raw = aioredis.from_url(redis_url)
+    raw = aioredis.from_url(redis_url, **BOUNDED)
     held = max_held = max_zcard = wins = 0
 
     async def client(i: int) -> None:
@@ -201,7 +162,7 @@ async def test_heartbeat_keeps_live_reservations_beyond_the_ttl(redis_url, prefi
     b = store(redis_url, prefix, "B", lease_ttl_s=ttl)
     await a.start()
     await b.start()
-    raw = aioredis.from_url(redis_url)
+    raw = aioredis.from_url(redis_url, **BOUNDED)
     try:
         assert await a.try_reserve("w", "a1", cap=2, tokens=10)
         assert await a.try_reserve("w", "a2", cap=2, tokens=10)
@@ -210,7 +171,8 @@ async def test_heartbeat_keeps_live_reservations_beyond_the_ttl(redis_url, prefi
         assert b.inflight().get("w") == Inflight(2, 20)
         assert not await b.try_reserve("w", "b1", cap=2)
         await a.release("w", "a1")
-        assert await b.try_reserve("w", "b1", cap=2)
+        # a release that raced A's heartbeat is replayed right after it, so B gets the slot within moments
+        await poll(lambda: b.try_reserve("w", "b1", cap=2), timeout=2.0, what="the slot A released")
     finally:
         await raw.aclose()
         await a.close()
@@ -235,7 +197,7 @@ async def test_killed_replica_reservations_expire_after_the_ttl(redis_url, prefi
     child = SPAWN.Process(target=_hold_forever, args=(redis_url, prefix, "doomed", ttl, 3, q), daemon=True)
     child.start()
     me = store(redis_url, prefix, "survivor", lease_ttl_s=ttl)
-    raw = aioredis.from_url(redis_url)
+    raw = aioredis.from_url(redis_url, **BOUNDED)
     try:
         assert await asyncio.to_thread(q.get, True, 20) == "held"
         await me.start()
@@ -265,7 +227,7 @@ def _hammer(url: str, prefix: str, replica: str, cap: int, duration: float, go, 
     async def main() -> dict:
         s = RedisStore(url, replica_id=replica, key_prefix=prefix, lease_ttl_s=5.0, refresh_interval_s=0.05)
         await s.start()
-        raw = aioredis.from_url(url)
+        raw = aioredis.from_url(url, **BOUNDED)
         q.put("ready")
         await asyncio.to_thread(go.wait, 20)
         stats = {"wins": 0, "refused": 0, "max_held": 0, "max_zcard": 0}
@@ -318,7 +280,7 @@ async def test_two_processes_never_exceed_the_cap(redis_url, prefix):
     assert all(r["wins"] > 0 and r["refused"] > 0 for r in results)  # both competed and both hit the cap
     assert max(r["max_held"] for r in results) == 5
     assert max(r["max_zcard"] for r in results) <= 5
-    assert redis.Redis.from_url(redis_url).zcard(prefix + "res:w") == 0
+    assert redis.Redis.from_url(redis_url, **BOUNDED).zcard(prefix + "res:w") == 0
 
 
 # --- losing Redis -----------------------------------------------------------------------------------
@@ -386,7 +348,7 @@ async def test_fails_open_when_redis_goes_away_and_recovers(private_redis, caplo
 
         # Redis is back (empty: no persistence): the reservations made meanwhile and the registry write reappear.
         await asyncio.to_thread(start)
-        raw = aioredis.from_url(f"redis://127.0.0.1:{port}/0")
+        raw = aioredis.from_url(f"redis://127.0.0.1:{port}/0", **BOUNDED)
         try:
             await poll(lambda: raw.zrange("fg:res:w1", 0, -1), timeout=5.0)
             assert sorted(await raw.zrange("fg:res:w1", 0, -1)) == [b"A|during1", b"A|during2"]

@@ -258,6 +258,11 @@ class RedisStore(RedisJobs, StateStore):
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
+            # redis-py can lose a cancellation that lands during a command's read (the command returns
+            # normally and the loop sleeps on): cancel again until the loop has really stopped.
+            while not t.done():
+                await asyncio.wait({t}, timeout=0.05)
+                t.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks = []

@@ -1,0 +1,247 @@
+"""Helpers shared by the test modules: constants, waits with a deadline, free ports, in-process gateways,
+metrics lookups and `fleetgate ...` child processes whose output is read by a thread (so a full pipe never
+blocks them and no wait can hang: a child that does not answer in time is a failure that shows its output).
+
+    async with running_gateway(fleet.urls, default_policy="round_robin") as gw: ...  # in this process
+    url = gateway_process(cfg_path).listening_url()   # conftest fixture: a `fleetgate serve` child
+    await poll(lambda: worker.rec.cap is not None, what="the first cap")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.config import load_config
+from gateway.server import GatewayServer
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+REDIS_URL = os.environ.get("FLEETGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+LISTENING = "fleetgate listening on "
+
+
+# --- waiting on a condition ------------------------------------------------------------------------------
+async def poll(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition", every: float = 0.02) -> Any:
+    """Wait until cond() (a value, or an awaitable of one) is truthy and return it; AssertionError naming
+    `what` once `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = cond()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last value: {result!r})")
+        await asyncio.sleep(every)
+
+
+def poll_sync(cond: Callable[[], Any], timeout: float = 5.0, what: str = "condition", every: float = 0.01) -> Any:
+    """poll() for synchronous tests."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = cond()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last value: {result!r})")
+        time.sleep(every)
+
+
+# --- ports -------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A loopback TCP port that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_range(n: int) -> int:
+    """A base port P such that P..P+n-1 are all free right now (for CLIs that take a --base-port). P is drawn
+    below the kernel's ephemeral range, so that outgoing connections cannot take the ports before the CLI binds."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    rng = random.Random()
+    low, high = (10000, ephemeral_low - n) if ephemeral_low - n > 12000 else (20000, 60000)
+    for _ in range(200):
+        base = rng.randrange(low, high)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + n):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def refused(port: int) -> bool:
+    """Nothing accepts connections on 127.0.0.1:port."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+# --- a gateway in this process ------------------------------------------------------------------------------
+def worker_entries(urls: Sequence[str], **fields: Any) -> list[dict[str, Any]]:
+    """Config `workers` entries w0, w1, ... for `urls`, each with `fields`."""
+    return [{"id": f"w{i}", "url": u, **fields} for i, u in enumerate(urls)]
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(urls: Sequence[str] = (), **settings: Any) -> AsyncIterator[GatewayServer]:
+    """A GatewayServer on an ephemeral loopback port over `urls` (workers w0, w1, ...) or `workers=[...]`;
+    `settings` are config keys, as in the YAML file."""
+    settings.setdefault("workers", worker_entries(urls))
+    config = load_config(None, listen={"host": "127.0.0.1", "port": 0}, **settings)
+    async with GatewayServer(config) as gw:
+        yield gw
+
+
+# --- Prometheus text ------------------------------------------------------------------------------------------
+def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """The value of the first sample `name` whose labels include `labels`, or None."""
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                return s.value
+    return None
+
+
+# --- `fleetgate ...` child processes ----------------------------------------------------------------------------
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """`fleetgate ARGS` to completion (captured text output)."""
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+class CliProcess:
+    """`fleetgate ARGS` running as a child process. Threads read its stdout and stderr (merged into stdout with
+    merge_stderr=True) as they come, so a chatty child never blocks on a full pipe; every wait has a deadline
+    and fails with the child's output. Use as a context manager or call stop()."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, merge_stderr: bool = False) -> None:
+        self.args = args
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", *args], cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self.stdout: list[str] = []   # the lines read so far, in order
+        self.stderr: list[str] = []
+        self._readers = [threading.Thread(target=self._read_stdout, daemon=True)]
+        if not merge_stderr:
+            self._readers.append(threading.Thread(target=self._read_stderr, daemon=True))
+        for t in self._readers:
+            t.start()
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)  # end of output
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr.append(line.rstrip("\n"))
+
+    def describe(self) -> str:
+        out = "\n".join(self.stdout[-40:])
+        err = "\n".join(self.stderr[-40:])
+        return (f"`fleetgate {' '.join(self.args)}` (exit code {self.proc.poll()})\n--- stdout:\n{out}"
+                + (f"\n--- stderr:\n{err}" if err else ""))
+
+    def _next(self, timeout: float) -> str | None:
+        """The next stdout line, or None at the end of the output; queue.Empty after `timeout` s."""
+        line = self._lines.get(timeout=max(0.0, timeout))
+        if line is None:
+            self._lines.put(None)  # stay at the end for later calls
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(1.0)          # its exit code and
+            self._readers[-1].join(1.0)      # all of its stderr, for messages
+            return None
+        self.stdout.append(line)
+        return line
+
+    def wait_for(self, prefix: str, timeout: float = 30.0) -> str:
+        """The first stdout line from here on that starts with `prefix`; AssertionError (with the output) if
+        none comes within `timeout` s or the child closes its output first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._next(deadline - time.monotonic())
+            except queue.Empty:
+                raise AssertionError(f"no line starting {prefix!r} within {timeout:g} s: {self.describe()}") from None
+            if line is None:
+                raise AssertionError(f"output ended before a line starting {prefix!r}: {self.describe()}")
+            if line.startswith(prefix):
+                return line
+
+    def next_line(self, timeout: float = 15.0) -> str:
+        """The next stdout line (as wait_for)."""
+        return self.wait_for("", timeout)
+
+    def read_to_end(self, timeout: float = 20.0) -> str:
+        """All stdout (what was read before too) once the child has closed it, within `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self._next(deadline - time.monotonic()) is None:
+                    return "\n".join(self.stdout)
+            except queue.Empty:
+                raise AssertionError(f"output still open after {timeout:g} s: {self.describe()}") from None
+
+    def send_signal(self, sig: int, timeout: float = 20.0) -> int:
+        """Send `sig` and wait for the exit; the exit code (AssertionError if it does not exit in time)."""
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {timeout:g} s after signal {sig}: {self.describe()}") from None
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout` s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+        self.kill()
+
+    def __enter__(self) -> CliProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class GatewayProcess(CliProcess):
+    """`fleetgate serve --config CONFIG --port 0 [ARGS]`; listening_url() waits (bounded) for its listening line."""
+
+    def __init__(self, config: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        super().__init__("serve", "--config", str(config), "--port", "0", *args, env=env)
+        self._url: str | None = None
+
+    def listening_url(self, timeout: float = 30.0) -> str:
+        if self._url is None:
+            self._url = self.wait_for(LISTENING, timeout).split()[-1]
+        return self._url
