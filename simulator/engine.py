@@ -269,6 +269,7 @@ class EngineCore:
         p = prof
         self._c_step, self._t_w, self._k_p = p.c_step_s, p.t_weights_s, p.k_prefill_s
         self._c_d, self._k_ctx, self._k_attn = p.c_decode_s, p.k_ctx_s, p.k_attn_s
+        self._c_admit = p.c_admit_s
 
     # ---- queries ----------------------------------------------------------------------------------
     @property
@@ -459,7 +460,8 @@ class EngineCore:
                 P += n
                 A += n * (seq.num_computed + n / 2)
         k_ctx = self._k_ctx
-        dur = self._c_step + max(self._t_w, self._k_p * P + self._c_d * B) + k_ctx * C + self._k_attn * A
+        dur = (self._c_step + max(self._t_w, self._k_p * P + self._c_d * B) + k_ctx * C + self._k_attn * A
+               + self._c_admit * admitted)
         plan = _Plan(now, list(sched.items()), preempted, dur)
         if max_iterations > 1 and P == 0 and not preempted and not admitted and len(sched) == len(running):
             self._extend(plan, max_iterations, now)

@@ -6,17 +6,18 @@ user file with the same keys. Every number and its derivation is documented in s
 Step time of one engine iteration (model seconds), after Aladdin's iteration-time models
 (Aladdin section 3, eq. 2-3; vLLM reference section 8.4 "practical model"):
 
-    t = c_step + max(t_weights, k_prefill * P + c_decode * B) + k_ctx * C + k_attn * A
+    t = c_step + max(t_weights, k_prefill * P + c_decode * B) + k_ctx * C + k_attn * A + c_admit * N
 
 P = prefill tokens in the step, B = decoding sequences, C = sum of their context lengths,
-A = sum over prefill chunks of chunk_len * (context_before_chunk + chunk_len / 2) (causal attention pairs).
+A = sum over prefill chunks of chunk_len * (context_before_chunk + chunk_len / 2) (causal attention pairs),
+N = requests admitted into the running batch in this step.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,13 @@ class Profile:
     pd_setup_s: float
     wake_up_s: float
     description: str = ""
+    # Host (CPU) memory link for swapping KV out of and back into the GPU (Chiron section 4's "fast
+    # restart": an evicted request's KV is kept in CPU memory). Default: PCIe Gen4 x16, ~25 GB/s effective.
+    host_link_bytes_per_s: float = 25e9
+    # Engine time per request admitted into the running batch (request state, block table, sampler set-up on the
+    # engine's own core, serialised with the forward pass). Fitted for the CPU build by bench/calibrate.py's
+    # admission probe; 0 where it hides inside c_step_s and ttft_overhead_s (the GPU profiles).
+    c_admit_s: float = 0.0
 
     @property
     def gpus_per_worker(self) -> int:
@@ -64,10 +72,12 @@ class Profile:
     def kv_capacity_tokens(self) -> int:
         return self.num_gpu_blocks * self.block_size
 
-    def step_time(self, prefill_tokens: int, decode_seqs: int, decode_ctx: int, attn_pairs: float) -> float:
+    def step_time(self, prefill_tokens: int, decode_seqs: int, decode_ctx: int, attn_pairs: float,
+                  admitted: int = 0) -> float:
         """One iteration's duration in model seconds (formula in the module docstring)."""
         return (
             self.c_step_s
+            + self.c_admit_s * admitted
             + max(self.t_weights_s, self.k_prefill_s * prefill_tokens + self.c_decode_s * decode_seqs)
             + self.k_ctx_s * decode_ctx
             + self.k_attn_s * attn_pairs
@@ -76,6 +86,10 @@ class Profile:
     def kv_transfer_s(self, tokens: int) -> float:
         """Time to move `tokens` of KV from a prefill worker to a decode worker (reference section 8.5)."""
         return self.pd_setup_s + tokens * self.kv_bytes_per_token / self.pd_link_bytes_per_s
+
+    def kv_swap_s(self, tokens: int, link_bytes_per_s: float | None = None) -> float:
+        """Time to copy `tokens` of KV between GPU and host memory (or over `link_bytes_per_s` if given)."""
+        return tokens * self.kv_bytes_per_token / (link_bytes_per_s or self.host_link_bytes_per_s)
 
     def sample_output_tokens(self, rng: random.Random, max_tokens: int | None = None) -> int:
         return sample_output_tokens(self, rng, max_tokens)
@@ -102,7 +116,7 @@ def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> Profile:
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
         raise ValueError(f"{source}: unknown profile key(s): {', '.join(unknown)}")
-    missing = sorted(n for n, f in _FIELDS.items() if n not in data and n != "description")
+    missing = sorted(n for n, f in _FIELDS.items() if n not in data and f.default is MISSING)
     if missing:
         raise ValueError(f"{source}: missing profile key(s): {', '.join(missing)}")
     values: dict[str, Any] = {}
@@ -121,8 +135,8 @@ def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> Profile:
                 raise ValueError(f"{source}: {key} must be a positive integer, got {raw!r}")
             num = int(num)
         values[key] = num
-    for key in ("output_mean_tokens", "pd_link_bytes_per_s", "weight_bytes"):
-        if values[key] <= 0:
+    for key in ("output_mean_tokens", "pd_link_bytes_per_s", "weight_bytes", "host_link_bytes_per_s"):
+        if key in values and values[key] <= 0:
             raise ValueError(f"{source}: {key} must be > 0")
     prof = Profile(**values)
     if prof.max_model_len > prof.kv_capacity_tokens:

@@ -6,6 +6,7 @@ The client test streams from a real simulated server over HTTP on 127.0.0.1 (Sim
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 
@@ -15,6 +16,7 @@ import pytest
 from bench.calibrate import (
     TOKEN_HI,
     TOKEN_LO,
+    AdmissionSample,
     Calibration,
     DecodeSample,
     EngineInfo,
@@ -24,6 +26,7 @@ from bench.calibrate import (
     client_session,
     decode_step,
     derive_profile,
+    fit_admission,
     fit_perf_model,
     fit_prefill_form,
     gateway_overhead,
@@ -35,12 +38,14 @@ from bench.calibrate import (
 from bench.fidelity import (
     SCALE,
     Cell,
+    LegResult,
     LevelResult,
     compare,
     leg_stats,
     load_lengths,
     make_workload,
     poisson_arrivals,
+    pool,
     render_report,
     run_open_loop,
     scale_lengths,
@@ -194,6 +199,55 @@ def test_derived_profile_maps_the_fit_term_by_term_and_loads(tmp_path):
     assert derive_profile(m, {**form, "c": 0.001}, INFO, 0.0015, 55.0)["ttft_overhead_s"] == 0.0
 
 
+def test_admission_cost_moves_engine_time_out_of_the_pure_delay(tmp_path):
+    prefill, decode = _synthetic()
+    m = fit_perf_model(prefill, decode, INFO)
+    form = {"c": 0.012, "k_prefill": 18e-6, "k_attn": 3e-9, "n": 21, "rmse": 0.0, "rel_err": 0.0}
+    # a 16-request decode batch steps in 4 ms alone; each injected 16-token request costs the window 2 ms
+    base, steps, per_req = 0.004, 100, 0.002
+    samples = [AdmissionSample(16, 256, base + (k % 3) * 1e-6, steps, 0, 0) for k in range(3)]
+    samples += [AdmissionSample(16, 256, base + per_req * m_inj / steps, steps, m_inj, 16) for m_inj in (30, 40, 50)]
+    fit = fit_admission(samples, form["k_prefill"], form["k_attn"])
+    prefill16 = 18e-6 * 16 + 3e-9 * 128
+    assert fit["per_request"] == pytest.approx(per_req, rel=1e-2)
+    assert fit["c_admit"] == pytest.approx(per_req - prefill16, rel=1e-2) and fit["n"] == 3
+    # longer injected prompts: their modelled prefill is taken off before the median, so c_admit stays put
+    c_admit = per_req - prefill16
+    for n_tok in (128, 256, 512):
+        cost = c_admit + 18e-6 * n_tok + 3e-9 * n_tok * n_tok / 2
+        samples.append(AdmissionSample(16, 256, base + cost * 20 / steps, steps, 20, n_tok))
+    fit_all = fit_admission(samples, form["k_prefill"], form["k_attn"])
+    assert fit_all["c_admit"] == pytest.approx(c_admit, rel=2e-2) and fit_all["lengths"] == [16, 128, 256, 512]
+    prof = derive_profile(m, form, INFO, gw_overhead_s=0.0015, output_mean_tokens=55.0, c_admit_s=fit["c_admit"])
+    assert prof["c_admit_s"] == pytest.approx(fit["c_admit"])
+    cal = Calibration(aladdin=m.to_dict(), prefill_form=form, gateway_overhead_s=0.0015, engine={}, profile=prof,
+                      admission_fit=fit, measured_at="now", load_average=0.5)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(profile_yaml(cal))
+    loaded = load_profile(str(path))
+    # the lone request's TTFT is unchanged: what moved into the engine left the pure delay
+    n = 500
+    ttft = loaded.ttft_overhead_s + loaded.step_time(n, 0, 0, n * n / 2, admitted=1)
+    assert ttft == pytest.approx(form["c"] + form["k_prefill"] * n + form["k_attn"] * n * n / 2 - 0.0015, rel=1e-4)
+    # never more engine time than the constant holds; no injected sample -> nothing moves
+    assert derive_profile(m, form, INFO, 0.0015, 55.0, c_admit_s=1.0)["ttft_overhead_s"] == 0.0
+    assert fit_admission(samples[:3], 18e-6, 3e-9)["c_admit"] == 0.0
+
+
+def test_engine_charges_admission_time_to_the_step_that_admits():
+    prof = load_profile("tiny-cpu")
+    slow = dataclasses.replace(prof, c_admit_s=0.01)
+    fast = dataclasses.replace(prof, c_admit_s=0.0)
+
+    def first_step(p) -> float:
+        core = EngineCore(p)
+        for i in range(3):
+            core.add(SimRequest(f"r{i}", 16, [], 4, 4), 0.0)
+        return core.plan_step(0.0)
+
+    assert first_step(slow) - first_step(fast) == pytest.approx(3 * 0.01)
+
+
 def test_shipped_tiny_cpu_profile_is_valid():
     prof = load_profile("tiny-cpu")
     assert prof.model == "tiny" and prof.max_model_len == 1024 and prof.block_size >= 16
@@ -247,6 +301,21 @@ def test_leg_stats_and_pass_miss():
     assert not Cell("ttft_p50", "x", 100.0, 79.0, 0.2).passed
     assert Cell("ttft_p90", "x", 100.0, 129.0, 0.3).passed and not Cell("ttft_p90", "x", 100.0, 131.0, 0.3).passed
     assert not Cell("ttft_p50", "x", 0.0, 1.0, 0.2).passed
+
+
+def test_pooled_halves_keep_per_request_timings_and_add_durations():
+    a = LegResult([_stream(10, 0.1, 0.01, 11)], start=100.0, max_send_lag_s=0.001, load_before=0.5)
+    for r in a.results:
+        r.sent, r.chunks = 100.0, [(100.0 + t, n) for t, n in r.chunks]
+    b = LegResult([_stream(10, 0.2, 0.01, 11)], start=500.0, max_send_lag_s=0.003, load_before=0.9)
+    for r in b.results:
+        r.sent, r.chunks = 500.0, [(500.0 + t, n) for t, n in r.chunks]
+    both = pool(a, b)
+    assert [r.ttft for r in both.results] == pytest.approx([0.1, 0.2])
+    assert [r.tpot for r in both.results] == pytest.approx([0.01, 0.01])
+    st = leg_stats(both.results, both.start)
+    assert st.duration_s == pytest.approx(0.2 + 0.3)          # a's span, then b's span right after it
+    assert both.max_send_lag_s == 0.003 and both.load_before == 0.9
 
 
 def test_report_lists_every_cell_with_its_verdict():
