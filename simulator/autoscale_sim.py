@@ -17,12 +17,25 @@ What the driver adds to `ClusterSim` (all in the `AutoscaleSim` subclass; cluste
 - cold start: a scale-out provisions a worker that is billed at once and takes traffic only after
   a cold start drawn uniformly from `cold_start_s`; scale-in drains (no new requests, in-flight ones
   finish) or cancels a worker still starting;
-- GPU-seconds from provisioning (cold start included) to release, over the same horizon for every arm.
+- GPU-seconds from provisioning (cold start included) to release, over the same horizon for every arm;
+- what happens to an evicted batch request (`Arm.evict_mode`): "restart" (what the live gateway does:
+  vLLM aborts it, it goes back to the queue and runs again from scratch, its generated tokens lost) or
+  "swap" (Chiron section 4's fast restart, simulator only: its KV goes to host memory and it keeps its
+  generated tokens; placed again, it waits for the swap-in, KV bytes / `Profile.host_link_bytes_per_s`,
+  instead of recomputing, and decodes on). Real vLLM has no API to move a request's KV out and back in.
+
+Routing sees each engine's live state (`scrape_interval_s` 0) and the queues are retried after every
+engine step that leaves a worker with room. `has_room` (nothing sent to a worker waits inside its engine)
+compares the in-flight count with the engine's running count; against a count up to 0.5 s old (one
+metrics scrape) a worker could take only about one new request per scrape, which starved workers that run
+hundreds of requests (a small model). A gateway learns each admission from the request's first streamed
+token; the simulator reads it from the engine.
 
 Arms (the same code paths; only the controller differs): `chiron` (local + global autoscaler, pools,
-eviction), `utilization` (mean KV utilisation band, +1/-1 with cooldown, one pool, the engine's default
-batch limit as a static cap), `utilization_local` (the band plus Chiron's local caps: Chiron's ablation
-"global replaced by a utilisation autoscaler"), `static` (a fixed fleet).
+eviction), `utilization` (mean KV utilisation band, +1/-1 with cooldown, one pool, one static per-worker
+cap: `Arm.static_cap`, by default the engine's default batch limit max_num_seqs), `utilization_local`
+(the band plus Chiron's local caps: Chiron's ablation "global replaced by a utilisation autoscaler"),
+`static` (a fixed fleet).
 """
 
 from __future__ import annotations
@@ -56,11 +69,12 @@ from policies.autoscale.routing import PoolRouter, eviction_victim, has_room
 from policies.batch_queue import BatchQueue
 from policies.types import CLASS_BATCH, RequestFeatures
 from simulator.cluster import _STEP, ClusterSim, RequestResult, SimWorker
-from simulator.engine import EngineConfig
+from simulator.engine import EngineConfig, SimRequest
 from simulator.profiles import load_profile
 from simulator.workload import WorkloadRequest, load_workload
 
 ARMS = ("chiron", "utilization", "utilization_local", "static")
+EVICT_MODES = ("restart", "swap")
 
 
 # ---- scenario and arm -----------------------------------------------------------------------------
@@ -104,6 +118,9 @@ class Arm:
     throughput_window_s: float = 120.0
     local: LocalConfig | None = None   # defaults from the scenario's ITL SLO
     global_config: GlobalConfig | None = None
+    static_cap: int | None = None      # utilization / static: the per-worker cap (None: profile max_num_seqs)
+    batch_max_cap: int = 4096          # chiron: local-autoscaler ceiling on batch-pool workers (sec. 6.2: 2048-4096)
+    evict_mode: str = "restart"        # chiron: "restart" (live gateway) or "swap" (sec. 4 fast restart, sim only)
     label: str = ""
 
     @property
@@ -122,6 +139,7 @@ class ArmResult:
     scale_actions: dict[str, int]
     timeline: list[dict[str, Any]]
     wall_s: float
+    swap: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         ups = sum(n for k, n in self.scale_actions.items() if "/up/" in k)
@@ -132,8 +150,11 @@ class ArmResult:
             "ttft_p99": self.interactive.get("ttft_p99"), "tpot_p99": self.interactive.get("tpot_p99"),
             "batch_on_time": self.batch.get("on_time"), "batch_done_at": self.batch.get("last_finish"),
             "evictions": self.evictions, "scale_ups": ups,
+            "evicted_tokens": self.swap.get("evicted_tokens", 0), "swap_ins": self.swap.get("swap_ins", 0),
+            "peak_host_kv_gb": self.swap.get("peak_host_kv_bytes", 0) / 1e9,
             "hysteresis": (total / ups) if ups else None,     # Chiron section 2.3: all actions / scale-ups
             "peak_workers": max((s["workers"] for s in self.timeline), default=0),
+            "max_running": max((s.get("max_running", 0) for s in self.timeline), default=0),   # largest engine batch
             "wall_s": round(self.wall_s, 2),
         }
 
@@ -183,6 +204,19 @@ class WindowSum:
 
 
 @dataclass(slots=True)
+class _Swapped:
+    """An evicted batch request whose KV waits in host memory (evict_mode "swap")."""
+
+    generated: int                 # output tokens produced before the eviction(s)
+    first_token: float | None
+    first_scheduled: float | None
+    kv_tokens: int                 # context held in host memory: prompt + generated
+    source: str                    # the worker whose host memory holds it
+    host_ready: float              # when its swap-out to host memory completes
+    attempt: int = 0               # bumped at every re-dispatch (matches the swap-in timer)
+
+
+@dataclass(slots=True)
 class _WState:
     """The driver's per-worker bookkeeping."""
 
@@ -212,17 +246,27 @@ class AutoscaleSim(ClusterSim):
     def __init__(self, scenario: Scenario, arm: Arm) -> None:
         if arm.kind not in ARMS:
             raise ValueError(f"unknown arm {arm.kind!r}; use one of {', '.join(ARMS)}")
+        if arm.evict_mode not in EVICT_MODES:
+            raise ValueError(f"unknown evict_mode {arm.evict_mode!r}; use one of {', '.join(EVICT_MODES)}")
+        if arm.static_cap is not None and arm.static_cap < 1:
+            raise ValueError("static_cap must be >= 1")
         prof = load_profile(scenario.profile)
         self.scenario, self.arm = scenario, arm
         self.local_config = arm.local or LocalConfig(itl_slo_s=scenario.slo_tpot_s, max_cap=prof.max_num_seqs * 4)
+        self.static_cap = arm.static_cap or prof.max_num_seqs     # default: vLLM's batch limit (max_num_seqs)
         # The engines accept what the gateway sends; the gateway cap is the batch-size limit of every arm.
-        engine = EngineConfig(max_num_seqs=max(prof.max_num_seqs, self.local_config.max_cap),
+        engine = EngineConfig(max_num_seqs=max(prof.max_num_seqs, self.local_config.max_cap, self.static_cap,
+                                               arm.batch_max_cap if arm.kind == "chiron" else 0),
                               scheduling_policy="priority")
         super().__init__(prof, 0, PoolRouter(), slo_ttft_s=scenario.slo_ttft_s, slo_tpot_s=scenario.slo_tpot_s,
-                         engine_config=engine, cap=prof.max_num_seqs)
-        self.static_cap = prof.max_num_seqs          # vLLM's default batch limit (max_num_seqs)
+                         engine_config=engine, cap=self.static_cap, scrape_interval_s=0.0)
         self.use_local = arm.kind in ("chiron", "utilization_local")
         self.evict = arm.kind == "chiron"
+        self.swap = self.evict and arm.evict_mode == "swap"
+        self.swapped: dict[str, _Swapped] = {}
+        self._host_held: dict[str, int] = {}                   # request id -> KV bytes in host memory
+        self.swap_stats = {"evicted_tokens": 0, "swap_ins": 0, "swap_in_s": 0.0, "host_kv_bytes": 0,
+                           "peak_host_kv_bytes": 0}
         self.rng = random.Random(scenario.seed * 7919 + 17)
         self.batch_queue = BatchQueue()
         self.deadline: dict[str, float] = {}
@@ -297,8 +341,9 @@ class AutoscaleSim(ClusterSim):
         self.kick(now)
 
     def _local_config(self, pool: str) -> LocalConfig:
-        if pool == POOL_BATCH:
-            return dataclasses.replace(self.local_config, itl_slo_s=self.scenario.batch_itl_slo_s)
+        if pool == POOL_BATCH:   # relaxed ITL SLO, and room to grow the batch (Chiron section 6.2)
+            return dataclasses.replace(self.local_config, itl_slo_s=self.scenario.batch_itl_slo_s,
+                                       max_cap=max(self.local_config.max_cap, self.arm.batch_max_cap))
         return self.local_config
 
     def _pool_cap(self, pool: str) -> int | None:
@@ -382,7 +427,7 @@ class AutoscaleSim(ClusterSim):
             if not super()._try_dispatch(r, feats, now):
                 break
             q.pop()
-        if self._queue or q:            # room shows at the next metrics scrape at the latest: look again then
+        if self._queue or q:            # a finish or an engine step retries sooner; this is the fallback
             retry = now + (self.scrape_interval_s or 0.5)
             self._pump_due = retry
             self.schedule(retry, _pump)
@@ -415,8 +460,9 @@ class AutoscaleSim(ClusterSim):
                 best.step_end = end
                 best.token += 1
                 self.schedule_step(best, end)
-        best.engine.abort(victim, now)
+        ev = best.engine.abort(victim, now)
         r, feats = self._pending.pop(victim)
+        self._evicted(victim, r, ev.record if ev is not None else None, best, now)
         best.inflight -= 1
         best.inflight_tokens -= r.prompt_tokens + int(feats.predicted_output_tokens)
         self.policy.on_complete(feats, best.id, now)
@@ -427,6 +473,59 @@ class AutoscaleSim(ClusterSim):
         self.batch_queue.push(victim, self.deadline[victim], (r, feats), r.prompt_tokens)
         self.evictions += 1
         return True
+
+    def _evicted(self, rid: str, r: WorkloadRequest, rec: Any, w: SimWorker, now: float) -> None:
+        """Account an eviction; in swap mode keep the generated tokens and put the KV in host memory."""
+        out = rec.num_output if rec is not None else 0
+        self.swap_stats["evicted_tokens"] += out
+        if not self.swap:
+            return
+        prev = self.swapped.get(rid)
+        if out == 0:        # nothing new on the GPU (not admitted yet, or still waiting for its swap-in)
+            return          # a previous host copy stays valid; without one the prefill simply restarts
+        generated = out + (prev.generated if prev is not None else 0)
+        kv_tokens = r.prompt_tokens + generated
+        first = prev if prev is not None else rec
+        self._host_kv(rid, kv_tokens * w.profile.kv_bytes_per_token)
+        self.swapped[rid] = _Swapped(generated, first.first_token, first.first_scheduled, kv_tokens, w.id,
+                                     now + w.profile.kv_swap_s(kv_tokens))    # GPU -> host copy (PCIe)
+
+    def _host_kv(self, rid: str, nbytes: int) -> None:
+        """Set the host-memory KV held for `rid` (0 frees it) and track the fleet's peak."""
+        st = self.swap_stats
+        held = self._host_held
+        st["host_kv_bytes"] += nbytes - held.pop(rid, 0)
+        if nbytes:
+            held[rid] = nbytes
+        st["peak_host_kv_bytes"] = max(st["peak_host_kv_bytes"], st["host_kv_bytes"])
+
+    def _engine_add(self, wid: str, rid: str, now: float) -> None:
+        """A swapped-out request resumes: its context arrives from host memory, no prefill (Chiron section 4)."""
+        sw = self.swapped.get(rid) if self.swap else None
+        if sw is None:
+            super()._engine_add(wid, rid, now)
+            return
+        r, _ = self._pending[rid]
+        w = self.workers[wid]
+        prof = w.profile
+        # Same worker: host -> GPU over its PCIe link; another worker: the KV also crosses the network.
+        link = None if wid == sw.source else min(prof.host_link_bytes_per_s, prof.pd_link_bytes_per_s)
+        swap_in = prof.kv_swap_s(sw.kv_tokens, link)
+        ready = max(now, sw.host_ready) + swap_in
+        max_tokens = r.max_tokens or max(1, w.engine.max_model_len - r.prompt_tokens)
+        target = min(r.output_tokens, max_tokens)
+        w.engine.add(SimRequest(rid, sw.kv_tokens, [], max_tokens - sw.generated, target - sw.generated,
+                                priority=r.priority, arrival=now, remote_prefill=True, kv_ready_at=ready), now)
+        sw.attempt += 1
+        self.swap_stats["swap_ins"] += 1
+        self.swap_stats["swap_in_s"] += ready - now
+        self.schedule(ready, lambda sim, t, rid=rid, a=sw.attempt: sim._swapped_in(rid, a))
+        self._poke(w, now)
+
+    def _swapped_in(self, rid: str, attempt: int) -> None:
+        sw = self.swapped.get(rid)
+        if sw is not None and sw.attempt == attempt and rid in self._pending:   # the copy landed on the GPU
+            self._host_kv(rid, 0)
 
     def schedule_step(self, w: SimWorker, end: float) -> None:
         heapq.heappush(self._heap, (end, next(self._seq), _STEP, (w, w.token)))
@@ -443,6 +542,11 @@ class AutoscaleSim(ClusterSim):
             if k > 0 and tokens > 0:
                 st.itl_weighted += dur / k * tokens
                 st.itl_tokens += tokens
+        # The engine admitted what it was sent and the cap allows more: look at the queues now.
+        if ((self._queue or (self.batch_queue and w.labels.get("pool") != POOL_INTERACTIVE))
+                and not w.draining and w.removed_at is None and (w.cap is None or w.inflight < w.cap)
+                and w.engine.num_waiting == 0 and w.inflight <= w.engine.num_running):
+            self._request_pump(now)
 
     # ---- the run --------------------------------------------------------------------------------
     def run_scenario(self) -> ArmResult:
@@ -464,7 +568,8 @@ class AutoscaleSim(ClusterSim):
         self.run(workload, until=sc.horizon_s)
         wall = time.perf_counter() - wall0
         return ArmResult(sc.name, self.arm.name, self.gpu_seconds(sc.horizon_s), self._interactive_stats(),
-                         self._batch_stats(), self.evictions, dict(self.actions), self.timeline, wall)
+                         self._batch_stats(), self.evictions, dict(self.actions), self.timeline, wall,
+                         dict(self.swap_stats))
 
     def _interactive_stats(self) -> dict[str, Any]:
         rs = [r for rid, r in self.results.items() if rid not in self.deadline]
@@ -555,6 +660,7 @@ class AutoscaleSim(ClusterSim):
                                "interactive_waiting": len(self._queue)}
         caps = [w.cap for w in self.workers.values() if w.cap]
         row["mean_cap"] = statistics.fmean(caps) if caps else None
+        row["max_running"] = max((w.engine.num_running for w in self.workers.values()), default=0)
         if desired is not None:
             row["desired"] = desired
         if extra:
@@ -599,6 +705,12 @@ def _on_dispatch(sim: AutoscaleSim, r: WorkloadRequest, wid: str, now: float) ->
 
 
 def _on_finish(sim: AutoscaleSim, res: RequestResult) -> None:
+    sw = sim.swapped.pop(res.request_id, None)
+    if sw is not None:              # a resumed request: its answer includes what it generated before
+        sim._host_kv(res.request_id, 0)
+    if sw is not None and res.completed:
+        res.output_tokens += sw.generated
+        res.first_token, res.first_scheduled = sw.first_token, sw.first_scheduled
     st = sim.state.get(res.worker_id or "")
     if st is not None:
         st.touch(sim.now)

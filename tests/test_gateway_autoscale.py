@@ -6,21 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import statistics
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
-from pathlib import Path
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
-import redis
 from aiohttp import web
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,37 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import load_config
 from gateway.server import GatewayServer
 from simulator.profiles import load_profile
-
-ROOT = Path(__file__).resolve().parent.parent
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-REDIS_URL = os.environ.get("FLEETGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-
-
-@pytest.fixture
-async def make_client() -> AsyncIterator[Callable[..., AsyncOpenAI]]:
-    """Official OpenAI clients for a gateway URL, closed at teardown."""
-    made: list[AsyncOpenAI] = []
-
-    def make(url: str, api_key: str = "unused", **kw: Any) -> AsyncOpenAI:
-        made.append(AsyncOpenAI(base_url=url + "/v1", api_key=api_key, **kw))
-        return made[-1]
-
-    yield make
-    for c in made:
-        await c.close()
-
-
-async def poll(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = cond()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
+from tests.helpers import MODEL, REDIS_URL, ROOT, CliProcess, free_port, poll, poll_sync, running_gateway
 
 
 def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -77,12 +41,8 @@ def batch_file(n: int, tokens: int) -> bytes:
                                           "max_tokens": tokens, "ignore_eos": True}}) for i in range(n)).encode()
 
 
-@asynccontextmanager
-async def gateway(**cfg: Any) -> AsyncIterator[GatewayServer]:
-    config = load_config(None, listen={"host": "127.0.0.1", "port": 0}, scrape_interval_s=0.1,
-                         health={"interval_s": 0.2}, **cfg)
-    async with GatewayServer(config) as gw:
-        yield gw
+def gateway(**cfg: Any) -> AbstractAsyncContextManager[GatewayServer]:
+    return running_gateway(scrape_interval_s=0.1, health={"interval_s": 0.2}, **cfg)
 
 
 # --- Chiron Algorithm 1 ---------------------------------------------------------------------------------
@@ -104,12 +64,17 @@ async def test_local_caps_converge_under_a_fixed_load(sim_fleet, make_client) ->
         await poll(lambda: worker.rec.cap is not None, 10, "the leader to set the first cap")
         caps, lbps = [], []
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 6.0:
+        cut_at = None   # watch at least 6 s, and at least 3 s (12 cap updates) after the first cut, at most 20 s
+        while time.monotonic() - t0 < 20.0:
             await asyncio.sleep(0.1)
             caps.append(worker.rec.cap)
             st = local.get("w0")
             if st is not None and st.la.lbp is not None:
                 lbps.append(st.la.lbp)
+            if cut_at is None and len(caps) > 1 and caps[-1] < caps[-2]:
+                cut_at = time.monotonic()
+            if time.monotonic() - t0 >= 6.0 and cut_at is not None and time.monotonic() - cut_at >= 3.0:
+                break
         await client.batches.cancel(batch.id)
         async with httpx.AsyncClient() as http:  # the gateway exports the cap it enforces
             async def exported() -> bool:
@@ -197,31 +162,15 @@ async def _finished(client: AsyncOpenAI, batch_id: str) -> Any:
 
 
 # --- leader lease: two replicas on Redis, webhook actuator ------------------------------------------------
-@pytest.fixture
-def redis_prefix():
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1, socket_timeout=1).ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"Redis is not reachable at {REDIS_URL} ({exc}). Start it with "
-                    "`redis-server --daemonize yes --port 6379` or point FLEETGATE_TEST_REDIS_URL at one.")
-    prefix = f"fgtest-scale:{uuid.uuid4().hex[:12]}:"
-    yield prefix
-    r = redis.Redis.from_url(REDIS_URL)
-    keys = list(r.scan_iter(match=prefix + "*", count=1000))
-    if keys:
-        r.delete(*keys)
-    r.close()
-
-
 @asynccontextmanager
-async def webhook(fleet_urls: list[str]) -> AsyncIterator[tuple[str, list[dict]]]:
-    """A provider that already runs the given workers (mixed pool, cap 4) and records every POST."""
+async def scale_webhook(answer: Callable[[dict], list[dict]]) -> AsyncIterator[tuple[str, list[dict]]]:
+    """A provider's scale endpoint: records every POST and answers with the workers `answer(body)` lists."""
     calls: list[dict] = []
 
     async def handle(request: web.Request) -> web.Response:
-        calls.append(await request.json())
-        return web.json_response({"workers": [{"id": f"p{i}", "url": u, "pool": "mixed", "state": "ready", "cap": 4}
-                                              for i, u in enumerate(fleet_urls)]})
+        body = await request.json()
+        calls.append(body)
+        return web.json_response({"workers": answer(body)})
 
     app = web.Application()
     app.router.add_post("/scale", handle)
@@ -236,33 +185,16 @@ async def webhook(fleet_urls: list[str]) -> AsyncIterator[tuple[str, list[dict]]
         await runner.cleanup()
 
 
-def spawn_gateway(config: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", "0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def listening_url(proc: subprocess.Popen) -> str:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("fleetgate listening on "):
-            return line.split()[-1]
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"gateway did not start: {proc.stderr.read()[-2000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(10)
+def webhook(fleet_urls: list[str]) -> AbstractAsyncContextManager[tuple[str, list[dict]]]:
+    """A provider that already runs the given workers (mixed pool, cap 4) and records every POST."""
+    return scale_webhook(lambda body: [{"id": f"p{i}", "url": u, "pool": "mixed", "state": "ready", "cap": 4}
+                                       for i, u in enumerate(fleet_urls)])
 
 
 @pytest.mark.redis
 @pytest.mark.slow  # two gateway processes
-async def test_only_the_leader_acts_and_every_replica_exports_the_same_numbers(sim_fleet, redis_prefix,
-                                                                              tmp_path) -> None:
+async def test_only_the_leader_acts_and_every_replica_exports_the_same_numbers(sim_fleet, redis_prefix, tmp_path,
+                                                                              gateway_process) -> None:
     fleet = sim_fleet(2, time_scale=20)
     async with webhook(fleet.urls) as (hook_url, calls), httpx.AsyncClient(timeout=10) as http:
         cfg = tmp_path / "gw.yaml"
@@ -272,47 +204,43 @@ async def test_only_the_leader_acts_and_every_replica_exports_the_same_numbers(s
             "autoscale": {"enabled": True, "interval_s": 0.3, "sample_s": 0.05, "lease_ttl_s": 1.5,
                           "local_caps": False, "scaler": {"min_interactive": 2, "max_interactive": 4},
                           "actuator": {"kind": "webhook", "webhook": {"url": hook_url}}}}))
-        procs = [spawn_gateway(cfg), spawn_gateway(cfg)]
-        try:
-            urls = [listening_url(p) for p in procs]
+        procs = [gateway_process(cfg), gateway_process(cfg)]
+        urls = [p.listening_url() for p in procs]
 
-            async def leader_flags() -> list[float]:
-                out = []
-                for u in urls:
-                    text = (await http.get(u + "/metrics")).text
-                    out.append(samples(text, "fleetgate_autoscaler_leader").get((), 0.0))
-                return out
+        async def leader_flags() -> list[float]:
+            out = []
+            for u in urls:
+                text = (await http.get(u + "/metrics")).text
+                out.append(samples(text, "fleetgate_autoscaler_leader").get((), 0.0))
+            return out
 
-            flags = await poll(lambda: _one_leader(leader_flags()), 10, "exactly one leader")
-            leader, follower = (0, 1) if flags[0] == 1.0 else (1, 0)
-            await poll(lambda: len(calls) >= 5, 10, "webhook calls")
-            assert len({c["replica"] for c in calls}) == 1  # only the leader talks to the provider
-            assert calls[-1]["desired"] == {"interactive": 1, "mixed": 1, "batch": 0}
+        flags = await poll(lambda: _one_leader(leader_flags()), 10, "exactly one leader")
+        leader, follower = (0, 1) if flags[0] == 1.0 else (1, 0)
+        await poll(lambda: len(calls) >= 5, 10, "webhook calls")
+        assert len({c["replica"] for c in calls}) == 1  # only the leader talks to the provider
+        assert calls[-1]["desired"] == {"interactive": 1, "mixed": 1, "batch": 0}
 
-            async def same_numbers() -> bool:
-                texts = [(await http.get(u + "/metrics")).text for u in urls]
-                views = [(samples(t, "fleetgate_desired_workers"), samples(t, "fleetgate_current_workers"),
-                          samples(t, "fleetgate_backpressure")) for t in texts]
-                return bool(views[0][0]) and views[0] == views[1]
-            await poll(same_numbers, 10, "both replicas to export the leader's numbers")
+        async def same_numbers() -> bool:
+            texts = [(await http.get(u + "/metrics")).text for u in urls]
+            views = [(samples(t, "fleetgate_desired_workers"), samples(t, "fleetgate_current_workers"),
+                      samples(t, "fleetgate_backpressure")) for t in texts]
+            return bool(views[0][0]) and views[0] == views[1]
+        await poll(same_numbers, 10, "both replicas to export the leader's numbers")
 
-            # The follower routes to the workers the leader registered from the webhook (shared registry).
-            r = await http.post(urls[follower] + "/v1/chat/completions", headers={"x-sim-output-tokens": "3"},
-                                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
-            assert r.status_code == 200
-            workers = (await http.get(urls[follower] + "/admin/workers")).json()["data"]
-            assert sorted(w["id"] for w in workers) == ["p0", "p1"]
-            assert {w["labels"]["pool"] for w in workers} == {"interactive", "mixed"}  # the leader's split
+        # The follower routes to the workers the leader registered from the webhook (shared registry).
+        r = await http.post(urls[follower] + "/v1/chat/completions", headers={"x-sim-output-tokens": "3"},
+                            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200
+        workers = (await http.get(urls[follower] + "/admin/workers")).json()["data"]
+        assert sorted(w["id"] for w in workers) == ["p0", "p1"]
+        assert {w["labels"]["pool"] for w in workers} == {"interactive", "mixed"}  # the leader's split
 
-            old = calls[-1]["replica"]
-            procs[leader].send_signal(signal.SIGKILL)
-            n = len(calls)
-            await poll(lambda: len(calls) > n and calls[-1]["replica"] != old, 10, "the other replica to take over")
-            text = (await http.get(urls[follower] + "/metrics")).text
-            assert samples(text, "fleetgate_autoscaler_leader")[()] == 1.0
-        finally:
-            for p in procs:
-                stop(p)
+        old = calls[-1]["replica"]
+        procs[leader].kill()
+        n = len(calls)
+        await poll(lambda: len(calls) > n and calls[-1]["replica"] != old, 10, "the other replica to take over")
+        text = (await http.get(urls[follower] + "/metrics")).text
+        assert samples(text, "fleetgate_autoscaler_leader")[()] == 1.0
 
 
 async def _one_leader(flags_coro: Any) -> list[float] | None:
@@ -323,40 +251,31 @@ async def _one_leader(flags_coro: Any) -> list[float] | None:
 # --- fleetgate demo --autoscale ---------------------------------------------------------------------------
 @pytest.mark.slow  # a child process with its own interpreter
 def test_demo_autoscale_starts_workers_through_the_sim_actuator(tmp_path) -> None:
-    import socket
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with CliProcess("demo", "--autoscale", "--port", str(port), "--workers", "2", "--time-scale", "20",
+                    merge_stderr=True) as demo:
+        def healthy_workers() -> list[dict]:
+            if demo.proc.poll() is not None:
+                raise AssertionError(demo.describe())
+            try:
+                return [w for w in httpx.get(url + "/admin/workers", timeout=2).json()["data"] if w["healthy"]]
+            except httpx.HTTPError:
+                return []
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "demo", "--autoscale", "--port", str(port),
-                             "--workers", "2", "--time-scale", "20"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 40
-        workers: list[dict] = []
-        while time.monotonic() < deadline and len(workers) < 2:
-            with suppress(httpx.HTTPError):
-                workers = [w for w in httpx.get(url + "/admin/workers", timeout=2).json()["data"] if w["healthy"]]
-            time.sleep(0.2)
-        assert len(workers) == 2, proc.stdout.read() if proc.poll() is not None else workers
+        poll_sync(lambda: len(healthy_workers()) == 2, 40, "two healthy workers", every=0.2)
         r = httpx.post(url + "/v1/chat/completions", timeout=10,
                        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert r.status_code == 200
-        deadline = time.monotonic() + 10
-        current = 0.0
-        while time.monotonic() < deadline and current != 2:  # the first autoscaler round exports the numbers
+
+        def current_workers() -> str | None:  # the first autoscaler round exports the numbers
             text = httpx.get(url + "/metrics", timeout=5).text
-            current = sum(samples(text, "fleetgate_current_workers").values())
-            time.sleep(0.1)
-        assert current == 2 and samples(text, "fleetgate_autoscaler_leader")[()] == 1.0
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
+            return text if sum(samples(text, "fleetgate_current_workers").values()) == 2 else None
+
+        text = poll_sync(current_workers, 10, "fleetgate_current_workers == 2", every=0.1)
+        assert samples(text, "fleetgate_autoscaler_leader")[()] == 1.0
+        demo.proc.send_signal(signal.SIGINT)
+        out = demo.read_to_end(timeout=20)
     assert "demo stopped" in out
 
 
@@ -364,24 +283,13 @@ def test_demo_autoscale_starts_workers_through_the_sim_actuator(tmp_path) -> Non
 async def test_webhook_scale_in_drains_then_releases_the_workers_it_picked(sim_fleet) -> None:
     fleet = sim_fleet(3, time_scale=20)
     provided = {f"p{i}": u for i, u in enumerate(fleet.urls)}
-    calls: list[dict] = []
 
-    async def handle(request: web.Request) -> web.Response:
-        body = await request.json()
-        calls.append(body)
+    def answer(body: dict) -> list[dict]:
         for wid in body["release"]:
             provided.pop(wid, None)  # the provider terminates only what the gateway released
-        return web.json_response({"workers": [{"id": w, "url": u, "pool": "mixed", "cap": 4}
-                                              for w, u in provided.items()]})
+        return [{"id": w, "url": u, "pool": "mixed", "cap": 4} for w, u in provided.items()]
 
-    app = web.Application()
-    app.router.add_post("/scale", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    hook = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/scale"
-    try:
+    async with scale_webhook(answer) as (hook, calls):
         scaler = {"min_interactive": 1, "cooldown_in_s": 0.2, "stabilization_s": 0.5, "max_step_in": 2}
         async with gateway(autoscale={"enabled": True, "interval_s": 0.2, "sample_s": 0.05, "local_caps": False,
                                       "scaler": scaler, "actuator": {"kind": "webhook", "webhook": {"url": hook}}}) as gw:
@@ -400,8 +308,6 @@ async def test_webhook_scale_in_drains_then_releases_the_workers_it_picked(sim_f
         assert len(released) == 2 and not released & set(provided)
         assert all((w, "draining") in seen for w in released)  # drained first, released after
         assert calls[-1]["desired"] == {"interactive": 1, "mixed": 0, "batch": 0}
-    finally:
-        await runner.cleanup()
 
 
 # --- deployment files ------------------------------------------------------------------------------------
