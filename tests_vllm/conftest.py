@@ -236,12 +236,14 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 
 @pytest.fixture(scope="session")
-def gateway(vllm_fleet: VllmFleet) -> Iterator[Gateway]:
+def gateway(vllm_fleet: VllmFleet, request: pytest.FixtureRequest) -> Iterator[Gateway]:
     """One gateway in front of both servers for the whole session."""
     with run_gateway([s.url for s in vllm_fleet.servers.values()]) as gw:
         wait_until(lambda: all(w["healthy"] for w in gw.workers()) and len(gw.workers()) == 2, 30,
                    "both workers healthy in the gateway")
         yield gw
+        if request.session.testsfailed:
+            print(f"--- session gateway log tail ({gw.log_path}) ---\n{gw.log_tail(80)}", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")

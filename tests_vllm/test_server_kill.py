@@ -57,12 +57,19 @@ def test_killed_server_ends_open_streams_and_traffic_moves_to_the_survivor(  # n
         gateway, vllm_fleet, plain_server, prio_server) -> None:
     client = gateway.client(timeout=STREAM_END_S)
     wait_until(lambda: engine_metric(plain_server.url, "vllm:num_requests_running") == 0, 30, "idle servers")
+    # An earlier test slept and woke the plain server: both must be back in rotation before the streams start.
+    wait_until(lambda: all(w["healthy"] for w in gateway.workers()), 30, "both workers in rotation")
     watches = [StreamWatch(client, i) for i in range(STREAMS)]
     for w in watches:
         w.thread.start()
+
+    def plain_generating() -> bool:
+        failed = [w.error for w in watches if w.error]
+        assert not failed, f"streams failed before the kill: {failed}"
+        return engine_metric(plain_server.url, "vllm:num_requests_running") >= 1
+
     # least_requests spreads the streams; the plain server runs its share at once (prio queues them 1 by 1).
-    wait_until(lambda: engine_metric(plain_server.url, "vllm:num_requests_running") >= 1, 30,
-               "a stream to be generating on the server about to die")
+    wait_until(plain_generating, 30, "a stream to be generating on the server about to die")
     wait_until(lambda: sum(w.chunks > 0 for w in watches) >= 1, 30, "a stream to deliver chunks")
     killed_at = time.monotonic()
     plain_server.kill()
