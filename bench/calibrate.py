@@ -8,6 +8,10 @@ Probes, timed client side through the gateway with streaming:
            sent straight to the server; the median difference is the gateway's own share of a TTFT.
   decode   b concurrent streams (ignore_eos) at several b and prompt lengths: the inter-token time while all
            b streams decode (after the last first token, before the first finish) is one decode step.
+  admit    lone requests injected into a running decode batch: engine time per admitted request (c_admit).
+  host     lone requests injected straight into the server while 0-32 streams run: how their TTFT grows with
+           the running streams; the same probe against the simulator (fitted profile, no host term) gives the
+           difference, the host-path term. The server's own TTFT histogram says how much of it lies outside.
 Both are fitted with the gateway's own fitter (policies/perf_model.py: robust least squares of Aladdin
 section 3 eq. 2-3, prefill `k1·Σl_in + c1`, decode `(k2·l_avg + c2)·b + c3`). A second fit of the same
 TTFTs with the simulator's prefill form adds the causal-attention term (simulator/profiles.py). The engine's
@@ -531,6 +535,118 @@ def fit_admission(samples: Sequence[AdmissionSample], k_prefill: float, k_attn: 
             "lengths": sorted({s.short_tokens for s in runs})}
 
 
+@dataclass(slots=True)
+class HostPathSample:
+    """Lone requests injected straight into one server while `running` streams decode on it.
+
+    `client_s` is their mean TTFT at the client; `server_s` the mean of the server's own
+    vllm:time_to_first_token_seconds over the same requests (histogram sum/count before and after). The
+    difference is time spent outside the server's TTFT window: the API server before it stamps the arrival and
+    the way back from the engine to the client."""
+
+    running: int
+    injected: int
+    client_s: float
+    server_s: float
+
+    @property
+    def outside_s(self) -> float:
+        return self.client_s - self.server_s
+
+
+HOST_RUNNING = (0, 8, 16, 32)
+HOST_PROMPT, HOST_NEW_TOKENS, HOST_SHORT, HOST_RATE, HOST_INJECT = 128, 600, 16, 20.0, 16
+_TTFT = "vllm:time_to_first_token_seconds"
+
+
+def ttft_histogram(metrics_text: str) -> tuple[float, float]:
+    """(sum, count) of a server's TTFT histogram in its Prometheus text (summed over label sets)."""
+    total = count = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(_TTFT + "_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(_TTFT + "_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+async def probe_host_path(url: str, reps: int, rng: random.Random, running: Sequence[int] = HOST_RUNNING,
+                          inject: int = HOST_INJECT, rate: float = HOST_RATE) -> list[HostPathSample]:
+    """For each batch size: start `running` long decode streams straight to the server at `url`, wait until
+    all of them stream, then send `inject` lone 16-token requests (Poisson at `rate`) and compare their client
+    TTFT with the server's own TTFT histogram over the same requests; the batch is then cancelled."""
+    out: list[HostPathSample] = []
+    async with client_session() as session:
+        for rep in range(reps + 1):   # round 0 warms the server up (the first batches run slow) and is dropped
+            order = list(running) if rep % 2 == 0 else list(reversed(running))
+            for b in order:
+                start = ttft_histogram(await _metrics_text(session, url))
+                batch = [asyncio.ensure_future(stream_completion(session, url, random_prompt(rng, HOST_PROMPT),
+                                                                 HOST_NEW_TOKENS)) for _ in range(b)]
+                try:
+                    deadline = time.monotonic() + 30.0
+                    while True:   # every stream of the batch has its first token (the server's own count)
+                        before = ttft_histogram(await _metrics_text(session, url))
+                        if before[1] - start[1] >= b:
+                            break
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"host-path probe: a batch of {b} did not start streaming")
+                        await asyncio.sleep(0.05)
+                    sent: list[asyncio.Future] = []
+                    for _ in range(inject):
+                        sent.append(asyncio.ensure_future(
+                            stream_completion(session, url, random_prompt(rng, HOST_SHORT), 1)))
+                        await asyncio.sleep(rng.expovariate(rate))
+                    done = await asyncio.gather(*sent)
+                    await asyncio.sleep(0.2)   # the last first token reaches the server's histogram
+                    after = ttft_histogram(await _metrics_text(session, url))
+                    if any(f.done() for f in batch):
+                        raise RuntimeError(f"host-path probe: the batch of {b} ended before the injections did")
+                finally:
+                    for f in batch:
+                        f.cancel()
+                    await asyncio.gather(*batch, return_exceptions=True)
+                ok = [r.ttft for r in done if r.ok and r.ttft is not None]
+                n = after[1] - before[1]
+                if len(ok) != inject or n != inject:
+                    raise RuntimeError(f"host-path probe: {len(ok)} of {inject} injected requests streamed, "
+                                       f"server counted {n:.0f} first tokens")
+                if rep:
+                    out.append(HostPathSample(b, inject, statistics.fmean(ok), (after[0] - before[0]) / n))
+                await asyncio.sleep(0.3)   # the cancelled streams leave the engine
+    return out
+
+
+async def _metrics_text(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url + "/metrics") as resp:
+        return await resp.text()
+
+
+def fit_host_path(real: Sequence[HostPathSample], sim: Sequence[HostPathSample]) -> dict[str, Any]:
+    """How much faster a new request's TTFT grows with the streams already running on the real server than on
+    the simulator (slopes of client TTFT against running streams, real minus simulated): what the
+    simulator must add per running request before a new one enters its engine. The slopes of the time outside
+    each server's own TTFT window are kept alongside, to say where the real server spends it."""
+    def slope(samples: Sequence[HostPathSample], y_of: Any) -> tuple[float, float]:
+        """Least-squares line through the median at each batch size (one stalled run moves nothing)."""
+        groups: dict[int, list[float]] = {}
+        for smp in samples:
+            groups.setdefault(smp.running, []).append(y_of(smp))
+        if len(groups) < 2:
+            return 0.0, statistics.median(next(iter(groups.values()))) if groups else 0.0
+        x = np.array(sorted(groups), dtype=float)
+        y = np.array([statistics.median(groups[b]) for b in sorted(groups)], dtype=float)
+        k, c = np.polyfit(x, y, 1)
+        return float(k), float(c)
+
+    out: dict[str, Any] = {"n_real": len(real), "n_sim": len(sim)}
+    for part, y_of in (("client", lambda s: s.client_s), ("outside", lambda s: s.outside_s)):
+        for side, samples in (("real", real), ("sim", sim)):
+            out[f"{side}_{part}_slope"], out[f"{side}_{part}_intercept"] = slope(samples, y_of)
+    out["per_running"] = max(0.0, out["real_client_slope"] - out["sim_client_slope"])
+    return out
+
+
 # --- fitting -----------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Calibration:
@@ -545,6 +661,9 @@ class Calibration:
     decode: list[dict[str, Any]] = field(default_factory=list)
     admission_fit: dict[str, float] = field(default_factory=dict)
     admission: list[dict[str, Any]] = field(default_factory=list)
+    host_path_fit: dict[str, Any] = field(default_factory=dict)
+    host_path_real: list[dict[str, Any]] = field(default_factory=list)
+    host_path_sim: list[dict[str, Any]] = field(default_factory=list)
     load_average: float = 0.0
     measured_at: str = ""
 
@@ -587,7 +706,8 @@ def gateway_overhead(prefill: Sequence[PrefillSample]) -> float:
 
 
 def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: EngineInfo, gw_overhead_s: float,
-                   output_mean_tokens: float, name: str = "tiny-cpu", c_admit_s: float = 0.0) -> dict[str, Any]:
+                   output_mean_tokens: float, name: str = "tiny-cpu", c_admit_s: float = 0.0,
+                   host_delay_per_running_s: float = 0.0) -> dict[str, Any]:
     """Simulator profile fields from the fits (simulator/profiles.py step time, mapped term by term):
 
     decode   c_step = c3, c_decode = c2, k_ctx = k2  (eq. 3 is the step time with P = 0 and t_weights = 0)
@@ -595,6 +715,8 @@ def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: Engin
              gateway's own share (the simulator models the server; the gateway is in both legs of a comparison).
     admit    c_admit from the admission probe: the part of a lone request's constant that is engine time (it
              delays every running request), the rest of the constant is a pure delay before the engine.
+    host     host_delay_per_running from the host-path probe: how much faster, per running stream, a new
+             request's TTFT grows on the real server than on the simulator.
     t_weights = 0: on one CPU core the forward pass is compute bound, no weight-streaming floor shows.
     """
     c_step = model.c3
@@ -621,6 +743,7 @@ def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: Engin
         "k_attn_s": prefill_form["k_attn"],
         "ttft_overhead_s": max(0.0, prefill_form["c"] - c_step - c_admit - gw_overhead_s),
         "c_admit_s": c_admit,
+        "host_delay_per_running_s": host_delay_per_running_s,
         "output_mean_tokens": output_mean_tokens,
         "output_sigma": 0.9,
         "pd_link_bytes_per_s": 1.0e9,
@@ -632,7 +755,7 @@ def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: Engin
 _YAML_ORDER = ("name", "description", "model", "family", "gpu", "tp", "weight_bytes", "kv_bytes_per_token",
                "num_gpu_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                "c_step_s", "t_weights_s", "k_prefill_s", "c_decode_s", "k_ctx_s", "k_attn_s", "ttft_overhead_s", "c_admit_s",
-               "output_mean_tokens", "output_sigma", "pd_link_bytes_per_s", "pd_setup_s", "wake_up_s")
+               "host_delay_per_running_s", "output_mean_tokens", "output_sigma", "pd_link_bytes_per_s", "pd_setup_s", "wake_up_s")
 
 
 def _admit_why(fit: dict[str, Any]) -> str:
@@ -640,6 +763,13 @@ def _admit_why(fit: dict[str, Any]) -> str:
         return "no admission probe"
     return (f"admission probe: engine time per injected request ({fit.get('lengths')} tokens) beyond its modelled "
             f"prefill, median of {fit['n']} runs")
+
+
+def _host_why(fit: dict[str, Any]) -> str:
+    if not fit.get("n_real"):
+        return "no host-path probe"
+    return (f"host-path probe: slope of a lone request's TTFT per running stream, real "
+            f"{fit['real_client_slope'] * 1e6:.1f} us - simulated {fit['sim_client_slope'] * 1e6:.1f} us")
 
 
 def profile_yaml(cal: Calibration) -> str:
@@ -662,6 +792,7 @@ def profile_yaml(cal: Calibration) -> str:
         "ttft_overhead_s": (f"prefill constant {f['c'] * 1e3:.2f} ms - c_step - c_admit - gateway share "
                             f"{cal.gateway_overhead_s * 1e3:.2f} ms"),
         "c_admit_s": _admit_why(cal.admission_fit),
+        "host_delay_per_running_s": _host_why(cal.host_path_fit),
         "output_mean_tokens": "ShareGPT output mean scaled to the 1024 context (bench/fidelity.py)",
         "output_sigma": "not measured (used only when a request fixes no length)",
         "pd_link_bytes_per_s": "not measured (no P/D on CPU)",
@@ -695,7 +826,7 @@ def sharegpt_output_mean() -> float:
 
 
 async def _calibrate(server: RealServer, gw_url: str, info: EngineInfo, quick: bool, seed: int, max_load: float,
-                     wait_s: float) -> tuple[list, list, list, list[float]]:
+                     wait_s: float) -> tuple[list, list, list, list, list[float]]:
     rng = random.Random(seed)
     async with client_session() as session:   # warm-up: the first requests of a fresh server are slow
         for n in (16, 512, 1000):
@@ -712,8 +843,23 @@ async def _calibrate(server: RealServer, gw_url: str, info: EngineInfo, quick: b
     loads.append(wait_for_quiet(max_load, wait_s))
     log("admission probes")
     admission = await probe_admission(gw_url, 2 if quick else 4, rng)
+    loads.append(wait_for_quiet(max_load, wait_s))
+    log("host-path probes (real server)")
+    host = await probe_host_path(server.url, 1 if quick else 3, rng)
     loads.append(load_average())
-    return prefill, decode, admission, loads
+    return prefill, decode, admission, host, loads
+
+
+def simulated_host_path(profile: dict[str, Any], reps: int, seed: int) -> list[HostPathSample]:
+    """The host-path probe against the simulator running `profile` without the host term, on the harness's cores
+    (where the real server's API server ran): the simulator's own time outside its TTFT window."""
+    host = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    with tempfile.TemporaryDirectory(prefix="fleetgate-cal-") as tmp:
+        path = Path(tmp) / "profile.yaml"
+        path.write_text(json.dumps({**profile, "host_delay_per_running_s": 0.0}))   # JSON is YAML
+        log(f"host-path probes (simulator on cores {host})")
+        with run_sim_server(path, host) as url:
+            return asyncio.run(probe_host_path(url, reps, random.Random(seed + 1)))
 
 
 def calibrate(cpu: int = 0, quick: bool = False, seed: int = 0, max_load: float = QUIET_LOAD,
@@ -722,7 +868,7 @@ def calibrate(cpu: int = 0, quick: bool = False, seed: int = 0, max_load: float 
     with run_real_server(cpu) as server, run_gateway(server.url) as gw_url:
         info = engine_info(server)
         log(f"real server {server.url} (engine on core {cpu}), gateway {gw_url}: {info}")
-        prefill, decode, admission, loads = asyncio.run(
+        prefill, decode, admission, host_real, loads = asyncio.run(
             _calibrate(server, gw_url, info, quick, seed, max_load, wait_s))
         load = max(loads)
     model = fit_perf_model(prefill, decode, info)
@@ -730,9 +876,14 @@ def calibrate(cpu: int = 0, quick: bool = False, seed: int = 0, max_load: float 
     gw = gateway_overhead(prefill)
     admit = fit_admission(admission, form["k_prefill"], form["k_attn"])
     profile = derive_profile(model, form, info, gw, sharegpt_output_mean(), c_admit_s=admit["c_admit"])
+    host_sim = simulated_host_path(profile, 1 if quick else 3, seed)
+    host = fit_host_path(host_real, host_sim)
+    profile["host_delay_per_running_s"] = host["per_running"]
     cal = Calibration(aladdin=model.to_dict(), prefill_form=form, gateway_overhead_s=gw, engine=asdict(info),
                       profile=profile, prefill=[asdict(s) for s in prefill], decode=[asdict(s) for s in decode],
-                      admission_fit=admit, admission=[asdict(s) for s in admission], load_average=load, measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                      admission_fit=admit, admission=[asdict(s) for s in admission],
+                      host_path_fit=host, host_path_real=[asdict(s) for s in host_real],
+                      host_path_sim=[asdict(s) for s in host_sim], load_average=load, measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     from simulator.profiles import profile_from_dict
 
     profile_from_dict(profile, "fitted profile")   # refuse to write a profile the simulator would reject
@@ -757,6 +908,8 @@ def summary(cal: Calibration) -> str:
         f"gateway share of a TTFT: {cal.gateway_overhead_s * 1e3:.2f} ms; ttft_overhead_s = "
         f"{p['ttft_overhead_s'] * 1e3:.2f} ms",
         f"admission: {_admit_why(cal.admission_fit)}; c_admit_s = {p.get('c_admit_s', 0.0) * 1e3:.2f} ms",
+        f"host path: {_host_why(cal.host_path_fit)}; host_delay_per_running_s = "
+        f"{p.get('host_delay_per_running_s', 0.0) * 1e6:.1f} us",
         f"engine: {cal.engine}",
     ])
 

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -262,6 +263,8 @@ def calibration_section(cal: dict[str, Any]) -> str:
         f"| | k_prefill | {f['k_prefill'] * 1e6:.3f} µs/token | | | |",
         f"| | k_attn | {f['k_attn'] * 1e9:.4f} ns/pair | | | |",
         *_admission_row(cal.get("admission_fit") or {}),
+        *_host_path_rows(cal.get("host_path_fit") or {}, cal.get("host_path_real") or [],
+                         cal.get("host_path_sim") or []),
         "",
         f"Gateway's own share of a TTFT (median of paired gateway/direct probes): "
         f"{cal['gateway_overhead_s'] * 1e3:.2f} ms. Engine (vllm:cache_config_info, /server_info): "
@@ -272,8 +275,30 @@ def calibration_section(cal: dict[str, Any]) -> str:
         f"c_step {p['c_step_s'] * 1e3:.3f} ms, c_decode {p['c_decode_s'] * 1e6:.2f} µs, "
         f"k_ctx {p['k_ctx_s'] * 1e9:.3f} ns, k_prefill {p['k_prefill_s'] * 1e6:.3f} µs, "
         f"k_attn {p['k_attn_s'] * 1e9:.4f} ns, ttft_overhead {p['ttft_overhead_s'] * 1e3:.2f} ms, "
-        f"c_admit {p.get('c_admit_s', 0.0) * 1e3:.2f} ms, t_weights 0.",
+        f"c_admit {p.get('c_admit_s', 0.0) * 1e3:.2f} ms, "
+        f"host_delay_per_running {p.get('host_delay_per_running_s', 0.0) * 1e6:.1f} µs, t_weights 0.",
     ])
+
+
+def _host_path_rows(fit: dict[str, Any], real: Sequence[dict[str, Any]], sim: Sequence[dict[str, Any]]) -> list[str]:
+    if not fit.get("n_real"):
+        return []
+
+    def by_running(samples: Sequence[dict[str, Any]]) -> str:
+        groups: dict[int, list[dict[str, Any]]] = {}
+        for smp in samples:
+            groups.setdefault(smp["running"], []).append(smp)
+        return ", ".join(
+            f"{b}: {statistics.median(x['client_s'] for x in g) * 1e3:.1f} "
+            f"({statistics.median(x['client_s'] - x['server_s'] for x in g) * 1e3:.1f} outside)"
+            for b, g in sorted(groups.items()))
+
+    return [f"| host-path probe: a lone request's TTFT growth per running stream, real − simulated "
+            f"| host_delay_per_running | {fit['per_running'] * 1e6:.1f} µs | {fit['n_real']} + {fit['n_sim']} runs "
+            f"| real {fit['real_client_slope'] * 1e6:.1f} µs/stream ({fit['real_outside_slope'] * 1e6:.1f} of it "
+            f"outside vLLM's TTFT window), simulated {fit['sim_client_slope'] * 1e6:.1f} µs/stream | |",
+            f"| | TTFT ms by running streams, real | {by_running(real)} | | | |",
+            f"| | TTFT ms by running streams, simulated (no host term) | {by_running(sim)} | | | |"]
 
 
 def _admission_row(fit: dict[str, Any]) -> list[str]:

@@ -10,7 +10,7 @@ when it finished (any outcome). A Decision with worker_id None keeps the request
 that is retried whenever a request completes or a worker is added.
 
 Timing of one request (all model seconds): arrival -> dispatch (after any admission-queue wait) ->
-engine `add` after profile.ttft_overhead_s -> first token / finish from the engine's RequestRecord.
+engine `add` after profile.pre_engine_delay -> first token / finish from the engine's RequestRecord.
 TTFT = first_token - arrival; TPOT = (finish - first_token) / (n_out - 1); the SLO is met iff
 TTFT <= slo_ttft and TPOT <= slo_tpot (TPOT of a one-token answer counts as 0).
 
@@ -391,7 +391,8 @@ class ClusterSim:
         for hook in self.on_dispatch:
             hook(self, r, wid, now)
         self._pending[r.request_id] = (r, feats)
-        heapq.heappush(self._heap, (now + w.profile.ttft_overhead_s, next(self._seq), _ADD, (wid, r.request_id)))
+        heapq.heappush(self._heap, (now + w.profile.pre_engine_delay(w.engine.num_running), next(self._seq), _ADD,
+                                     (wid, r.request_id)))
         return True
 
     def _drain_queue(self, now: float) -> None:
@@ -505,7 +506,8 @@ class ClusterSim:
         leg = _PdLeg(r.request_id, r.request_id + "#prefill", wp, wd)
         self._pd_legs[leg.prefill_id] = leg
         self._pd_legs[leg.request_id] = leg
-        self.schedule(now + wp.profile.ttft_overhead_s, lambda sim, t: sim._pd_add_prefill(leg, t))
+        self.schedule(now + wp.profile.pre_engine_delay(wp.engine.num_running),
+                      lambda sim, t: sim._pd_add_prefill(leg, t))
         return True
 
     def _pd_add_prefill(self, leg: _PdLeg, now: float) -> None:
@@ -532,7 +534,7 @@ class ClusterSim:
                 res.num_cached_tokens = rec.num_cached_tokens
                 self._pd_release_prefill(leg, now)
                 transfer = leg.prefill.profile.kv_transfer_s(rec.prompt_len)
-                t_add = now + leg.decode.profile.ttft_overhead_s
+                t_add = now + leg.decode.profile.pre_engine_delay(leg.decode.engine.num_running)
                 self.schedule(t_add, lambda sim, t: sim._pd_add_decode(leg, t, t + transfer))
             return True
         if ev.first_token:   # the decode worker holds the KV now: the producer lets its blocks go

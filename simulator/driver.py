@@ -10,13 +10,14 @@ stall of the host delays token delivery without changing the model's timeline. S
 `COALESCE_WALL_S` of wall time, and all steps while the loop is behind (for up to `MAX_BUSY_WALL_S`), run
 back to back: their tokens go out together, one write per stream.
 
-A request enters the engine at its ideal model time (HTTP arrival + the profile's `ttft_overhead_s`), at
+A request enters the engine at its ideal model time (HTTP arrival + the profile's `pre_engine_delay`), at
 the first iteration boundary at or after it, as in a virtual-time loop. Only when the host falls behind
 by more than `MAX_LAG_WALL_S` does the clock jump to the wall clock (the simulated GPU then lost that
 time, as a real server whose CPU is saturated would; counted in `lag_resyncs` / `lost_model_s`).
 
-The TTFT overhead models vLLM's API server (HTTP, tokenization, queueing; vLLM reference section 8.3,
-t_overhead). /metrics histograms record model time; TTFT and e2e latency count from the HTTP arrival, the
+The pre-engine delay models vLLM's API server (HTTP, tokenization, queueing; vLLM reference section 8.3,
+t_overhead), plus a host-path term that grows with the requests already running (the API server serves their
+streams too; fitted by bench/calibrate.py's host-path probe). /metrics histograms record model time; TTFT and e2e latency count from the HTTP arrival, the
 queue time from entering the engine (vLLM: `queued_ts`, vllm/v1/metrics/stats.py).
 """
 
@@ -137,8 +138,8 @@ class EngineDriver:
     def submit(self, *, request_id: str, prompt_len: int, block_hashes: list[int], max_tokens: int,
                target_tokens: int, priority: int, arrival: float, remote_decode: bool = False,
                remote_kv_delay: float | None = None) -> RequestHandle:
-        """Register a request; it enters the engine `ttft_overhead_s` (model time) after `arrival`."""
-        enqueue_at = arrival + self.profile.ttft_overhead_s
+        """Register a request; it enters the engine `profile.pre_engine_delay` (model time) after `arrival`."""
+        enqueue_at = arrival + self.profile.pre_engine_delay(self.core.num_running)
         req = SimRequest(request_id=request_id, prompt_len=prompt_len, block_hashes=block_hashes,
                          max_tokens=max_tokens, target_output_tokens=target_tokens, priority=priority,
                          arrival=arrival, remote_decode=remote_decode, remote_prefill=remote_kv_delay is not None,

@@ -63,6 +63,14 @@ class Profile:
     # engine's own core, serialised with the forward pass). Fitted for the CPU build by bench/calibrate.py's
     # admission probe; 0 where it hides inside c_step_s and ttft_overhead_s (the GPU profiles).
     c_admit_s: float = 0.0
+    # Host-path delay per request already running on the engine: a real vLLM API server hands a new request to
+    # the EngineCore (and its first token back) more slowly the more streams it is serving. Fitted for the CPU
+    # build by bench/calibrate.py's host-path probe; 0 in the GPU profiles (no measurement there).
+    host_delay_per_running_s: float = 0.0
+
+    def pre_engine_delay(self, running: int) -> float:
+        """Model seconds from a request's HTTP arrival to its engine entry, with `running` requests on the engine."""
+        return self.ttft_overhead_s + self.host_delay_per_running_s * running
 
     @property
     def gpus_per_worker(self) -> int:

@@ -20,6 +20,7 @@ from bench.calibrate import (
     Calibration,
     DecodeSample,
     EngineInfo,
+    HostPathSample,
     PrefillSample,
     StreamResult,
     cache_config_info,
@@ -27,13 +28,16 @@ from bench.calibrate import (
     decode_step,
     derive_profile,
     fit_admission,
+    fit_host_path,
     fit_perf_model,
     fit_prefill_form,
     gateway_overhead,
+    probe_host_path,
     profile_yaml,
     random_prompt,
     scheduler_limits,
     stream_completion,
+    ttft_histogram,
 )
 from bench.fidelity import (
     SCALE,
@@ -246,6 +250,58 @@ def test_engine_charges_admission_time_to_the_step_that_admits():
         return core.plan_step(0.0)
 
     assert first_step(slow) - first_step(fast) == pytest.approx(3 * 0.01)
+
+
+def test_host_path_term_is_the_real_slope_minus_the_simulated_one(tmp_path):
+    # real: TTFT 13 ms idle, +0.5 ms per running stream, of which 0.4 ms outside the server's own window;
+    # simulator: 13.5 ms idle, +0.15 ms per running stream, 0.05 ms of it outside
+    real = [HostPathSample(b, 16, 0.013 + 5e-4 * b + e, 0.010 + 1e-4 * b + e) for b in (0, 8, 16, 32) for e in (0, 1e-3)]
+    sim = [HostPathSample(b, 16, 0.0135 + 1.5e-4 * b, 0.012 + 1e-4 * b) for b in (0, 8, 16, 32)]
+    fit = fit_host_path(real, sim)
+    assert fit["real_client_slope"] == pytest.approx(5e-4) and fit["real_client_intercept"] == pytest.approx(0.0135)
+    assert fit["real_outside_slope"] == pytest.approx(4e-4) and fit["sim_outside_slope"] == pytest.approx(5e-5)
+    assert fit["sim_client_slope"] == pytest.approx(1.5e-4) and fit["per_running"] == pytest.approx(3.5e-4)
+    assert fit_host_path(sim, real)["per_running"] == 0.0                  # never negative
+    stalled = real + [HostPathSample(0, 16, 0.2, 0.01)]   # one stalled run barely moves a median
+    assert fit_host_path(stalled, sim)["per_running"] == pytest.approx(3.5e-4, rel=0.1)
+    assert fit_host_path([], [])["per_running"] == 0.0
+    prof = load_profile("tiny-cpu")
+    with_term = dataclasses.replace(prof, host_delay_per_running_s=fit["per_running"])
+    assert with_term.pre_engine_delay(0) == prof.ttft_overhead_s
+    assert with_term.pre_engine_delay(20) == pytest.approx(prof.ttft_overhead_s + 20 * 3.5e-4)
+
+
+def test_ttft_histogram_sums_every_label_set():
+    text = ('# HELP vllm:time_to_first_token_seconds x\n'
+            'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="tiny"} 1.0\n'
+            'vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 4.0\n'
+            'vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 0.5\n'
+            'vllm:time_to_first_token_seconds_count{engine="1",model_name="tiny"} 2.0\n'
+            'vllm:time_to_first_token_seconds_sum{engine="1",model_name="tiny"} 0.25\n'
+            'vllm:e2e_request_latency_seconds_sum{engine="0",model_name="tiny"} 9.0\n')
+    assert ttft_histogram(text) == (0.75, 6.0)
+
+
+def test_simulated_host_path_grows_with_running_streams_by_the_profile_term(sim_fleet, tmp_path):
+    """The probe over real HTTP against two simulated servers, one with a 2 ms-per-running-stream host term."""
+    import yaml
+
+    base = dataclasses.asdict(load_profile("tiny-cpu"))
+    urls = {}
+    for name, term in (("none", 0.0), ("term", 0.002)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({**base, "name": name, "host_delay_per_running_s": term}))
+        urls[name] = sim_fleet(1, profile=str(path), model="tiny", time_scale=1).urls[0]
+
+    def probe(url):
+        return asyncio.run(probe_host_path(url, 1, random.Random(4), running=(0, 8), inject=8))
+
+    none, term = probe(urls["none"]), probe(urls["term"])
+    assert [s.running for s in none] == [8, 0] and all(s.injected == 8 for s in none + term)
+    growth = {name: got[0].client_s - got[1].client_s for name, got in (("none", none), ("term", term))}
+    # 8 running streams x 2 ms: the term's server answers ~16 ms later than the other under the same batch
+    assert growth["term"] - growth["none"] > 0.010, growth
+    assert all(s.server_s > 0 and s.client_s >= s.server_s for s in none + term)
 
 
 def test_shipped_tiny_cpu_profile_is_valid():
