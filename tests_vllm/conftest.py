@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from scripts.vllm_servers import ServerSpec, VllmFleet, free_port
+from tests.helpers import poll_sync
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -56,15 +57,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 # --- polling ---------------------------------------------------------------------------------------------
 
 def wait_until(cond: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
-    """Poll `cond` until it returns something truthy; fail the test with `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    """tests.helpers.poll_sync, failing the test (pytest.fail) rather than raising AssertionError."""
+    try:
+        return poll_sync(cond, timeout, what, interval)
+    except AssertionError as exc:
+        pytest.fail(str(exc))
 
 
 class Background:
