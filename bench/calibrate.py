@@ -622,6 +622,14 @@ async def _metrics_text(session: aiohttp.ClientSession, url: str) -> str:
         return await resp.text()
 
 
+def medians_by_running(samples: Sequence[HostPathSample], y_of: Any) -> dict[int, float]:
+    """Median of `y_of(sample)` at each batch size, in batch-size order."""
+    groups: dict[int, list[float]] = {}
+    for smp in samples:
+        groups.setdefault(smp.running, []).append(y_of(smp))
+    return {b: statistics.median(groups[b]) for b in sorted(groups)}
+
+
 def fit_host_path(real: Sequence[HostPathSample], sim: Sequence[HostPathSample]) -> dict[str, Any]:
     """How much faster a new request's TTFT grows with the streams already running on the real server than on
     the simulator (slopes of client TTFT against running streams, real minus simulated): what the
@@ -629,14 +637,10 @@ def fit_host_path(real: Sequence[HostPathSample], sim: Sequence[HostPathSample])
     each server's own TTFT window are kept alongside, to say where the real server spends it."""
     def slope(samples: Sequence[HostPathSample], y_of: Any) -> tuple[float, float]:
         """Least-squares line through the median at each batch size (one stalled run moves nothing)."""
-        groups: dict[int, list[float]] = {}
-        for smp in samples:
-            groups.setdefault(smp.running, []).append(y_of(smp))
-        if len(groups) < 2:
-            return 0.0, statistics.median(next(iter(groups.values()))) if groups else 0.0
-        x = np.array(sorted(groups), dtype=float)
-        y = np.array([statistics.median(groups[b]) for b in sorted(groups)], dtype=float)
-        k, c = np.polyfit(x, y, 1)
+        med = medians_by_running(samples, y_of)
+        if len(med) < 2:
+            return 0.0, next(iter(med.values()), 0.0)
+        k, c = np.polyfit(np.array(list(med), dtype=float), np.array(list(med.values())), 1)
         return float(k), float(c)
 
     out: dict[str, Any] = {"n_real": len(real), "n_sim": len(sim)}
@@ -706,8 +710,7 @@ def gateway_overhead(prefill: Sequence[PrefillSample]) -> float:
 
 
 def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: EngineInfo, gw_overhead_s: float,
-                   output_mean_tokens: float, name: str = "tiny-cpu", c_admit_s: float = 0.0,
-                   host_delay_per_running_s: float = 0.0) -> dict[str, Any]:
+                   output_mean_tokens: float, name: str = "tiny-cpu", c_admit_s: float = 0.0) -> dict[str, Any]:
     """Simulator profile fields from the fits (simulator/profiles.py step time, mapped term by term):
 
     decode   c_step = c3, c_decode = c2, k_ctx = k2  (eq. 3 is the step time with P = 0 and t_weights = 0)
@@ -715,8 +718,9 @@ def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: Engin
              gateway's own share (the simulator models the server; the gateway is in both legs of a comparison).
     admit    c_admit from the admission probe: the part of a lone request's constant that is engine time (it
              delays every running request), the rest of the constant is a pure delay before the engine.
-    host     host_delay_per_running from the host-path probe: how much faster, per running stream, a new
-             request's TTFT grows on the real server than on the simulator.
+    host     host_delay_per_running is 0 here: calibrate() sets it from the host-path probe, which runs the
+             simulator with this profile (how much faster, per running stream, a new request's TTFT grows on
+             the real server than on the simulator).
     t_weights = 0: on one CPU core the forward pass is compute bound, no weight-streaming floor shows.
     """
     c_step = model.c3
@@ -743,7 +747,7 @@ def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: Engin
         "k_attn_s": prefill_form["k_attn"],
         "ttft_overhead_s": max(0.0, prefill_form["c"] - c_step - c_admit - gw_overhead_s),
         "c_admit_s": c_admit,
-        "host_delay_per_running_s": host_delay_per_running_s,
+        "host_delay_per_running_s": 0.0,
         "output_mean_tokens": output_mean_tokens,
         "output_sigma": 0.9,
         "pd_link_bytes_per_s": 1.0e9,

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -41,12 +40,14 @@ from bench.calibrate import (
     MAX_MODEL_LEN,
     QUIET_LOAD,
     REPO,
+    HostPathSample,
     StreamResult,
     client_session,
     engine_info,
     keep_off_core,
     load_average,
     log,
+    medians_by_running,
     probe_decode,
     probe_prefill,
     raise_on_sigterm,
@@ -285,13 +286,10 @@ def _host_path_rows(fit: dict[str, Any], real: Sequence[dict[str, Any]], sim: Se
         return []
 
     def by_running(samples: Sequence[dict[str, Any]]) -> str:
-        groups: dict[int, list[dict[str, Any]]] = {}
-        for smp in samples:
-            groups.setdefault(smp["running"], []).append(smp)
-        return ", ".join(
-            f"{b}: {statistics.median(x['client_s'] for x in g) * 1e3:.1f} "
-            f"({statistics.median(x['client_s'] - x['server_s'] for x in g) * 1e3:.1f} outside)"
-            for b, g in sorted(groups.items()))
+        smp = [HostPathSample(**x) for x in samples]
+        ttft = medians_by_running(smp, lambda x: x.client_s)
+        outside = medians_by_running(smp, lambda x: x.outside_s)
+        return ", ".join(f"{b}: {ttft[b] * 1e3:.1f} ({outside[b] * 1e3:.1f} outside)" for b in ttft)
 
     return [f"| host-path probe: a lone request's TTFT growth per running stream, real − simulated "
             f"| host_delay_per_running | {fit['per_running'] * 1e6:.1f} µs | {fit['n_real']} + {fit['n_sim']} runs "
