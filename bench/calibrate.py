@@ -559,13 +559,13 @@ HOST_PROMPT, HOST_NEW_TOKENS, HOST_SHORT, HOST_RATE, HOST_INJECT = 128, 600, 16,
 _TTFT = "vllm:time_to_first_token_seconds"
 
 
-def ttft_histogram(metrics_text: str) -> tuple[float, float]:
-    """(sum, count) of a server's TTFT histogram in its Prometheus text (summed over label sets)."""
+def histogram_totals(metrics_text: str, name: str = _TTFT) -> tuple[float, float]:
+    """(sum, count) of one histogram in a server's Prometheus text (summed over label sets); TTFT by default."""
     total = count = 0.0
     for line in metrics_text.splitlines():
-        if line.startswith(_TTFT + "_sum"):
+        if line.startswith(name + "_sum"):
             total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(_TTFT + "_count"):
+        elif line.startswith(name + "_count"):
             count += float(line.rsplit(" ", 1)[1])
     return total, count
 
@@ -580,13 +580,13 @@ async def probe_host_path(url: str, reps: int, rng: random.Random, running: Sequ
         for rep in range(reps + 1):   # round 0 warms the server up (the first batches run slow) and is dropped
             order = list(running) if rep % 2 == 0 else list(reversed(running))
             for b in order:
-                start = ttft_histogram(await _metrics_text(session, url))
+                start = histogram_totals(await _metrics_text(session, url))
                 batch = [asyncio.ensure_future(stream_completion(session, url, random_prompt(rng, HOST_PROMPT),
                                                                  HOST_NEW_TOKENS)) for _ in range(b)]
                 try:
                     deadline = time.monotonic() + 30.0
                     while True:   # every stream of the batch has its first token (the server's own count)
-                        before = ttft_histogram(await _metrics_text(session, url))
+                        before = histogram_totals(await _metrics_text(session, url))
                         if before[1] - start[1] >= b:
                             break
                         if time.monotonic() > deadline:
@@ -599,7 +599,7 @@ async def probe_host_path(url: str, reps: int, rng: random.Random, running: Sequ
                         await asyncio.sleep(rng.expovariate(rate))
                     done = await asyncio.gather(*sent)
                     await asyncio.sleep(0.2)   # the last first token reaches the server's histogram
-                    after = ttft_histogram(await _metrics_text(session, url))
+                    after = histogram_totals(await _metrics_text(session, url))
                     if any(f.done() for f in batch):
                         raise RuntimeError(f"host-path probe: the batch of {b} ended before the injections did")
                 finally:

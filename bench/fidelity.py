@@ -44,6 +44,7 @@ from bench.calibrate import (
     StreamResult,
     client_session,
     engine_info,
+    histogram_totals,
     keep_off_core,
     load_average,
     log,
@@ -123,6 +124,33 @@ class LegResult:
     start: float
     max_send_lag_s: float
     load_before: float
+    engine: dict[str, float] = field(default_factory=dict)   # the server's own histograms over the leg (ENGINE_VIEW)
+
+
+# The server's own view of a leg, from its /metrics before and after (vLLM and the simulator export the same names):
+# key -> histogram. Sums and counts of each; the report sets them beside the client's timings.
+ENGINE_VIEW = {
+    "tpot": "vllm:request_time_per_output_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+    "ttft": "vllm:time_to_first_token_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "step_tokens": "vllm:iteration_tokens_total",
+}
+
+
+def engine_totals(metrics_text: str) -> dict[str, float]:
+    """{key_sum, key_count} of every ENGINE_VIEW histogram in one /metrics scrape."""
+    out: dict[str, float] = {}
+    for key, name in ENGINE_VIEW.items():
+        out[f"{key}_sum"], out[f"{key}_count"] = histogram_totals(metrics_text, name)
+    return out
+
+
+def _scrape(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        return resp.read().decode()
 
 
 async def run_open_loop(url: str, items: Sequence[WorkItem], arrivals: Sequence[float]) -> LegResult:
@@ -158,6 +186,8 @@ class LegStats:
     tokens_per_s: float
     requests_per_s: float
     duration_s: float
+    ttft_mean: float = float("nan")
+    tpot_mean: float = float("nan")
     retries: int = 0
     errors: list[str] = field(default_factory=list)   # distinct error messages (first few)
 
@@ -175,6 +205,7 @@ def leg_stats(results: Sequence[StreamResult], start: float) -> LegStats:
         ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90),
         tpot_p50=percentile(tpot, 50), tpot_p90=percentile(tpot, 90),
         tokens_per_s=sum(r.output_tokens for r in ok) / dur, requests_per_s=len(ok) / dur, duration_s=dur,
+        ttft_mean=float(np.mean(ttft)) if ttft else float("nan"), tpot_mean=float(np.mean(tpot)) if tpot else float("nan"),
         retries=sum(r.retries for r in results),
         errors=sorted({f"{r.status}: {r.error[:160]}" for r in results if not r.ok})[:3],
     )
@@ -227,6 +258,8 @@ class LevelResult:
     real_lag_s: float = 0.0
     sim_lag_s: float = 0.0
     cells: list[Cell] = field(default_factory=list)
+    real_engine: dict[str, float] = field(default_factory=dict)
+    sim_engine: dict[str, float] = field(default_factory=dict)
 
 
 def level_table(levels: Sequence[LevelResult]) -> str:
@@ -239,6 +272,28 @@ def level_table(levels: Sequence[LevelResult]) -> str:
             rows.append(f"| {first} | {c.label} | {c.real:.1f} | {c.sim:.1f} | {c.ratio:.2f} | "
                         f"±{c.target:.0%} | {verdict} |")
     return head + "\n".join(rows) + "\n"
+
+
+def _mean(engine: dict[str, float], key: str, unit: float = 1e3) -> float:
+    count = engine.get(f"{key}_count", 0.0)
+    return engine[f"{key}_sum"] / count * unit if count else float("nan")
+
+
+def engine_view_table(levels: Sequence[LevelResult]) -> str:
+    """Client-timed means beside the server's own histograms over the same legs: where a difference arises (inside
+    the engine, or on the way to and from it) and how the engine batched (steps, tokens per step)."""
+    out = ["| level | side | TTFT mean client / server (ms) | TPOT mean client / server (ms) | server ITL mean (ms) | "
+           "server queue mean (ms) | engine steps | tokens per step |", "|---|---|---|---|---|---|---|---|"]
+    for lv in levels:
+        for side, st, eng in (("real", lv.real, lv.real_engine), ("sim", lv.sim, lv.sim_engine)):
+            if not eng:
+                continue
+            steps = eng.get("step_tokens_count", 0.0)
+            out.append(f"| {lv.name if side == 'real' else ''} | {side} | {st.ttft_mean * 1e3:.1f} / "
+                       f"{_mean(eng, 'ttft'):.1f} | {st.tpot_mean * 1e3:.2f} / {_mean(eng, 'tpot'):.2f} | "
+                       f"{_mean(eng, 'itl'):.2f} | {_mean(eng, 'queue'):.1f} | {steps:.0f} | "
+                       f"{_mean(eng, 'step_tokens', 1.0):.1f} |")
+    return "\n".join(out) + "\n"
 
 
 def calibration_section(cal: dict[str, Any]) -> str:
@@ -346,6 +401,11 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
         out.append(f"| {lv.name} | {lv.real_load:.2f}, {lv.real.failed}, {lv.real.retries}, "
                    f"{lv.real_lag_s * 1e3:.0f} ms | {lv.sim_load:.2f}, {lv.sim.failed}, {lv.sim.retries}, "
                    f"{lv.sim_lag_s * 1e3:.0f} ms |")
+    if any(lv.real_engine for lv in levels):
+        out += ["", "Server side of the same legs (each server's own /metrics before and after every leg, summed over "
+                "a level's two halves; vLLM times TPOT and ITL from the engine's output timestamps, TTFT from the "
+                "API server's arrival stamp; the simulator the same on its model clock):", "",
+                engine_view_table(levels)]
     if setup.get("drift"):
         out += ["", "Real server speed against the calibration (measured / fitted; lone-prompt TTFTs at "
                 f"{', '.join(map(str, DRIFT_LENGTHS))} tokens through the gateway, median; a decode batch of "
@@ -410,12 +470,18 @@ def pool(a: LegResult, b: LegResult) -> LegResult:
         m = StreamResult(r.prompt_tokens, r.max_tokens, r.sent + shift, [(t + shift, n) for t, n in r.chunks],
                          r.status, r.error, r.retries)
         moved.append(m)
+    engine = {k: a.engine.get(k, 0.0) + b.engine.get(k, 0.0) for k in a.engine.keys() | b.engine.keys()}
     return LegResult(a.results + moved, a.start, max(a.max_send_lag_s, b.max_send_lag_s),
-                     max(a.load_before, b.load_before))
+                     max(a.load_before, b.load_before), engine)
 
 
-async def _leg(url: str, items: Sequence[WorkItem], arrivals: Sequence[float], what: str) -> LegResult:
+async def _leg(url: str, engine_url: str, items: Sequence[WorkItem], arrivals: Sequence[float], what: str) -> LegResult:
+    """One open-loop leg through the gateway at `url`; the server at `engine_url` is scraped before and after."""
+    before = engine_totals(_scrape(engine_url))
     res = await run_open_loop(url, items, arrivals)
+    await asyncio.sleep(0.2)   # the last request's numbers reach the server's histograms
+    after = engine_totals(_scrape(engine_url))
+    res.engine = {k: after[k] - before[k] for k in after}
     st = leg_stats(res.results, res.start)
     log(f"  {what}: TTFT p50 {st.ttft_p50 * 1e3:.1f} ms, TPOT p50 {st.tpot_p50 * 1e3:.1f} ms, "
         f"{st.tokens_per_s:.0f} tok/s, load {res.load_before:.2f}"
@@ -494,7 +560,7 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
                 for items, arrivals, what in legs:
                     wait_for_quiet(max_load, wait_s)
                     _reset_prefix_cache(sim_url)
-                    out.append(await _leg(sim_gw, items, arrivals, what))
+                    out.append(await _leg(sim_gw, sim_url, items, arrivals, what))
                 return out
             return asyncio.run(go())
 
@@ -516,7 +582,7 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
         def real_leg(items: Sequence[WorkItem], arrivals: Sequence[float], what: str) -> LegResult:
             async def go() -> LegResult:
                 await warm(gw)
-                return await _leg(gw, items, arrivals, what)
+                return await _leg(gw, real.url, items, arrivals, what)
             wait_for_quiet(max_load, wait_s)
             _reset_prefix_cache(real.url)
             return asyncio.run(go())
@@ -546,7 +612,7 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
     for (name, frac), rate, r, s in zip(LEVELS, rates, real_levels, sim_levels, strict=True):
         rs, ss = leg_stats(r.results, r.start), leg_stats(s.results, s.start)
         levels.append(LevelResult(name, frac, rate, n, rs, ss, r.load_before, s.load_before, r.max_send_lag_s,
-                                  s.max_send_lag_s, compare(rs, ss)))
+                                  s.max_send_lag_s, compare(rs, ss), r.engine, s.engine))
         raw.append((name, r.results, s.results))
     rb = leg_stats(real_burst.results, real_burst.start)
     sb = leg_stats(sim_burst.results, sim_burst.start)

@@ -32,19 +32,21 @@ from bench.calibrate import (
     fit_perf_model,
     fit_prefill_form,
     gateway_overhead,
+    histogram_totals,
     probe_host_path,
     profile_yaml,
     random_prompt,
     scheduler_limits,
     stream_completion,
-    ttft_histogram,
 )
 from bench.fidelity import (
     SCALE,
     Cell,
     LegResult,
     LevelResult,
+    _leg,
     compare,
+    engine_view_table,
     leg_stats,
     load_lengths,
     make_workload,
@@ -271,7 +273,7 @@ def test_host_path_term_is_the_real_slope_minus_the_simulated_one(tmp_path):
     assert with_term.pre_engine_delay(20) == pytest.approx(prof.ttft_overhead_s + 20 * 3.5e-4)
 
 
-def test_ttft_histogram_sums_every_label_set():
+def test_histogram_totals_sums_every_label_set():
     text = ('# HELP vllm:time_to_first_token_seconds x\n'
             'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="tiny"} 1.0\n'
             'vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 4.0\n'
@@ -279,7 +281,8 @@ def test_ttft_histogram_sums_every_label_set():
             'vllm:time_to_first_token_seconds_count{engine="1",model_name="tiny"} 2.0\n'
             'vllm:time_to_first_token_seconds_sum{engine="1",model_name="tiny"} 0.25\n'
             'vllm:e2e_request_latency_seconds_sum{engine="0",model_name="tiny"} 9.0\n')
-    assert ttft_histogram(text) == (0.75, 6.0)
+    assert histogram_totals(text) == (0.75, 6.0)
+    assert histogram_totals(text, "vllm:e2e_request_latency_seconds") == (9.0, 0.0)
 
 
 def test_simulated_host_path_grows_with_running_streams_by_the_profile_term(sim_fleet, tmp_path):
@@ -408,3 +411,32 @@ def test_client_times_every_token_of_a_simulated_server(sim_fleet):
     assert len(leg.results) == 6 and all(r.ok for r in leg.results)
     assert [r.output_tokens for r in leg.results] == [w.max_tokens for w in make_workload(6, seed=2)]
     assert math.isfinite(leg_stats(leg.results, leg.start).ttft_p50)
+
+
+def test_leg_reads_the_servers_own_histograms_beside_the_client(sim_fleet):
+    """A leg over real HTTP scrapes the server's /metrics before and after: its counts are this leg's requests only
+    (a request before the leg does not leak in), and the report sets them beside the client's means."""
+    fleet = sim_fleet(1, profile="tiny-cpu", model="tiny", time_scale=5)
+    url = fleet.urls[0]
+    items = make_workload(8, seed=4)
+
+    async def go():
+        async with client_session() as session:   # traffic before the leg: not counted in it
+            await stream_completion(session, url, random_prompt(random.Random(2), 50), 5)
+        return await _leg(url, url, items, poisson_arrivals(8, 40.0, seed=5), "test leg")
+
+    leg = asyncio.run(go())
+    eng = leg.engine
+    assert all(r.ok for r in leg.results)
+    assert eng["ttft_count"] == 8 and eng["queue_count"] == 8
+    multi = sum(1 for w in items if w.max_tokens >= 2)
+    assert eng["tpot_count"] == multi
+    assert eng["itl_count"] == sum(w.max_tokens - 1 for w in items)
+    # vLLM's IterationStats count per step the prompt tokens prefilled and the tokens generated
+    assert eng["step_tokens_sum"] == sum(len(w.prompt) + w.max_tokens for w in items)
+    both = pool(leg, leg)
+    assert both.engine["ttft_count"] == 16
+    st = leg_stats(leg.results, leg.start)
+    lv = LevelResult("light", 0.25, 40.0, 8, st, st, 0.0, 0.0, cells=compare(st, st), real_engine=eng, sim_engine=eng)
+    table = engine_view_table([lv])
+    assert table.count("\n") == 4 and "| light | real |" in table and "|  | sim |" in table
