@@ -164,6 +164,9 @@ class EngineDriver:
                 self._finish(h, "abort")
                 continue
             h.in_engine = True
+            # vLLM's QUEUED stamp (request_queue_time_seconds starts here): its engine loop takes new requests in
+            # between steps, so a request that arrived during a step is queued when the next step begins.
+            h.enqueued_at = t
 
     def abort(self, h: RequestHandle) -> None:
         """The client went away (or a fault hung up): free the request's engine state, count an abort."""

@@ -492,3 +492,27 @@ def test_dev_mode_off_hides_sleep_routes(sim_fleet):
     url = sim_fleet(1, time_scale=20, dev_mode=False).urls[0]
     assert httpx.post(url + "/sleep").status_code == 404
     assert httpx.get(url + "/is_sleeping").status_code == 404
+
+
+async def test_queue_time_is_waiting_for_a_slot_not_for_the_next_step(sim_fleet):
+    """vLLM takes new requests in between engine steps and stamps them QUEUED there: a request that finds a free slot
+    has a queue time of 0 however long the step it arrived in, one that waits for a slot counts that wait."""
+    url = sim_fleet(1, time_scale=5, profile_overrides={"max_num_seqs": 2}).urls[0]
+    q = "vllm:request_queue_time_seconds"
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        def post(i: int, tokens: int):
+            return client.post("/v1/completions", json={"prompt": synthetic_text(64, i), "max_tokens": tokens,
+                                                        "ignore_eos": True})
+        long = asyncio.ensure_future(post(0, 300))
+        await asyncio.sleep(0.05)
+        m0 = metrics(url)
+        assert (await post(1, 5)).status_code == 200           # the second slot is free
+        m1 = metrics(url)
+        assert m1[q + "_count"] - m0[q + "_count"] == 1
+        assert m1[q + "_sum"] - m0[q + "_sum"] < 1e-6
+        both = await asyncio.gather(post(2, 40), post(3, 5))   # one slot for two: one of them waits
+        m2 = metrics(url)
+        assert all(r.status_code == 200 for r in both) and not long.done()
+        assert m2[q + "_count"] - m1[q + "_count"] == 2
+        assert m2[q + "_sum"] - m1[q + "_sum"] > 0.01          # model seconds of the other's decode
+        assert (await long).status_code == 200
