@@ -26,6 +26,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,10 @@ SCALE = MAX_MODEL_LEN / TRACE_CONTEXT
 REPORT = REPO / "bench" / "results" / "fidelity.md"
 PLOT = REPO / "bench" / "results" / "fidelity.png"
 LEVELS = (("light", 0.25), ("medium", 0.55), ("near saturation", 0.85))
+# Step-time sensitivity: the last level again on the simulator with every step-time coefficient scaled by these
+# factors, so the report shows how much engine speed a TPOT or TTFT difference at that load stands for.
+SENSITIVITY = (1.05, 1.10)
+STEP_KEYS = ("c_step_s", "c_decode_s", "k_ctx_s", "k_prefill_s", "k_attn_s", "t_weights_s", "c_admit_s")
 TARGET_P50, TARGET_P90 = 0.20, 0.30
 
 
@@ -412,6 +417,14 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
                 f"{DRIFT_BATCH} x {DRIFT_PROMPT}-token prompts): "
                 + "; ".join(f"{d['when']}: prefill {d['prefill']:.2f}, decode {d['decode']:.2f}" for d in setup["drift"])
                 + ". The host is a shared 2-core VM; ratios away from 1.00 are the machine, not the simulator."]
+    if setup.get("sensitivity") and levels:
+        lv = levels[-1]
+        out += ["", f"Step-time sensitivity at {lv.name} (the same requests and arrivals on the simulator with every "
+                "step-time coefficient scaled; not a fit): real TTFT p50 "
+                f"{lv.real.ttft_p50 * 1e3:.1f} ms, TPOT p50 {lv.real.tpot_p50 * 1e3:.1f} ms; simulated x1.00: "
+                f"{lv.sim.ttft_p50 * 1e3:.1f} / {lv.sim.tpot_p50 * 1e3:.1f} ms; "
+                + "; ".join(f"x{d['factor']:.2f}: {d['ttft_p50'] * 1e3:.1f} / {d['tpot_p50'] * 1e3:.1f} ms"
+                            for d in setup["sensitivity"]) + "."]
     if burst is not None:
         r, s = burst
         out += ["", f"Burst (all {r.n} requests at once, not a target): real {r.tokens_per_s:.0f} tok/s "
@@ -490,6 +503,19 @@ async def _leg(url: str, engine_url: str, items: Sequence[WorkItem], arrivals: S
     return res
 
 
+def scaled_profile(profile: Path, factor: float, out: Path) -> Path:
+    """A copy of `profile` with every step-time coefficient (STEP_KEYS) times `factor`: an engine that much slower."""
+    import yaml
+
+    data = yaml.safe_load(profile.read_text())
+    for key in STEP_KEYS:
+        if key in data:
+            data[key] = float(data[key]) * factor
+    data["name"] = f"{data.get('name', 'profile')}-x{factor:g}"
+    out.write_text(json.dumps(data))   # JSON is YAML
+    return out
+
+
 def _reset_prefix_cache(url: str) -> None:
     """Empty a server's prefix cache (vLLM dev mode and the simulator), so every leg starts from the same state."""
     import urllib.request
@@ -552,8 +578,9 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
         await run_open_loop(url, warmup, [0.0] * len(warmup))
         await asyncio.sleep(0.5)
 
-    def sim_legs(legs: Sequence[tuple[Sequence[WorkItem], Sequence[float], str]]) -> list[LegResult]:
-        with run_sim_server(profile, host) as sim_url, run_gateway(sim_url) as sim_gw:
+    def sim_legs(legs: Sequence[tuple[Sequence[WorkItem], Sequence[float], str]],
+                 sim_profile: Path = profile) -> list[LegResult]:
+        with run_sim_server(sim_profile, host) as sim_url, run_gateway(sim_url) as sim_gw:
             async def go() -> list[LegResult]:
                 await warm(sim_gw)
                 out = []
@@ -604,6 +631,19 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
             real_levels.append(pool(r1, r2))
             sim_levels.append(pool(s1, s2))
         check_speed("after the legs")
+    sensitivity = []
+    with tempfile.TemporaryDirectory(prefix="fleetgate-fidelity-") as tmp:
+        for factor in SENSITIVITY:   # the last level's requests and arrivals (a_*, b_* of the loop above)
+            slow = scaled_profile(profile, factor, Path(tmp) / f"x{factor:g}.yaml")
+            try:
+                s1, s2 = sim_legs([(a_items, a_arr, f"A sim x{factor:g}"), (b_items, b_arr, f"B sim x{factor:g}")],
+                                  slow)
+            except RuntimeError as exc:   # an extra, not a target: the comparison above still stands
+                log(f"sensitivity x{factor:g} failed: {exc}")
+                continue
+            st = leg_stats(pool(s1, s2).results, s1.start)
+            sensitivity.append({"factor": factor, "ttft_p50": st.ttft_p50, "tpot_p50": st.tpot_p50,
+                                "tpot_p90": st.tpot_p90})
     real_series, sim_series = Series(real_burst, real_levels), Series(sim_burst, sim_levels)
     if raw_path is not None:
         dump_raw(raw_path, real_series, sim_series)
@@ -621,7 +661,7 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
         "n": n, "seed": seed, "saturation_rps": rb.requests_per_s, "max_load": max_load, "host": host,
         "prompt_mean": float(np.mean(prompts)), "prompt_p50": float(np.median(prompts)), "prompt_max": max(prompts),
         "output_mean": float(np.mean(outputs)), "output_p50": float(np.median(outputs)), "output_max": max(outputs),
-        "drift": drift,
+        "drift": drift, "sensitivity": sensitivity,
     }
     body = render_report(levels, (rb, sb), cal, setup)
     plot(raw, PLOT)

@@ -440,3 +440,29 @@ def test_leg_reads_the_servers_own_histograms_beside_the_client(sim_fleet):
     lv = LevelResult("light", 0.25, 40.0, 8, st, st, 0.0, 0.0, cells=compare(st, st), real_engine=eng, sim_engine=eng)
     table = engine_view_table([lv])
     assert table.count("\n") == 4 and "| light | real |" in table and "|  | sim |" in table
+
+
+def test_scaled_profile_slows_every_step_coefficient_and_nothing_else(tmp_path):
+    from bench.fidelity import STEP_KEYS, scaled_profile
+    from simulator.profiles import PROFILES_DIR
+
+    base = load_profile("tiny-cpu")
+    slow = load_profile(scaled_profile(PROFILES_DIR / "tiny-cpu.yaml", 1.1, tmp_path / "slow.yaml"))
+    for f in dataclasses.fields(base):
+        a, b = getattr(base, f.name), getattr(slow, f.name)
+        if f.name in STEP_KEYS:
+            assert b == pytest.approx(a * 1.1)
+        elif f.name != "name":
+            assert a == b, f.name
+    assert slow.step_time(300, 20, 6000, 45000.0, 1) == pytest.approx(base.step_time(300, 20, 6000, 45000.0, 1) * 1.1)
+
+
+def test_report_shows_the_step_time_sensitivity_of_the_last_level():
+    real = leg_stats([_stream(10, 0.1, 0.040, 20)], 0.0)
+    sim = leg_stats([_stream(10, 0.09, 0.030, 20)], 0.0)
+    lv = LevelResult("near saturation", 0.85, 12.0, 1, real, sim, 0.4, 0.5, 0.0, 0.0, compare(real, sim))
+    setup = {"cpu": 0, "profile": "p.yaml", "n": 1, "seed": 1, "saturation_rps": 12.0, "max_load": 1.5,
+             "prompt_mean": 10, "prompt_p50": 10, "prompt_max": 10, "output_mean": 20, "output_p50": 20,
+             "output_max": 20, "sensitivity": [{"factor": 1.1, "ttft_p50": 0.1, "tpot_p50": 0.04, "tpot_p90": 0.05}]}
+    text = render_report([lv], None, None, setup)
+    assert "Step-time sensitivity at near saturation" in text and "x1.10: 100.0 / 40.0 ms" in text
