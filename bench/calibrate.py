@@ -136,7 +136,7 @@ def _http_json(url: str, timeout: float = 10.0) -> Any:
         return json.loads(resp.read())
 
 
-def _http_text(url: str) -> str:
+def http_text(url: str) -> str:
     import urllib.request
 
     with urllib.request.urlopen(url, timeout=10) as resp:
@@ -364,7 +364,7 @@ def scheduler_limits(server_info: dict[str, Any] | None) -> tuple[int, int]:
 
 
 def engine_info(server: RealServer) -> EngineInfo:
-    labels = cache_config_info(_http_text(server.url + "/metrics"))
+    labels = cache_config_info(http_text(server.url + "/metrics"))
     try:
         info = _http_json(server.url + "/server_info?config_format=json", 120.0)
     except (OSError, ValueError) as exc:

@@ -12,7 +12,10 @@ are timed per token by the client (bench/calibrate.py: StreamResult).
 
 Both legs go through their own `fleetgate serve`; the real server's engine and the simulator process are
 pinned to the same core and measured in turn, real then simulated, level by level (back to back). The load
-average is recorded before each leg. Writes bench/results/fidelity.md (+ fidelity.png).
+average is recorded before each leg. Each server's own /metrics is read before and after every leg, so the
+report sets the engine's TTFT, TPOT, queue time and tokens per step beside the client's timings. The last level
+is replayed on the simulator with its step-time coefficients scaled (SENSITIVITY), to show how much engine speed
+a difference at that load stands for. Writes bench/results/fidelity.md (+ fidelity.png).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from bench.calibrate import (
     client_session,
     engine_info,
     histogram_totals,
+    http_text,
     keep_off_core,
     load_average,
     log,
@@ -149,13 +153,6 @@ def engine_totals(metrics_text: str) -> dict[str, float]:
     for key, name in ENGINE_VIEW.items():
         out[f"{key}_sum"], out[f"{key}_count"] = histogram_totals(metrics_text, name)
     return out
-
-
-def _scrape(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        return resp.read().decode()
 
 
 async def run_open_loop(url: str, items: Sequence[WorkItem], arrivals: Sequence[float]) -> LegResult:
@@ -490,10 +487,10 @@ def pool(a: LegResult, b: LegResult) -> LegResult:
 
 async def _leg(url: str, engine_url: str, items: Sequence[WorkItem], arrivals: Sequence[float], what: str) -> LegResult:
     """One open-loop leg through the gateway at `url`; the server at `engine_url` is scraped before and after."""
-    before = engine_totals(_scrape(engine_url))
+    before = engine_totals(http_text(engine_url + "/metrics"))
     res = await run_open_loop(url, items, arrivals)
     await asyncio.sleep(0.2)   # the last request's numbers reach the server's histograms
-    after = engine_totals(_scrape(engine_url))
+    after = engine_totals(http_text(engine_url + "/metrics"))
     res.engine = {k: after[k] - before[k] for k in after}
     st = leg_stats(res.results, res.start)
     log(f"  {what}: TTFT p50 {st.ttft_p50 * 1e3:.1f} ms, TPOT p50 {st.tpot_p50 * 1e3:.1f} ms, "
