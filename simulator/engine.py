@@ -54,6 +54,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from simulator.speed import SpeedDrift
+
 if TYPE_CHECKING:
     from simulator.profiles import Profile
 
@@ -270,6 +272,8 @@ class EngineCore:
         self._c_step, self._t_w, self._k_p = p.c_step_s, p.t_weights_s, p.k_prefill_s
         self._c_d, self._k_ctx, self._k_attn = p.c_decode_s, p.k_ctx_s, p.k_attn_s
         self._c_admit = p.c_admit_s
+        self._speed = SpeedDrift(p.speed_quantiles, p.speed_tau_s, seed) if p.speed_quantiles else None
+        self._f = 1.0                                           # speed factor of the step being planned
 
     # ---- queries ----------------------------------------------------------------------------------
     @property
@@ -462,6 +466,9 @@ class EngineCore:
         k_ctx = self._k_ctx
         dur = (self._c_step + max(self._t_w, self._k_p * P + self._c_d * B) + k_ctx * C + self._k_attn * A
                + self._c_admit * admitted)
+        if self._speed is not None:
+            self._f = self._speed.factor(now)
+            dur *= self._f
         plan = _Plan(now, list(sched.items()), preempted, dur)
         if max_iterations > 1 and P == 0 and not preempted and not admitted and len(sched) == len(running):
             self._extend(plan, max_iterations, now)
@@ -561,7 +568,7 @@ class EngineCore:
                 return
         plan.k = k
         plan.a = plan.dur
-        plan.d = self._k_ctx * len(seqs)
+        plan.d = self._k_ctx * len(seqs) * self._f   # one speed factor per macro step (tau >> its length)
         # Events that would change the composition at an iteration boundary: consumer KV ready, pin expiry.
         if self._pending_consumers or (self._held and self.num_waiting):
             limit = self.next_event_time()

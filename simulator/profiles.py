@@ -67,6 +67,11 @@ class Profile:
     # the EngineCore (and its first token back) more slowly the more streams it is serving. Fitted for the CPU
     # build by bench/calibrate.py's host-path probe; 0 in the GPU profiles (no measurement there).
     host_delay_per_running_s: float = 0.0
+    # Machine-speed drift (simulator/speed.py): step times x a factor drawn over time from these quantiles of the
+    # step time relative to its median (at speed.QUANTILE_PROBS), correlation time speed_tau_s. Measured for the
+    # CPU build by bench/calibrate.py's speed probe; empty = one constant speed (the GPU profiles).
+    speed_quantiles: tuple[float, ...] = ()
+    speed_tau_s: float = 30.0
 
     def pre_engine_delay(self, running: int) -> float:
         """Model seconds from a request's HTTP arrival to its engine entry, with `running` requests on the engine."""
@@ -132,6 +137,9 @@ def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> Profile:
         if key in _STR_FIELDS:
             values[key] = str(raw)
             continue
+        if key == "speed_quantiles":
+            values[key] = _speed_quantiles(raw, source)
+            continue
         try:
             num = float(raw)
         except (TypeError, ValueError):
@@ -154,6 +162,17 @@ def profile_from_dict(data: dict[str, Any], source: str = "<dict>") -> Profile:
             f"{prof.kv_capacity_tokens} tokens (num_gpu_blocks x block_size)"
         )
     return prof
+
+
+def _speed_quantiles(raw: Any, source: str) -> tuple[float, ...]:
+    from simulator.speed import checked_quantiles
+
+    if not raw:
+        return ()
+    try:
+        return checked_quantiles(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: speed_quantiles: {exc}") from None
 
 
 def list_profiles() -> list[str]:
