@@ -448,23 +448,25 @@ async def probe_prefill(gw_url: str, direct_url: str, lengths: Sequence[int], re
 
 async def probe_decode(gw_url: str, batches: Sequence[int], prompts: Sequence[int], new_tokens: int, reps: int,
                        info: EngineInfo, rng: random.Random) -> list[DecodeSample]:
-    """b concurrent ignore_eos streams per (b, prompt length) that fits the KV cache without preemption."""
+    """b concurrent ignore_eos streams per (b, prompt length) that fits the KV cache without preemption.
+
+    Every (b, prompt, repetition) in shuffled order: the shared host's speed drifts by 20-40 % over minutes, and
+    probes run in blocks of one prompt length would read that drift as a context cost (the k2 of the fit)."""
+    plan = [(p, b) for p in prompts for b in batches
+            if b <= info.max_num_seqs and b * (p + new_tokens + info.block_size) <= 0.9 * info.kv_tokens] * reps
+    rng.shuffle(plan)
     out: list[DecodeSample] = []
     async with client_session() as session:
-        for p in prompts:
-            for b in batches:
-                if b > info.max_num_seqs or b * (p + new_tokens + info.block_size) > 0.9 * info.kv_tokens:
-                    continue
-                for _ in range(reps):
-                    results = await asyncio.gather(*(
-                        stream_completion(session, gw_url, random_prompt(rng, p), new_tokens) for _ in range(b)))
-                    bad = [r.error for r in results if not r.ok]
-                    if bad:
-                        raise RuntimeError(f"decode probe b={b} prompt={p} failed: {bad[0]}")
-                    step = decode_step(results)
-                    if step is not None:
-                        out.append(DecodeSample(b, p, step[1], step[0], step[2]))
-                    await asyncio.sleep(0.05)
+        for p, b in plan:
+            results = await asyncio.gather(*(
+                stream_completion(session, gw_url, random_prompt(rng, p), new_tokens) for _ in range(b)))
+            bad = [r.error for r in results if not r.ok]
+            if bad:
+                raise RuntimeError(f"decode probe b={b} prompt={p} failed: {bad[0]}")
+            step = decode_step(results)
+            if step is not None:
+                out.append(DecodeSample(b, p, step[1], step[0], step[2]))
+            await asyncio.sleep(0.05)
     return out
 
 
@@ -880,19 +882,21 @@ async def _calibrate(server: RealServer, gw_url: str, info: EngineInfo, quick: b
     loads = [wait_for_quiet(max_load, wait_s)]
     log("prefill probes")
     prefill = await probe_prefill(gw_url, server.url, PREFILL_LENGTHS, 2 if quick else 6, rng)
-    decode: list[DecodeSample] = []
-    for p in DECODE_PROMPTS:
-        loads.append(wait_for_quiet(max_load, wait_s))
-        log(f"decode probes, prompts of {p} tokens")
-        decode += await probe_decode(gw_url, DECODE_BATCHES, (p,), DECODE_NEW_TOKENS, 1 if quick else 2, info, rng)
+    loads.append(wait_for_quiet(max_load, wait_s))
+    log(f"decode probes, prompts of {DECODE_PROMPTS} tokens, shuffled")
+    decode = await probe_decode(gw_url, DECODE_BATCHES, DECODE_PROMPTS, DECODE_NEW_TOKENS, 1 if quick else 2, info, rng)
     loads.append(wait_for_quiet(max_load, wait_s))
     log("admission probes")
     admission = await probe_admission(gw_url, 2 if quick else 4, rng)
     loads.append(wait_for_quiet(max_load, wait_s))
     log("host-path probes (real server)")
     host = await probe_host_path(server.url, 1 if quick else 3, rng)
+    loads.append(wait_for_quiet(max_load, wait_s))
+    duration = 30.0 if quick else SPEED_PROBE_S
+    log(f"speed probe ({duration:.0f} s of {SPEED_BATCH} x {SPEED_PROMPT}+{SPEED_NEW_TOKENS}-token batches)")
+    speed = await probe_speed(gw_url, duration, rng)
     loads.append(load_average())
-    return prefill, decode, admission, host, loads
+    return prefill, decode, admission, host, speed, loads
 
 
 def simulated_host_path(profile: dict[str, Any], reps: int, seed: int) -> list[HostPathSample]:

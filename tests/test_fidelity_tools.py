@@ -455,6 +455,17 @@ def test_client_times_every_token_of_a_simulated_server(sim_fleet):
     assert math.isfinite(leg_stats(leg.results, leg.start).ttft_p50)
 
 
+def test_decode_probes_run_in_shuffled_order_so_drift_is_not_read_as_context_cost(sim_fleet):
+    from bench.calibrate import probe_decode
+
+    fleet = sim_fleet(1, profile="tiny-cpu", model="tiny", time_scale=5)
+    samples = asyncio.run(probe_decode(fleet.urls[0], (1, 2), (16, 256), 12, 2, INFO, random.Random(4)))
+    order = [(x.prompt_tokens, x.batch) for x in samples]
+    assert sorted(order) == sorted([(p, b) for p in (16, 256) for b in (1, 2)] * 2)   # every probe, each twice
+    assert order != sorted(order)                             # not in blocks of one prompt length
+    assert all(x.step_s > 0 and x.mean_context > x.prompt_tokens for x in samples)
+
+
 def test_leg_reads_the_servers_own_histograms_beside_the_client(sim_fleet):
     """A leg over real HTTP scrapes the server's /metrics before and after: its counts are this leg's requests only
     (a request before the leg does not leak in), and the report sets them beside the client's means."""
@@ -513,4 +524,3 @@ def test_report_shows_the_step_time_sensitivity_of_the_last_level():
     text = render_report([lv], None, None, setup)
     assert "Sensitivity at near saturation" in text and "x1.10: 100.0 / 40.0 ms" in text
     assert "x1.00 at one constant speed (no drift): 80.0 / 20.0 ms" in text
-
