@@ -92,8 +92,8 @@ def test_builtins_listed_and_user_profiles_validated(tmp_path):
     base = load_profile("llama3-8b-h100")
     data = {f: getattr(base, f) for f in base.__slots__}
     path = tmp_path / "mine.yaml"
-    path.write_text("\n".join(f"{k}: {v!r}" if isinstance(v, str) else f"{k}: {v}" for k, v in
-                              {**data, "name": "mine", "c_step_s": 0.004}.items()))
+    path.write_text("\n".join(f"{k}: {v!r}" if isinstance(v, str) else f"{k}: {list(v)}" if isinstance(v, tuple)
+                              else f"{k}: {v}" for k, v in {**data, "name": "mine", "c_step_s": 0.004}.items()))
     mine = load_profile(str(path))
     assert mine.name == "mine" and mine.c_step_s == 0.004
     with pytest.raises(ValueError, match="unknown profile key"):
