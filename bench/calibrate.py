@@ -458,16 +458,23 @@ async def probe_decode(gw_url: str, batches: Sequence[int], prompts: Sequence[in
     out: list[DecodeSample] = []
     async with client_session() as session:
         for p, b in plan:
-            results = await asyncio.gather(*(
-                stream_completion(session, gw_url, random_prompt(rng, p), new_tokens) for _ in range(b)))
-            bad = [r.error for r in results if not r.ok]
-            if bad:
-                raise RuntimeError(f"decode probe b={b} prompt={p} failed: {bad[0]}")
-            step = decode_step(results)
-            if step is not None:
-                out.append(DecodeSample(b, p, step[1], step[0], step[2]))
+            sample = await decode_batch(session, gw_url, b, p, new_tokens, rng)
+            if sample is not None:
+                out.append(sample)
             await asyncio.sleep(0.05)
     return out
+
+
+async def decode_batch(session: aiohttp.ClientSession, gw_url: str, b: int, p: int, new_tokens: int,
+                       rng: random.Random) -> DecodeSample | None:
+    """One batch of b concurrent `p`-token streams: its decode step (decode_step), None if the window is too short."""
+    results = await asyncio.gather(*(
+        stream_completion(session, gw_url, random_prompt(rng, p), new_tokens) for _ in range(b)))
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"decode probe b={b} prompt={p} failed: {bad[0]}")
+    step = decode_step(results)
+    return DecodeSample(b, p, step[1], step[0], step[2]) if step is not None else None
 
 
 @dataclass(slots=True)
@@ -854,14 +861,9 @@ async def probe_speed(gw_url: str, duration_s: float, rng: random.Random) -> lis
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < duration_s:
             begun = time.perf_counter()
-            results = await asyncio.gather(*(stream_completion(session, gw_url, random_prompt(rng, SPEED_PROMPT),
-                                                               SPEED_NEW_TOKENS) for _ in range(SPEED_BATCH)))
-            bad = [r.error for r in results if not r.ok]
-            if bad:
-                raise RuntimeError(f"speed probe failed: {bad[0]}")
-            step = decode_step(results)
-            if step is not None:
-                out.append(((begun + time.perf_counter()) / 2 - t0, step[0]))
+            sample = await decode_batch(session, gw_url, SPEED_BATCH, SPEED_PROMPT, SPEED_NEW_TOKENS, rng)
+            if sample is not None:
+                out.append(((begun + time.perf_counter()) / 2 - t0, sample.step_s))
     return out
 
 

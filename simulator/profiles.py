@@ -10,7 +10,8 @@ Step time of one engine iteration (model seconds), after Aladdin's iteration-tim
 
 P = prefill tokens in the step, B = decoding sequences, C = sum of their context lengths,
 A = sum over prefill chunks of chunk_len * (context_before_chunk + chunk_len / 2) (causal attention pairs),
-N = requests admitted into the running batch in this step.
+N = requests admitted into the running batch in this step. A profile with `speed_quantiles` multiplies t by
+the machine-speed factor at the step's start (simulator/speed.py).
 """
 
 from __future__ import annotations

@@ -466,6 +466,15 @@ def test_decode_probes_run_in_shuffled_order_so_drift_is_not_read_as_context_cos
     assert all(x.step_s > 0 and x.mean_context > x.prompt_tokens for x in samples)
 
 
+def test_speed_probe_repeats_one_batch_and_times_each(sim_fleet):
+    from bench.calibrate import probe_speed
+
+    fleet = sim_fleet(1, profile="tiny-cpu", model="tiny", time_scale=5)
+    got = asyncio.run(probe_speed(fleet.urls[0], 1.0, random.Random(5)))
+    assert len(got) >= 1 and all(step > 0 for _, step in got)
+    assert [t for t, _ in got] == sorted(t for t, _ in got) and got[0][0] > 0
+
+
 def test_leg_reads_the_servers_own_histograms_beside_the_client(sim_fleet):
     """A leg over real HTTP scrapes the server's /metrics before and after: its counts are this leg's requests only
     (a request before the leg does not leak in), and the report sets them beside the client's means."""
