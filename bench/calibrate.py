@@ -849,7 +849,7 @@ DECODE_PROMPTS = (16, 256, 640)
 DECODE_NEW_TOKENS = 96
 
 
-SPEED_PROBE_S = 240.0        # minutes, not seconds: the slow stretches of a shared host last tens of seconds
+SPEED_PROBE_S = 240.0        # several slow stretches of a shared host (each lasts tens of seconds)
 SPEED_BATCH, SPEED_PROMPT, SPEED_NEW_TOKENS = 16, 64, 256
 
 

@@ -72,8 +72,8 @@ SCALE = MAX_MODEL_LEN / TRACE_CONTEXT
 REPORT = REPO / "bench" / "results" / "fidelity.md"
 PLOT = REPO / "bench" / "results" / "fidelity.png"
 LEVELS = (("light", 0.25), ("medium", 0.55), ("near saturation", 0.85))
-# Step-time sensitivity: the last level again on the simulator with every step-time coefficient scaled by these
-# factors, so the report shows how much engine speed a TPOT or TTFT difference at that load stands for.
+# Sensitivity: the last level again on the simulator, its step-time coefficients times `factor` and its speed drift
+# on or off, so the report shows what the drift and how much engine speed a TPOT or TTFT difference stand for.
 SENSITIVITY = ((1.0, False), (1.0, True), (1.10, True))   # (step-time factor, keep the speed drift)
 STEP_KEYS = ("c_step_s", "c_decode_s", "k_ctx_s", "k_prefill_s", "k_attn_s", "t_weights_s", "c_admit_s")
 TARGET_P50, TARGET_P90 = 0.20, 0.30
@@ -672,14 +672,14 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
             sim_levels.append(pool(s1, s2))
             plans.append((a_items, a_arr, b_items, b_arr))
         # The noise floor: every level once more on the real server, same requests and arrivals, minutes later.
-        for (name, _), (a_items_, a_arr_, b_items_, b_arr_) in zip(LEVELS, plans, strict=True):
+        for (name, _), (a_items, a_arr, b_items, b_arr) in zip(LEVELS, plans, strict=True):
             log(f"{name} again on the real server")
-            again_levels.append(pool(real_leg(a_items_, a_arr_, "A real again"),
-                                     real_leg(b_items_, b_arr_, "B real again")))
+            again_levels.append(pool(real_leg(a_items, a_arr, "A real again"), real_leg(b_items, b_arr, "B real again")))
         check_speed("after the legs")
     sensitivity = []
+    a_items, a_arr, b_items, b_arr = plans[-1]   # the last level's requests and arrivals
     with tempfile.TemporaryDirectory(prefix="fleetgate-fidelity-") as tmp:
-        for i, (factor, keep_drift) in enumerate(SENSITIVITY):   # the last level's requests and arrivals
+        for i, (factor, keep_drift) in enumerate(SENSITIVITY):
             slow = scaled_profile(profile, factor, Path(tmp) / f"v{i}.yaml", keep_drift)
             tag = f"x{factor:g}{'' if keep_drift else ' steady'}"
             try:
