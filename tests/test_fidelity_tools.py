@@ -533,3 +533,72 @@ def test_report_shows_the_step_time_sensitivity_of_the_last_level():
     text = render_report([lv], None, None, setup)
     assert "Sensitivity at near saturation" in text and "x1.10: 100.0 / 40.0 ms" in text
     assert "x1.00 at one constant speed (no drift): 80.0 / 20.0 ms" in text
+
+
+def test_calibration_rounds_accumulate_and_fit_one_profile_over_all_of_them(tmp_path, monkeypatch):
+    """bench.fidelity spreads the calibration over its real legs as rounds: every round adds one repetition of each
+    probe, its speed probes keep their time since the first round and their round, and the fit pools them all."""
+    import types
+
+    from bench import calibrate as cal_mod
+    from bench.fidelity import _round_speed_line
+
+    prefill, decode = _synthetic()
+    host = [HostPathSample(b, 16, 0.013 + 5e-4 * b, 0.010 + 1e-4 * b) for b in (0, 8, 16, 32)]
+    slow = {"round": 0}
+
+    async def fake_prefill(*a, **k):
+        return prefill[:7]
+
+    async def fake_decode(*a, **k):
+        return decode[:21] if slow["round"] == 0 else decode[21:]
+
+    async def fake_admission(*a, **k):
+        return [AdmissionSample(16, 256, 0.004, 100, 0, 0), AdmissionSample(16, 256, 0.0046, 100, 30, 16)]
+
+    async def fake_host(*a, **k):
+        return host
+
+    async def fake_speed(url, duration, rng):   # the second round runs 20 % slower: the host moved
+        await asyncio.sleep(0.02)               # six batches within the probe's own 20 ms
+        return [(0.001 + 0.003 * i, 0.005 * (1.2 if slow["round"] else 1.0) * (1 + 0.01 * (i % 3))) for i in range(6)]
+
+    for name, fake in (("probe_prefill", fake_prefill), ("probe_decode", fake_decode),
+                       ("probe_admission", fake_admission), ("probe_host_path", fake_host),
+                       ("probe_speed", fake_speed)):
+        monkeypatch.setattr(cal_mod, name, fake)
+    monkeypatch.setattr(cal_mod, "wait_for_quiet", lambda *a, **k: 0.4)
+    monkeypatch.setattr(cal_mod, "load_average", lambda: 0.6)
+    monkeypatch.setattr(cal_mod, "simulated_host_path", lambda profile, reps, seed: [
+        HostPathSample(b, 16, 0.0135 + 1.5e-4 * b, 0.012 + 1e-4 * b) for b in (0, 8, 16, 32)])
+    samples = cal_mod.ProbeSamples()
+    server = types.SimpleNamespace(url="http://direct")
+    for r in range(2):
+        slow["round"] = r
+        asyncio.run(cal_mod.probe_round(samples, server, "http://gw", INFO, random.Random(r), 6.0, 1.5, 1.0))
+    assert samples.rounds == 2 and len(samples.prefill) == 14 and len(samples.decode) == 21 + len(decode) - 21
+    assert len(samples.admission) == 4 and len(samples.host) == 8 and samples.loads == [0.4, 0.6, 0.4, 0.6]
+    assert samples.speed_round == [0] * 6 + [1] * 6
+    times = [t for t, _ in samples.speed]
+    assert times == sorted(times) and times[6] > times[5]          # the second round's clock continues the first's
+    cal = cal_mod.fit_calibration(samples, INFO)
+    assert cal.rounds == 2 and cal.speed_round == samples.speed_round and cal.load_average == 0.6
+    assert cal.aladdin["c3"] == pytest.approx(C3, rel=1e-3)        # every decode sample of both rounds in one fit
+    assert cal.speed_fit["spacing_s"] == pytest.approx(0.003)       # lag-1 pairs within a round only
+    q = cal.profile["speed_quantiles"]
+    assert q[-1] / q[0] > 1.15                                      # the slower round widens the marginal
+    assert cal.profile["host_delay_per_running_s"] == pytest.approx(3.5e-4)
+    out, js = tmp_path / "p.yaml", tmp_path / "c.json"
+    cal_mod.write_calibration(cal, out, js)
+    assert load_profile(str(out)).c_step_s == pytest.approx(cal.profile["c_step_s"], rel=1e-4)
+    assert '"rounds": 2' in js.read_text()
+    line = _round_speed_line(dataclasses.asdict(cal))[1]
+    assert "median step per round in order: 5.05, 6.06 ms; slowest / fastest round 1.20" in line
+
+
+def test_level_lasts_long_enough_to_average_the_hosts_speed():
+    from bench.fidelity import LEG_MIN_S, level_size
+
+    assert level_size(400, 4.0) == 400                               # 200 per half already span 50 s
+    assert level_size(400, 31.0) == 2 * math.ceil(LEG_MIN_S * 31.0)  # each half sends arrivals for 30 s
+    assert level_size(400, 31.0) % 2 == 0 and level_size(120, 31.0, min_s=0.0) == 120

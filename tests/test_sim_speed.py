@@ -111,3 +111,27 @@ def test_engine_multiplies_each_step_by_the_factor_at_its_start():
         t += 1.0
     assert max(durations) / min(durations) > 1.1
     assert all(not math.isnan(d) and d > 0 for d in durations)
+
+
+def test_fit_over_rounds_pools_the_marginal_but_pairs_only_probes_of_one_round():
+    """Probes in rounds with other work between them: a pair across the gap is not a lag-1 pair (its spacing and its
+    correlation would both be wrong); every probe still counts towards the quantiles."""
+    tau, spacing = 20.0, 4.0
+    drift = SpeedDrift(SKEWED, tau_s=tau, seed=5)
+    times, steps, rounds = [], [], []
+    for r in range(40):                       # 40 rounds of 50 probes, 600 s apart
+        for i in range(50):
+            t = 600.0 * r + spacing * i
+            times.append(t)
+            steps.append(0.011 * drift.factor(t))
+            rounds.append(r)
+    fit = fit_speed_drift(times, steps, rounds)
+    assert fit["spacing_s"] == pytest.approx(spacing) and fit["n"] == 2000
+    assert fit["tau_s"] == pytest.approx(tau, rel=0.25)
+    assert np.allclose(fit["quantiles"], SKEWED, atol=0.05)
+    unsegmented = fit_speed_drift(times, steps)
+    assert unsegmented["spacing_s"] > 2 * spacing      # the gaps inflate the spacing, hence tau, without segments
+    with pytest.raises(ValueError):
+        fit_speed_drift(times, steps, list(range(len(times))))   # no two probes in one round
+    with pytest.raises(ValueError):
+        fit_speed_drift(times, steps, rounds[:-1])
