@@ -52,6 +52,7 @@ import numpy as np
 import orjson
 
 from policies.perf_model import PerfModel, PerfModelFitter, robust_linear_fit
+from scripts.vllm_servers import free_port, stop_group
 from simulator.speed import fit_speed_drift
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,25 +107,6 @@ def keep_off_core(cpu: int) -> set[int]:
     return others
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def _http_ok(url: str) -> bool:
     import urllib.request
 
@@ -166,7 +148,7 @@ def _subprocess(cmd: list[str], name: str, ready_url: str, ready: Any = None) ->
                 time.sleep(0.1)
             yield proc
         finally:
-            _stop_group(proc)
+            stop_group(proc)
 
 
 @contextlib.contextmanager

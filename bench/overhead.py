@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,15 +31,10 @@ import aiohttp
 
 from bench.loadgen import RunResult, chat_body, process_cpu_seconds, run_closed_loop
 from bench.report import write_report
+from scripts.vllm_servers import free_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pinned(cmd: list[str], core: int) -> list[str]:

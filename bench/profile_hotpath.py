@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.loadgen import chat_body
-from bench.overhead import free_port, wait_ready
+from bench.overhead import wait_ready
 from gateway.app import FleetgateApp, create_app
 from gateway.server import GatewayServer, build_serve_config, start_gateway
+from scripts.vllm_servers import free_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 ROOT = Path(__file__).resolve().parents[1]

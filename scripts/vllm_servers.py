@@ -105,6 +105,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group `proc` leads (started with start_new_session=True), SIGKILL it after `grace_s`."""
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @dataclass
 class ServerSpec:
     """How to start one server. `cpu`: the one core the whole server (API server, EngineCore, Worker) runs on

@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from scripts.vllm_servers import ServerSpec, VllmFleet, free_port
+from scripts.vllm_servers import ServerSpec, VllmFleet, free_port, stop_group
 from tests.helpers import poll_sync
 
 REPO = Path(__file__).resolve().parent.parent
@@ -216,20 +216,9 @@ def run_gateway(worker_urls: list[str], policy: str | None = None) -> Iterator[G
                 time.sleep(0.1)
             yield gw
         finally:
-            _stop_group(proc)
+            stop_group(proc)
             if proc.returncode not in (0, -signal.SIGTERM):
                 print(f"gateway exited with {proc.returncode}; log:\n{gw.log_tail()}", file=sys.stderr)
-
-
-def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 @pytest.fixture(scope="session")
