@@ -450,9 +450,8 @@ class AutoscaleSim(ClusterSim):
             return False
         best = self.workers[wid]
         st = self.state[best.id]
-        settled = now - best.profile.ttft_overhead_s
-        victim = next((rid for rid, t in reversed(st.batch.items()) if t < settled), None)
-        if victim is None:              # all were dispatched this instant and are not in the engine yet
+        victim = next((rid for rid in reversed(st.batch) if best.engine.holds(rid)), None)
+        if victim is None:              # none has reached the engine yet (still in the host path)
             return False
         if best.step_end is not None and best.step_end > now and self.max_iterations > 1:
             end = best.step_start + best.engine.truncate_step(now)      # as ClusterSim._engine_add does

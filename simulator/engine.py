@@ -299,6 +299,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self._running) or self.num_waiting > 0
 
+    def holds(self, request_id: str) -> bool:
+        """The request has reached this engine (waiting or running) and has not finished or been aborted."""
+        return request_id in self._seqs
+
     def step_in_flight(self) -> bool:
         return self._plan is not None
 
