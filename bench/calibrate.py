@@ -52,7 +52,7 @@ import numpy as np
 import orjson
 
 from policies.perf_model import PerfModel, PerfModelFitter, robust_linear_fit
-from scripts.vllm_servers import free_port, stop_group
+from scripts.vllm_servers import ServerSpec, VllmFleet, free_port, step_trace_env, stop_group
 from simulator.speed import fit_speed_drift
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +68,9 @@ CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 QUIET_LOAD = 1.5
 READY_TIMEOUT_S = 60.0
 _TOKENS_RE = re.compile(rb'"completion_tokens":(\d+)')
-STALE_UPSTREAM = "Can not write request body"
+# What the gateway says when it reused a pooled connection the server had just closed (aiohttp, both sides of
+# the race); the client sends once more.
+STALE_UPSTREAM = ("Can not write request body", "ServerDisconnectedError: Server disconnected")
 
 
 def log(msg: str) -> None:
@@ -190,14 +192,12 @@ class RealServer:
 
 
 @contextlib.contextmanager
-def run_real_server(cpu: int) -> Iterator[RealServer]:
-    """One real vLLM CPU server (scripts/vllm_servers.py: EngineCore and Worker pinned to `cpu`)."""
-    if str(REPO) not in sys.path:   # scripts/ is not an installed package; the repo root may not be on the path
-        sys.path.insert(0, str(REPO))
-    from scripts.vllm_servers import ServerSpec, VllmFleet
-
+def run_real_server(cpu: int, step_trace: Path | None = None) -> Iterator[RealServer]:
+    """One real vLLM CPU server (scripts/vllm_servers.py: EngineCore and Worker pinned to `cpu`); with
+    `step_trace`, its engine logs every step there (bench/vllm_hook, read by bench/step_trace.py)."""
     # dev mode only adds /server_info (the scheduler limits) and the sleep routes; no effect on serving.
-    fleet = VllmFleet([ServerSpec("fidelity", cpu=cpu, dev_mode=True)])
+    env = step_trace_env(step_trace) if step_trace is not None else {}
+    fleet = VllmFleet([ServerSpec("fidelity", cpu=cpu, dev_mode=True, env=env)])
     with fleet:
         server = fleet["fidelity"]
         yield RealServer(server.url, server.log_path.read_text(errors="replace"), fleet.model_dir)
@@ -286,7 +286,7 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: li
                 break
             res.error = (await resp.text())[:300]
             resp.release()
-            if attempt or STALE_UPSTREAM not in res.error:
+            if attempt or not any(m in res.error for m in STALE_UPSTREAM):
                 return res
             # The gateway reused a pooled connection the server had just closed (uvicorn's 5 s keep-alive) and
             # had no other worker to retry on: send again at once (counted; the TTFT keeps the first send time).

@@ -146,6 +146,7 @@ class LegResult:
     max_send_lag_s: float
     load_before: float
     engine: dict[str, float] = field(default_factory=dict)   # the server's own histograms over the leg (ENGINE_VIEW)
+    windows: list[tuple[float, float]] = field(default_factory=list)   # wall clock (time.time) of the leg's run(s)
 
 
 # The server's own view of a leg, from its /metrics before and after (vLLM and the simulator export the same names):
@@ -171,7 +172,7 @@ async def run_open_loop(url: str, items: Sequence[WorkItem], arrivals: Sequence[
     """Send item i at start + arrivals[i] (open loop, whatever the server does) and stream all of them."""
     load = load_average()
     async with client_session() as session:
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         tasks = []
         lag = 0.0
         for item, at in zip(items, arrivals, strict=True):
@@ -181,7 +182,7 @@ async def run_open_loop(url: str, items: Sequence[WorkItem], arrivals: Sequence[
             lag = max(lag, time.perf_counter() - start - at)
             tasks.append(asyncio.create_task(stream_completion(session, url, item.prompt, item.max_tokens)))
         results = await asyncio.gather(*tasks)
-    return LegResult(list(results), start, lag, load)
+    return LegResult(list(results), start, lag, load, windows=[(wall, time.time())])
 
 
 # --- statistics ----------------------------------------------------------------------------------------------
@@ -467,6 +468,17 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
                 "a level's two halves; vLLM times TPOT and ITL from the engine's output timestamps, TTFT from the "
                 "API server's arrival stamp; the simulator the same on its model clock):", "",
                 engine_view_table(levels)]
+    if setup.get("step_trace"):
+        out += ["", "The real engine's own steps against the profile fitted in this run (bench/vllm_hook logs every "
+                "scheduler step; measured period / the profile's step time for the same batch, summed; "
+                "decode-only steps and steps with prefill chunks):", "",
+                "| level | run | decode-only steps | measured / modelled | mixed steps | measured / modelled |",
+                "|---|---|---|---|---|---|"]
+        for row in setup["step_trace"]:
+            for run_name in ("first", "again"):
+                r = row[run_name]
+                out.append(f"| {row['level'] if run_name == 'first' else ''} | {run_name} | {r['decode_steps']} | "
+                           f"{r['decode_ratio']:.2f} | {r['mixed_steps']} | {r['mixed_ratio']:.2f} |")
     if any(lv.again_cells for lv in levels):
         out += ["", "### The real server against itself", "",
                 "Each level once more on the real server after all the legs above (same requests, same arrivals, "
@@ -544,7 +556,7 @@ def pool(a: LegResult, b: LegResult) -> LegResult:
         moved.append(m)
     engine = {k: a.engine.get(k, 0.0) + b.engine.get(k, 0.0) for k in a.engine.keys() | b.engine.keys()}
     return LegResult(a.results + moved, a.start, max(a.max_send_lag_s, b.max_send_lag_s),
-                     max(a.load_before, b.load_before), engine)
+                     max(a.load_before, b.load_before), engine, a.windows + b.windows)
 
 
 async def _leg(url: str, engine_url: str, items: Sequence[WorkItem], arrivals: Sequence[float], what: str) -> LegResult:
@@ -605,13 +617,27 @@ LEG_MIN_S = 30.0   # each half-level sends arrivals for at least this long: seve
 ROUND_SPEED_S = 35.0   # speed probe per calibration round (7 rounds: about the standalone calibration's 240 s)
 
 
+def _step_trace_rows(trace: Path | None, profile: Path, levels: Sequence[LegResult],
+                     again: Sequence[LegResult]) -> list[dict[str, Any]]:
+    """Per level, the real engine's steps (bench/vllm_hook) against the fitted profile, first run and again."""
+    if trace is None:
+        return []
+    from bench.step_trace import load_steps, step_ratios
+    from simulator.profiles import load_profile
+
+    steps, prof = load_steps(trace), load_profile(str(profile))
+    return [{"level": name, "first": asdict(step_ratios(steps, prof, lv.windows)),
+             "again": asdict(step_ratios(steps, prof, g.windows))}
+            for (name, _), lv, g in zip(LEVELS, levels, again, strict=True)]
+
+
 def level_size(n: int, rate: float, min_s: float = LEG_MIN_S) -> int:
     """Requests in a level: at least `n`, and enough for each half to last `min_s` at `rate` (an even count)."""
     return max(n, 2 * math.ceil(min_s * rate))
 
 
 def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s: float,
-        raw_path: Path | None = None) -> str:
+        raw_path: Path | None = None, step_trace: Path | None = None) -> str:
     """The calibration is spread over the real server's legs, then the simulator runs every leg with the profile
     fitted from it.
 
@@ -641,7 +667,7 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
         await asyncio.sleep(0.5)
 
     wait_for_quiet(max_load, wait_s)
-    with run_real_server(cpu) as real, run_gateway(real.url) as gw:
+    with run_real_server(cpu, step_trace) as real, run_gateway(real.url) as gw:
         log(f"real server {real.url} via {gw}")
         info = engine_info(real)
 
@@ -735,6 +761,7 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
         "prompt_mean": float(np.mean(prompts)), "prompt_p50": float(np.median(prompts)), "prompt_max": max(prompts),
         "output_mean": float(np.mean(outputs)), "output_p50": float(np.median(outputs)), "output_max": max(outputs),
         "sensitivity": sensitivity,
+        "step_trace": _step_trace_rows(step_trace, profile, real_levels, again_levels),
     }
     body = render_report(levels, (rb, sb), asdict(cal), setup)
     plot(raw, PLOT)
@@ -753,13 +780,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--wait", type=float, default=1800.0, help="seconds to wait for a quiet machine at most")
     ap.add_argument("--out", type=Path, default=REPORT)
     ap.add_argument("--raw", type=Path, default=None, help="also write every request's timings to this JSON file")
+    ap.add_argument("--step-trace", type=Path, default=None,
+                    help="directory for the real engine's step trace (bench/vllm_hook); adds a table of its "
+                         "steps against the fitted profile")
     args = ap.parse_args(argv)
     raise_on_sigterm()
     keep_off_core(args.cpu)
     from bench.report import write_report
 
     try:
-        body = run(args.quick, args.seed, args.cpu, args.profile.resolve(), args.max_load, args.wait, args.raw)
+        if args.step_trace is not None:
+            args.step_trace.mkdir(parents=True, exist_ok=True)
+        body = run(args.quick, args.seed, args.cpu, args.profile.resolve(), args.max_load, args.wait, args.raw,
+                   args.step_trace.resolve() if args.step_trace is not None else None)
     except KeyboardInterrupt:
         return 130
     cmd = "python -m bench.fidelity" + (" --quick" if args.quick else "")

@@ -602,3 +602,48 @@ def test_level_lasts_long_enough_to_average_the_hosts_speed():
     assert level_size(400, 4.0) == 400                               # 200 per half already span 50 s
     assert level_size(400, 31.0) == 2 * math.ceil(LEG_MIN_S * 31.0)  # each half sends arrivals for 30 s
     assert level_size(400, 31.0) % 2 == 0 and level_size(120, 31.0, min_s=0.0) == 120
+
+
+def test_step_trace_sets_each_step_beside_the_profile(tmp_path):
+    """bench.step_trace: periods from one schedule() to the next, idle gaps left out, decode-only and mixed steps
+    measured against the profile's step time for the same batch."""
+    import json
+
+    from bench.step_trace import load_steps, step_ratios
+
+    prof = dataclasses.replace(load_profile("tiny-cpu"), speed_quantiles=())
+    decode = {"dec": 8, "ctx": 2000, "pre_n": 0, "pre_tok": 0, "pairs": 0.0}
+    mixed = {"dec": 8, "ctx": 2000, "pre_n": 1, "pre_tok": 300, "pairs": 300 * 300 / 2}
+    t, rows = 100.0, []
+    for i in range(20):                       # decode-only steps 1.3x the model, every 5th one mixed at 1.5x
+        kind, factor = (mixed, 1.5) if i % 5 == 4 else (decode, 1.3)
+        rows.append({"t0": t, **kind})
+        t += factor * prof.step_time(kind["pre_tok"], kind["dec"], kind["ctx"], kind["pairs"], admitted=kind["pre_n"])
+    t += 5.0                                  # the engine idles, then one lone step
+    rows.append({"t0": t, **decode})
+    (tmp_path / "steps-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[::2]))   # two processes
+    (tmp_path / "steps-2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[1::2]))
+    steps = load_steps(tmp_path)
+    assert [s.t0 for s in steps] == [r["t0"] for r in rows] and steps[-1].period_s == 0.0
+    r = step_ratios(steps, prof)
+    assert (r.decode_steps, r.mixed_steps) == (16, 3)           # the mixed step before the idle gap is left out
+    assert r.decode_ratio == pytest.approx(1.3) and r.mixed_ratio == pytest.approx(1.5)
+    late = step_ratios(steps, prof, [(rows[10]["t0"], t)])
+    assert late.decode_steps + late.mixed_steps == 9
+    two = step_ratios(steps, prof, [(rows[0]["t0"], rows[1]["t0"]), (rows[4]["t0"], rows[4]["t0"])])
+    assert (two.decode_steps, two.mixed_steps) == (2, 1)
+    # bench.fidelity --step-trace: per level, its legs' wall-clock windows, first run and again, in the report
+    from bench.fidelity import LEVELS, _step_trace_rows
+    from simulator.profiles import PROFILES_DIR
+
+    legs = [LegResult([], 0.0, 0.0, 0.0, windows=[(rows[0]["t0"], t)]) for _ in LEVELS]
+    trace = _step_trace_rows(tmp_path, PROFILES_DIR / "tiny-cpu.yaml", legs, legs)
+    assert [row["level"] for row in trace] == [name for name, _ in LEVELS]
+    assert trace[0]["first"]["decode_ratio"] == pytest.approx(1.3) and trace[2]["again"]["mixed_steps"] == 3
+    real = leg_stats([_stream(10, 0.1, 0.005, 20)], 0.0)
+    lv = LevelResult("light", 0.25, 3.0, 1, real, real, 0.4, 0.5, 0.0, 0.0, compare(real, real))
+    setup = {"cpu": 0, "profile": "p.yaml", "n": 1, "seed": 1, "saturation_rps": 12.0, "max_load": 1.5,
+             "prompt_mean": 10, "prompt_p50": 10, "prompt_max": 10, "output_mean": 20, "output_p50": 20,
+             "output_max": 20, "step_trace": trace[:1]}
+    text = render_report([lv], None, None, setup)
+    assert "| light | first | 16 | 1.30 | 3 | 1.50 |" in text and "|  | again | 16 | 1.30 | 3 | 1.50 |" in text

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import time
+
 import httpx
 
 from tests_vllm.conftest import MODEL, direct_client, engine_metric, wait_until
@@ -28,3 +31,20 @@ def test_generation_counter_counts_tokens(plain_server) -> None:  # noqa: ANN001
         model=MODEL, prompt="count", max_tokens=7, extra_body={"ignore_eos": True})
     wait_until(lambda: engine_metric(plain_server.url, "vllm:generation_tokens_total") == before + 7, 5,
                "generation_tokens_total to grow by exactly 7")
+
+
+def test_step_trace_logs_each_engine_step_with_its_batch(plain_server, step_trace_dir) -> None:  # noqa: ANN001
+    """bench/vllm_hook on the plain server: one 77-token prompt with 5 output tokens is one prefill step and
+    four decode steps, each with the context it decoded over (what bench.step_trace sets beside a profile)."""
+    from bench.step_trace import load_steps
+
+    prompt = [random.Random(time.time_ns()).randrange(16, 4000) for _ in range(77)]   # no prefix-cache hit
+    began = time.time()
+    direct_client(plain_server.url).completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                                                       extra_body={"ignore_eos": True})
+    wait_until(lambda: len([s for s in load_steps(step_trace_dir) if s.t0 >= began]) >= 5, 5,
+               "five steps in the trace")
+    steps = [s for s in load_steps(step_trace_dir) if s.t0 >= began]
+    assert [(s.pre_n, s.pre_tok, s.dec, s.ctx) for s in steps] == [
+        (1, 77, 0, 0), (0, 0, 1, 77), (0, 0, 1, 78), (0, 0, 1, 79), (0, 0, 1, 80)]
+    assert steps[0].pairs == 77 * 77 / 2 and all(s.period_s > 0 for s in steps[:-1])

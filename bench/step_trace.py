@@ -1,0 +1,87 @@
+"""Read a vLLM step trace (bench/vllm_hook) and set every step beside a simulator profile's step time.
+
+    .venv/bin/python -m bench.step_trace <trace dir> [--profile simulator/profiles/tiny-cpu.yaml]
+
+A step's period is from its schedule() to the next one's (forward pass, sampling, output processing and the
+engine loop in between), what the profile's step time stands for. Steps split into decode-only (no prompt
+tokens) and mixed (prefill chunks with or without decodes); for each kind the ratio measured / modelled, summed
+over steps. A ratio that moves between runs alike for both kinds is the host's speed; a ratio that differs
+between the kinds is the model's shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from simulator.profiles import Profile, load_profile
+
+IDLE_GAP_S = 0.5   # a longer period than this holds an idle engine, not a step
+
+
+@dataclass(slots=True, frozen=True)
+class Step:
+    t0: float           # wall clock when schedule() began
+    period_s: float     # to the next step's schedule() (0 for the last one of a trace)
+    dec: int            # sequences decoding
+    ctx: int            # their summed context before the step
+    pre_n: int          # prompts prefilling this step
+    pre_tok: int        # their tokens this step
+    pairs: float        # causal attention pairs of those chunks
+
+    def modelled_s(self, profile: Profile) -> float:
+        """The profile's step time for this batch (simulator/profiles.py Profile.step_time), speed factor 1."""
+        return profile.step_time(self.pre_tok, self.dec, self.ctx, self.pairs, admitted=self.pre_n)
+
+
+def load_steps(trace_dir: Path) -> list[Step]:
+    """Every step of every engine process that wrote to `trace_dir`, in time order, with its period."""
+    raw = sorted((json.loads(line) for f in sorted(trace_dir.glob("steps-*.jsonl"))
+                  for line in f.read_text().splitlines() if line),
+                 key=lambda s: s["t0"])
+    return [Step(s["t0"], (nxt["t0"] - s["t0"]) if nxt is not None else 0.0, s["dec"], s["ctx"], s["pre_n"],
+                 s["pre_tok"], s["pairs"])
+            for s, nxt in zip(raw, [*raw[1:], None], strict=True)]
+
+
+@dataclass(slots=True)
+class StepRatios:
+    decode_steps: int
+    decode_ratio: float     # sum measured / sum modelled over decode-only steps (nan if none)
+    mixed_steps: int
+    mixed_ratio: float
+
+
+def step_ratios(steps: Sequence[Step], profile: Profile,
+                windows: Sequence[tuple[float, float]] = ((float("-inf"), float("inf")),)) -> StepRatios:
+    """Measured over modelled step time for the steps that began inside any of `windows` ([t0, t1] wall clock),
+    idle gaps left out."""
+    busy = [s for s in steps if 0.0 < s.period_s < IDLE_GAP_S and any(a <= s.t0 <= b for a, b in windows)]
+
+    def ratio(kind: list[Step]) -> float:
+        model = sum(s.modelled_s(profile) for s in kind)
+        return sum(s.period_s for s in kind) / model if model > 0 else float("nan")
+
+    decode = [s for s in busy if s.pre_tok == 0 and s.dec > 0]
+    mixed = [s for s in busy if s.pre_tok > 0]
+    return StepRatios(len(decode), ratio(decode), len(mixed), ratio(mixed))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace_dir", type=Path)
+    ap.add_argument("--profile", default=str(Path(__file__).resolve().parents[1] / "simulator" / "profiles" /
+                                             "tiny-cpu.yaml"))
+    args = ap.parse_args(argv)
+    steps = load_steps(args.trace_dir)
+    r = step_ratios(steps, load_profile(args.profile))
+    print(f"{len(steps)} steps; decode-only {r.decode_steps} at {r.decode_ratio:.2f}x the profile, "
+          f"mixed {r.mixed_steps} at {r.mixed_ratio:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
