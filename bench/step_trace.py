@@ -73,8 +73,7 @@ def step_ratios(steps: Sequence[Step], profile: Profile,
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace_dir", type=Path)
-    ap.add_argument("--profile", default=str(Path(__file__).resolve().parents[1] / "simulator" / "profiles" /
-                                             "tiny-cpu.yaml"))
+    ap.add_argument("--profile", default="tiny-cpu", help="a profile name or YAML path (simulator.profiles)")
     args = ap.parse_args(argv)
     steps = load_steps(args.trace_dir)
     r = step_ratios(steps, load_profile(args.profile))
