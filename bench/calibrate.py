@@ -68,9 +68,6 @@ CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 QUIET_LOAD = 1.5
 READY_TIMEOUT_S = 60.0
 _TOKENS_RE = re.compile(rb'"completion_tokens":(\d+)')
-# What the gateway says when it reused a pooled connection the server had just closed (aiohttp, both sides of
-# the race); the client sends once more.
-STALE_UPSTREAM = ("Can not write request body", "ServerDisconnectedError: Server disconnected")
 
 
 def log(msg: str) -> None:
@@ -241,7 +238,6 @@ class StreamResult:
     chunks: list[tuple[float, int]] = field(default_factory=list)
     status: int = 0
     error: str = ""
-    retries: int = 0
 
     @property
     def ok(self) -> bool:
@@ -279,19 +275,12 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: li
     clock = time.perf_counter
     res.sent = clock()
     try:
-        for attempt in range(2):
-            resp = await session.post(url + "/v1/completions", data=body, headers={"content-type": "application/json"})
-            res.status = resp.status
-            if resp.status == 200:
-                break
+        resp = await session.post(url + "/v1/completions", data=body, headers={"content-type": "application/json"})
+        res.status = resp.status
+        if resp.status != 200:
             res.error = (await resp.text())[:300]
             resp.release()
-            if attempt or not any(m in res.error for m in STALE_UPSTREAM):
-                return res
-            # The gateway reused a pooled connection the server had just closed (uvicorn's 5 s keep-alive) and
-            # had no other worker to retry on: send again at once (counted; the TTFT keeps the first send time).
-            res.retries += 1
-            res.error = ""
+            return res
         async with resp:
             chunks = res.chunks
             async for line in resp.content:

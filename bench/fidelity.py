@@ -203,7 +203,6 @@ class LegStats:
     duration_s: float
     ttft_mean: float = float("nan")
     tpot_mean: float = float("nan")
-    retries: int = 0
     errors: list[str] = field(default_factory=list)   # distinct error messages (first few)
 
 
@@ -221,7 +220,6 @@ def leg_stats(results: Sequence[StreamResult], start: float) -> LegStats:
         tpot_p50=percentile(tpot, 50), tpot_p90=percentile(tpot, 90),
         tokens_per_s=sum(r.output_tokens for r in ok) / dur, requests_per_s=len(ok) / dur, duration_s=dur,
         ttft_mean=float(np.mean(ttft)) if ttft else float("nan"), tpot_mean=float(np.mean(tpot)) if tpot else float("nan"),
-        retries=sum(r.retries for r in results),
         errors=sorted({f"{r.status}: {r.error[:160]}" for r in results if not r.ok})[:3],
     )
 
@@ -456,12 +454,12 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
         "",
         "## Real vs simulated", "",
         level_table(levels),
-        "| level | real: load avg, failed, resent, max send lag | sim: load avg, failed, resent, max send lag |",
+        "| level | real: load avg, failed, max send lag | sim: load avg, failed, max send lag |",
         "|---|---|---|",
     ]
     for lv in levels:
-        out.append(f"| {lv.name} | {lv.real_load:.2f}, {lv.real.failed}, {lv.real.retries}, "
-                   f"{lv.real_lag_s * 1e3:.0f} ms | {lv.sim_load:.2f}, {lv.sim.failed}, {lv.sim.retries}, "
+        out.append(f"| {lv.name} | {lv.real_load:.2f}, {lv.real.failed}, "
+                   f"{lv.real_lag_s * 1e3:.0f} ms | {lv.sim_load:.2f}, {lv.sim.failed}, "
                    f"{lv.sim_lag_s * 1e3:.0f} ms |")
     if any(lv.real_engine for lv in levels):
         out += ["", "Server side of the same legs (each server's own /metrics before and after every leg, summed over "
@@ -552,7 +550,7 @@ def pool(a: LegResult, b: LegResult) -> LegResult:
     moved = []
     for r in b.results:
         m = StreamResult(r.prompt_tokens, r.max_tokens, r.sent + shift, [(t + shift, n) for t, n in r.chunks],
-                         r.status, r.error, r.retries)
+                         r.status, r.error)
         moved.append(m)
     engine = {k: a.engine.get(k, 0.0) + b.engine.get(k, 0.0) for k in a.engine.keys() | b.engine.keys()}
     return LegResult(a.results + moved, a.start, max(a.max_send_lag_s, b.max_send_lag_s),

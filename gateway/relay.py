@@ -21,7 +21,7 @@ import aiohttp
 
 from engine_adapters.base import EngineAdapter, Usage
 from gateway.config import TimeoutsConfig
-from gateway.upstream import UpstreamConnection, UpstreamPool
+from gateway.upstream import KEEPALIVE_S, UpstreamConnection, UpstreamPool
 
 _BODY_END = {"type": "http.response.body", "body": b"", "more_body": False}
 
@@ -62,7 +62,7 @@ class ResponseState:
 
 
 def make_session(timeouts: TimeoutsConfig) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S)
     return aiohttp.ClientSession(
         connector=connector,
         timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s),

@@ -17,7 +17,10 @@ Behaviour the relay relies on (the same as the aiohttp session it replaced there
   mid-body `ClientPayloadError`; bytes received before the break are still handed out first;
 - a connection is reused only after a complete response that allows keep-alive, never after `keepalive_s`
   idle, and never once the worker closed it; a response given up before its end closes its connection, so
-  the engine sees the disconnect and aborts the request.
+  the engine sees the disconnect and aborts the request;
+- a reused connection can still be closed by the worker while the request is on its way (the worker's idle
+  timer fired first): when it ends before a single byte of response, the request is sent once more on a new
+  connection (as Go's net/http and urllib3 do); the worker never read it, so it runs once.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ from urllib.parse import quote, urlsplit
 import httptools
 
 DEFAULT_CONTENT_TYPE = b"application/json"
-KEEPALIVE_S = 30.0
+# Idle pooled connections are dropped before the worker drops them: vLLM's API server runs uvicorn with a 5 s
+# keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, vllm/envs.py), and a connection reused just as it expires
+# is closed under the request.
+KEEPALIVE_S = 4.0
 _HIGH_WATER = 1 << 16  # buffered stream bytes at which reading pauses until the consumer catches up
 _TARGET_SAFE = "/%:@!$&'()*+,;=-._~?"  # kept as is in a request target (RFC 3986 pchar, "/" and "?"; escapes kept)
 
@@ -95,7 +101,7 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("_pool", "_key", "_loop", "transport", "_parser", "closed", "busy", "idle_at", "status",
                  "content_type", "_headers_done", "_complete", "_keep", "_until_eof", "_chunks", "_buffered",
                  "_error", "_waiter", "_wake_on_data", "_paused", "_timer", "_read_timeout", "_headers_deadline",
-                 "_last_io")
+                 "_last_io", "_got_bytes")
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, str, int], loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
@@ -113,6 +119,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.status = 0
         self.content_type: bytes | None = None  # the first Content-Type header (as aiohttp's headers.get)
         self._headers_done = self._complete = self._until_eof = self._paused = self._wake_on_data = False
+        self._got_bytes = False  # any byte of this exchange's response arrived
         self._keep = True
         self._chunks: list[bytes] = []
         self._buffered = 0
@@ -128,6 +135,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.close()
             return
         self._last_io = self._loop.time()
+        self._got_bytes = True
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
@@ -334,16 +342,25 @@ class UpstreamPool:
         if t is None:
             t = self._target(url)
         conn = self._take_idle(t.key)
+        reused = conn is not None
         if conn is None:
             conn = await self._connect(t)
-        conn._begin(read_timeout, headers_timeout, stream)
-        conn.transport.write(b"".join((t.head, headers, b"Content-Length: %d\r\n\r\n" % len(body), body)))
-        try:
-            await conn._wait_headers()
-        except BaseException:
-            conn.close()
-            raise
-        return conn
+        message = b"".join((t.head, headers, b"Content-Length: %d\r\n\r\n" % len(body), body))
+        while True:
+            conn._begin(read_timeout, headers_timeout, stream)
+            conn.transport.write(message)
+            try:
+                await conn._wait_headers()
+                return conn
+            except ServerDisconnectedError:
+                conn.close()
+                if not reused or conn._got_bytes:
+                    raise
+            except BaseException:
+                conn.close()
+                raise
+            reused = False  # the worker closed an idle connection under the request: once more, on a new one
+            conn = await self._connect(t)
 
     async def close(self) -> None:
         self._closed = True

@@ -13,6 +13,7 @@ import pytest
 
 from gateway.dispatch import _read_headers, new_request_id
 from gateway.upstream import (
+    KEEPALIVE_S,
     ClientConnectorError,
     ClientPayloadError,
     ServerDisconnectedError,
@@ -150,6 +151,64 @@ async def test_close_before_headers_is_a_disconnect() -> None:
         with pytest.raises(ServerDisconnectedError) as e:
             await p.request(srv.url, b"", b"{}", 5.0)
         assert isinstance(e.value, OSError)
+
+
+async def test_reused_connection_closed_under_the_request_is_sent_once_more_on_a_new_one() -> None:
+    """The worker's keep-alive timer fires as a pooled connection is reused: it closes without a byte of answer.
+    The request goes once more on a new connection; a byte of answer, or a new connection, rules that out."""
+    seen: list[int] = []
+
+    async def idle_close_on_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> None:
+        seen.append(id(writer))
+        if seen.count(id(writer)) == 2:  # the second request on one connection: the worker's idle close wins
+            writer.close()
+            return
+        await echo(reader, writer, body)
+
+    async with ScriptedServer(idle_close_on_second) as srv, pool() as p:
+        for i in range(2):
+            conn = await p.request(srv.url, b"", b"%d" % i, 5.0)
+            assert await conn.read() == b'{"echo":%d}' % i
+            conn.release()
+        assert srv.connections == 2 and [r[-1:] for r in srv.requests] == [b"0", b"1", b"1"]
+
+    async def half_an_answer_on_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                       body: bytes) -> None:
+        seen.append(id(writer))
+        if seen.count(id(writer)) == 2:
+            writer.write(b"HTTP/1.1 200 O")  # the worker had begun to answer: it ran the request, no resend
+            await writer.drain()
+            writer.close()
+            return
+        await echo(reader, writer, body)
+
+    async with ScriptedServer(half_an_answer_on_second) as srv, pool() as p:
+        conn = await p.request(srv.url, b"", b"0", 5.0)
+        await conn.read()
+        conn.release()
+        with pytest.raises(ServerDisconnectedError):
+            await p.request(srv.url, b"", b"1", 5.0)
+        assert srv.connections == 1 and len(srv.requests) == 2
+
+    async def always_hang_up_after_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                         body: bytes) -> None:
+        if srv.requests[1:]:
+            writer.close()
+            return
+        await echo(reader, writer, body)
+
+    async with ScriptedServer(always_hang_up_after_first) as srv, pool() as p:
+        conn = await p.request(srv.url, b"", b"0", 5.0)
+        await conn.read()
+        conn.release()
+        with pytest.raises(ServerDisconnectedError):  # sent once more only: the new connection's failure stands
+            await p.request(srv.url, b"", b"1", 5.0)
+        assert srv.connections == 2 and len(srv.requests) == 3
+
+
+def test_pooled_connections_expire_before_vllms_keep_alive() -> None:
+    # vLLM's uvicorn closes idle connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE = 5 s
+    assert KEEPALIVE_S < 5.0 and UpstreamPool(connect_s=1.0).keepalive_s == KEEPALIVE_S
 
 
 async def test_body_cut_short_hands_out_what_arrived_then_fails() -> None:
