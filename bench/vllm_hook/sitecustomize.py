@@ -3,10 +3,11 @@ FLEETGATE_STEP_TRACE=<dir>, every scheduler step of the engine is appended to <d
 
 One JSON object per step: t0 (wall clock when schedule() began), t_sched (its duration), t_upd_start (when
 update_from_output began: the forward pass and sampling lie between), t_upd (its duration), and the batch:
-dec (sequences decoding), ctx (their summed context before the step), pre_n / pre_tok (prompts prefilling and
-their tokens this step), pairs (causal attention pairs of those prefill chunks), run / wait (the scheduler's
-running and waiting queues), tot (tokens scheduled). bench/step_trace.py reads it and sets every step beside a
-simulator profile's step time for the same batch.
+dec (sequences decoding), ctx (their summed context before the step), ctx_max (the longest), pre_n / pre_tok
+(prompts prefilling and their tokens this step), pairs (causal attention pairs of those prefill chunks), run /
+wait (the scheduler's running and waiting queues), tot (tokens scheduled), new / fin (requests the model runner
+adds to its batch in this step, and finished ones it drops from it: the batch's churn). bench/step_trace.py
+reads it and sets every step beside a simulator profile's step time for the same batch.
 
 It wraps vllm.v1.core.sched.scheduler.Scheduler.schedule and update_from_output (vLLM 0.32) when that module is
 first imported; with FLEETGATE_STEP_TRACE unset it does nothing. The wrappers only read the scheduler's state.
@@ -37,7 +38,7 @@ def _patch(module) -> None:  # noqa: ANN001
         t0 = time.time()
         result = schedule(self, *args, **kwargs)
         t1 = time.time()
-        dec = ctx = pre_n = pre_tok = 0
+        dec = ctx = ctx_max = pre_n = pre_tok = 0
         pairs = 0.0
         for rid, n in result.num_scheduled_tokens.items():
             req = self.requests.get(rid)
@@ -47,13 +48,15 @@ def _patch(module) -> None:  # noqa: ANN001
             if before >= req.num_prompt_tokens:
                 dec += 1
                 ctx += before
+                ctx_max = max(ctx_max, before)
             else:
                 pre_n += 1
                 pre_tok += n
                 pairs += n * before + n * n / 2
-        state["pending"] = {"t0": t0, "t_sched": t1 - t0, "dec": dec, "ctx": ctx, "pre_n": pre_n,
-                            "pre_tok": pre_tok, "pairs": pairs, "run": len(self.running), "wait": len(self.waiting),
-                            "tot": result.total_num_scheduled_tokens}
+        state["pending"] = {"t0": t0, "t_sched": t1 - t0, "dec": dec, "ctx": ctx, "ctx_max": ctx_max,
+                            "pre_n": pre_n, "pre_tok": pre_tok, "pairs": pairs, "run": len(self.running), "wait": len(self.waiting),
+                            "tot": result.total_num_scheduled_tokens, "new": len(result.scheduled_new_reqs),
+                            "fin": len(result.finished_req_ids)}
         return result
 
     def traced_update(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
