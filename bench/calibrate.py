@@ -772,8 +772,9 @@ def _host_why(fit: dict[str, Any]) -> str:
 def _speed_why(fit: dict[str, Any]) -> str:
     if not fit:
         return "no speed probe"
-    return (f"speed probe: step time / its median over {fit['n']} identical batches, at probabilities "
-            f"0.02..0.98 (mean {fit['mean_factor']:.3f})")
+    return (f"speed probe: step time / its round's median over {fit['n']} identical batches, at probabilities "
+            f"0.02..0.98 (mean {fit['mean_factor']:.3f}; rounds' own levels sigma of log "
+            f"{fit.get('between_sigma_log', 0.0):.3f}, left out)")
 
 
 def profile_yaml(cal: Calibration) -> str:

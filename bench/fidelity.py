@@ -387,10 +387,13 @@ def _speed_row(fit: dict[str, Any]) -> list[str]:
     if not fit.get("n"):
         return []
     q = fit["quantiles"]   # at simulator.speed.QUANTILE_PROBS: 0.02, 0.06, ..., 0.98
-    return [f"| speed probe: one steady batch repeated for minutes, step / its median (simulator/speed.py) "
+    levels = fit.get("segment_levels") or []
+    between = (f"; between rounds (not in the drift): levels {min(levels):.2f}-{max(levels):.2f} of their median, "
+               f"sigma of log {fit['between_sigma_log']:.3f}" if len(levels) > 1 else "")
+    return [f"| speed probe: one steady batch repeated for minutes, step / its round's median (simulator/speed.py) "
             f"| speed_quantiles, speed_tau_s | p10 {q[2]:.2f}, p50 {q[12]:.2f}, p90 {q[22]:.2f}, p98 {q[24]:.2f}; "
             f"mean {fit['mean_factor']:.3f}; tau {fit['tau_s']:.1f} s | {fit['n']} batches "
-            f"{fit['spacing_s']:.1f} s apart | lag-1 autocorrelation {fit['rho']:.2f} | |"]
+            f"{fit['spacing_s']:.1f} s apart | lag-1 autocorrelation {fit['rho']:.2f}{between} | |"]
 
 
 def _round_speed_line(cal: dict[str, Any]) -> list[str]:
@@ -599,19 +602,23 @@ def _reset_prefix_cache(url: str) -> None:
 
 
 def dump_raw(path: Path, real: Series, sim: Series) -> None:
-    """Per-request records of every leg (for analysis): prompt, output, send time, TTFT, TPOT, token times."""
+    """Per-request records of every leg (for analysis): prompt, output, send time, TTFT, TPOT, token times; and
+    each leg's wall-clock windows (to find its steps in a step trace)."""
+    def named(series: Series) -> list[tuple[str, LegResult]]:
+        return [("burst", series.burst)] + [(name, leg) for (name, _), leg in zip(LEVELS, series.levels, strict=True)]
+
     def legs(series: Series) -> dict[str, Any]:
-        named = [("burst", series.burst)] + [(name, leg) for (name, _), leg in zip(LEVELS, series.levels, strict=True)]
         return {name: [{"prompt": r.prompt_tokens, "max_tokens": r.max_tokens, "sent": r.sent - leg.start,
                         "ttft": r.ttft, "tpot": r.tpot, "status": r.status, "error": r.error,
                         "chunks": [(t - leg.start, n) for t, n in r.chunks]} for r in leg.results]
-                for name, leg in named}
+                for name, leg in named(series)}
 
-    path.write_text(json.dumps({"real": legs(real), "sim": legs(sim)}))
+    windows = {side: {name: leg.windows for name, leg in named(series)} for side, series in (("real", real), ("sim", sim))}
+    path.write_text(json.dumps({"real": legs(real), "sim": legs(sim), "windows": windows}))
 
 
 LEG_MIN_S = 30.0   # each half-level sends arrivals for at least this long: several times the host's speed
-#                    correlation time (speed_tau_s 4-7 s), so one slow or fast stretch does not decide a level
+#                    correlation time (speed_tau_s 2-7 s), so one slow or fast stretch does not decide a level
 ROUND_SPEED_S = 35.0   # speed probe per calibration round (7 rounds: about the standalone calibration's 240 s)
 
 

@@ -10,7 +10,9 @@ Model: a Gaussian copula over an Ornstein-Uhlenbeck process. z(t) is a stationar
 variance and correlation exp(-d / tau) over a lag d; the factor is the measured marginal's quantile at
 Phi(z(t)). The marginal is a list of quantiles of the step time relative to its median (so the median factor is
 1 and the fitted coefficients keep their meaning), measured with tau by bench/calibrate.py's speed probe (one
-steady batch repeated for minutes), never fitted to a benchmark's result.
+steady batch repeated for minutes), never fitted to a benchmark's result. It is the drift within a stretch of
+about half a minute; the host's slower level changes between minutes are measured beside it and left out
+(fit_speed_drift).
 """
 
 from __future__ import annotations
@@ -77,8 +79,15 @@ def fit_speed_drift(times: Sequence[float], steps: Sequence[float],
     factors = step / median step; quantiles at QUANTILE_PROBS (numpy's linear rule); tau from the lag-1
     autocorrelation rho of log factors of successive probes spaced d apart on average, rho = exp(-d / tau).
     rho <= 0 (no memory at this spacing) gives tau = d / 3; rho is capped at 0.99 (tau ~ 100 d).
-    `segments` labels probes run in separate stretches (calibration rounds with other work between them): the
-    quantiles pool every probe, but only successive probes of one segment count as lag-1 pairs."""
+
+    `segments` labels probes run in separate stretches (calibration rounds with other work between them, minutes
+    apart). The host's speed moves on two time scales: within seconds, and by 20-50 % between minutes (runs 16-18,
+    bench/results/fidelity.md). A segment lasts about as long as a benchmark leg, so the drift the simulator
+    applies is the one within segments: each probe's factor is over its own segment's median, and only successive
+    probes of one segment are lag-1 pairs. The slower level change between segments is a different process (a
+    leg sees it as a constant offset, and the calibration spread over the legs averages it); it is returned as
+    `segment_levels` (each segment's median over the median of all of them) and `between_sigma_log`, not folded
+    into the marginal, whose spread it would double at the wrong time scale."""
     import numpy as np
 
     if len(steps) < 8 or len(times) != len(steps):
@@ -88,14 +97,20 @@ def fit_speed_drift(times: Sequence[float], steps: Sequence[float],
         raise ValueError("one segment label per probe")
     s = np.asarray(steps, dtype=float)
     t = np.asarray(times, dtype=float)
-    f = s / np.median(s)
-    x = np.log(f)
     pair = seg[1:] == seg[:-1]
     if not pair.any():
         raise ValueError("the speed fit needs two successive probes in one segment")
+    labels = list(dict.fromkeys(seg.tolist()))   # in order of first appearance
+    medians = np.array([np.median(s[seg == k]) for k in labels])
+    where = {k: i for i, k in enumerate(labels)}
+    f = s / medians[[where[k] for k in seg.tolist()]]
+    x = np.log(f)
     d = float(np.mean(t[1:][pair] - t[:-1][pair]))
     a, b = x[:-1][pair], x[1:][pair]
     rho = float(np.corrcoef(a, b)[0, 1]) if pair.sum() > 2 and a.std() > 0 and b.std() > 0 else 0.0
     tau = d / 3.0 if not rho > 0.0 else -d / math.log(min(rho, 0.99))
+    levels = medians / np.median(medians)
     return {"quantiles": [round(float(q), 4) for q in np.quantile(f, QUANTILE_PROBS)], "tau_s": tau, "rho": rho,
-            "spacing_s": d, "n": len(f), "mean_factor": float(f.mean())}
+            "spacing_s": d, "n": len(f), "mean_factor": float(f.mean()),
+            "segment_levels": [round(float(v), 4) for v in levels],
+            "between_sigma_log": float(np.std(np.log(levels))) if len(levels) > 1 else 0.0}
