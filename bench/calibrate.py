@@ -453,27 +453,34 @@ async def decode_batch(session: aiohttp.ClientSession, gw_url: str, b: int, p: i
 
 @dataclass(slots=True)
 class AdmissionSample:
-    """One decode batch with or without lone requests injected while it decodes (`injected` 0 = baseline)."""
+    """One decode batch with or without requests injected while it decodes (`injected` 0 = baseline)."""
 
     batch: int
     prompt_tokens: int
     step_s: float          # the batch's decode step (decode_step: median over its streams)
     steps: int             # decode steps inside the measurement window
-    injected: int          # injected requests whose only token came out inside the window
+    injected: int          # injected requests whose first token came out inside the window
     short_tokens: int      # their prompt length (0 for a baseline run)
+    short_new_tokens: int = 1   # their max_tokens: they decode in the batch for this many tokens less one
 
 
 ADMIT_BATCH, ADMIT_PROMPT, ADMIT_NEW_TOKENS = 16, 256, 160
 # Injected prompt lengths and their arrival rates (longer prompts cost the batch more: fewer of them).
 ADMIT_SHORT = ((16, 40.0), (128, 30.0), (256, 20.0), (512, 10.0))
+# Injected requests stay for this many tokens, as served requests do: what a request costs the engine beyond the
+# model is not all in the step that admits it (max_tokens 1 requests, which leave at once, showed ~0 in runs
+# 15-18 while requests that stay in a medium-load leg cost 1-1.6 ms more each, step trace of run 19).
+ADMIT_SHORT_NEW_TOKENS = 16
 
 
 async def probe_admission(gw_url: str, reps: int, rng: random.Random, batch: int = ADMIT_BATCH,
                           prompt: int = ADMIT_PROMPT, new_tokens: int = ADMIT_NEW_TOKENS,
-                          shorts: Sequence[tuple[int, float]] = ADMIT_SHORT) -> list[AdmissionSample]:
-    """What admitting a request costs the engine: a decode batch alone, then the same batch while lone requests
-    (max_tokens 1, prompts of each length in `shorts` at its rate) arrive; the step grows by (their prefill +
-    per-request set-up) / steps. Baseline and injected runs alternate, so drift of the machine falls on both."""
+                          shorts: Sequence[tuple[int, float]] = ADMIT_SHORT,
+                          short_new: int = ADMIT_SHORT_NEW_TOKENS) -> list[AdmissionSample]:
+    """What a joining request costs the engine: a decode batch alone, then the same batch while requests
+    (prompts of each length in `shorts` at its rate, `short_new` tokens each) arrive, decode alongside it and
+    leave; the step grows by (their prefill + their decode steps + per-request set-up and tear-down) / steps.
+    Baseline and injected runs alternate, so drift of the machine falls on both."""
     out: list[AdmissionSample] = []
     async with client_session() as session:
         for short, rate in shorts:
@@ -487,7 +494,7 @@ async def probe_admission(gw_url: str, reps: int, rng: random.Random, batch: int
                     await asyncio.sleep(0.1)   # past the batch's prefill
                     while not fut.done():
                         shorts_sent.append(asyncio.ensure_future(
-                            stream_completion(session, gw_url, random_prompt(rng, short), 1)))
+                            stream_completion(session, gw_url, random_prompt(rng, short), short_new)))
                         await asyncio.sleep(rng.expovariate(rate))
                     results = await fut
                 else:
@@ -498,27 +505,36 @@ async def probe_admission(gw_url: str, reps: int, rng: random.Random, batch: int
                     continue
                 w0 = max(r.chunks[0][0] for r in results)
                 w1 = min(r.chunks[-1][0] for r in results)
+                # admitted inside the window: in a steady stream of arrivals, the decode steps of those admitted
+                # before it that fall inside balance those of the late ones that fall after it
                 inside = sum(1 for r in done if r.ok and w0 < r.chunks[0][0] <= w1)
-                out.append(AdmissionSample(batch, prompt, step[0], step[2], inside, short if inject else 0))
+                out.append(AdmissionSample(batch, prompt, step[0], step[2], inside, short if inject else 0,
+                                           short_new if inject else 1))
                 await asyncio.sleep(0.05)
     return out
 
 
-def fit_admission(samples: Sequence[AdmissionSample], k_prefill: float, k_attn: float) -> dict[str, float]:
-    """Engine time per admitted request beyond its prefill tokens: each injected run's extra decode-window time per
-    injected request, less the prefill the step-time model already charges for its prompt (k_prefill·l +
-    k_attn·l²/2, from the lone-prompt fit); the median over runs and prompt lengths."""
+def fit_admission(samples: Sequence[AdmissionSample], k_prefill: float, k_attn: float, c_decode: float = 0.0,
+                  k_ctx: float = 0.0) -> dict[str, float]:
+    """Engine time per joining request beyond what the step-time model charges for it: each injected run's extra
+    decode-window time per injected request, less its modelled prefill (k_prefill·l + k_attn·l²/2, from the
+    lone-prompt fit) and its modelled decode steps ((n-1)·(c_decode + k_ctx·(l + n/2)) for n tokens, from the
+    decode fit); the median over runs and prompt lengths."""
     base = [s.step_s for s in samples if s.injected == 0]
     runs = [s for s in samples if s.injected > 0]
     if not base or not runs:
-        return {"c_admit": 0.0, "per_request": float("nan"), "prefill_model": float("nan"), "n": 0}
+        return {"c_admit": 0.0, "per_request": float("nan"), "prefill_model": float("nan"),
+                "decode_model": float("nan"), "n": 0}
     b = statistics.median(base)
     per_req = [(s.step_s - b) * s.steps / s.injected for s in runs]
     prefill = [k_prefill * s.short_tokens + k_attn * s.short_tokens ** 2 / 2 for s in runs]
-    extra = statistics.median(p - q for p, q in zip(per_req, prefill, strict=True))
+    decode = [(s.short_new_tokens - 1) * (c_decode + k_ctx * (s.short_tokens + s.short_new_tokens / 2))
+              for s in runs]
+    extra = statistics.median(p - q - d for p, q, d in zip(per_req, prefill, decode, strict=True))
     return {"c_admit": max(0.0, extra), "per_request": statistics.median(per_req),
-            "prefill_model": statistics.median(prefill), "n": len(runs), "base_step": b,
-            "lengths": sorted({s.short_tokens for s in runs})}
+            "prefill_model": statistics.median(prefill), "decode_model": statistics.median(decode),
+            "n": len(runs), "base_step": b, "lengths": sorted({s.short_tokens for s in runs}),
+            "new_tokens": sorted({s.short_new_tokens for s in runs})}
 
 
 @dataclass(slots=True)
@@ -758,8 +774,8 @@ _YAML_ORDER = ("name", "description", "model", "family", "gpu", "tp", "weight_by
 def _admit_why(fit: dict[str, Any]) -> str:
     if not fit.get("n"):
         return "no admission probe"
-    return (f"admission probe: engine time per injected request ({fit.get('lengths')} tokens) beyond its modelled "
-            f"prefill, median of {fit['n']} runs")
+    return (f"admission probe: engine time per injected request ({fit.get('lengths')} tokens, "
+            f"{fit.get('new_tokens', [1])} out) beyond its modelled prefill and decode steps, median of {fit['n']} runs")
 
 
 def _host_why(fit: dict[str, Any]) -> str:
@@ -919,7 +935,7 @@ def fit_calibration(samples: ProbeSamples, info: EngineInfo, seed: int = 0) -> C
     model = fit_perf_model(samples.prefill, samples.decode, info)
     form = fit_prefill_form(samples.prefill)
     gw = gateway_overhead(samples.prefill)
-    admit = fit_admission(samples.admission, form["k_prefill"], form["k_attn"])
+    admit = fit_admission(samples.admission, form["k_prefill"], form["k_attn"], model.c2, model.k2)
     profile = derive_profile(model, form, info, gw, sharegpt_output_mean(), c_admit_s=admit["c_admit"])
     host_sim = simulated_host_path(profile, min(3, max(1, samples.rounds)), seed)
     host = fit_host_path(samples.host, host_sim)

@@ -411,10 +411,12 @@ def _round_speed_line(cal: dict[str, Any]) -> list[str]:
 def _admission_row(fit: dict[str, Any]) -> list[str]:
     if not fit.get("n"):
         return []
-    return [f"| admission probe: engine time per admitted request beyond its prefill | c_admit | "
-            f"{fit['c_admit'] * 1e3:.3f} ms | {fit['n']} runs | (prompts of {fit.get('lengths')} tokens; median "
-            f"cost per injected request {fit['per_request'] * 1e3:.2f} ms, of which modelled prefill "
-            f"{fit['prefill_model'] * 1e3:.2f} ms) | |"]
+    decode = fit.get("decode_model", 0.0)
+    return [f"| admission probe: engine time per joining request beyond its modelled prefill and decode steps | "
+            f"c_admit | {fit['c_admit'] * 1e3:.3f} ms | {fit['n']} runs | (prompts of {fit.get('lengths')} tokens, "
+            f"{fit.get('new_tokens', [1])} tokens out; median cost per injected request "
+            f"{fit['per_request'] * 1e3:.2f} ms, of which modelled prefill {fit['prefill_model'] * 1e3:.2f} ms and "
+            f"decode steps {decode * 1e3:.2f} ms) | |"]
 
 
 def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats] | None, cal: dict[str, Any] | None,

@@ -265,6 +265,32 @@ def test_admission_cost_moves_engine_time_out_of_the_pure_delay(tmp_path):
     assert fit_admission(samples[:3], 18e-6, 3e-9)["c_admit"] == 0.0
 
 
+def test_injected_requests_that_stay_have_their_modelled_decode_steps_taken_off():
+    """Injected requests decode alongside the batch for n-1 steps: what the model charges for those steps
+    ((n-1)·(c_decode + k_ctx·(l + n/2))) is not the per-request cost the probe looks for."""
+    k_prefill, k_attn, c_decode, k_ctx = 18e-6, 3e-9, 80e-6, 3e-7
+    base, steps, c_admit = 0.004, 100, 0.0012
+    samples = [AdmissionSample(16, 256, base, steps, 0, 0) for _ in range(3)]
+    for p, n in ((16, 16), (128, 16), (256, 8)):
+        model = k_prefill * p + k_attn * p * p / 2 + (n - 1) * (c_decode + k_ctx * (p + n / 2))
+        samples.append(AdmissionSample(16, 256, base + (c_admit + model) * 25 / steps, steps, 25, p, n))
+    fit = fit_admission(samples, k_prefill, k_attn, c_decode, k_ctx)
+    assert fit["c_admit"] == pytest.approx(c_admit, rel=1e-6) and fit["new_tokens"] == [8, 16]
+    assert fit["decode_model"] == pytest.approx(15 * (c_decode + k_ctx * (16 + 8)))   # median of the three
+    # without the decode model the requests' own decode steps would pass for a per-request cost
+    assert fit_admission(samples, k_prefill, k_attn)["c_admit"] > c_admit + 14 * c_decode
+
+
+def test_admission_probe_injects_requests_that_stay_and_counts_those_admitted_in_the_window(sim_fleet):
+    from bench.calibrate import ADMIT_SHORT_NEW_TOKENS, probe_admission
+
+    url = sim_fleet(1, profile="tiny-cpu", model="tiny", time_scale=1).urls[0]
+    got = asyncio.run(probe_admission(url, 1, random.Random(3), batch=4, new_tokens=60, shorts=((16, 40.0),)))
+    assert [s.injected > 0 for s in got] == [False, True]
+    assert got[1].short_tokens == 16 and got[1].short_new_tokens == ADMIT_SHORT_NEW_TOKENS > 1
+    assert got[0].short_new_tokens == 1 and got[0].steps >= 4 and got[1].injected >= 3
+
+
 def test_engine_charges_admission_time_to_the_step_that_admits():
     prof = dataclasses.replace(load_profile("tiny-cpu"), speed_quantiles=())   # one speed: exact step times
     slow = dataclasses.replace(prof, c_admit_s=0.01)
