@@ -3,7 +3,9 @@
     .venv/bin/python -m bench.step_trace <trace dir> [--profile simulator/profiles/tiny-cpu.yaml]
 
 A step's period is from its schedule() to the next one's (forward pass, sampling, output processing and the
-engine loop in between), what the profile's step time stands for. Steps split into decode-only (no prompt
+engine loop in between), what the profile's step time stands for. Where the engine went idle after a step (the
+next schedule() came more than IDLE_TAIL_S after update_from_output ended; usually 0.1-0.3 ms), the step counts
+until its update ended, so light load's waits for the next request are not read as step time. Steps split into decode-only (no prompt
 tokens) and mixed (prefill chunks with or without decodes); for each kind the ratio measured / modelled, summed
 over steps. A ratio that moves between runs alike for both kinds is the host's speed; a ratio that differs
 between the kinds is the model's shape.
@@ -20,12 +22,13 @@ from pathlib import Path
 from simulator.profiles import Profile, load_profile
 
 IDLE_GAP_S = 0.5   # a longer period than this holds an idle engine, not a step
+IDLE_TAIL_S = 0.002   # from update_from_output's end to the next schedule(): longer holds an idle wait
 
 
 @dataclass(slots=True, frozen=True)
 class Step:
     t0: float           # wall clock when schedule() began
-    period_s: float     # to the next step's schedule() (0 for the last one of a trace)
+    period_s: float     # to the next step's schedule() (0 for the last one of a trace), idle tail cut
     dec: int            # sequences decoding
     ctx: int            # their summed context before the step
     pre_n: int          # prompts prefilling this step
@@ -42,9 +45,19 @@ def load_steps(trace_dir: Path) -> list[Step]:
     raw = sorted((json.loads(line) for f in sorted(trace_dir.glob("steps-*.jsonl"))
                   for line in f.read_text().splitlines() if line),
                  key=lambda s: s["t0"])
-    return [Step(s["t0"], (nxt["t0"] - s["t0"]) if nxt is not None else 0.0, s["dec"], s["ctx"], s["pre_n"],
-                 s["pre_tok"], s["pairs"])
+    return [Step(s["t0"], _period(s, nxt), s["dec"], s["ctx"], s["pre_n"], s["pre_tok"], s["pairs"])
             for s, nxt in zip(raw, [*raw[1:], None], strict=True)]
+
+
+def _period(step: dict, nxt: dict | None) -> float:
+    if nxt is None:
+        return 0.0
+    period = nxt["t0"] - step["t0"]
+    if "t_upd_start" in step:
+        end = step["t_upd_start"] + step["t_upd"] - step["t0"]
+        if period - end > IDLE_TAIL_S:
+            return end
+    return period
 
 
 @dataclass(slots=True)

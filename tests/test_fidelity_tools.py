@@ -682,6 +682,18 @@ def test_step_trace_sets_each_step_beside_the_profile(tmp_path):
     assert late.decode_steps + late.mixed_steps == 9
     two = step_ratios(steps, prof, [(rows[0]["t0"], rows[1]["t0"]), (rows[4]["t0"], rows[4]["t0"])])
     assert (two.decode_steps, two.mixed_steps) == (2, 1)
+    # with the hook's update timestamps, an idle wait after a step (light load) is cut from its period
+    timed, t = [], 200.0
+    for i in range(4):
+        step = prof.step_time(0, 8, 2000, 0.0)
+        timed.append({"t0": t, **decode, "t_sched": 1e-4, "t_upd_start": t + step - 2e-4, "t_upd": 1e-4})
+        t += step + (0.3 if i == 1 else 0.0)   # the engine waits 0.3 s for the next request after the second step
+    (tmp_path / "steps-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timed))
+    (tmp_path / "steps-2.jsonl").unlink()
+    idle = step_ratios(load_steps(tmp_path), prof)
+    assert idle.decode_steps == 3 and idle.decode_ratio == pytest.approx(1.0, abs=0.01)
+    (tmp_path / "steps-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[::2]))
+    (tmp_path / "steps-2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[1::2]))
     # bench.fidelity --step-trace: per level, its legs' wall-clock windows, first run and again, in the report
     from bench.fidelity import LEVELS, _step_trace_rows
     from simulator.profiles import PROFILES_DIR
