@@ -35,7 +35,9 @@ import json
 import math
 import os
 import random
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -793,8 +795,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     raise_on_sigterm()
     keep_off_core(args.cpu)
-    from bench.report import write_report
+    from bench.report import git_commit, write_report
 
+    commit = git_commit()   # a run lasts half an hour: the commit it started at
     try:
         if args.step_trace is not None:
             args.step_trace.mkdir(parents=True, exist_ok=True)
@@ -802,8 +805,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    args.step_trace.resolve() if args.step_trace is not None else None)
     except KeyboardInterrupt:
         return 130
-    cmd = "python -m bench.fidelity" + (" --quick" if args.quick else "")
-    write_report(args.out, "Simulator fidelity: real vLLM CPU vs the fitted simulator", cmd, body)
+    cmd = shlex.join(["python", "-m", "bench.fidelity", *(sys.argv[1:] if argv is None else argv)])
+    write_report(args.out, "Simulator fidelity: real vLLM CPU vs the fitted simulator", cmd, body, commit)
     print(body)
     return 0
 

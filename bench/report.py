@@ -38,13 +38,14 @@ def machine_info() -> str:
     return f"{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}, Python {platform.python_version()}"
 
 
-def write_report(path: Path, title: str, command: str, body: str) -> None:
+def write_report(path: Path, title: str, command: str, body: str, commit: str | None = None) -> None:
+    """`commit`: the one the run started at, for runs long enough to outlast a commit (default: now)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     header = (
         f"# {title}\n\n"
         f"- command: `{command}`\n"
-        f"- commit: `{git_commit()}`\n"
+        f"- commit: `{commit or git_commit()}`\n"
         f"- machine: {machine_info()}\n"
         f"- date: {now}\n\n"
     )

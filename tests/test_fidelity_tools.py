@@ -709,3 +709,12 @@ def test_step_trace_sets_each_step_beside_the_profile(tmp_path):
              "output_max": 20, "step_trace": trace[:1]}
     text = render_report([lv], None, None, setup)
     assert "| light | first | 16 | 1.30 | 3 | 1.50 |" in text and "|  | again | 16 | 1.30 | 3 | 1.50 |" in text
+
+
+def test_report_header_records_the_whole_command_and_the_commit_the_run_started_at(tmp_path):
+    from bench.report import write_report
+
+    write_report(tmp_path / "r.md", "Fidelity", "python -m bench.fidelity --cpu 0 --max-load 3", "body\n",
+                 commit="9a59221")
+    head = (tmp_path / "r.md").read_text().splitlines()
+    assert head[2] == "- command: `python -m bench.fidelity --cpu 0 --max-load 3`" and head[3] == "- commit: `9a59221`"
