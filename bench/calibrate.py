@@ -469,8 +469,9 @@ ADMIT_BATCH, ADMIT_PROMPT, ADMIT_NEW_TOKENS = 16, 256, 160
 ADMIT_SHORT = ((16, 40.0), (128, 30.0), (256, 20.0), (512, 10.0))
 # Injected requests stay for this many tokens, as served requests do: what a request costs the engine beyond the
 # model is not all in the step that admits it (max_tokens 1 requests, which leave at once, showed ~0 in runs
-# 15-18 while requests that stay in a medium-load leg cost 1-1.6 ms more each, step trace of run 19).
-ADMIT_SHORT_NEW_TOKENS = 16
+# 15-18 while requests that stay in a medium-load leg cost 1-1.6 ms more each, step trace of run 19). 16 tokens
+# found 0.73 ms (run 20), the legs' requests 0.9-2.1 ms: 55 is the ShareGPT output mean of the legs (54.8).
+ADMIT_SHORT_NEW_TOKENS = 55
 
 
 async def probe_admission(gw_url: str, reps: int, rng: random.Random, batch: int = ADMIT_BATCH,
