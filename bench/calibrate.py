@@ -462,6 +462,8 @@ class AdmissionSample:
     injected: int          # injected requests whose first token came out inside the window
     short_tokens: int      # their prompt length (0 for a baseline run)
     short_new_tokens: int = 1   # their max_tokens: they decode in the batch for this many tokens less one
+    decode_tokens: int = 0      # injected requests' tokens after their first that came out inside the window
+    decode_context: float = 0.0  # the sum of those tokens' contexts (prompt + tokens before them)
 
 
 ADMIT_BATCH, ADMIT_PROMPT, ADMIT_NEW_TOKENS = 16, 256, 160
@@ -506,21 +508,39 @@ async def probe_admission(gw_url: str, reps: int, rng: random.Random, batch: int
                     continue
                 w0 = max(r.chunks[0][0] for r in results)
                 w1 = min(r.chunks[-1][0] for r in results)
-                # admitted inside the window: in a steady stream of arrivals, the decode steps of those admitted
-                # before it that fall inside balance those of the late ones that fall after it
-                inside = sum(1 for r in done if r.ok and w0 < r.chunks[0][0] <= w1)
+                inside = sum(1 for r in done if r.ok and w0 < r.chunks[0][0] <= w1)   # admitted in the window
+                tokens, context = decode_inside(done, w0, w1)
                 out.append(AdmissionSample(batch, prompt, step[0], step[2], inside, short if inject else 0,
-                                           short_new if inject else 1))
+                                           short_new if inject else 1, tokens, context))
                 await asyncio.sleep(0.05)
     return out
+
+
+def decode_inside(results: Sequence[StreamResult], w0: float, w1: float) -> tuple[int, float]:
+    """(tokens, summed context) of the decode steps of `results` that fell in (w0, w1]: every token after a
+    request's first whose chunk arrived in the window, at context prompt + tokens before it. Requests admitted
+    near the window's end decode mostly after it, those admitted before it partly inside: counted as they fell."""
+    tokens, context = 0, 0.0
+    for r in results:
+        if not r.ok:
+            continue
+        before = 0
+        for t, n in r.chunks:
+            if w0 < t <= w1:
+                for k in range(max(before + 1, 2), n + 1):   # token k comes from a step at context prompt + k - 1
+                    tokens += 1
+                    context += r.prompt_tokens + k - 1
+            before = n
+    return tokens, context
 
 
 def fit_admission(samples: Sequence[AdmissionSample], k_prefill: float, k_attn: float, c_decode: float = 0.0,
                   k_ctx: float = 0.0) -> dict[str, float]:
     """Engine time per joining request beyond what the step-time model charges for it: each injected run's extra
-    decode-window time per injected request, less its modelled prefill (k_prefill·l + k_attn·l²/2, from the
-    lone-prompt fit) and its modelled decode steps ((n-1)·(c_decode + k_ctx·(l + n/2)) for n tokens, from the
-    decode fit); the median over runs and prompt lengths."""
+    decode-window time, less the modelled prefill of the requests admitted in the window (k_prefill·l +
+    k_attn·l²/2 each, from the lone-prompt fit) and the modelled decode steps of all injected requests inside it
+    (c_decode per token + k_ctx × its context, from the decode fit), per request admitted in the window; the
+    median over runs and prompt lengths."""
     base = [s.step_s for s in samples if s.injected == 0]
     runs = [s for s in samples if s.injected > 0]
     if not base or not runs:
@@ -529,8 +549,7 @@ def fit_admission(samples: Sequence[AdmissionSample], k_prefill: float, k_attn: 
     b = statistics.median(base)
     per_req = [(s.step_s - b) * s.steps / s.injected for s in runs]
     prefill = [k_prefill * s.short_tokens + k_attn * s.short_tokens ** 2 / 2 for s in runs]
-    decode = [(s.short_new_tokens - 1) * (c_decode + k_ctx * (s.short_tokens + s.short_new_tokens / 2))
-              for s in runs]
+    decode = [(c_decode * s.decode_tokens + k_ctx * s.decode_context) / s.injected for s in runs]
     extra = statistics.median(p - q - d for p, q, d in zip(per_req, prefill, decode, strict=True))
     return {"c_admit": max(0.0, extra), "per_request": statistics.median(per_req),
             "prefill_model": statistics.median(prefill), "decode_model": statistics.median(decode),

@@ -5,10 +5,10 @@
 A step's period is from its schedule() to the next one's (forward pass, sampling, output processing and the
 engine loop in between), what the profile's step time stands for. Where the engine went idle after a step (the
 next schedule() came more than IDLE_TAIL_S after update_from_output ended; usually 0.1-0.3 ms), the step counts
-until its update ended, so light load's waits for the next request are not read as step time. Steps split into decode-only (no prompt
-tokens) and mixed (prefill chunks with or without decodes); for each kind the ratio measured / modelled, summed
-over steps. A ratio that moves between runs alike for both kinds is the host's speed; a ratio that differs
-between the kinds is the model's shape.
+until its update ended, so light load's waits for the next request are not read as step time. Steps split into
+decode-only (no prompt tokens) and mixed (prefill chunks with or without decodes); for each kind the ratio
+measured / modelled, summed over steps. A ratio that moves between runs alike for both kinds is the host's
+speed; a ratio that differs between the kinds is the model's shape.
 """
 
 from __future__ import annotations

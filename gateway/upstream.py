@@ -19,8 +19,9 @@ Behaviour the relay relies on (the same as the aiohttp session it replaced there
   idle, and never once the worker closed it; a response given up before its end closes its connection, so
   the engine sees the disconnect and aborts the request;
 - a reused connection can still be closed by the worker while the request is on its way (the worker's idle
-  timer fired first): when it ends before a single byte of response, the request is sent once more on a new
-  connection (as Go's net/http and urllib3 do); the worker never read it, so it runs once.
+  timer fired first, so it never read the request): when it ends before a single byte of response, the
+  request is sent once more, on a new connection (as Go's net/http does for a server-closed idle connection).
+  A fresh connection's failure, or one after any byte, is raised as before.
 """
 
 from __future__ import annotations

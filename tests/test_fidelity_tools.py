@@ -266,19 +266,32 @@ def test_admission_cost_moves_engine_time_out_of_the_pure_delay(tmp_path):
 
 
 def test_injected_requests_that_stay_have_their_modelled_decode_steps_taken_off():
-    """Injected requests decode alongside the batch for n-1 steps: what the model charges for those steps
-    ((n-1)·(c_decode + k_ctx·(l + n/2))) is not the per-request cost the probe looks for."""
+    """Injected requests decode alongside the batch: what the model charges for their decode steps inside the
+    window (c_decode per token + k_ctx × its context) is not the per-request cost the probe looks for."""
     k_prefill, k_attn, c_decode, k_ctx = 18e-6, 3e-9, 80e-6, 3e-7
     base, steps, c_admit = 0.004, 100, 0.0012
     samples = [AdmissionSample(16, 256, base, steps, 0, 0) for _ in range(3)]
     for p, n in ((16, 16), (128, 16), (256, 8)):
-        model = k_prefill * p + k_attn * p * p / 2 + (n - 1) * (c_decode + k_ctx * (p + n / 2))
-        samples.append(AdmissionSample(16, 256, base + (c_admit + model) * 25 / steps, steps, 25, p, n))
+        tokens, context = 25 * (n - 1), 25 * sum(p + k - 1 for k in range(2, n + 1))
+        model = 25 * (k_prefill * p + k_attn * p * p / 2) + c_decode * tokens + k_ctx * context
+        samples.append(AdmissionSample(16, 256, base + (25 * c_admit + model) / steps, steps, 25, p, n, tokens,
+                                       context))
     fit = fit_admission(samples, k_prefill, k_attn, c_decode, k_ctx)
     assert fit["c_admit"] == pytest.approx(c_admit, rel=1e-6) and fit["new_tokens"] == [8, 16]
     assert fit["decode_model"] == pytest.approx(15 * (c_decode + k_ctx * (16 + 8)))   # median of the three
     # without the decode model the requests' own decode steps would pass for a per-request cost
     assert fit_admission(samples, k_prefill, k_attn)["c_admit"] > c_admit + 14 * c_decode
+
+
+def test_decode_inside_counts_the_tokens_after_the_first_that_fell_in_the_window():
+    from bench.calibrate import decode_inside
+
+    early = StreamResult(100, 6, sent=0.0, status=200, chunks=[(0.5, 1), (1.5, 2), (2.5, 4), (3.5, 5), (4.5, 6)])
+    late = StreamResult(10, 3, sent=0.0, status=200, chunks=[(2.2, 1), (2.8, 2), (5.0, 3)])
+    failed = StreamResult(10, 3, status=502, error="x")
+    tokens, context = decode_inside([early, late, failed], 1.0, 3.0)
+    # early: tokens 2 (ctx 101), 3 and 4 (102, 103, one chunk); late: its first token is a prefill, token 2 (ctx 11)
+    assert tokens == 4 and context == 101 + 102 + 103 + 11
 
 
 def test_admission_probe_injects_requests_that_stay_and_counts_those_admitted_in_the_window(sim_fleet):
@@ -289,6 +302,7 @@ def test_admission_probe_injects_requests_that_stay_and_counts_those_admitted_in
     assert [s.injected > 0 for s in got] == [False, True]
     assert got[1].short_tokens == 16 and got[1].short_new_tokens == ADMIT_SHORT_NEW_TOKENS > 1
     assert got[0].short_new_tokens == 1 and got[0].steps >= 4 and got[1].injected >= 3
+    assert got[0].decode_tokens == 0 < got[1].decode_tokens and got[1].decode_context > 16 * got[1].decode_tokens
 
 
 def test_engine_charges_admission_time_to_the_step_that_admits():
