@@ -156,33 +156,33 @@ async def test_close_before_headers_is_a_disconnect() -> None:
 async def test_reused_connection_closed_under_the_request_is_sent_once_more_on_a_new_one() -> None:
     """The worker's keep-alive timer fires as a pooled connection is reused: it closes without a byte of answer.
     The request goes once more on a new connection; a byte of answer, or a new connection, rules that out."""
-    seen: list[int] = []
+    def second_request_on_a_connection(then: Callable[[asyncio.StreamWriter], Awaitable[None]]) -> Script:
+        seen: list[int] = []
 
-    async def idle_close_on_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> None:
-        seen.append(id(writer))
-        if seen.count(id(writer)) == 2:  # the second request on one connection: the worker's idle close wins
-            writer.close()
-            return
-        await echo(reader, writer, body)
+        async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> None:
+            seen.append(id(writer))
+            if seen.count(id(writer)) == 2:
+                await then(writer)
+            else:
+                await echo(reader, writer, body)
+        return script
 
-    async with ScriptedServer(idle_close_on_second) as srv, pool() as p:
+    async def idle_close(writer: asyncio.StreamWriter) -> None:  # the worker's idle close wins the race
+        writer.close()
+
+    async with ScriptedServer(second_request_on_a_connection(idle_close)) as srv, pool() as p:
         for i in range(2):
             conn = await p.request(srv.url, b"", b"%d" % i, 5.0)
             assert await conn.read() == b'{"echo":%d}' % i
             conn.release()
         assert srv.connections == 2 and [r[-1:] for r in srv.requests] == [b"0", b"1", b"1"]
 
-    async def half_an_answer_on_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                                       body: bytes) -> None:
-        seen.append(id(writer))
-        if seen.count(id(writer)) == 2:
-            writer.write(b"HTTP/1.1 200 O")  # the worker had begun to answer: it ran the request, no resend
-            await writer.drain()
-            writer.close()
-            return
-        await echo(reader, writer, body)
+    async def half_an_answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 O")  # the worker had begun to answer: it ran the request, no resend
+        await writer.drain()
+        writer.close()
 
-    async with ScriptedServer(half_an_answer_on_second) as srv, pool() as p:
+    async with ScriptedServer(second_request_on_a_connection(half_an_answer)) as srv, pool() as p:
         conn = await p.request(srv.url, b"", b"0", 5.0)
         await conn.read()
         conn.release()
