@@ -795,7 +795,8 @@ def _admit_why(fit: dict[str, Any]) -> str:
     if not fit.get("n"):
         return "no admission probe"
     return (f"admission probe: engine time per injected request ({fit.get('lengths')} tokens, "
-            f"{fit.get('new_tokens', [1])} out) beyond its modelled prefill and decode steps, median of {fit['n']} runs")
+            f"{fit.get('new_tokens', [1])} out) beyond its modelled prefill and decode steps, "
+            f"median of {fit['n']} runs")
 
 
 def _host_why(fit: dict[str, Any]) -> str:

@@ -617,7 +617,8 @@ def dump_raw(path: Path, real: Series, sim: Series) -> None:
                         "chunks": [(t - leg.start, n) for t, n in r.chunks]} for r in leg.results]
                 for name, leg in named(series)}
 
-    windows = {side: {name: leg.windows for name, leg in named(series)} for side, series in (("real", real), ("sim", sim))}
+    windows = {side: {name: leg.windows for name, leg in named(series)}
+               for side, series in (("real", real), ("sim", sim))}
     path.write_text(json.dumps({"real": legs(real), "sim": legs(sim), "windows": windows}))
 
 

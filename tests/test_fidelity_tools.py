@@ -460,7 +460,8 @@ def test_raw_dump_keeps_each_legs_requests_and_wall_clock_windows(tmp_path):
     got = json.loads((tmp_path / "raw.json").read_text())
     names = ["burst", *(name for name, _ in LEVELS)]
     assert list(got["real"]) == names and list(got["windows"]["sim"]) == names
-    assert got["windows"]["real"]["burst"] == [[1000.0, 1030.0]] and got["windows"]["sim"][names[1]] == [[9100.0, 9130.0]]
+    assert got["windows"]["real"]["burst"] == [[1000.0, 1030.0]]
+    assert got["windows"]["sim"][names[1]] == [[9100.0, 9130.0]]
     first = got["real"]["burst"][0]
     assert first["sent"] == 0.0 and first["ttft"] == pytest.approx(0.1) and first["chunks"][0][0] == pytest.approx(0.1)
 

@@ -54,7 +54,8 @@ def _patch(module) -> None:  # noqa: ANN001
                 pre_tok += n
                 pairs += n * before + n * n / 2
         state["pending"] = {"t0": t0, "t_sched": t1 - t0, "dec": dec, "ctx": ctx, "ctx_max": ctx_max,
-                            "pre_n": pre_n, "pre_tok": pre_tok, "pairs": pairs, "run": len(self.running), "wait": len(self.waiting),
+                            "pre_n": pre_n, "pre_tok": pre_tok, "pairs": pairs, "run": len(self.running),
+                            "wait": len(self.waiting),
                             "tot": result.total_num_scheduled_tokens, "new": len(result.scheduled_new_reqs),
                             "fin": len(result.finished_req_ids)}
         return result
