@@ -476,14 +476,18 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
     if setup.get("step_trace"):
         out += ["", "The real engine's own steps against the profile fitted in this run (bench/vllm_hook logs every "
                 "scheduler step; measured period / the profile's step time for the same batch, summed; "
-                "decode-only steps and steps with prefill chunks):", "",
-                "| level | run | decode-only steps | measured / modelled | mixed steps | measured / modelled |",
-                "|---|---|---|---|---|---|"]
+                "decode-only steps and steps with prefill chunks; and the share of the steps' time the processes "
+                "on the engine's core spent in Python's garbage collector):", "",
+                "| level | run | decode-only steps | measured / modelled | mixed steps | measured / modelled "
+                "| garbage collection |",
+                "|---|---|---|---|---|---|---|"]
         for row in setup["step_trace"]:
             for run_name in ("first", "again"):
                 r = row[run_name]
+                gc = r.get("gc_share", float("nan"))
                 out.append(f"| {row['level'] if run_name == 'first' else ''} | {run_name} | {r['decode_steps']} | "
-                           f"{r['decode_ratio']:.2f} | {r['mixed_steps']} | {r['mixed_ratio']:.2f} |")
+                           f"{r['decode_ratio']:.2f} | {r['mixed_steps']} | {r['mixed_ratio']:.2f} | "
+                           f"{'n/a' if math.isnan(gc) else f'{100 * gc:.1f} %'} |")
     if any(lv.again_cells for lv in levels):
         out += ["", "### The real server against itself", "",
                 "Each level once more on the real server after all the legs above (same requests, same arrivals, "
@@ -632,12 +636,12 @@ def _step_trace_rows(trace: Path | None, profile: Path, levels: Sequence[LegResu
     """Per level, the real engine's steps (bench/vllm_hook) against the fitted profile, first run and again."""
     if trace is None:
         return []
-    from bench.step_trace import load_steps, step_ratios
+    from bench.step_trace import load_gc, load_steps, step_ratios
     from simulator.profiles import load_profile
 
-    steps, prof = load_steps(trace), load_profile(str(profile))
-    return [{"level": name, "first": asdict(step_ratios(steps, prof, lv.windows)),
-             "again": asdict(step_ratios(steps, prof, g.windows))}
+    steps, prof, gc = load_steps(trace), load_profile(str(profile)), load_gc(trace)
+    return [{"level": name, "first": asdict(step_ratios(steps, prof, lv.windows, gc)),
+             "again": asdict(step_ratios(steps, prof, g.windows, gc))}
             for (name, _), lv, g in zip(LEVELS, levels, again, strict=True)]
 
 

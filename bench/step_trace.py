@@ -8,12 +8,14 @@ next schedule() came more than IDLE_TAIL_S after update_from_output ended; usual
 until its update ended, so light load's waits for the next request are not read as step time. Steps split into
 decode-only (no prompt tokens) and mixed (prefill chunks with or without decodes); for each kind the ratio
 measured / modelled, summed over steps. A ratio that moves between runs alike for both kinds is the host's
-speed; a ratio that differs between the kinds is the model's shape.
+speed; a ratio that differs between the kinds is the model's shape. With the hook's garbage-collection log
+(gc-<pid>.jsonl), the share of the busy steps' time the processes on the engine's cores spent collecting.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,18 +62,41 @@ def _period(step: dict, nxt: dict | None) -> float:
     return period
 
 
+def load_gc(trace_dir: Path) -> list[tuple[float, float]]:
+    """(start, duration) of every garbage collection, in time order, of the processes that run on the engine's
+    cores: the EngineCore (which writes steps-<pid>.jsonl), its Worker, any helper pinned there; not the API
+    server, which the bench moves to the host's cores. Each gc-<pid>.jsonl's last process line says where it
+    ran."""
+    engine = {f.stem.split("-", 1)[1] for f in trace_dir.glob("steps-*.jsonl")}
+    procs: dict[str, tuple[set[int], list[tuple[float, float]]]] = {}
+    for f in trace_dir.glob("gc-*.jsonl"):
+        cpus: set[int] = set()
+        pauses: list[tuple[float, float]] = []
+        for line in f.read_text().splitlines():
+            rec = json.loads(line) if line else {}
+            if "cpus" in rec:
+                cpus = set(rec["cpus"])
+            elif "t" in rec:
+                pauses.append((rec["t"], rec["d"]))
+        procs[f.stem.split("-", 1)[1]] = (cpus, pauses)
+    cores = set().union(*(procs[pid][0] for pid in engine if pid in procs))
+    return sorted(p for cpus, pauses in procs.values() if cpus and cpus <= cores for p in pauses)
+
+
 @dataclass(slots=True)
 class StepRatios:
     decode_steps: int
     decode_ratio: float     # sum measured / sum modelled over decode-only steps (nan if none)
     mixed_steps: int
     mixed_ratio: float
+    gc_share: float = float("nan")   # garbage collection on the engine's cores / the busy steps' time (nan: no log)
 
 
 def step_ratios(steps: Sequence[Step], profile: Profile,
-                windows: Sequence[tuple[float, float]] = ((float("-inf"), float("inf")),)) -> StepRatios:
+                windows: Sequence[tuple[float, float]] = ((float("-inf"), float("inf")),),
+                gc: Sequence[tuple[float, float]] = ()) -> StepRatios:
     """Measured over modelled step time for the steps that began inside any of `windows` ([t0, t1] wall clock),
-    idle gaps left out."""
+    idle gaps left out; `gc` (load_gc) gives the share of those steps' time spent in garbage collection."""
     busy = [s for s in steps if 0.0 < s.period_s < IDLE_GAP_S and any(a <= s.t0 <= b for a, b in windows)]
 
     def ratio(kind: list[Step]) -> float:
@@ -80,7 +105,13 @@ def step_ratios(steps: Sequence[Step], profile: Profile,
 
     decode = [s for s in busy if s.pre_tok == 0 and s.dec > 0]
     mixed = [s for s in busy if s.pre_tok > 0]
-    return StepRatios(len(decode), ratio(decode), len(mixed), ratio(mixed))
+    share = float("nan")
+    if gc and busy:
+        starts = [t for t, _ in gc]
+        collecting = sum(gc[i][1] for s in busy for i in range(bisect.bisect_left(starts, s.t0),
+                                                               bisect.bisect_left(starts, s.t0 + s.period_s)))
+        share = collecting / sum(s.period_s for s in busy)
+    return StepRatios(len(decode), ratio(decode), len(mixed), ratio(mixed), share)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,9 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile", default="tiny-cpu", help="a profile name or YAML path (simulator.profiles)")
     args = ap.parse_args(argv)
     steps = load_steps(args.trace_dir)
-    r = step_ratios(steps, load_profile(args.profile))
+    r = step_ratios(steps, load_profile(args.profile), gc=load_gc(args.trace_dir))
     print(f"{len(steps)} steps; decode-only {r.decode_steps} at {r.decode_ratio:.2f}x the profile, "
-          f"mixed {r.mixed_steps} at {r.mixed_ratio:.2f}x")
+          f"mixed {r.mixed_steps} at {r.mixed_ratio:.2f}x; garbage collection {100 * r.gc_share:.1f} % of them")
     return 0
 
 

@@ -674,7 +674,7 @@ def test_step_trace_sets_each_step_beside_the_profile(tmp_path):
     measured against the profile's step time for the same batch."""
     import json
 
-    from bench.step_trace import load_steps, step_ratios
+    from bench.step_trace import load_gc, load_steps, step_ratios
 
     prof = dataclasses.replace(load_profile("tiny-cpu"), speed_quantiles=())
     decode = {"dec": 8, "ctx": 2000, "pre_n": 0, "pre_tok": 0, "pairs": 0.0}
@@ -697,6 +697,21 @@ def test_step_trace_sets_each_step_beside_the_profile(tmp_path):
     assert late.decode_steps + late.mixed_steps == 9
     two = step_ratios(steps, prof, [(rows[0]["t0"], rows[1]["t0"]), (rows[4]["t0"], rows[4]["t0"])])
     assert (two.decode_steps, two.mixed_steps) == (2, 1)
+    # garbage collection on the engine's core: the Worker's counts; the API server, moved to core 1, does not;
+    # nor does a collection while the engine idles
+    assert math.isnan(r.gc_share)
+
+    def gc_log(*batches: tuple[list[int], list[tuple[float, float]]]) -> str:
+        return "".join(json.dumps({"pid": 0, "comm": "x", "cpus": cpus, "frozen": 0}) + "\n"
+                       + "".join(json.dumps({"t": t, "d": d, "g": 0, "n": 0}) + "\n" for t, d in pauses)
+                       for cpus, pauses in batches)
+    (tmp_path / "gc-1.jsonl").write_text(gc_log(([0], [(rows[3]["t0"] + 1e-4, 0.0005)])))    # the EngineCore
+    (tmp_path / "gc-3.jsonl").write_text(gc_log(([0], [(rows[0]["t0"] + 1e-4, 0.001), (rows[-1]["t0"] - 1, 0.01)])))
+    (tmp_path / "gc-4.jsonl").write_text(gc_log(([0], []), ([1], [(rows[2]["t0"] + 1e-4, 0.002)])))
+    gc = load_gc(tmp_path)
+    assert [d for _, d in gc] == [0.001, 0.0005, 0.01]
+    busy = [s.period_s for s in steps if 0 < s.period_s < 0.5]
+    assert step_ratios(steps, prof, gc=gc).gc_share == pytest.approx(0.0015 / sum(busy))
     # with the hook's update timestamps, an idle wait after a step (light load) is cut from its period
     timed, t = [], 200.0
     for i in range(4):
@@ -723,7 +738,8 @@ def test_step_trace_sets_each_step_beside_the_profile(tmp_path):
              "prompt_mean": 10, "prompt_p50": 10, "prompt_max": 10, "output_mean": 20, "output_p50": 20,
              "output_max": 20, "step_trace": trace[:1]}
     text = render_report([lv], None, None, setup)
-    assert "| light | first | 16 | 1.30 | 3 | 1.50 |" in text and "|  | again | 16 | 1.30 | 3 | 1.50 |" in text
+    assert "| light | first | 16 | 1.30 | 3 | 1.50 | 0.8 % |" in text
+    assert "|  | again | 16 | 1.30 | 3 | 1.50 | 0.8 % |" in text
 
 
 def test_report_header_records_the_whole_command_and_the_commit_the_run_started_at(tmp_path):

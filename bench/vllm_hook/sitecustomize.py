@@ -13,6 +13,8 @@ It wraps vllm.v1.core.sched.scheduler.Scheduler.schedule and update_from_output 
 first imported; with FLEETGATE_STEP_TRACE unset it does nothing. The wrappers only read the scheduler's state.
 """
 
+import atexit
+import gc
 import importlib.abc
 import importlib.util
 import json
@@ -73,6 +75,37 @@ def _patch(module) -> None:  # noqa: ANN001
     scheduler.schedule, scheduler.update_from_output = traced_schedule, traced_update
 
 
+def _time_gc() -> None:
+    """Append every garbage collection of this process to OUT/gc-<pid>.jsonl (start, duration, generation)."""
+    pending: list[str] = []
+    state = {"start": 0.0, "flushed": time.time(), "file": None}
+
+    def flush(now: float) -> None:
+        if state["file"] is None:
+            state["file"] = open(os.path.join(OUT, f"gc-{os.getpid()}.jsonl"), "a")  # noqa: SIM115
+        with open("/proc/self/comm") as comm:   # vLLM names its processes after startup
+            name = comm.read().strip()
+        proc = {"pid": os.getpid(), "comm": name, "cpus": sorted(os.sched_getaffinity(0)),
+                "frozen": gc.get_freeze_count()}
+        state["file"].write(json.dumps(proc) + "\n" + "".join(pending))
+        state["file"].flush()
+        pending.clear()
+        state["flushed"] = now
+
+    def on_gc(phase: str, info: dict) -> None:
+        now = time.time()
+        if phase == "start":
+            state["start"] = now
+            return
+        pending.append(f'{{"t":{state["start"]:.6f},"d":{now - state["start"]:.6f},'
+                       f'"g":{info.get("generation", -1)},"n":{info.get("collected", 0)}}}\n')
+        if now - state["flushed"] > 1.0:
+            flush(now)
+
+    gc.callbacks.append(on_gc)
+    atexit.register(lambda: flush(time.time()) if pending else None)
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201
         if name != TARGET:
@@ -96,3 +129,4 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 if OUT:
     sys.meta_path.insert(0, _PatchOnImport())
+    _time_gc()
