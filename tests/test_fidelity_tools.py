@@ -738,8 +738,10 @@ def test_step_trace_sets_each_step_beside_the_profile(tmp_path):
              "prompt_mean": 10, "prompt_p50": 10, "prompt_max": 10, "output_mean": 20, "output_p50": 20,
              "output_max": 20, "step_trace": trace[:1]}
     text = render_report([lv], None, None, setup)
-    assert "| light | first | 16 | 1.30 | 3 | 1.50 | 0.8 % |" in text
-    assert "|  | again | 16 | 1.30 | 3 | 1.50 | 0.8 % |" in text
+    share = f"{100 * trace[0]['first']['gc_share']:.1f} %"    # the GC pauses over the busy steps, as above
+    assert trace[0]["first"]["gc_share"] == pytest.approx(0.0015 / sum(busy))
+    assert f"| light | first | 16 | 1.30 | 3 | 1.50 | {share} |" in text
+    assert f"|  | again | 16 | 1.30 | 3 | 1.50 | {share} |" in text
 
 
 def test_report_header_records_the_whole_command_and_the_commit_the_run_started_at(tmp_path):
