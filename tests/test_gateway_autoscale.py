@@ -341,9 +341,9 @@ async def test_requests_prefer_their_own_worker_type_and_spill_to_mixed(sim_flee
             httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
         await poll(lambda: len(gw.gateway.registry.rotation(MODEL)) == 3, 10, "workers healthy")
 
-        def long(cls: str) -> asyncio.Task:
+        def long(cls: str) -> asyncio.Task:   # ~2.2 s at 10x: outlasts the polls and the third's 0.3 s queue wait
             return asyncio.create_task(http.post(
-                "/v1/chat/completions", headers={"x-sim-output-tokens": "600", "x-request-class": cls},
+                "/v1/chat/completions", headers={"x-sim-output-tokens": "3000", "x-request-class": cls},
                 json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}))
 
         def inflight() -> dict[str, int]:
