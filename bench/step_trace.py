@@ -90,6 +90,7 @@ class StepRatios:
     mixed_steps: int
     mixed_ratio: float
     gc_share: float = float("nan")   # garbage collection on the engine's cores / the busy steps' time (nan: no log)
+    all_ratio: float = float("nan")  # both kinds together: the engine's speed in those minutes against the profile
 
 
 def step_ratios(steps: Sequence[Step], profile: Profile,
@@ -111,7 +112,7 @@ def step_ratios(steps: Sequence[Step], profile: Profile,
         collecting = sum(gc[i][1] for s in busy for i in range(bisect.bisect_left(starts, s.t0),
                                                                bisect.bisect_left(starts, s.t0 + s.period_s)))
         share = collecting / sum(s.period_s for s in busy)
-    return StepRatios(len(decode), ratio(decode), len(mixed), ratio(mixed), share)
+    return StepRatios(len(decode), ratio(decode), len(mixed), ratio(mixed), share, ratio(decode + mixed))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -122,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = load_steps(args.trace_dir)
     r = step_ratios(steps, load_profile(args.profile), gc=load_gc(args.trace_dir))
     print(f"{len(steps)} steps; decode-only {r.decode_steps} at {r.decode_ratio:.2f}x the profile, "
-          f"mixed {r.mixed_steps} at {r.mixed_ratio:.2f}x; garbage collection {100 * r.gc_share:.1f} % of them")
+          f"mixed {r.mixed_steps} at {r.mixed_ratio:.2f}x, all at {r.all_ratio:.2f}x; garbage collection {100 * r.gc_share:.1f} % of them")
     return 0
 
 

@@ -599,6 +599,26 @@ def test_report_shows_the_step_time_sensitivity_of_the_last_level():
     assert "x1.00 at one constant speed (no drift): 80.0 / 20.0 ms" in text
 
 
+def test_report_replays_each_level_at_the_real_engines_speed_in_its_minutes():
+    """With a step trace, the report sets the simulator re-run at each level's measured engine speed beside the
+    real server, and counts those cells apart from the verdict's."""
+    real = leg_stats([_stream(10, 0.1, 0.050, 20)], 0.0)
+    sim = leg_stats([_stream(10, 0.07, 0.035, 20)], 0.0)      # as fitted: 0.70 of the real TTFT and TPOT
+    fast = leg_stats([_stream(10, 0.095, 0.048, 20)], 0.0)    # at the leg's speed: within target
+    lv = LevelResult("near saturation", 0.85, 12.0, 1, real, sim, 0.4, 0.5, 0.0, 0.0, compare(real, sim),
+                     speed=1.16, matched=fast, matched_cells=compare(real, fast))
+    plain = LevelResult("light", 0.25, 3.0, 1, real, real, 0.4, 0.5, 0.0, 0.0, compare(real, real))
+    setup = {"cpu": 0, "profile": "p.yaml", "n": 1, "seed": 1, "saturation_rps": 12.0, "max_load": 1.5,
+             "prompt_mean": 10, "prompt_p50": 10, "prompt_max": 10, "output_mean": 20, "output_p50": 20,
+             "output_max": 20}
+    text = render_report([plain, lv], None, None, setup)
+    assert "7 of 10 cells within target" in text      # the verdict counts the fitted profile only
+    assert "at the host's speed of each level's minutes" in text and "5 of 5 cells within target." in text
+    assert "| near saturation | x1.16 | TTFT p50 (ms) | 100.0 | 95.0 | 0.95 | 0.70 | ±20% | PASS |" in text
+    assert "| light | x" not in text                   # a level without a replay has no rows
+    assert "at the host's speed" not in render_report([plain], None, None, setup)
+
+
 def test_calibration_rounds_accumulate_and_fit_one_profile_over_all_of_them(tmp_path, monkeypatch):
     """bench.fidelity spreads the calibration over its real legs as rounds: every round adds one repetition of each
     probe, its speed probes keep their time since the first round and their round, and the fit pools them all."""
@@ -693,6 +713,9 @@ def test_step_trace_sets_each_step_beside_the_profile(tmp_path):
     r = step_ratios(steps, prof)
     assert (r.decode_steps, r.mixed_steps) == (16, 3)           # the mixed step before the idle gap is left out
     assert r.decode_ratio == pytest.approx(1.3) and r.mixed_ratio == pytest.approx(1.5)
+    counted = [s for s in steps if 0 < s.period_s < 0.5]     # both kinds: weighted by their modelled time
+    assert r.all_ratio == pytest.approx(sum(s.period_s for s in counted) / sum(s.modelled_s(prof) for s in counted))
+    assert 1.3 < r.all_ratio < 1.5
     late = step_ratios(steps, prof, [(rows[10]["t0"], t)])
     assert late.decode_steps + late.mixed_steps == 9
     two = step_ratios(steps, prof, [(rows[0]["t0"], rows[1]["t0"]), (rows[4]["t0"], rows[4]["t0"])])
@@ -751,3 +774,33 @@ def test_report_header_records_the_whole_command_and_the_commit_the_run_started_
                  commit="9a59221")
     head = (tmp_path / "r.md").read_text().splitlines()
     assert head[2] == "- command: `python -m bench.fidelity --cpu 0 --max-load 3`" and head[3] == "- commit: `9a59221`"
+
+
+def test_at_speed_rebuilds_a_runs_levels_from_its_raw_dump():
+    """bench.at_speed: a finished run's raw.json gives back every level's requests and arrivals exactly as
+    bench.fidelity made them (rate from the real burst's throughput, same seeds and variants)."""
+    import json
+
+    from bench.at_speed import plans_from_raw, results
+    from bench.fidelity import LEVELS, level_size, make_workload, poisson_arrivals
+
+    def record(finished: float) -> dict:
+        return {"prompt": 10, "max_tokens": 2, "sent": 0.0, "ttft": 0.1, "tpot": 0.1, "status": 200, "error": "",
+                "chunks": [(finished - 0.1, 1), (finished, 2)]}
+
+    burst = [record(20.0 * (i + 1) / 400) for i in range(400)]    # 400 requests done in 20 s: 20 req/s
+    raw = json.loads(json.dumps({"real": {"burst": burst}}))      # as read back from the file: lists, not tuples
+    assert leg_stats(results(raw["real"]["burst"]), 0.0).requests_per_s == pytest.approx(20.0)
+    sizes = [level_size(400, frac * 20.0) for _, frac in LEVELS]
+    for (name, _), size in zip(LEVELS, sizes):
+        raw["real"][name] = [record(1.0)] * size
+    plans = plans_from_raw(raw, seed=1)
+    assert [p.rate for p in plans] == pytest.approx([frac * 20.0 for _, frac in LEVELS])
+    assert [len(p.items) for p in plans] == sizes == [400, 660, 1020]
+    near = plans[2]
+    assert [w.prompt for w in near.items] == [w.prompt for w in make_workload(1020, 1, variant=4)]
+    assert near.a_arrivals == poisson_arrivals(510, 17.0, 1 + 20 + 1)
+    assert near.b_arrivals == poisson_arrivals(510, 17.0, 1 + 20 + 2)
+    raw["real"]["medium"] = raw["real"]["medium"][:-2]
+    with pytest.raises(ValueError, match="medium: the run sent 658 requests, rebuilt 660"):
+        plans_from_raw(raw, seed=1)
