@@ -792,7 +792,7 @@ def test_at_speed_rebuilds_a_runs_levels_from_its_raw_dump():
     raw = json.loads(json.dumps({"real": {"burst": burst}}))      # as read back from the file: lists, not tuples
     assert leg_stats(results(raw["real"]["burst"]), 0.0).requests_per_s == pytest.approx(20.0)
     sizes = [level_size(400, frac * 20.0) for _, frac in LEVELS]
-    for (name, _), size in zip(LEVELS, sizes):
+    for (name, _), size in zip(LEVELS, sizes, strict=True):
         raw["real"][name] = [record(1.0)] * size
     plans = plans_from_raw(raw, seed=1)
     assert [p.rate for p in plans] == pytest.approx([frac * 20.0 for _, frac in LEVELS])
