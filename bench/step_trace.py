@@ -123,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = load_steps(args.trace_dir)
     r = step_ratios(steps, load_profile(args.profile), gc=load_gc(args.trace_dir))
     print(f"{len(steps)} steps; decode-only {r.decode_steps} at {r.decode_ratio:.2f}x the profile, "
-          f"mixed {r.mixed_steps} at {r.mixed_ratio:.2f}x, all at {r.all_ratio:.2f}x; garbage collection {100 * r.gc_share:.1f} % of them")
+          f"mixed {r.mixed_steps} at {r.mixed_ratio:.2f}x, all at {r.all_ratio:.2f}x; "
+          f"garbage collection {100 * r.gc_share:.1f} % of them")
     return 0
 
 
