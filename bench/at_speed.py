@@ -30,10 +30,8 @@ from bench.fidelity import (
     _leg,
     compare,
     leg_stats,
-    level_size,
-    make_workload,
+    level_plan,
     matched_table,
-    poisson_arrivals,
     pool,
     scaled_profile,
 )
@@ -55,20 +53,17 @@ def results(records: Sequence[dict[str, Any]]) -> list[StreamResult]:
 
 
 def plans_from_raw(raw: dict[str, Any], seed: int = 1, n: int = 400) -> list[LevelPlan]:
-    """Every level's requests and arrivals as bench.fidelity.run made them: rates from the real burst's
-    throughput, sizes by level_size, the same seeds and workload variants."""
+    """Every level's requests and arrivals as bench.fidelity.run made them (level_plan), at rates from the real
+    burst's throughput."""
     saturation = leg_stats(results(raw["real"]["burst"]), 0.0).requests_per_s
     plans = []
     for k, (name, frac) in enumerate(LEVELS):
         rate = frac * saturation
-        size = level_size(n, rate)
-        if size != len(raw["real"][name]):
-            raise ValueError(f"{name}: the run sent {len(raw['real'][name])} requests, rebuilt {size}: "
-                             "another seed or --quick?")
-        half = size // 2
-        plans.append(LevelPlan(name, rate, make_workload(size, seed, variant=2 + k),
-                               poisson_arrivals(half, rate, seed + 10 * k + 1),
-                               poisson_arrivals(size - half, rate, seed + 10 * k + 2)))
+        a_items, a_arr, b_items, b_arr = level_plan(k, rate, seed, n)
+        if len(a_items) + len(b_items) != len(raw["real"][name]):
+            raise ValueError(f"{name}: the run sent {len(raw['real'][name])} requests, rebuilt "
+                             f"{len(a_items) + len(b_items)}: another seed or --quick?")
+        plans.append(LevelPlan(name, rate, a_items + b_items, a_arr, b_arr))
     return plans
 
 

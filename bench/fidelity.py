@@ -677,6 +677,17 @@ def level_size(n: int, rate: float, min_s: float = LEG_MIN_S) -> int:
     return max(n, 2 * math.ceil(min_s * rate))
 
 
+def level_plan(k: int, rate: float, seed: int, n: int, min_s: float = LEG_MIN_S
+               ) -> tuple[list[WorkItem], list[float], list[WorkItem], list[float]]:
+    """Level k's requests (workload variant 2 + k, level_size of them) and Poisson arrivals at `rate`, as two
+    halves: (A requests, A arrivals, B requests, B arrivals)."""
+    size = level_size(n, rate, min_s)
+    items = make_workload(size, seed, variant=2 + k)
+    half = size // 2
+    return (items[:half], poisson_arrivals(half, rate, seed + 10 * k + 1),
+            items[half:], poisson_arrivals(size - half, rate, seed + 10 * k + 2))
+
+
 def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s: float,
         raw_path: Path | None = None, step_trace: Path | None = None) -> str:
     """The calibration is spread over the real server's legs, then the simulator runs every leg with the profile
@@ -729,13 +740,8 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
         saturation = leg_stats(real_burst.results, real_burst.start).requests_per_s
         for k, (name, frac) in enumerate(LEVELS):
             rates.append(frac * saturation)
-            size = level_size(n, rates[-1], leg_min_s)
-            items = make_workload(size, seed, variant=2 + k)
-            half = size // 2
-            a_items, b_items = items[:half], items[half:]
-            a_arr = poisson_arrivals(half, rates[-1], seed + 10 * k + 1)
-            b_arr = poisson_arrivals(size - half, rates[-1], seed + 10 * k + 2)
-            log(f"{name}: {rates[-1]:.1f} req/s, {size} requests")
+            a_items, a_arr, b_items, b_arr = level_plan(k, rates[-1], seed, n, leg_min_s)
+            log(f"{name}: {rates[-1]:.1f} req/s, {len(a_items) + len(b_items)} requests")
             real_levels.append(pool(real_leg(a_items, a_arr, "A real"), real_leg(b_items, b_arr, "B real")))
             plans.append((a_items, a_arr, b_items, b_arr))
             cal_round()
