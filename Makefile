@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint bench-overhead bench-sim clean test-vllm
+.PHONY: install demo test test-chaos lint bench-overhead bench-sim clean test-vllm
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,11 @@ test-vllm: install
 	scripts/vllm_env.sh
 	$(BIN)/python scripts/vllm_servers.py model
 	$(BIN)/pytest tests_vllm -q
+
+# Failure scenarios with real processes killed, frozen and flooded on purpose (tests_chaos/; results table in
+# bench/results/chaos.md). Starts its own redis-server processes on free ports.
+test-chaos: install
+	$(BIN)/pytest tests_chaos -q
 
 lint: install
 	$(BIN)/ruff check .
