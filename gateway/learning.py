@@ -72,8 +72,8 @@ DOC_MAX_AGE_S = 86_400.0
 MIN_DECODE_TOKENS = 4          # ATGT over fewer tokens is mostly noise
 PREFILL_SETTLE_MAX_S = 30.0    # a prefill observation waits at most this long for earlier requests to finish
 TRACE_KEEP = 2048              # scrape samples kept per worker (trimmed in halves)
-_TIME_COEFS = ("k1", "c1", "k2", "c2", "c3")
-_EXPORTED = ("k1", "c1", "k2", "c2", "c3", "h", "j", "kv_capacity", "max_batch")
+_TIME_COEFS = ("k1", "c1", "k2", "c2", "c3", "k1q", "pf")
+_EXPORTED = ("k1", "k1q", "pf", "c1", "k2", "c2", "c3", "h", "j", "kv_capacity", "max_batch")
 
 
 # --- priors ------------------------------------------------------------------------------------------
@@ -223,19 +223,21 @@ class _PrefillLog:
         if len(self.rows) > 2 * TRACE_KEEP:
             del self.rows[:TRACE_KEEP]
 
-    def others_between(self, t_sent: float, t_first: float) -> float:
-        """Prompt tokens of the other requests prefilled while this one waited: first token in
+    def others_between(self, t_sent: float, t_first: float) -> tuple[float, float]:
+        """Prompt tokens (Σl, Σl²) of the other requests prefilled while this one waited: first token in
         (t_sent, t_first] and sent before t_first (Aladdin eq. 2's Σl_in of the prefill it shared)."""
         rows = self.rows
         lo = bisect.bisect_right(rows, (t_sent, math.inf, math.inf))
         hi = bisect.bisect_right(rows, (t_first, math.inf, math.inf))
-        total, me = 0.0, False
+        total = sq = 0.0
+        me = False
         for tf, ts, l_in in rows[lo:hi]:
             if tf == t_first and ts == t_sent and not me:
                 me = True  # the request itself
             elif ts < t_first:
                 total += l_in
-        return total
+                sq += l_in * l_in
+        return total, sq
 
 
 # --- per-profile state ---------------------------------------------------------------------------------
@@ -517,8 +519,8 @@ class Learner:
         for item in self._prefill_wait:
             wid, prof, t_sent, t_first, l_in = item
             if t_first < oldest.get(wid, math.inf) or now - t_first > PREFILL_SETTLE_MAX_S:
-                shared = self._prefill_logs[wid].others_between(t_sent, t_first)
-                prof.prefill.append((l_in + shared, t_first - t_sent))
+                shared, shared_sq = self._prefill_logs[wid].others_between(t_sent, t_first)
+                prof.prefill.append((l_in + shared, l_in * l_in + shared_sq, t_first - t_sent))
                 prof.new += 1
                 prof.dirty = True
             else:
@@ -658,8 +660,9 @@ class Learner:
 def _fit(prior: PerfModel, prefill: list, decode: list, prior_weight: float) -> PerfModel:
     """Refit a profile from observations (runs in a worker thread)."""
     fitter = PerfModelFitter(prior=prior, capacity=max(len(prefill), len(decode), 8), prior_weight=prior_weight)
-    for tokens, seconds in prefill:
-        fitter.add_prefill(tokens, seconds)
+    for row in prefill:  # (Σl, Σl², seconds); replicas of older versions share (Σl, seconds)
+        tokens, seconds = row[0], row[-1]
+        fitter.add_prefill(tokens, seconds, sum_sq_tokens=row[1] if len(row) == 3 else None)
     for batch, ctx, seconds in decode:
         fitter.add_decode(batch, ctx, seconds)
     return fitter.refit()

@@ -292,6 +292,7 @@ class AladdinPolicy(Policy):
         ("_s_in_dec", 0.0), ("_s_g0", 0.0), ("_min_tdec", _INF), ("_vb", 0.0), ("_vkv", 0.0),
         ("_k1", 1.0), ("_c1", 0.0), ("_k2", 1.0), ("_c2", 0.0), ("_c3", 0.0), ("_h", 1.0), ("_j", 0.0),
         ("_M", 1.0), ("_bmax", 1.0), ("_rmse_pre", 0.0), ("_rmse_dec", 0.0), ("_bcap", 1.0), ("_ccap", 1.0),
+        ("_k1q", 0.0), ("_pf", 0.0),
     )
 
     def _grow(self, cap: int) -> None:
@@ -326,6 +327,7 @@ class AladdinPolicy(Policy):
         t = self.slo.atgt_s
         self._k1[r], self._c1[r], self._k2[r], self._c2[r], self._c3[r] = m.k1, m.c1, m.k2, m.c2, m.c3
         self._h[r], self._j[r], self._M[r], self._bmax[r] = m.h, m.j, m.kv_capacity, m.max_batch
+        self._k1q[r], self._pf[r] = m.k1q, m.pf
         self._rmse_pre[r] = m.fit[PREFILL].rmse if PREFILL in m.fit else 0.0
         self._rmse_dec[r] = m.fit[DECODE].rmse if DECODE in m.fit else 0.0
         # capacity_norm scales (deviation: normalised so heterogeneous workers compare).
@@ -697,7 +699,9 @@ class AladdinPolicy(Policy):
         lp, _ = self._predicted(request)
         k2, c2, c3 = self._k2[rows], self._c2[rows], self._c3[rows]
         ok_b = l_in + self.gamma * lp <= self.theta * (slo.atgt_s - c2 - c3) / k2           # eq. 4, b = 1
-        ok_c = self._k1[rows] * l_in + self._c1[rows] <= slo.ttft_s                          # eq. 2
+        k1 = self._k1[rows]
+        pre = self._c1[rows] + np.maximum(self._pf[rows], k1 * l_in + self._k1q[rows] * l_in * l_in)
+        ok_c = pre <= slo.ttft_s                                                             # eq. 2
         ok_e = self._h[rows] * (l_in + lp) + self._j[rows] <= self._M[rows]                  # eq. 1
         return ok_b & ok_c & ok_e
 
@@ -722,8 +726,9 @@ class AladdinPolicy(Policy):
         b = b_now + 1.0
         t_dec = np.minimum(self._min_tdec[rows], slo.atgt_s)
         limit = th * (t_dec - c2 * b - c3) / k2                       # (b) via eq. 4
-        queued = np.maximum(self._P[rows] - self._C[rows], 0.0)
-        pre = k1 * (queued + l_in) + c1                                # eq. 2 over queued + new
+        queued = np.maximum(self._P[rows] - self._C[rows], 0.0)       # prefill work, in linear-token units
+        work = l_in + self._k1q[rows] / k1 * l_in * l_in
+        pre = c1 + np.maximum(self._pf[rows], k1 * (queued + work))    # eq. 2 over queued + new
         # TTFT also pays what it waited, the decode step in flight and, in every prefill chunk, the ongoing
         # decodes (vLLM V1 batches them with the chunk): (chunks + 1) decode steps of eq. 3.
         n_dec = self._n_dec[rows]
@@ -865,7 +870,7 @@ class AladdinPolicy(Policy):
         req = _Req(rid, request.model, max(int(request.prompt_tokens), 0), lp, var, slo.atgt_s, slo.ttft_s,
                    self._group(slo.atgt_s), request.max_tokens)
         req.g0 = float(self._G[r])
-        self._P[r] += req.l_in
+        self._P[r] += req.l_in + self._k1q[r] / self._k1[r] * req.l_in * req.l_in  # prefill work (perf_model)
         req.pend_end = float(self._P[r])
         row.pending.append(req)
         if len(row.pending) == 1:
@@ -1107,20 +1112,22 @@ class AladdinPolicy(Policy):
 class _FreshBin:
     """Aggregates of requests that would start together on an empty worker (for the scale signal)."""
 
-    __slots__ = ("n", "s_in", "s_ctx", "s_tok", "t_dec", "t_pre")
+    __slots__ = ("n", "s_in", "s_sq", "s_ctx", "s_tok", "t_dec", "t_pre")
 
     def __init__(self) -> None:
-        self.n, self.s_in, self.s_ctx, self.s_tok, self.t_dec, self.t_pre = 0, 0.0, 0.0, 0.0, _INF, _INF
+        self.n, self.s_in, self.s_sq, self.s_ctx, self.s_tok, self.t_dec, self.t_pre = 0, 0.0, 0.0, 0.0, 0.0, _INF, _INF
 
     def add(self, l_in: int, lp: float, slo: SloTarget, m: PerfModel, gamma: float, theta: float,
             force: bool = False) -> bool:
         n, s_in, s_ctx, s_tok = self.n + 1, self.s_in + l_in, self.s_ctx + l_in + gamma * lp, self.s_tok + l_in + lp
+        s_sq = self.s_sq + float(l_in) * l_in
         t_dec, t_pre = min(self.t_dec, slo.atgt_s), min(self.t_pre, slo.ttft_s)
         fits = (n <= m.max_batch and s_ctx <= theta * m.context_limit(n, t_dec)   # (b), eq. 4
-                and m.prefill_time(s_in) <= t_pre                                   # (c), eq. 2
+                and m.prefill_time(s_in, s_sq) <= t_pre                             # (c), eq. 2
                 and m.kv_blocks(s_tok, n) <= m.kv_capacity)                         # (e) at final sizes
         if fits or force:
-            self.n, self.s_in, self.s_ctx, self.s_tok, self.t_dec, self.t_pre = n, s_in, s_ctx, s_tok, t_dec, t_pre
+            self.n, self.s_in, self.s_sq, self.s_ctx, self.s_tok = n, s_in, s_sq, s_ctx, s_tok
+            self.t_dec, self.t_pre = t_dec, t_pre
         return fits
 
 

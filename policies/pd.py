@@ -76,8 +76,11 @@ class PdPlan:
 
 
 def prefill_time(model: PerfModel, queued_tokens: float, prompt_tokens: float) -> float:
-    """Predicted completion of a prompt behind `queued_tokens` queued ones: Aladdin eq. 2, k1·Σl_in + c1."""
-    return model.k1 * (max(queued_tokens, 0.0) + max(prompt_tokens, 0.0)) + model.c1
+    """Predicted completion of a prompt behind `queued_tokens` queued ones: Aladdin eq. 2 with the attention
+    term (policies/perf_model.py), c1 + max(pf, k1·(queued + work(l_in))); the queued prompts' own attention
+    is not known from their token sum and counts as linear."""
+    work = max(queued_tokens, 0.0) + model.prefill_work(max(prompt_tokens, 0.0))
+    return model.c1 + max(model.pf, model.k1 * work)
 
 
 def split_phase_model(model: PerfModel, s_per_token: float = DEFAULT_TRANSFER_S_PER_TOKEN,
