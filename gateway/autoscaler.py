@@ -223,7 +223,7 @@ class Autoscaler:
         out = self.batch.outputs
         waiting = 0
         if self.dispatcher is not None:
-            waiting = sum(len(rt.queue.waiters) for rt in self.dispatcher.runtimes.values())
+            waiting = sum(len(rt.queue) for rt in self.dispatcher.runtimes.values())
         return {"t": now_wall, "workers": workers, "dispatched": self.batch.router.interactive_dispatched,
                 "batch_tokens": self.batch.batch_tokens, "out": [out.n, out.total, out.total_sq], "waiting": waiting}
 

@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from gateway.registry import Registry
     from gateway.relay import RelayResult, ResponseState
     from gateway.state.base import StateStore
+    from policies.placement import ModelPlacement
     from policies.types import RequestFeatures
 
 log = logging.getLogger("fleetgate.learning")
@@ -259,7 +260,8 @@ class _Profile:
 
 @dataclass(slots=True)
 class _Active:
-    policy: Policy | None  # set when the policy takes progress reports
+    placement: ModelPlacement
+    feats: RequestFeatures
     state: ResponseState
     worker: str
     t_sent: float
@@ -284,12 +286,12 @@ class Learner:
         self._pred_cache: dict[tuple[str, int, int | None], float] = {}
         self._profiles: dict[str, _Profile] = {}
         self._traces: dict[str, _Trace] = {}
-        self._policies: dict[str, Policy] = {}
+        self._policies: list[tuple[str, Policy]] = []   # (model, policy): every policy the gateway built
         self._active: dict[str, _Active] = {}
         self._done: deque[tuple] = deque(maxlen=100_000)
         self._prefill_logs: dict[str, _PrefillLog] = {}
         self._prefill_wait: list[tuple] = []
-        self._shortfall_seen: dict[str, tuple[int, float]] = {}  # model -> (no_fits, monotonic of last rise)
+        self._shortfall_seen: dict[tuple[str, int], tuple[int, float]] = {}  # (model, policy) -> (no_fits, rise)
         self._buckets_seen: set[tuple[str, int]] = set()
         self._task: asyncio.Task | None = None
         self._fitting = False
@@ -338,8 +340,9 @@ class Learner:
 
     # --- hot path ----------------------------------------------------------------------------------
     def attach(self, model: str, policy: Policy) -> None:
-        """A model's policy was built: give it the current perf models and the shared predictor."""
-        self._policies[model] = policy
+        """A policy of `model` was built (its own, or its P/D profile's decode policy): give it the current perf
+        models and the shared predictor."""
+        self._policies.append((model, policy))
         if not self.enabled:
             return
         if hasattr(policy, "set_perf_model"):
@@ -361,26 +364,35 @@ class Learner:
             hit = self._pred_cache[key] = self.predictor.predict(model, prompt_tokens, max_tokens)
         return hit
 
-    def dispatched(self, policy: Policy, feats: RequestFeatures, worker_id: str, state: ResponseState) -> float:
-        """The request was sent to `worker_id`; returns the dispatch time (perf_counter)."""
+    def dispatched(self, placement: ModelPlacement, feats: RequestFeatures, worker_id: str,
+                   state: ResponseState) -> float:
+        """The request was sent to `worker_id`; returns the dispatch time (perf_counter). The control loop
+        reports its progress (tokens relayed so far) to the placement step now and then."""
         t = time.perf_counter()
         if self.enabled:
-            self._active[feats.request_id] = _Active(
-                policy if hasattr(policy, "report_progress") else None, state, worker_id, t)
+            self._active[feats.request_id] = _Active(placement, feats, state, worker_id, t)
         return t
 
-    def finished(self, feats: RequestFeatures, worker_id: str, t_sent: float, result: RelayResult) -> None:
-        """The worker answered (any status); observations are processed by the control loop. A policy that
-        keeps a ledger hears the final token count now (`observe_completion`, before its `on_complete`)."""
-        if self.enabled and result.status == 200 and result.midstream_error is None:
-            n = result.usage.completion_tokens if result.usage is not None else result.tokens
-            if n > 0:
-                self._done.append((feats.model, feats.prompt_tokens, n, worker_id, t_sent,
-                                   result.first_token_at, result.last_token_at))
-                a = self._active.get(feats.request_id)
-                hook = getattr(a.policy, "observe_completion", None) if a is not None else None
-                if hook is not None:
-                    hook(feats, n, time.time())
+    def finished(self, feats: RequestFeatures, worker_id: str, t_sent: float, result: RelayResult) -> int:
+        """The worker answered (any status): its timings become observations for the control loop. Returns
+        the output tokens of a completed answer (0 otherwise), which the placement step then hears."""
+        if result.status != 200 or result.midstream_error is not None:
+            return 0
+        n = result.usage.completion_tokens if result.usage is not None else result.tokens
+        if self.enabled and n > 0:
+            self._done.append((feats.model, feats.prompt_tokens, n, worker_id, t_sent,
+                               result.first_token_at, result.last_token_at))
+        return max(n, 0)
+
+    def observe_length(self, model: str, prompt_tokens: int, output_tokens: int) -> None:
+        """A completed request's output length (the placement step calls this before its policy hears)."""
+        if not self.enabled:
+            return
+        self._own_predictor.observe(model, prompt_tokens, output_tokens)
+        if self.predictor is not self._own_predictor:
+            self.predictor.observe(model, prompt_tokens, output_tokens)
+        self._own_dirty = True
+        self._buckets_seen.add((model, length_bucket(prompt_tokens)))
 
     def released(self, request_id: str) -> None:
         self._active.pop(request_id, None)
@@ -469,14 +481,8 @@ class Learner:
         if not done:
             return
         workers = self.registry.workers
-        self._own_dirty = True
-        merged = self.predictor if self.predictor is not self._own_predictor else None
         while done:
             model, l_in, n, wid, t_sent, t_first, t_last = done.popleft()
-            self._own_predictor.observe(model, l_in, n)
-            if merged is not None:
-                merged.observe(model, l_in, n)
-            self._buckets_seen.add((model, length_bucket(l_in)))
             ws = workers.get(wid)
             if ws is None or t_first is None:
                 continue
@@ -531,25 +537,29 @@ class Learner:
         if not self._active:
             return
         now = time.time()
-        for rid, a in list(self._active.items()):
+        for a in list(self._active.values()):
             n = a.state.tokens
-            if a.policy is not None and n > a.reported:
+            if n > a.reported:
                 a.reported = n
-                a.policy.report_progress(rid, n, now)
+                a.placement.progress(a.feats, n, now)
 
     def _export_shortfall(self) -> None:
         mono = time.monotonic()
-        for model, policy in self._policies.items():
+        per_model: dict[str, int] = {}
+        for model, policy in self._policies:
             if not hasattr(policy, "shortfall"):
                 continue
+            key = (model, id(policy))
             no_fits = int(getattr(policy, "no_fits", 0))
-            seen, at = self._shortfall_seen.get(model, (0, float("-inf")))
+            seen, at = self._shortfall_seen.get(key, (0, float("-inf")))
             if no_fits != seen:
                 seen, at = no_fits, mono
-                self._shortfall_seen[model] = (seen, at)
+                self._shortfall_seen[key] = (seen, at)
             # The policy forgets unplaced requests only on its next no_fit: without one for its TTL, none is left.
             recent = mono - at <= float(getattr(policy, "unplaced_ttl_s", 30.0))
-            self.g_shortfall.labels(model).set(policy.shortfall if recent else 0)
+            per_model[model] = max(per_model.get(model, 0), policy.shortfall if recent else 0)
+        for model, n in per_model.items():
+            self.g_shortfall.labels(model).set(n)
 
     # --- models --------------------------------------------------------------------------------------
     def _all_samples(self, p: _Profile) -> tuple[list, list]:
@@ -567,7 +577,7 @@ class Learner:
         self._push(p)
 
     def _push(self, p: _Profile) -> None:
-        for policy in self._policies.values():
+        for _, policy in self._policies:
             if hasattr(policy, "set_perf_model"):
                 policy.set_perf_model(p.name, p.model)
 
@@ -652,7 +662,7 @@ class Learner:
         for other in others:
             self._buckets_seen.update((str(m), int(b)) for m, b, _ in other.get("buckets", []))
         self._export_lengths()
-        for policy in self._policies.values():
+        for _, policy in self._policies:
             if isinstance(getattr(policy, "predictor", None), LengthPredictor):
                 policy.predictor = merged
 

@@ -138,17 +138,6 @@ class SloBook:
             tpot = parse_target_ms(raw_tpot, TPOT_HEADER)
         return ttft, tpot
 
-    @staticmethod
-    def queue_budget(feats: RequestFeatures, queue_timeout_s: float) -> tuple[float, str]:
-        """How long the request may wait for a worker, and why that long: an interactive request with a
-        TTFT target gives up when the target has passed (waiting longer cannot meet it); else the
-        configured queue timeout."""
-        if feats.slo_ttft_s is not None and feats.request_class != CLASS_BATCH:
-            left = feats.slo_ttft_s - max(time.time() - feats.arrival, 0.0)
-            if left < queue_timeout_s:
-                return max(left, 0.0), f"its TTFT target of {feats.slo_ttft_s * 1000:g} ms passed while queued"
-        return queue_timeout_s, f"waited {queue_timeout_s:g}s in the admission queue"
-
     # --- measurement (per finished request) -------------------------------------------------------
     def record(self, feats: RequestFeatures, stream: bool, t0: float, result: RelayResult, t_end: float) -> None:
         """Judge one answered request; t0 / t_end are perf_counter() at arrival and after the last byte."""

@@ -86,6 +86,12 @@ _YOUNG = 8              # risk mode: the most recently started decodes tracked p
 _MIN_SAMPLES = 32       # risk mode: fewer completed lengths than this -> the lifetime rule
 _FAR = 1e12             # "never recovers", in tokens
 
+# Which feasible worker takes the request: "best" is Algorithm 1 (the fullest bin by capacity_norm; with a
+# margin, the fullest among those keeping at least that headroom on every constraint, else the one with the
+# most), "worst" the one with the most headroom (spread, with the constraints as admission control).
+FIT_BEST, FIT_WORST = "best", "worst"
+FITS = (FIT_BEST, FIT_WORST)
+
 # Constraint names, as counted in `last_rejections`.
 C_ATGT, C_TTFT, C_SLACK, C_KV = "atgt", "ttft", "prefill_slack", "kv"
 
@@ -230,6 +236,8 @@ class AladdinPolicy(Policy):
         count_wait: bool = True,
         stall_risk: float = 0.005,
         deadline_margin_s: float = 0.05,
+        fit: str = "best",
+        margin: float = 0.0,
     ) -> None:
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"gamma (strictness knob) must be in [0, 1], got {gamma}")
@@ -262,6 +270,13 @@ class AladdinPolicy(Policy):
             raise ValueError("stall_risk must be in [0, 1) and deadline_margin_s >= 0")
         self.stall_risk = float(stall_risk)
         self.deadline_margin_s = float(deadline_margin_s)
+        if fit not in FITS:
+            raise ValueError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {margin}")
+        self.fit, self.margin = fit, float(margin)
+        self._head = np.zeros(0)
+        self._kv_head = np.zeros(0)
         self._cdf_cache: dict[str, tuple[int, np.ndarray]] = {}
         self._parts: tuple[np.ndarray, ...] | None = None
         self._ttft_reachable = True
@@ -653,13 +668,36 @@ class AladdinPolicy(Policy):
                     return d
         self.no_fits += 1
         self._note_unplaced(request, rows, now)
-        return Decision(None, "no_fit")
+        return Decision(None, "no_fit", retry_at=self._risk_deadline(request, now))
+
+    def _risk_deadline(self, request: RequestFeatures, now: float) -> float | None:
+        """Risk mode, waiting for a worker within the budget: the time after which no worker would meet the
+        TTFT with `deadline_margin_s` to spare any more (then `choose` takes the least risk), i.e. when the
+        caller should ask again even if nothing changes meanwhile. None outside risk mode."""
+        if self.slack != SLACK_RISK or self._parts is None:
+            return None
+        later, ttft = self._parts[1], self._parts[7]
+        if not later.any():
+            return None
+        slo = target_for(request, self.slo)
+        # At least a millisecond on: at the boundary itself the next call decides.
+        return now + max(float(np.max(slo.ttft_s - self.deadline_margin_s - ttft[later])), 1e-3)
 
     def _best_fit(self, request: RequestFeatures, workers: Sequence[WorkerView], ok: np.ndarray, norm: np.ndarray,
                   reason: str) -> Decision:
-        """Algorithm 1: the feasible worker with the largest capacity_norm (the fullest bin that fits)."""
-        order = np.argsort(-norm, kind="stable")
-        best = order[int(np.argmax(ok[order]))]
+        """Algorithm 1: the feasible worker with the largest capacity_norm (the fullest bin that fits), as `fit`
+        and `margin` ask (module docstring): headroom is each worker's smallest relative slack over the
+        constraints after the placement."""
+        head = self._head
+        if self.fit == FIT_WORST:
+            best = int(np.argmax(np.where(ok, head, -_INF)))
+        else:
+            cand = ok & (head >= self.margin) if self.margin > 0 else ok
+            if not cand.any():   # nobody keeps the margin: the most headroom
+                best = int(np.argmax(np.where(ok, head, -_INF)))
+            else:
+                order = np.argsort(-norm, kind="stable")
+                best = int(order[int(np.argmax(cand[order]))])
         if request.request_id in self._unplaced:
             del self._unplaced[request.request_id]
             self._shortfall = None
@@ -670,7 +708,7 @@ class AladdinPolicy(Policy):
         """Risk mode: no worker is within the stall-risk budget. Waiting for one costs TTFT, so wait only
         while some worker would still meet the TTFT after `deadline_margin_s` more; at that deadline (or
         once the TTFT is lost anyway) take the worker where the prefill breaks the fewest ATGTs."""
-        base, later, risk, l_in, lp, var, z = self._parts
+        base, later, risk, l_in, lp, var, z, _ = self._parts
         if at_deadline and (not base.any() or later.any()):
             return None
         idx = np.nonzero(base)[0]
@@ -764,15 +802,23 @@ class AladdinPolicy(Policy):
             ok_d = np.ones(len(rows), dtype=bool)
         if self.slack == SLACK_RISK:
             later = ok_b & (ttft + self.deadline_margin_s <= slo.ttft_s) if check_ttft else ok_b
-            self._parts = (ok_b & ok_c, later, risk, l_in, lp, var, z)
+            self._parts = (ok_b & ok_c, later, risk, l_in, lp, var, z, ttft)
         ok = ok_b & ok_c & ok_d
         rej = {C_ATGT: int(np.count_nonzero(~ok_b)), C_TTFT: int(np.count_nonzero(~ok_c)),
                C_SLACK: int(np.count_nonzero(~ok_d)), C_KV: 0}
+        # Headroom after the placement: the smallest relative slack over (b), (c), (d) and the batch limit.
+        head = np.minimum(1.0 - ctx_tot / np.maximum(limit, 1e-9), 1.0 - b / self._bmax[rows])
+        if check_ttft:
+            head = np.minimum(head, 1.0 - ttft / slo.ttft_s)
+        if self.slack == SLACK_RISK and self.stall_risk > 0:
+            head = np.minimum(head, 1.0 - risk / self.stall_risk)
         idx = np.nonzero(ok)[0]
         if len(idx):
             ok_e = self._kv_fits(rows[idx], l_in, lp, var, z)
             ok[idx] = ok_e
             rej[C_KV] = int(np.count_nonzero(~ok_e))
+            head[idx] = np.minimum(head[idx], self._kv_head)
+        self._head = head
         self.last_rejections = rej
         return ok, norm
 
@@ -853,6 +899,7 @@ class AladdinPolicy(Policy):
         peak += np.maximum(self._vkv[rs] * M - now_model, 0.0)
         if z:
             peak += z * h * np.sqrt(self._s_var[rs] + var)
+        self._kv_head = 1.0 - peak / M
         return peak <= M
 
     def on_dispatch(self, request: RequestFeatures, worker_id: str, now: float) -> None:

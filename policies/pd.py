@@ -248,6 +248,17 @@ class PdPolicy(Policy):
     def on_complete(self, request: RequestFeatures, worker_id: str, now: float) -> None:
         self.decode_policy.on_complete(request, worker_id, now)
 
+    def report_progress(self, request_id: str, generated_tokens: int, now: float) -> None:
+        """Forwarded to a decode policy that keeps a ledger (aladdin)."""
+        hook = getattr(self.decode_policy, "report_progress", None)
+        if hook is not None:
+            hook(request_id, generated_tokens, now)
+
+    def observe_completion(self, request: RequestFeatures, output_tokens: int, now: float) -> None:
+        hook = getattr(self.decode_policy, "observe_completion", None)
+        if hook is not None:
+            hook(request, output_tokens, now)
+
     def forget_worker(self, worker_id: str) -> None:
         self.index.forget_worker(worker_id)
 

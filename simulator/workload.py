@@ -10,6 +10,7 @@ one of these formats works too (the format is detected from its header / first l
 
 from __future__ import annotations
 
+import bisect
 import csv
 import json
 import math
@@ -43,6 +44,7 @@ class WorkloadRequest:
     max_tokens: int | None = None
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    source_row: int | None = None       # its row in the trace file (so a history can leave it out)
 
 
 # ---- arrival processes ----------------------------------------------------------------------------
@@ -166,7 +168,12 @@ def load_workload(
     limit: int | None = None,
 ) -> list[WorkloadRequest]:
     """Requests sorted by arrival. Timestamped traces keep their arrivals unless `rate` is given;
-    `rate_scale` multiplies the arrival rate (divides gaps); `duration` keeps arrivals before it."""
+    `rate_scale` multiplies the arrival rate (divides gaps); `duration` keeps arrivals before it.
+
+    The seed decides what is replayed: for a timestamped trace longer than `duration`, seed k replays the
+    window starting k windows in (wrapping around); with synthetic arrivals (lengths-only traces, or `rate`
+    given), each request's (prompt, output) pair is drawn i.i.d. from the trace's rows (a file that lists a
+    conversation's turns in order would otherwise send bursts of ever longer prompts)."""
     if rate_scale <= 0:
         raise ValueError("rate_scale must be > 0")
     if duration is not None and duration <= 0:
@@ -193,23 +200,40 @@ def load_workload(
         if rate is None:
             raise ValueError(f"trace {trace!r} has no timestamps: give an arrival rate (req/s)")
         arrivals = arrival_process(arrival, rate * rate_scale, cv, rng)
-        # Lengths-only traces repeat from the start when a duration asks for more requests than the file has.
-        n = len(lengths) if duration is None else None
+        n = len(lengths) if duration is None else None   # without a duration: as many requests as rows
         stamps = []
         for i, t in enumerate(arrivals):
             if (n is not None and i >= n) or (duration is not None and t >= duration) or (limit and i >= limit):
                 break
             stamps.append(t)
-        if n is None:
-            lengths = [lengths[j % len(lengths)] for j in range(len(stamps))]
+        rows = [rng.randrange(len(lengths)) for _ in stamps]
     else:
         stamps = [t / rate_scale for t in stamps]
+        start = 0.0
+        span = stamps[-1] if stamps else 0.0
+        if duration is not None and seed and span > duration:
+            start = (seed * duration) % (span - duration)
+        first = bisect.bisect_left(stamps, start)
+        rows = list(range(first, len(stamps)))
+        stamps = [stamps[j] - start for j in rows]
     out: list[WorkloadRequest] = []
-    for i, (t, (p, o, keys)) in enumerate(zip(stamps, lengths, strict=False)):
+    for i, (t, j) in enumerate(zip(stamps, rows, strict=True)):
         if (duration is not None and t >= duration) or (limit is not None and i >= limit):
             break
-        out.append(WorkloadRequest(f"req-{i}", t, p, o, keys))
+        p, o, keys = lengths[j]
+        out.append(WorkloadRequest(f"req-{i}", t, p, o, keys, source_row=j))
     return out
+
+
+def trace_rows(trace: str | Path) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) of every row of a trace, in file order (the rows `source_row` indexes)."""
+    path = resolve_trace(trace)
+    kind = _detect(path)
+    if kind == "azure":
+        return [(p, o) for _, p, o in read_azure(path)]
+    if kind == "mooncake":
+        return [(max(1, r["input_length"]), max(1, r["output_length"])) for r in read_mooncake(path)]
+    return read_lengths(path)
 
 
 def mean_output_tokens(requests: list[WorkloadRequest]) -> float:

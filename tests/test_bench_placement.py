@@ -126,15 +126,18 @@ class HoldBig(Policy):
 
 def test_queue_poll_and_lookahead():
     wl = [WorkloadRequest("big", 0.0, 500, 2)] + [WorkloadRequest(f"s{i}", 0.1 * (i + 1), 20, 2) for i in range(5)]
-    # Head-only queue without polling: the small ones wait behind the big one until something completes.
-    res = {r.request_id: r for r in ClusterSim("llama3-8b-a100", 1, HoldBig()).run(wl).results}
-    assert res["big"].dispatched is None and res["s0"].dispatched is None
+    slo = {"slo_ttft_s": 30.0}   # no TTFT deadline within the test: the queue timeout (5 s) is the budget
+    # Head-only queue without polling: the small ones wait behind the big one until something completes or,
+    # here, until the big one's budget runs out (refused with 429 at 5 s).
+    res = {r.request_id: r for r in ClusterSim("llama3-8b-a100", 1, HoldBig(), **slo).run(wl).results}
+    assert res["big"].finish_reason == "refused" and res["big"].status == 429 and res["big"].dispatched is None
+    assert res["s0"].dispatched == pytest.approx(5.0)
     # Polling: the head goes at the first poll after t = 1 s; the small ones follow right behind it.
-    res = {r.request_id: r for r in ClusterSim("llama3-8b-a100", 1, HoldBig(), queue_poll_s=0.05).run(wl).results}
+    res = {r.request_id: r for r in ClusterSim("llama3-8b-a100", 1, HoldBig(), queue_poll_s=0.05, **slo).run(wl).results}
     assert 1.0 <= res["big"].dispatched < 1.0 + 0.05 + 1e-9
     assert all(res[f"s{i}"].dispatched >= res["big"].dispatched for i in range(5))
     # Look-ahead: the small ones overtake the waiting head.
-    sim = ClusterSim("llama3-8b-a100", 1, HoldBig(), queue_poll_s=0.05, queue_lookahead=4)
+    sim = ClusterSim("llama3-8b-a100", 1, HoldBig(), queue_poll_s=0.05, queue_lookahead=4, **slo)
     res = {r.request_id: r for r in sim.run(wl).results}
     assert all(res[f"s{i}"].dispatched == pytest.approx(0.1 * (i + 1)) for i in range(5))
     assert res["big"].completed and res["big"].dispatched >= 1.0
@@ -177,7 +180,9 @@ def test_risk_mode_waits_while_a_young_request_would_likely_miss():
     short = risk_policy(5)        # every answer is 5 tokens: r0 surely misses -> wait
     ws = young_worker(short)
     d = short.choose(newcomer, ws, 1.02)
-    assert d == Decision(None, "no_fit") and short.last_rejections["prefill_slack"] == 1
+    assert (d.worker_id, d.reason) == (None, "no_fit") and short.last_rejections["prefill_slack"] == 1
+    # Ask again when waiting longer would cost its TTFT: 0.6 − 0.05 margin − (0.4 s prefill + 2 decode steps).
+    assert d.retry_at == pytest.approx(1.02 + 0.6 - 0.05 - 0.42)
     long = risk_policy(1000)      # every answer is 1000 tokens: r0 recovers -> place now
     ws = young_worker(long)
     assert long.choose(newcomer, ws, 1.02) == Decision("w0", "best_fit")

@@ -214,7 +214,7 @@ async def test_aladdin_places_the_decode_legs_in_split_phase_mode(sim_fleet) -> 
         assert (await tokens(http, p))[0] == sum(long_chat(k)[1] for k in keys)
         decode = [await tokens(http, u) for u in (d0, d1)]
         assert sum(t[0] for t in decode) == 0 and sum(t[1] for t in decode) == 8 * len(keys)
-        pol = gw.gateway.dispatcher.pd.policies[MODEL]
+        pol = gw.gateway.dispatcher.runtimes[MODEL].placement.pd  # the P/D profile of the placement step
         assert pol.decode_policy_name == "aladdin_decode" and pol.decisions == {"disaggregated": len(keys)}
 
 
