@@ -74,7 +74,7 @@ def test_a_waiter_removed_during_the_drain_is_skipped() -> None:
         seen.append(w.features.request_id)
         if w is ws[0]:
             q.remove(ws[1])   # e.g. its client left while the drain awaited
-    assert seen == ["r0", "r2"] and len(q) == 2 and q.next_wake() == 5.0   # their deadlines: the timeout
+    assert seen == ["r0", "r2"] and len(q) == 2 and q.next_wake() == 1.0   # their TTFT deadlines
 
 
 # --- placement step -----------------------------------------------------------------------------------
