@@ -292,6 +292,7 @@ class Learner:
         self._prefill_logs: dict[str, _PrefillLog] = {}
         self._prefill_wait: list[tuple] = []
         self._shortfall_seen: dict[tuple[str, int], tuple[int, float]] = {}  # (model, policy) -> (no_fits, rise)
+        self.shortfall_now: dict[str, int] = {}   # model -> the placement shortfall last exported
         self._buckets_seen: set[tuple[str, int]] = set()
         self._task: asyncio.Task | None = None
         self._fitting = False
@@ -560,6 +561,11 @@ class Learner:
             per_model[model] = max(per_model.get(model, 0), policy.shortfall if recent else 0)
         for model, n in per_model.items():
             self.g_shortfall.labels(model).set(n)
+        self.shortfall_now = per_model
+
+    def shortfall_total(self) -> int:
+        """More workers this replica's unplaceable requests need, over all models (the autoscaler's input)."""
+        return sum(self.shortfall_now.values())
 
     # --- models --------------------------------------------------------------------------------------
     def _all_samples(self, p: _Profile) -> tuple[list, list]:

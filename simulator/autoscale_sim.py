@@ -8,7 +8,8 @@ What the driver adds to `ClusterSim` (all in the `AutoscaleSim` subclass; cluste
 - request classes: interactive requests go through the cluster's own path (its FIFO admission queue
   when no worker has room); batch requests wait in a deadline-ordered `BatchQueue` held by the gateway
   and are pumped into workers with room whenever a slot frees, after any waiting interactive request;
-- pools as worker labels (`labels["pool"]`: interactive / mixed / batch) and the `PoolRouter` policy;
+- pools as worker labels (`labels["pool"]`: interactive / mixed / batch): the gateway's placement step
+  (policies/placement.py) filters by pool, then the arm's policy (`least_fill` by default) picks;
   in the Chiron arm an interactive request that finds no room evicts the newest batch request of a
   mixed worker, which goes back to the queue at its old place (Chiron section 3);
 - per-worker caps that change at run time (`SimWorker.cap`), set by Chiron's local autoscaler from the
@@ -65,7 +66,7 @@ from policies.autoscale.global_ import (
     theta_from_spikes,
 )
 from policies.autoscale.local import LocalAutoscaler, LocalConfig
-from policies.autoscale.routing import PoolRouter, eviction_victim, has_room
+from policies.autoscale.routing import eviction_victim, has_room
 from policies.batch_queue import BatchQueue
 from policies.types import CLASS_BATCH, Decision, RequestFeatures
 from simulator.cluster import _STEP, ClusterSim, RequestResult, SimWorker
@@ -121,6 +122,9 @@ class Arm:
     static_cap: int | None = None      # utilization / static: the per-worker cap (None: profile max_num_seqs)
     batch_max_cap: int = 4096          # chiron: local-autoscaler ceiling on batch-pool workers (sec. 6.2: 2048-4096)
     evict_mode: str = "restart"        # chiron: "restart" (live gateway) or "swap" (sec. 4 fast restart, sim only)
+    policy: str = "least_fill"         # the placement policy behind the pool filter (the gateway's config name)
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    joint: bool = False                # feed the placement shortfall (aladdin) to the global autoscaler
     label: str = ""
 
     @property
@@ -258,8 +262,12 @@ class AutoscaleSim(ClusterSim):
         engine = EngineConfig(max_num_seqs=max(prof.max_num_seqs, self.local_config.max_cap, self.static_cap,
                                                arm.batch_max_cap if arm.kind == "chiron" else 0),
                               scheduling_policy="priority")
-        super().__init__(prof, 0, PoolRouter(), slo_ttft_s=scenario.slo_ttft_s, slo_tpot_s=scenario.slo_tpot_s,
-                         engine_config=engine, cap=self.static_cap, scrape_interval_s=0.0)
+        super().__init__(prof, 0, arm.policy, slo_ttft_s=scenario.slo_ttft_s, slo_tpot_s=scenario.slo_tpot_s,
+                         engine_config=engine, cap=self.static_cap, scrape_interval_s=0.0,
+                         policy_params=arm.policy_params or None, seed=scenario.seed,
+                         # the gateway of such a fleet lets interactive requests wait out their TTFT target
+                         # (limits.queue_timeout_s >= the target) while new workers start
+                         queue_timeout_s=max(scenario.slo_ttft_s, 5.0))
         self.use_local = arm.kind in ("chiron", "utilization_local")
         self.evict = arm.kind == "chiron"
         self.swap = self.evict and arm.evict_mode == "swap"
@@ -645,6 +653,7 @@ class AutoscaleSim(ClusterSim):
             batch_tokens_per_s=thr, worker_tokens_per_s=per_worker,
             output_mean=stats.mean if stats.n >= 20 else self.predicted_output_tokens_value(),
             output_std=stats.std if stats.n >= 20 else 0.0,
+            placement_shortfall=float(getattr(self.policy, "shortfall", 0)) if self.arm.joint else 0.0,
         )
 
     def predicted_output_tokens_value(self) -> float:
