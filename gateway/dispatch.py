@@ -309,7 +309,7 @@ class Dispatcher:
                 self.metrics.count_retry(ctx.rt.model)
             ws = ctx.worker
             t_sent = self.learner.dispatched(ctx.rt.placement, ctx.feats, ws.id, ctx.state)
-            out = 0
+            out, met = 0, None
             try:
                 result = await self.relay.forward(
                     ctx.send, getattr(ws, ctx.route.url_attr), ctx.payload, ctx.upstream_headers,
@@ -317,6 +317,7 @@ class Dispatcher:
                 if result.midstream_error is not None:
                     self.metrics.upstream_error(ws.id, "midstream")
                 out = self.learner.finished(ctx.feats, ws.id, t_sent, result)
+                met = self.slo.judge(ctx.feats, ctx.stream, ctx.t0, result, time.perf_counter())
                 return result
             except UpstreamFailure as f:
                 failure = f
@@ -328,7 +329,7 @@ class Dispatcher:
                           "retrying" if attempt + 1 < self.attempts else "giving up")
             finally:
                 ctx.worker = None
-                await self.release(ctx.rt, ctx.feats, ws, out)
+                await self.release(ctx.rt, ctx.feats, ws, out, slo_met=met)
         if failure is None:
             raise errors.no_worker(ctx.rt.model, self.retry_after_s)
         return await self.answer_failure(ctx, failure)
@@ -438,9 +439,10 @@ class Dispatcher:
         return await self.store.try_reserve(ws.id, ctx.feats.request_id, ws.rec.cap, tokens)
 
     async def release(self, rt: ModelRuntime, feats: RequestFeatures, ws: WorkerState, output_tokens: int = 0,
-                      feedback: bool = True) -> None:
+                      feedback: bool = True, slo_met: bool | None = None) -> None:
         """Give back the request's reservation on `ws`; with `feedback`, the placement step hears that the
-        request ended there (with `output_tokens` when it completed). Wakes the queues the worker serves."""
+        request ended there (with `output_tokens` when it completed, and whether it met its SLO). Wakes the
+        queues the worker serves."""
         try:
             if self.shield_release:  # a networked store: a cancelled client must not leak the slot
                 await asyncio.shield(self.store.release(ws.id, feats.request_id))
@@ -451,7 +453,7 @@ class Dispatcher:
                 self.learner.released(feats.request_id)
                 if self.pools is not None:
                     self.pools.released(feats, ws.id)
-                rt.placement.finished(feats, ws.id, output_tokens, time.time())
+                rt.placement.finished(feats, ws.id, output_tokens, time.time(), slo_met)
             for m in ws.models:
                 other = self.runtimes.get(m)
                 if other is not None:

@@ -151,7 +151,7 @@ class PdLegs:
         self.metrics.decision(rt.model, ctx.decision.reason)
         pair = _Pair(ctx.worker, ctx.prefill, ctx.decision.reason)
         body = orjson.loads(ctx.payload)
-        out = 0
+        out, met = 0, None
         try:
             params = None
             if pair.prefill is not None:
@@ -159,12 +159,13 @@ class PdLegs:
             result = await self._decode(ctx, body, params, pair)
             if result.status == 200 and result.midstream_error is None:
                 out = result.usage.completion_tokens if result.usage is not None else result.tokens
+            met = self.d.slo.judge(feats, ctx.stream, ctx.t0, result, time.perf_counter())
             return result
         finally:
             if pair.prefill is not None:
                 await self.d.release(rt, feats, pair.prefill, feedback=False)
             ctx.worker = ctx.prefill = None
-            await self.d.release(rt, feats, pair.decode, out)
+            await self.d.release(rt, feats, pair.decode, out, slo_met=met)
 
     # --- the prefill leg ---------------------------------------------------------------------------------
     async def _prefill(self, ctx: RequestContext, body: dict[str, Any], pair: _Pair) -> dict[str, Any] | None:

@@ -42,15 +42,25 @@ Choices beyond the paper (each a parameter):
     a worker to any prompt after each admission; "off" drops (d). bench/results/placement.md compares them.
   * Risk mode waits for a worker within the budget only while the TTFT allows: once no worker would meet
     the TTFT after `deadline_margin_s` more, it takes the feasible ((b), (c), (e)) worker with the least
-    risk ("deadline"). The caller must retry queued requests at least that often.
+    risk ("deadline"). Decision.retry_at tells the admission queue when that moment comes.
+  * Which feasible worker: `fit="best"` is Algorithm 1 (the fullest bin; with `margin` m, the fullest of
+    those that keep at least m relative headroom on every constraint, else the one with the most); `fit=
+    "worst"` takes the one with the most headroom (the constraints then act as admission control and a fleet
+    larger than needed spreads its load instead of idling). Best fit minimises the workers in use, which pays
+    when idle workers can be released; on a fixed fleet it leaves the model's errors no room (the
+    placement study, bench/results/placement.md, chooses between them by leave-one-trace-out).
+  * Trust: `observe_outcome` keeps each worker's recent SLO miss rate (EWMA over `miss_window` requests). Where
+    the model is right, requests it placed hardly ever miss; a worker above `max_miss_rate` is not trusted
+    and, when every worker the model would place on is untrusted, the `fallback` baseline places the request
+    ("fallback") until the rate falls or the learner installs a new model (which resets it).
   * (c) counts the time the request already waited (now − arrival, `count_wait`), the decode step in
     flight and, per prefill chunk of `prefill_chunk_tokens` (vLLM's max_num_batched_tokens), the ongoing
     decodes batched with it. A request whose TTFT is lost anyway ("late") is placed where (b), (d), (e)
     hold, or (risk mode) where the risk is least, instead of waiting and blocking others.
   * capacity_norm divides batch size and context by the worker's own limits (eq. 4 at b=1, (T−c3)/c2)
     so that workers of different profiles rank on one scale.
-  * A request that fits no worker even when alone (e.g. its prefill exceeds the TTFT target) is placed
-    on the least-loaded worker ("best_effort") instead of waiting forever.
+  * A request that fits no worker even when alone (e.g. its prefill exceeds the TTFT target) is placed by
+    the `fallback` baseline ("best_effort") instead of waiting forever.
   * Engine-reported load (WorkerView running/waiting/kv_usage) beyond the ledger's (other gateway
     replicas) is counted in (b) and (e).
 """
@@ -66,7 +76,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import Policy, register
+from policies.base import Policy, make_policy, register
 from policies.length_predictor import LengthPredictor
 from policies.perf_model import DECODE, PREFILL, PerfModel
 from policies.slo import DEFAULT_ATGT_S, DEFAULT_TTFT_S, SloTarget, target_for
@@ -238,6 +248,9 @@ class AladdinPolicy(Policy):
         deadline_margin_s: float = 0.05,
         fit: str = "best",
         margin: float = 0.0,
+        fallback: str | None = "least_requests",
+        max_miss_rate: float = 0.1,
+        miss_window: int = 64,
     ) -> None:
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"gamma (strictness knob) must be in [0, 1], got {gamma}")
@@ -275,6 +288,11 @@ class AladdinPolicy(Policy):
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"margin must be in [0, 1), got {margin}")
         self.fit, self.margin = fit, float(margin)
+        if not 0.0 < max_miss_rate <= 1.0 or miss_window < 1:
+            raise ValueError("max_miss_rate must be in (0, 1] and miss_window >= 1")
+        self.fallback = make_policy(fallback) if fallback else None
+        self.max_miss_rate, self._miss_alpha = float(max_miss_rate), 1.0 / miss_window
+        self.fallbacks = 0
         self._head = np.zeros(0)
         self._kv_head = np.zeros(0)
         self._cdf_cache: dict[str, tuple[int, np.ndarray]] = {}
@@ -307,7 +325,7 @@ class AladdinPolicy(Policy):
         ("_s_in_dec", 0.0), ("_s_g0", 0.0), ("_min_tdec", _INF), ("_vb", 0.0), ("_vkv", 0.0),
         ("_k1", 1.0), ("_c1", 0.0), ("_k2", 1.0), ("_c2", 0.0), ("_c3", 0.0), ("_h", 1.0), ("_j", 0.0),
         ("_M", 1.0), ("_bmax", 1.0), ("_rmse_pre", 0.0), ("_rmse_dec", 0.0), ("_bcap", 1.0), ("_ccap", 1.0),
-        ("_k1q", 0.0), ("_pf", 0.0),
+        ("_k1q", 0.0), ("_pf", 0.0), ("_miss", 0.0),
     )
 
     def _grow(self, cap: int) -> None:
@@ -359,6 +377,7 @@ class AladdinPolicy(Policy):
         for row in self._rows:
             if row.profile == profile:
                 self._apply_model(row.idx, m)
+                self._miss[row.idx] = 0.0     # a new model earns its trust afresh
 
     def _row_for_id(self, worker_id: str) -> int:
         r = self._index.get(worker_id)
@@ -640,6 +659,11 @@ class AladdinPolicy(Policy):
         rows = self._rows_for_views(workers)
         self._advance(rows, now)
         ok, norm = self._feasible(request, rows, now)
+        untrusted = self._miss[rows] > self.max_miss_rate
+        if untrusted.any() and self.fallback is not None:
+            ok &= ~untrusted
+            if not ok.any():    # the model is wrong where it would place: the robust baseline decides
+                return self._fall_back(request, workers, now)
         if ok.any():
             return self._best_fit(request, workers, ok, norm, "best_fit")
         if self.slack == SLACK_RISK:
@@ -652,6 +676,8 @@ class AladdinPolicy(Policy):
             # target): waiting cannot help, so it goes where the least work is, as a best effort.
             self.best_efforts += 1
             self._unplaced.pop(request.request_id, None)
+            if self.fallback is not None:
+                return Decision(self.fallback.choose(request, workers, now).worker_id, "best_effort")
             return Decision(workers[int(np.argmin(norm))].id, "best_effort")
         if not self._ttft_reachable:
             # No worker meets its TTFT any more (waiting only adds to the estimate: the wait grows as fast
@@ -669,6 +695,14 @@ class AladdinPolicy(Policy):
         self.no_fits += 1
         self._note_unplaced(request, rows, now)
         return Decision(None, "no_fit", retry_at=self._risk_deadline(request, now))
+
+    def _fall_back(self, request: RequestFeatures, workers: Sequence[WorkerView], now: float) -> Decision:
+        """The robust baseline's choice (`fallback`) where the model cannot be trusted: every worker it would
+        place on misses too often (`observe_outcome`)."""
+        self.fallbacks += 1
+        self._unplaced.pop(request.request_id, None)
+        d = self.fallback.choose(request, workers, now)
+        return Decision(d.worker_id, "fallback")
 
     def _risk_deadline(self, request: RequestFeatures, now: float) -> float | None:
         """Risk mode, waiting for a worker within the budget: the time after which no worker would meet the
@@ -966,6 +1000,15 @@ class AladdinPolicy(Policy):
         """The request completed after `output_tokens` tokens (called just before `on_complete`): corrects
         the ledger and, with `learn_lengths`, teaches the length predictor."""
         self.report_progress(request.request_id, output_tokens, now)
+
+    def observe_outcome(self, request: RequestFeatures, worker_id: str, slo_met: bool, now: float) -> None:
+        """Whether a request that ran on `worker_id` met its SLO: the worker's recent miss rate (an EWMA over
+        `miss_window` requests). A model that is right misses (almost) never where it placed; above
+        `max_miss_rate` the worker's model is not trusted and the `fallback` baseline places there until
+        the rate falls again or a new model is installed."""
+        r = self._index.get(worker_id)
+        if r is not None:
+            self._miss[r] += self._miss_alpha * ((0.0 if slo_met else 1.0) - self._miss[r])
 
     def _force_prefilled(self, r: int, req: _Req, now: float) -> None:
         """The request's first token exists, so the prefill queue up to it has drained."""

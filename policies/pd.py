@@ -259,6 +259,11 @@ class PdPolicy(Policy):
         if hook is not None:
             hook(request, output_tokens, now)
 
+    def observe_outcome(self, request: RequestFeatures, worker_id: str, slo_met: bool, now: float) -> None:
+        hook = getattr(self.decode_policy, "observe_outcome", None)
+        if hook is not None:
+            hook(request, worker_id, slo_met, now)
+
     def forget_worker(self, worker_id: str) -> None:
         self.index.forget_worker(worker_id)
 

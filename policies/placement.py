@@ -135,9 +135,16 @@ class ModelPlacement:
         if hook is not None:
             hook(feats.request_id, tokens, now)
 
-    def finished(self, feats: RequestFeatures, worker_id: str, output_tokens: int, now: float) -> None:
-        """The request completed on `worker_id` with `output_tokens` tokens (0 when it failed or was aborted)."""
+    def finished(self, feats: RequestFeatures, worker_id: str, output_tokens: int, now: float,
+                 slo_met: bool | None = None) -> None:
+        """The request completed on `worker_id` with `output_tokens` tokens (0 when it failed or was aborted);
+        `slo_met`: whether it met its SLO, where the caller judged it (policies that learn from outcomes hear
+        it through `observe_outcome`)."""
         owner = self._owner(feats.request_id)
+        if slo_met is not None:
+            hook = getattr(owner, "observe_outcome", None)
+            if hook is not None:
+                hook(feats, worker_id, slo_met, now)
         if output_tokens > 0:
             if self.observe_length is not None:
                 self.observe_length(feats.model, feats.prompt_tokens, output_tokens)

@@ -510,7 +510,8 @@ class ClusterSim:
         w.inflight_tokens -= r.prompt_tokens + int(feats.predicted_output_tokens)
         res = self.results[r.request_id]
         self._decisions.pop(r.request_id, None)
-        self.placement.finished(feats, w.id, res.output_tokens if res.completed else 0, now)
+        self.placement.finished(feats, w.id, res.output_tokens if res.completed else 0, now,
+                                slo_met=res.slo_met if res.completed else False)
         for hook in self.on_finish:
             hook(self, self.results[r.request_id])
         self._maybe_retire(w, now)
