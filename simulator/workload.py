@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import functools
 import json
 import math
 import random
@@ -97,6 +98,18 @@ def _azure_stamp(stamp: str) -> tuple[int, float]:
     return date(int(y), int(mo), int(d)).toordinal(), int(h) * 3600 + int(mi) * 60 + float(s)
 
 
+@functools.lru_cache(maxsize=16)
+def _read_cached(kind: str, path: Path, mtime: float) -> tuple:
+    """A trace file parsed once per process (studies replay the same file hundreds of times)."""
+    reader = {"azure": read_azure, "lengths": read_lengths, "mooncake": read_mooncake}[kind]
+    return tuple(reader(path))
+
+
+def read_trace(kind: str, path: Path) -> tuple:
+    """`read_azure` / `read_lengths` / `read_mooncake` of `path`, cached until the file changes (read-only)."""
+    return _read_cached(kind, path, path.stat().st_mtime)
+
+
 def read_azure(path: Path) -> list[tuple[float, int, int]]:
     """(seconds from the first request, context tokens, generated tokens); the file lacks a final newline."""
     raw = []
@@ -179,23 +192,8 @@ def load_workload(
     if duration is not None and duration <= 0:
         raise ValueError("duration must be > 0")
     path = resolve_trace(trace)
-    kind = _detect(path)
     rng = random.Random(seed)
-    lengths: list[tuple[int, int, tuple[int, ...]]]
-    stamps: list[float] | None = None
-    if kind == "azure":
-        rows = read_azure(path)
-        lengths = [(p, o, ()) for _, p, o in rows]
-        stamps = [t for t, _, _ in rows]
-    elif kind == "mooncake":
-        rows = read_mooncake(path)
-        cache: dict[int, tuple[int, ...]] = {}
-        lengths = [(max(1, r["input_length"]), max(1, r["output_length"]),
-                    mooncake_block_keys(r.get("hash_ids", []), r["input_length"], cache)) for r in rows]
-        t0 = rows[0]["timestamp"]
-        stamps = [(r["timestamp"] - t0) / 1000.0 for r in rows]   # ms -> s
-    else:
-        lengths = [(p, o, ()) for p, o in read_lengths(path)]
+    stamps, lengths = _rows_of(path, path.stat().st_mtime)
     if rate is not None or stamps is None:
         if rate is None:
             raise ValueError(f"trace {trace!r} has no timestamps: give an arrival rate (req/s)")
@@ -208,7 +206,7 @@ def load_workload(
             stamps.append(t)
         rows = [rng.randrange(len(lengths)) for _ in stamps]
     else:
-        stamps = [t / rate_scale for t in stamps]
+        stamps = [t / rate_scale for t in stamps]       # a new list: the cached one stays as it was
         start = 0.0
         span = stamps[-1] if stamps else 0.0
         if duration is not None and seed and span > duration:
@@ -225,15 +223,33 @@ def load_workload(
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _rows_of(path: Path, mtime: float) -> tuple[tuple[float, ...] | None, tuple[tuple[int, int, tuple[int, ...]], ...]]:
+    """(arrival seconds or None for a lengths-only trace, (prompt, output, block keys) per row), parsed once per
+    process: studies replay the same file hundreds of times (mooncake's block keys take seconds to expand)."""
+    kind = _detect(path)
+    if kind == "azure":
+        rows = read_trace("azure", path)
+        return tuple(t for t, _, _ in rows), tuple((p, o, ()) for _, p, o in rows)
+    if kind == "mooncake":
+        rows = read_trace("mooncake", path)
+        cache: dict[int, tuple[int, ...]] = {}
+        t0 = rows[0]["timestamp"]
+        return (tuple((r["timestamp"] - t0) / 1000.0 for r in rows),       # ms -> s
+                tuple((max(1, r["input_length"]), max(1, r["output_length"]),
+                       mooncake_block_keys(r.get("hash_ids", []), r["input_length"], cache)) for r in rows))
+    return None, tuple((p, o, ()) for p, o in read_trace("lengths", path))
+
+
 def trace_rows(trace: str | Path) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) of every row of a trace, in file order (the rows `source_row` indexes)."""
     path = resolve_trace(trace)
     kind = _detect(path)
     if kind == "azure":
-        return [(p, o) for _, p, o in read_azure(path)]
+        return [(p, o) for _, p, o in read_trace("azure", path)]
     if kind == "mooncake":
-        return [(max(1, r["input_length"]), max(1, r["output_length"])) for r in read_mooncake(path)]
-    return read_lengths(path)
+        return [(max(1, r["input_length"]), max(1, r["output_length"])) for r in read_trace("mooncake", path)]
+    return list(read_trace("lengths", path))
 
 
 def mean_output_tokens(requests: list[WorkloadRequest]) -> float:
