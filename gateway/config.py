@@ -365,10 +365,27 @@ def semantic_problems(cfg: GatewayConfig) -> list[str]:
             problems.append(f"{where}: unknown policy {name!r}; expected one of: {', '.join(known)}")
             continue
         try:
-            make_policy(name, **params)
+            policy = make_policy(name, **params)
         except Exception as e:  # noqa: BLE001 - any constructor complaint is a config problem
             problems.append(f"{where}: policy {name!r} rejects its params {params!r}: {e}")
+            continue
+        if policy.needs_perf_models:
+            problems += unmodelled_workers(cfg, where, name)
     return problems
+
+
+def unmodelled_workers(cfg: GatewayConfig, where: str, policy: str) -> list[str]:
+    """An SLO-aware policy needs each worker's own performance model: never another GPU's defaults. A worker
+    whose profile is not a built-in profile, a profile file or a `learning.priors` entry is refused."""
+    from gateway.learning import known_profile
+
+    out = []
+    for i, w in enumerate(cfg.workers):
+        if not known_profile(w.profile, cfg.learning.priors):
+            out.append(f"workers[{i}].profile: {where} {policy!r} needs each worker's performance model, and "
+                       f"{w.profile or '(none)'!r} is no built-in profile, profile file or learning.priors entry "
+                       "(fleetgate sim --list-profiles lists the built-in ones)")
+    return out
 
 
 def describe_validation_error(err: ValidationError, model: type[BaseModel]) -> list[str]:

@@ -105,6 +105,11 @@ def profile_prior(name: str, configured: Mapping[str, Mapping[str, Any]], time_s
     return scale_time(model, time_scale)
 
 
+def known_profile(name: str, configured: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Is there a declared model for this worker profile (config priors, a built-in profile, a profile file)?"""
+    return name in configured or bool(_profile_paths(name))
+
+
 def _profile_paths(name: str) -> list[Path]:
     if not name:
         return []

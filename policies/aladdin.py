@@ -224,6 +224,7 @@ class AladdinPolicy(Policy):
     """Best-fit packing under Aladdin's ATGT / TTFT / prefill-slack / KV constraints."""
 
     name = "aladdin"
+    needs_perf_models = True
 
     def __init__(
         self,

@@ -23,6 +23,8 @@ class Policy:
     name: str = "base"
     # A policy that reads RequestFeatures.prefix_hashes says so: the gateway hashes prompts only for those.
     needs_prefix_hashes: bool = False
+    # A policy that places by performance models says so: every worker then needs its profile's model.
+    needs_perf_models: bool = False
 
     def choose(self, request: RequestFeatures, workers: Sequence[WorkerView], now: float) -> Decision:
         raise NotImplementedError

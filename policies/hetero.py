@@ -68,6 +68,7 @@ class HeteroPolicy(Policy):
     """Min-max assignment of predicted per-request workloads over heterogeneous instances."""
 
     name = "hetero"
+    needs_perf_models = True
 
     def __init__(
         self,
