@@ -204,7 +204,7 @@ class Study:
         return (best[0], best[1]) if best else (None, "")
 
     def run(self, spec: SimSpec, label: str, trace: str, level: float, start: int) -> Search:
-        cap = max(4 * start, start + 8)
+        cap = max(8 * start, 48)    # bursty arrivals (Gamma CV 8) need many times the mean load's fleet
         s = min_workers(spec, label, trace, level, self.args.target, start, cap)
         self.searches.append(s)
         walls = sum(p.wall_s for p in s.probes.values())
