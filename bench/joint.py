@@ -10,7 +10,8 @@ Workload: Chiron's W_A shape on Aladdin's setting: Llama-2-13B on one A100 per w
 simulator/autoscale_sim.py, the gateway's placement step and admission queue inside):
 - scaling only: Chiron's global autoscaler with Aladdin's N = ceil(k5 rate + c5) forecast (the existing default),
   routing with `least_fill` behind the pool filter;
-- placement + scaling: the same autoscaler, routing with `aladdin`, the two not joined;
+- placement + scaling: the same autoscaler, routing with `aladdin` (`ALADDIN`: the parameters the placement study,
+  bench/results/placement.md, chose by leave-one-trace-out), the two not joined;
 - joint: as above, and aladdin's placement shortfall raises the autoscaler's target (gateway/autoscaler.py does
   the same with the shortfall every replica publishes);
 - placement only: `aladdin` on a static fleet of the joint arm's mean size (the same GPU budget), and of its peak.
@@ -32,6 +33,7 @@ RESULTS_MD = Path(__file__).parent / "results" / "joint.md"
 PROFILE = "llama2-13b-a100"
 LOW, HIGH, MINUTES = 2.0, 6.0, 10.0
 SLO_TTFT_S, SLO_ATGT_S = 0.6, 0.03
+ALADDIN = {"policy": "aladdin", "policy_params": {"fit": "worst"}, "queue_lookahead": 16}
 
 
 def scenario(seed: int, minutes: float) -> Scenario:
@@ -50,13 +52,13 @@ def run_seed(seed: int, minutes: float, log) -> list[ArmResult]:  # noqa: ANN001
     sc = scenario(seed, minutes)
     out = []
     for arm in (Arm("chiron", label="scaling only"),
-                Arm("chiron", policy="aladdin", label="placement + scaling"),
-                Arm("chiron", policy="aladdin", joint=True, label="joint")):
+                Arm("chiron", **ALADDIN, label="placement + scaling"),
+                Arm("chiron", **ALADDIN, joint=True, label="joint")):
         out.append(run_arm(sc, arm))
         log(out[-1])
     joint = out[-1]
     for n, what in ((round(mean_workers(joint)), "mean"), (max(row["workers"] for row in joint.timeline), "peak")):
-        r = run_arm(sc, Arm("static", static_workers=max(n, 1), policy="aladdin",
+        r = run_arm(sc, Arm("static", static_workers=max(n, 1), **ALADDIN,
                             label=f"placement only, static {n} (joint's {what})"))
         out.append(r)
         log(r)

@@ -125,6 +125,7 @@ class Arm:
     policy: str = "least_fill"         # the placement policy behind the pool filter (the gateway's config name)
     policy_params: dict[str, Any] = field(default_factory=dict)
     joint: bool = False                # feed the placement shortfall (aladdin) to the global autoscaler
+    queue_lookahead: int = 1           # the gateway's limits.queue_lookahead
     label: str = ""
 
     @property
@@ -265,6 +266,7 @@ class AutoscaleSim(ClusterSim):
         super().__init__(prof, 0, arm.policy, slo_ttft_s=scenario.slo_ttft_s, slo_tpot_s=scenario.slo_tpot_s,
                          engine_config=engine, cap=self.static_cap, scrape_interval_s=0.0,
                          policy_params=arm.policy_params or None, seed=scenario.seed,
+                         queue_lookahead=arm.queue_lookahead,
                          # the gateway of such a fleet lets interactive requests wait out their TTFT target
                          # (limits.queue_timeout_s >= the target) while new workers start
                          queue_timeout_s=max(scenario.slo_ttft_s, 5.0))
