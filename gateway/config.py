@@ -126,7 +126,7 @@ class PdConfig(_Strict):
     """Prefill/decode disaggregation, active for a model while it has prefill or decode workers (gateway/pd.py)."""
 
     # Prompts whose tokens not cached on a decode-capable worker are at most this many are prefilled
-    # there, without a prefill worker (vLLM Router's pd_uncached_token_threshold, peer-routers.md 8.4).
+    # there, without a prefill worker (vLLM Router's pd_uncached_token_threshold, docs/reference/peer-routers.md §8.4).
     local_prefill_tokens: int = Field(256, ge=0)
     decode_policy: str | None = None            # placement of the decode leg; None: the model's policy
     decode_policy_params: dict[str, Any] = Field(default_factory=dict)

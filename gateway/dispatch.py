@@ -59,7 +59,7 @@ class ClientGone(Exception):
 class Route:
     kind: str  # "chat" | "completions"
     url_attr: str  # WorkerState attribute holding the upstream URL
-    default_max_tokens: int | None  # vLLM's default when the body has none (reference section 1.3)
+    default_max_tokens: int | None  # vLLM's default when the body has none (docs/reference/vllm-interface.md §1.3)
 
 
 CHAT = Route("chat", "chat_url", None)

@@ -49,7 +49,7 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
 
 
 def sse_error_event(message: str, type: str = "upstream_error", code: str | None = "worker_failed") -> bytes:
-    """A mid-stream error as vLLM sends it: an ordinary data event, then [DONE] (reference section 2)."""
+    """A mid-stream error as vLLM sends it: an ordinary data event, then [DONE] (docs/reference/vllm-interface.md §2)."""
     return b"data: " + error_body(message, type, None, code) + b"\n\ndata: [DONE]\n\n"
 
 

@@ -1,7 +1,7 @@
 """Prefill/decode-disaggregated requests: the two legs over vLLM's KV-transfer protocol and their failures.
 
 Active for a model while it has healthy prefill or decode workers (roles from config or registration).
-One request, as vLLM's toy proxy and llm-d's sidecar drive it (vllm-interface.md 4.2; shapes in
+One request, as vLLM's toy proxy and llm-d's sidecar drive it (docs/reference/vllm-interface.md §4.2; shapes in
 engine_adapters/vllm/pd.py; the pairing in policies/pd.py):
 
     place    PdPolicy.plan picks the decode worker and, unless the prompt is short or mostly cached on

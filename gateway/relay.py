@@ -8,7 +8,7 @@ aiohttp session made here serves everything off the hot path (health checks, scr
   may retry on another worker (connection refused/reset, timeout to headers, a 5xx status, a body
   cut short);
 - the client has seen the response start -> a failure ends the stream with an SSE error event and
-  `data: [DONE]` (vllm-interface.md section 2), never a hang;
+  `data: [DONE]` (docs/reference/vllm-interface.md §2), never a hang;
 - upstream statuses and bodies other than retried 5xx are passed through unchanged.
 """
 

@@ -4,7 +4,7 @@ A profile is plain data loaded from YAML: a built-in name (`simulator/profiles/<
 user file with the same keys. Every number and its derivation is documented in simulator/CALIBRATION.md.
 
 Step time of one engine iteration (model seconds), after Aladdin's iteration-time models
-(Aladdin section 3, eq. 2-3; vLLM reference section 8.4 "practical model"):
+(Aladdin section 3, eq. 2-3; docs/reference/vllm-interface.md §8.4 "practical model"):
 
     t = c_step + max(t_weights, k_prefill * P + c_decode * B) + k_ctx * C + k_attn * A + c_admit * N
 
@@ -98,7 +98,7 @@ class Profile:
         )
 
     def kv_transfer_s(self, tokens: int) -> float:
-        """Time to move `tokens` of KV from a prefill worker to a decode worker (reference section 8.5)."""
+        """Time to move `tokens` of KV from a prefill worker to a decode worker (docs/reference/vllm-interface.md §8.5)."""
         return self.pd_setup_s + tokens * self.kv_bytes_per_token / self.pd_link_bytes_per_s
 
     def kv_swap_s(self, tokens: int, link_bytes_per_s: float | None = None) -> float:

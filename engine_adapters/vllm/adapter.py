@@ -27,7 +27,7 @@ class VllmAdapter(EngineAdapter):
         return VllmStreamScanner(strip_usage)
 
     def parse_usage(self, body: bytes) -> Usage | None:
-        # The usage object is the last top-level key family in vLLM's responses (section 1.3); scan
+        # The usage object is the last top-level key family in vLLM's responses (docs/reference/vllm-interface.md §1.3); scan
         # from its position instead of decoding the whole document.
         at = body.rfind(b'"usage"')
         if at < 0:

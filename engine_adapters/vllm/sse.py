@@ -1,4 +1,4 @@
-"""Scan vLLM's OpenAI SSE stream without re-serializing it (vllm-interface.md section 2).
+"""Scan vLLM's OpenAI SSE stream without re-serializing it (docs/reference/vllm-interface.md §2).
 
 Each event is `data: <json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`. With
 `stream_options.include_usage` the last JSON event has `"choices":[]` and a `usage` object. The
