@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.fidelity [--quick] [--cpu 0] [--profile simulator/profiles/tiny-cpu.yaml (written)]
 
-Workload: request lengths drawn (fixed seed) from bench/traces/sharegpt_lengths_llama2.csv, whose requests fit
+Workload: request lengths drawn (fixed seed) from simulator/traces/sharegpt_lengths_llama2.csv, whose requests fit
 an 8,192-token context, scaled by 1024/8192 = 1/8 to the tiny model's 1,024 (prompt and output alike, rounded,
 at least 1 token), sent as token-id prompts so vLLM and the simulator see exactly the same prompt lengths, with
 `ignore_eos` and max_tokens = the output length so both generate the same counts. Poisson arrivals (fixed
@@ -45,6 +45,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +82,9 @@ from bench.calibrate import (
     warm_up,
     write_calibration,
 )
+from simulator.package_data import builtin_trace
 
-TRACE = REPO / "bench" / "traces" / "sharegpt_lengths_llama2.csv"
+TRACE = builtin_trace("sharegpt")  # sharegpt_lengths_llama2.csv, package data of the simulator
 TRACE_CONTEXT = 8192          # sarathi-serve's sharegpt_8k_filtered: prompt + output <= 8k tokens
 SCALE = MAX_MODEL_LEN / TRACE_CONTEXT
 REPORT = REPO / "bench" / "results" / "fidelity.md"
@@ -103,9 +105,9 @@ class WorkItem:
 
 
 @functools.cache
-def load_lengths(path: Path = TRACE) -> tuple[tuple[int, int], ...]:
+def load_lengths(path: Path | Traversable = TRACE) -> tuple[tuple[int, int], ...]:
     """(prompt tokens, output tokens) per row of a sarathi-serve length trace."""
-    with open(path, newline="") as f:
+    with path.open(newline="") as f:
         return tuple((int(float(r["num_prefill_tokens"])), int(float(r["num_decode_tokens"])))
                      for r in csv.DictReader(f))
 

@@ -1,7 +1,7 @@
 """Performance profiles of simulated workers (model x GPU x TP): capacity, step-time coefficients, lengths.
 
-A profile is plain data loaded from YAML: a built-in name (`simulator/profiles/<name>.yaml`) or a path to a
-user file with the same keys. Every number and its derivation is documented in simulator/CALIBRATION.md.
+A profile is plain data loaded from YAML: a built-in name (`simulator/profiles/<name>.yaml`, package data read
+through simulator.package_data) or a path to a user file with the same keys. Every number and its derivation is documented in simulator/CALIBRATION.md.
 
 Step time of one engine iteration (model seconds), after Aladdin's iteration-time models
 (Aladdin section 3, eq. 2-3; docs/reference/vllm-interface.md §8.4 "practical model"):
@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-PROFILES_DIR = Path(__file__).parent / "profiles"
+from simulator.package_data import builtin_profile, builtin_profile_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +177,21 @@ def _speed_quantiles(raw: Any, source: str) -> tuple[float, ...]:
 
 
 def list_profiles() -> list[str]:
-    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+    return builtin_profile_names()
+
+
+def profile_yaml(name_or_path: str | Path) -> tuple[Any, str]:
+    """The parsed YAML of a built-in profile (by name) or of a profile file (by path), and where it came from."""
+    key = str(name_or_path)
+    source: Any = builtin_profile(key)
+    if source is None:
+        source = Path(key)
+        if not source.is_file():
+            raise ValueError(f"unknown profile {key!r}: not a built-in ({', '.join(list_profiles())}) nor a file")
+    try:
+        return yaml.safe_load(source.read_text()), str(source)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{source}: invalid YAML: {exc}") from None
 
 
 _CACHE: dict[str, Profile] = {}
@@ -190,14 +204,6 @@ def load_profile(name_or_path: str | Path | Profile) -> Profile:
     key = str(name_or_path)
     if key in _CACHE:
         return _CACHE[key]
-    builtin = PROFILES_DIR / f"{key}.yaml"
-    path = builtin if builtin.is_file() else Path(key)
-    if not path.is_file():
-        raise ValueError(f"unknown profile {key!r}: not a built-in ({', '.join(list_profiles())}) nor a file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: invalid YAML: {exc}") from None
-    prof = profile_from_dict(data, str(path))
+    prof = profile_from_dict(*profile_yaml(key))
     _CACHE[key] = prof
     return prof

@@ -1,4 +1,4 @@
-"""Workloads for the simulators: shipped traces (bench/traces) and synthetic arrival processes.
+"""Workloads for the simulators: shipped traces (simulator/traces) and synthetic arrival processes.
 
     reqs = load_workload("azure_conv", rate_scale=2.0, duration=600)
     reqs = load_workload("sharegpt", rate=8.0, arrival="gamma", cv=3.0, duration=300, seed=1)
@@ -17,18 +17,14 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import date
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from simulator.engine import BLOCK_SIZE
+from simulator.package_data import BUILTIN_TRACES, builtin_trace
 
-TRACES_DIR = Path(__file__).parents[1] / "bench" / "traces"
-BUILTIN_TRACES = {
-    "azure_conv": "azure2023_conv.csv",
-    "sharegpt": "sharegpt_lengths_llama2.csv",
-    "arxiv": "arxiv_summarization_lengths_llama2.csv",
-    "mooncake": "mooncake_synthetic.jsonl",
-}
-MOONCAKE_BLOCK_TOKENS = 512     # Mooncake's hash_ids each cover 512 tokens (bench/traces/README.md)
+MOONCAKE_BLOCK_TOKENS = 512     # Mooncake's hash_ids each cover 512 tokens (simulator/traces/README.md)
+TraceFile = Path | Traversable  # a user's file, or a shipped trace (package data)
 
 
 @dataclass(slots=True)
@@ -77,10 +73,12 @@ def arrival_process(kind: str, rate: float, cv: float, rng: random.Random) -> It
 
 
 # ---- trace readers --------------------------------------------------------------------------------
-def resolve_trace(name_or_path: str | Path) -> Path:
+def resolve_trace(name_or_path: str | Path) -> TraceFile:
+    """A built-in trace by name (package data), or a file path."""
     name = str(name_or_path)
-    if name in BUILTIN_TRACES:
-        return TRACES_DIR / BUILTIN_TRACES[name]
+    builtin = builtin_trace(name)
+    if builtin is not None:
+        return builtin
     path = Path(name)
     if not path.is_file():
         raise ValueError(f"unknown trace {name!r}: not a built-in ({', '.join(BUILTIN_TRACES)}) nor a file")
@@ -95,7 +93,7 @@ def _azure_stamp(stamp: str) -> tuple[int, float]:
     return date(int(y), int(mo), int(d)).toordinal(), int(h) * 3600 + int(mi) * 60 + float(s)
 
 
-def read_azure(path: Path) -> list[tuple[float, int, int]]:
+def read_azure(path: TraceFile) -> list[tuple[float, int, int]]:
     """(seconds from the first request, context tokens, generated tokens); the file lacks a final newline."""
     raw = []
     with path.open(newline="") as f:
@@ -110,7 +108,7 @@ def read_azure(path: Path) -> list[tuple[float, int, int]]:
     return rows
 
 
-def read_lengths(path: Path) -> list[tuple[int, int]]:
+def read_lengths(path: TraceFile) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) from a Vidur/Sarathi processed-trace CSV."""
     with path.open(newline="") as f:
         out = [(max(1, int(r["num_prefill_tokens"])), max(1, int(r["num_decode_tokens"]))) for r in csv.DictReader(f)]
@@ -119,7 +117,7 @@ def read_lengths(path: Path) -> list[tuple[int, int]]:
     return out
 
 
-def read_mooncake(path: Path) -> list[dict]:
+def read_mooncake(path: TraceFile) -> list[dict]:
     with path.open() as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if not rows:
@@ -141,7 +139,7 @@ def mooncake_block_keys(hash_ids: list[int], prompt_tokens: int, cache: dict[int
     return tuple(keys[: prompt_tokens // BLOCK_SIZE])
 
 
-def _detect(path: Path) -> str:
+def _detect(path: TraceFile) -> str:
     with path.open() as f:
         head = f.readline()
     if head.lstrip().startswith("{"):

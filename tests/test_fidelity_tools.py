@@ -570,10 +570,10 @@ def test_leg_reads_the_servers_own_histograms_beside_the_client(sim_fleet):
 
 def test_scaled_profile_slows_every_step_coefficient_and_nothing_else(tmp_path):
     from bench.fidelity import STEP_KEYS, scaled_profile
-    from simulator.profiles import PROFILES_DIR
+    from simulator.package_data import builtin_profile
 
     base = load_profile("tiny-cpu")
-    slow = load_profile(scaled_profile(PROFILES_DIR / "tiny-cpu.yaml", 1.1, tmp_path / "slow.yaml"))
+    slow = load_profile(scaled_profile(builtin_profile("tiny-cpu"), 1.1, tmp_path / "slow.yaml"))
     for f in dataclasses.fields(base):
         a, b = getattr(base, f.name), getattr(slow, f.name)
         if f.name in STEP_KEYS:
@@ -581,7 +581,7 @@ def test_scaled_profile_slows_every_step_coefficient_and_nothing_else(tmp_path):
         elif f.name != "name":
             assert a == b, f.name
     assert slow.step_time(300, 20, 6000, 45000.0, 1) == pytest.approx(base.step_time(300, 20, 6000, 45000.0, 1) * 1.1)
-    steady = load_profile(scaled_profile(PROFILES_DIR / "tiny-cpu.yaml", 1.0, tmp_path / "steady.yaml", drift=False))
+    steady = load_profile(scaled_profile(builtin_profile("tiny-cpu"), 1.0, tmp_path / "steady.yaml", drift=False))
     assert steady.speed_quantiles == () and steady.c_step_s == base.c_step_s
 
 
@@ -749,10 +749,10 @@ def test_step_trace_sets_each_step_beside_the_profile(tmp_path):
     (tmp_path / "steps-2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[1::2]))
     # bench.fidelity --step-trace: per level, its legs' wall-clock windows, first run and again, in the report
     from bench.fidelity import LEVELS, _step_trace_rows
-    from simulator.profiles import PROFILES_DIR
+    from simulator.package_data import builtin_profile
 
     legs = [LegResult([], 0.0, 0.0, 0.0, windows=[(rows[0]["t0"], t)]) for _ in LEVELS]
-    trace = _step_trace_rows(tmp_path, PROFILES_DIR / "tiny-cpu.yaml", legs, legs)
+    trace = _step_trace_rows(tmp_path, builtin_profile("tiny-cpu"), legs, legs)
     assert [row["level"] for row in trace] == [name for name, _ in LEVELS]
     assert trace[0]["first"]["decode_ratio"] == pytest.approx(1.3) and trace[2]["again"]["mixed_steps"] == 3
     real = leg_stats([_stream(10, 0.1, 0.005, 20)], 0.0)
