@@ -1,4 +1,4 @@
-"""Repository hygiene: no paths of one machine, every reference citation resolvable.
+"""Repository hygiene: no paths of one machine, every reference citation resolvable, dependency arrows.
 
 - No tracked text file names a location that exists only on a developer's machine (a home or scratch
   directory, a sibling checkout, a fixed directory under the system temp dir).
@@ -6,10 +6,14 @@
   the repo (`docs/reference/vllm-interface.md §4.2`), never by a bare file name a reader cannot find.
 - Every `§N` cited for a reference note (full or short form, `vllm-interface §4.2`) is a section heading of
   that note.
+- Imports run one way (docs/design.md, "Component boundaries"): `policies` imports no other component,
+  `engine_adapters` only `policies`, the product (`gateway`) never `bench` and the simulator only lazily,
+  inside the function that needs it (the `sim` actuator, `fleetgate sim`/`demo`/`simulate`, the priors).
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from functools import cache
@@ -141,3 +145,68 @@ def test_section_citation_parser():
     assert found == [("vllm-interface", "4.2", 1), ("peer-routers", "1.1", 2), ("peer-routers", "2.1", 2),
                      ("vllm-cpu", "3", 2)]
     assert reference_sections(REFERENCE_DIR / "peer-routers.md") >= {"0", "6.5", "6.6", "8.4", "11"}
+
+
+# --- dependency arrows -------------------------------------------------------------------------------------
+COMPONENTS = ("gateway", "engine_adapters", "policies", "simulator", "bench")
+FORBIDDEN_ANYWHERE = {
+    "engine_adapters": {"gateway", "simulator", "bench"},
+    "policies": {"gateway", "simulator", "engine_adapters", "bench"},
+    "gateway": {"bench"},
+}
+FORBIDDEN_AT_TOP_LEVEL = {"gateway": {"simulator"}}
+
+
+def imported_components(tree: ast.Module):
+    """(component, line, at module top level) for every absolute import of a project component. Top level
+    means executed on import: the module body, including its `if`/`try` blocks, but not function bodies."""
+
+    def visit(node: ast.AST, top: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    yield alias.name.split(".")[0], child.lineno, top
+            elif isinstance(child, ast.ImportFrom):
+                if child.level == 0 and child.module:
+                    yield child.module.split(".")[0], child.lineno, top
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                yield from visit(child, False)
+            else:
+                yield from visit(child, top)
+
+    for name, line, top in visit(tree, True):
+        if name in COMPONENTS:
+            yield name, line, top
+
+
+def arrow_violations(source: str, component: str) -> list[str]:
+    out = []
+    for target, line, top in imported_components(ast.parse(source)):
+        if target in FORBIDDEN_ANYWHERE.get(component, ()):
+            out.append(f"{line}: {component} -> {target}")
+        elif top and target in FORBIDDEN_AT_TOP_LEVEL.get(component, ()):
+            out.append(f"{line}: {component} -> {target} at module top level (import it inside the function)")
+    return out
+
+
+def test_dependency_arrows():
+    bad = []
+    for name, text in tracked_text_files():
+        component = name.split("/")[0]
+        if name.endswith(".py") and component in FORBIDDEN_ANYWHERE:
+            bad += [f"{name}:{v}" for v in arrow_violations(text, component)]
+    assert not bad, "imports against the dependency arrows:\n" + "\n".join(bad)
+
+
+def test_arrow_checker_sees_what_it_must():
+    src = ("import policies.base\nfrom simulator.fleet import SimFleet\nif True:\n    import bench.harness\n"
+           "def f():\n    from simulator.cluster import run\n    import gateway.app\n")
+    assert arrow_violations(src, "gateway") == [
+        "2: gateway -> simulator at module top level (import it inside the function)", "4: gateway -> bench"]
+    assert arrow_violations(src, "engine_adapters") == [
+        "2: engine_adapters -> simulator", "4: engine_adapters -> bench", "6: engine_adapters -> simulator",
+        "7: engine_adapters -> gateway"]
+    assert arrow_violations(src, "policies") == [
+        "2: policies -> simulator", "4: policies -> bench", "6: policies -> simulator", "7: policies -> gateway"]
+    assert arrow_violations("from engine_adapters.types import EngineMetrics\n", "policies") == [
+        "1: policies -> engine_adapters"]

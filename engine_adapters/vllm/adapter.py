@@ -8,10 +8,10 @@ from typing import Any
 import orjson
 
 from engine_adapters.base import EngineAdapter, ShapedRequest, Usage
+from engine_adapters.types import EngineMetrics
 from engine_adapters.vllm.metrics import parse_vllm_metrics
 from engine_adapters.vllm.shaping import shape_for_vllm
 from engine_adapters.vllm.sse import VllmStreamScanner
-from gateway.state.base import EngineMetrics
 
 _PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from gateway.state.base import EngineMetrics
+from engine_adapters.types import EngineMetrics
 
 # exposed name -> (field, preference); a lower preference wins when both spellings are present
 # (0.11 with --show-hidden-metrics exposes the new and the deprecated name with equal values).
