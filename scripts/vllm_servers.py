@@ -105,11 +105,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def step_trace_env(out_dir: Path) -> dict[str, str]:
-    """ServerSpec.env for a server whose engine logs every step to `out_dir` (bench/vllm_hook, bench/step_trace.py)."""
-    return {"PYTHONPATH": str(REPO / "bench" / "vllm_hook"), "FLEETGATE_STEP_TRACE": str(out_dir)}
-
-
 def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """SIGTERM the process group `proc` leads (started with start_new_session=True), SIGKILL it after `grace_s`."""
     _signal_group(proc.pid, signal.SIGTERM)
@@ -131,7 +126,7 @@ class ServerSpec:
     dev_mode: bool = False
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)   # added to the server's environment (step_trace_env)
+    env: dict[str, str] = field(default_factory=dict)   # added to the server's environment
 
 
 @dataclass

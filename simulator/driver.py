@@ -17,7 +17,7 @@ time, as a real server whose CPU is saturated would; counted in `lag_resyncs` / 
 
 The pre-engine delay models vLLM's API server (HTTP, tokenization, queueing; docs/reference/vllm-interface.md §8.3,
 t_overhead), plus a host-path term that grows with the requests already running (the API server serves their
-streams too; fitted by bench/calibrate.py's host-path probe). /metrics histograms record model time; TTFT and e2e latency count from the HTTP arrival, the
+streams too; fitted by bench/fidelity/calibrate.py's host-path probe). /metrics histograms record model time; TTFT and e2e latency count from the HTTP arrival, the
 queue time from entering the engine (vLLM: `queued_ts`, vllm/v1/metrics/stats.py).
 """
 

@@ -61,16 +61,16 @@ class Profile:
     # restart": an evicted request's KV is kept in CPU memory). Default: PCIe Gen4 x16, ~25 GB/s effective.
     host_link_bytes_per_s: float = 25e9
     # Engine time per request admitted into the running batch (request state, block table, sampler set-up on the
-    # engine's own core, serialised with the forward pass). Fitted for the CPU build by bench/calibrate.py's
+    # engine's own core, serialised with the forward pass). Fitted for the CPU build by bench/fidelity/calibrate.py's
     # admission probe; 0 where it hides inside c_step_s and ttft_overhead_s (the GPU profiles).
     c_admit_s: float = 0.0
     # Host-path delay per request already running on the engine: a real vLLM API server hands a new request to
     # the EngineCore (and its first token back) more slowly the more streams it is serving. Fitted for the CPU
-    # build by bench/calibrate.py's host-path probe; 0 in the GPU profiles (no measurement there).
+    # build by bench/fidelity/calibrate.py's host-path probe; 0 in the GPU profiles (no measurement there).
     host_delay_per_running_s: float = 0.0
     # Machine-speed drift (simulator/speed.py): step times x a factor drawn over time from these quantiles of the
     # step time relative to its median (at speed.QUANTILE_PROBS), correlation time speed_tau_s. Measured for the
-    # CPU build by bench/calibrate.py's speed probe; empty = one constant speed (the GPU profiles).
+    # CPU build by bench/fidelity/calibrate.py's speed probe; empty = one constant speed (the GPU profiles).
     speed_quantiles: tuple[float, ...] = ()
     speed_tau_s: float = 30.0
 
