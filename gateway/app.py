@@ -2,8 +2,9 @@
 
 A thin raw-ASGI front serves the two proxy routes (POST /v1/chat/completions, /v1/completions)
 straight into the dispatcher, with no framework on the hot path. Everything else (/v1/models,
-/health, /ready, /metrics, /admin/*) goes to a FastAPI app. The front also runs the lifespan: it
-starts the state store, the upstream session and the registry's control loops, and stops them.
+/health, /ready, /metrics, /admin/*) goes to a FastAPI app. There is no ASGI lifespan: the server
+(gateway/server.py) starts the gateway (state store, upstream pool, control loops) before uvicorn serves and
+stops it after, so start-up errors surface before the port opens.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class FleetgateApp:
                 return
             await self._api(scope, receive, send)
         elif kind == "lifespan":
-            await self._lifespan(receive, send)
+            return  # not supported (ASGI: returning ends it); gateway/server.py starts and stops the gateway
         else:
             await self._api(scope, receive, send)
 
@@ -129,24 +130,6 @@ class FleetgateApp:
                 with contextlib.suppress(Exception):
                     await send({"type": "http.response.start", "status": 500, "headers": err.headers()})
                     await send({"type": "http.response.body", "body": err.body()})
-
-    async def _lifespan(self, receive, send) -> None:  # noqa: ANN001
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                try:
-                    await self.gateway.start()
-                except Exception as e:  # noqa: BLE001 - reported to the server, which exits
-                    log.exception("gateway failed to start")
-                    await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif msg["type"] == "lifespan.shutdown":
-                try:
-                    await self.gateway.stop()
-                finally:
-                    await send({"type": "lifespan.shutdown.complete"})
-                return
 
 
 def create_app(config: GatewayConfig, store: StateStore | None = None) -> FleetgateApp:

@@ -3,13 +3,13 @@
 Body shape (OpenAI API reference, "Error codes"): {"error": {"message", "type", "param", "code"}}.
 `type` follows OpenAI's names (invalid_request_error, authentication_error, ...); `code` is a short
 machine-readable string or null. The body and the SSE error event are the engines' wire format too, so they
-live with the adapters (engine_adapters/errors.py) and are re-exported here.
+live with the adapters (engine_adapters/openai_errors.py) and are re-exported here.
 """
 
 from __future__ import annotations
 
-from engine_adapters.errors import error_body
-from engine_adapters.errors import sse_error_event as sse_error_event  # re-exported for the pipeline
+from engine_adapters.openai_errors import error_body
+from engine_adapters.openai_errors import sse_error_event as sse_error_event  # re-exported for the pipeline
 
 JSON_HEADERS: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
 

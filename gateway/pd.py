@@ -2,7 +2,7 @@
 
 Active for a model while it has healthy prefill or decode workers (roles from config or registration).
 One request, as vLLM's toy proxy and llm-d's sidecar drive it (docs/reference/vllm-interface.md §4.2; shapes in
-engine_adapters/vllm/pd.py; the pairing in policies/pd.py):
+engine_adapters/vllm/kv_transfer.py; the pairing in policies/pd.py):
 
     place    PdPolicy.plan picks the decode worker and, unless the prompt is short or mostly cached on
              a decode-capable worker, a prefill worker; both are reserved in the state store (the
@@ -38,7 +38,12 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from engine_adapters.vllm.pd import decode_body, extract_kv_transfer_params, params_expired, prefill_body
+from engine_adapters.vllm.kv_transfer import (
+    decode_body,
+    extract_kv_transfer_params,
+    params_expired,
+    prefill_body,
+)
 from gateway import errors
 from gateway.registry import WorkerState
 from gateway.relay import RelayResult, ResponseState, UpstreamFailure

@@ -363,6 +363,12 @@ class UpstreamPool:
             reused = False  # the worker closed an idle connection under the request: once more, on a new one
             conn = await self._connect(t)
 
+    def idle_connections(self, url: str) -> int:
+        """Idle connections to `url`'s host that a request could still reuse (open and not yet expired)."""
+        now = asyncio.get_running_loop().time()
+        return sum(1 for c in self._idle.get(self._target(url).key, ())
+                   if not c.closed and not c.transport.is_closing() and now - c.idle_at <= self.keepalive_s)
+
     async def close(self) -> None:
         self._closed = True
         for conn in list(self._all):

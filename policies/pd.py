@@ -40,7 +40,7 @@ from policies.aladdin import AladdinPolicy
 from policies.base import Policy, make_policy
 from policies.perf_model import PerfModel
 from policies.prefix import PrefixIndex
-from policies.slo import DEFAULT_TTFT_S
+from policies.slo_targets import DEFAULT_TTFT_S
 from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, Decision, RequestFeatures, WorkerView
 
 # Decisions (also the values of fleetgate_pd_decisions_total{decision}).

@@ -404,7 +404,7 @@ def cache_config_labels(core: EngineCore, enable_prefix_caching: bool) -> dict[s
 
 
 def build_engine(profile: Profile, config: Any, model: str, faults: Faults, engine_id: str) -> EngineDriver:
-    """An EngineCore, its metrics and its driver from a server config (simulator.server.ServerConfig)."""
+    """An EngineCore, its metrics and its driver from a server config (simulator.vllm_api.ServerConfig)."""
     core = EngineCore(profile, EngineConfig(scheduling_policy=config.scheduling_policy,
                                             kv_hold_s=config.kv_lease_s), seed=config.seed)
     metrics = VllmMetrics(model, core.max_model_len, cache_config_labels(core, core.caching))

@@ -1,6 +1,6 @@
 """vLLM-V1-like engine model: continuous batching over a paged KV cache, stepped by any clock.
 
-INTERFACE CONTRACT (the HTTP server in simulator/server.py and the virtual-time cluster simulator in
+INTERFACE CONTRACT (the HTTP server in simulator/vllm_api.py and the virtual-time cluster simulator in
 simulator/cluster.py both drive this class; keep these names and meanings):
 
     core = EngineCore(profile, config, seed=0)

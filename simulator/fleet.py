@@ -48,7 +48,7 @@ import yaml
 
 from simulator.profiles import list_profiles as builtin_profiles
 from simulator.profiles import load_profile
-from simulator.server import ConfigError, ServerConfig, SimServer
+from simulator.vllm_api import ConfigError, ServerConfig, SimServer
 
 _SERVER_KEYS = {"name", "port", "replicas", "profile", "model", "role", "scheduling_policy", "time_scale",
                 "seed", "faults", "profile_overrides", "dev_mode", "kv_lease_s", "side_channel_port"}

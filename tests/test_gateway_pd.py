@@ -1,7 +1,7 @@
 """Prefill/decode-disaggregated serving through the gateway, against simulated vLLM producers and consumers.
 
 Every test runs a real gateway on 127.0.0.1 in front of simulated vLLM servers speaking the NIXL
-`kv_transfer_params` protocol (simulator/server.py), with the official openai client where a client is
+`kv_transfer_params` protocol (simulator/vllm_api.py), with the official openai client where a client is
 involved; failures come from the simulator's fault injection (POST /sim/faults).
 """
 
@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_adapters.vllm.pd import PREFILL_LEG_PARAMS
+from engine_adapters.vllm.kv_transfer import PREFILL_LEG_PARAMS
 from gateway.server import GatewayServer
 from simulator.tokenizer import count_tokens, render_chat, synthetic_text
 from tests.helpers import MODEL, CliProcess, free_port_range, poll, run_cli, running_gateway

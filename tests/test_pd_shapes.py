@@ -19,7 +19,7 @@ import orjson
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from engine_adapters.vllm.pd import (
+from engine_adapters.vllm.kv_transfer import (
     PREFILL_LEG_PARAMS,
     decode_body,
     extract_kv_transfer_params,

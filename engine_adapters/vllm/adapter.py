@@ -9,7 +9,7 @@ import orjson
 
 from engine_adapters.base import EngineAdapter, ShapedRequest, Usage
 from engine_adapters.types import EngineMetrics
-from engine_adapters.vllm.metrics import parse_vllm_metrics
+from engine_adapters.vllm.metrics_parser import parse_vllm_metrics
 from engine_adapters.vllm.shaping import shape_for_vllm
 from engine_adapters.vllm.sse import VllmStreamScanner
 

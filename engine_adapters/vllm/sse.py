@@ -11,7 +11,7 @@ from __future__ import annotations
 import orjson
 
 from engine_adapters.base import StreamScanner, Usage
-from engine_adapters.errors import sse_error_event
+from engine_adapters.openai_errors import sse_error_event
 
 EVENT_END = b"\n\n"
 DONE_EVENT = b"data: [DONE]"

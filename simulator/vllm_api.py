@@ -184,7 +184,7 @@ class _HideDeliberateDrops(logging.Filter):
 
 
 logging.getLogger("uvicorn.error").addFilter(_HideDeliberateDrops())
-_log = logging.getLogger("simulator.server")
+_log = logging.getLogger("simulator.vllm_api")
 
 
 # --- the server -----------------------------------------------------------------------------------
