@@ -31,10 +31,11 @@ from gateway.errors import GatewayError
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
-from gateway.relay import Relay, make_session
+from gateway.relay import Relay, make_session, make_upstream_pool
 from gateway.slo import SloBook
 from gateway.state.base import StateStore
 from gateway.state.factory import make_store
+from gateway.upstream import UpstreamPool
 
 log = logging.getLogger("fleetgate")
 
@@ -60,6 +61,7 @@ class Gateway:
         self.batch = BatchRunner(config, self.store, self.registry, self.metrics)  # Batch API work
         self.autoscaler = Autoscaler(config, self.store, self.registry, self.metrics, self.batch)
         self.session = None
+        self.upstream: UpstreamPool | None = None  # the one client to workers (gateway/upstream.py)
         self.relay: Relay | None = None
         self.dispatcher: Dispatcher | None = None
 
@@ -67,11 +69,12 @@ class Gateway:
         if self.dispatcher is not None:
             return  # already started (idempotent: lifespan and an embedding server may both call it)
         await self.store.start()
-        self.session = make_session(self.config.timeouts)
-        self.relay = Relay(self.session, self.adapter, self.config.timeouts)
+        self.upstream = make_upstream_pool(self.config)
+        self.session = make_session(self.config)
+        self.relay = Relay(self.session, self.adapter, self.config.timeouts, self.upstream)
         self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,
                                      self.metrics, shared_state=self.shared_state, slo=self.slo, learner=self.learner)
-        await self.registry.start(self.session)
+        await self.registry.start(self.upstream)
         await self.learner.start()
         await self.batch.start(self.dispatcher)
         await self.autoscaler.start(self.dispatcher)
@@ -82,8 +85,9 @@ class Gateway:
         await self.autoscaler.stop()
         await self.learner.stop()
         await self.registry.stop()
-        if self.relay is not None:
-            await self.relay.close()  # upstream keep-alive connections of the hot path
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            await upstream.close()  # keep-alive connections to the workers
         session, self.session = self.session, None
         if session is not None:
             await session.close()

@@ -36,7 +36,9 @@ async def test_two_gateways_on_one_redis_never_exceed_the_worker_cap(sim_fleet, 
              gateway_process(cfg, "--redis-url", REDIS_URL, env=impatient)]
     urls = [p.listening_url() for p in procs]
     impatient_url = urls.pop()
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True}
+    # Each request lasts several times longer than the 16 take to reach the gateways (slow on a loaded host),
+    # so every request beyond the cap finds it full and queues.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True}
     peak = 0
     samples = 0
     done = asyncio.Event()
@@ -52,7 +54,7 @@ async def test_two_gateways_on_one_redis_never_exceed_the_worker_cap(sim_fleet, 
 
         async def one(i: int) -> httpx.Response:
             return await http.post(urls[i % 2] + "/v1/chat/completions", json=body,
-                                   headers={"x-sim-output-tokens": "40"})
+                                   headers={"x-sim-output-tokens": "200"})
 
         sampler = asyncio.create_task(sample())
         responses = await asyncio.gather(*(one(i) for i in range(16)))
