@@ -6,7 +6,6 @@ COPY gateway gateway
 COPY engine_adapters engine_adapters
 COPY policies policies
 COPY simulator simulator
-COPY bench bench
 RUN pip install --no-cache-dir --prefix=/install .
 
 FROM python:3.11-slim

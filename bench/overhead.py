@@ -19,45 +19,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import aiohttp
-
+from bench.harness import REPO, free_port, start_process, stop_processes, wait_ready
 from bench.loadgen import RunResult, chat_body, process_cpu_seconds, run_closed_loop
 from bench.report import write_report
-from scripts.vllm_servers import free_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def pinned(cmd: list[str], core: int) -> list[str]:
-    return (["taskset", "-c", str(core)] if shutil.which("taskset") else []) + cmd
 
 
 def start(cmd: list[str], core: int) -> subprocess.Popen:
-    return subprocess.Popen(pinned(cmd, core), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
-
-
-async def wait_ready(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            try:
-                async with s.get(url) as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout_s}s")
+    return start_process(cmd, cpus=core)
 
 
 async def measured(pid: int, coro) -> tuple[RunResult, float]:
@@ -126,14 +101,7 @@ async def main_async(quick: bool) -> str:
         st_gw, st_cpu = await measured(gw_null.pid, run_closed_loop(gwn_url, lambda i: long, concurrency=32,
                                                                     requests=n_stream, stream=True))
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, 15)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, 9)
+        stop_processes(procs)
 
     ms = 1000.0
     cpu_req = thr_cpu / max(1, len(thr_gw.ok))
@@ -176,7 +144,7 @@ async def main_async(quick: bool) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead.md"))
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "overhead.md"))
     args = ap.parse_args()
     body = asyncio.run(main_async(args.quick))
     cmd = "python -m bench.overhead" + (" --quick" if args.quick else "")

@@ -33,16 +33,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
+from bench.harness import REPO, free_port, stop_processes, wait_ready
 from bench.loadgen import chat_body
-from bench.overhead import wait_ready
 from gateway.app import FleetgateApp, create_app
 from gateway.server import GatewayServer, build_serve_config, start_gateway
-from scripts.vllm_servers import free_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-ROOT = Path(__file__).resolve().parents[1]
 CONCURRENCY = 32
 # What aiohttp (bench/loadgen.py) sends, so the header loop sees a realistic request.
 _CLIENT_HEADERS = [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
@@ -141,7 +138,7 @@ def _tokens_of(phase: Phase) -> int:
 
 
 async def _http_run(url: str, phase: Phase, requests: int) -> int:
-    proc = await asyncio.create_subprocess_exec(*_client_cmd(url, phase, requests), cwd=ROOT,
+    proc = await asyncio.create_subprocess_exec(*_client_cmd(url, phase, requests), cwd=REPO,
                                                 stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
     return int(out.decode().strip() or 0)
@@ -182,7 +179,7 @@ def _print_profile(profiler: cProfile.Profile, title: str, top: int) -> None:
 async def main_async(args: argparse.Namespace) -> None:
     null_port = free_port()
     backend = subprocess.Popen([sys.executable, "-m", "bench.null_backend", "--port", str(null_port),
-                                "--token-interval-ms", str(args.token_interval_ms)], cwd=ROOT,
+                                "--token-interval-ms", str(args.token_interval_ms)], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     server: GatewayServer | None = None
     app: FleetgateApp | None = None
@@ -245,11 +242,7 @@ async def main_async(args: argparse.Namespace) -> None:
             await server.stop()
         if app is not None:
             await app.gateway.stop()
-        backend.terminate()
-        try:
-            backend.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            backend.kill()
+        stop_processes([backend])
 
 
 def main() -> None:

@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import resource
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import process_cpu_seconds
+from bench.report import git_commit, machine_info
 from simulator.fleet import FleetProcess
 
 RESULTS = Path(__file__).parent / "results" / "sim_capacity.md"
@@ -142,29 +141,6 @@ async def run_level(url: str, pid: int, concurrency: int, seconds: float, time_s
         server_cpu=(cpu_s1 - cpu_s0) / wall, client_cpu=(cpu_c1 - cpu_c0) / wall, lost_model_s=lost)
 
 
-def _machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
-
-
-def _commit() -> str:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "simulator"], cwd=root, capture_output=True,
-                               text=True).stdout.strip()
-        return out.stdout.strip() + (" (simulator/ has uncommitted changes)" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
 def _table(levels: list[Level]) -> str:
     head = ("| streams | requests | tokens/s | model TPOT ms | client TPOT ms (median) | ratio | client TPOT ms "
             "(mean) | client p99 TPOT ms | server CPU | server CPU µs/token | client CPU | lost model s | sustained |\n"
@@ -203,8 +179,8 @@ def report(sweeps: dict[float, list[Level]], args: argparse.Namespace, command: 
     return f"""# Simulated vLLM server capacity (one core)
 
 Command: `{command}`
-Commit: {_commit()}
-Machine: {_machine()}
+Commit: {git_commit()}
+Machine: {machine_info()}
 Date: {time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 One `fleetgate sim` worker (profile {args.profile}) pinned to core {args.server_core} with `taskset`; the

@@ -10,36 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench.report import git_commit, machine_info
+
 ROOT = Path(__file__).parents[1]
 RESULTS = ROOT / "bench" / "results" / "sim_speed.md"
 TARGET_S = 60.0
-
-
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, nproc={os.cpu_count()}"
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> int:
@@ -67,8 +48,8 @@ def main() -> int:
         "# fleetgate simulate: speed",
         "",
         f"- command: `{shown}` (run from the repo root; `python` = .venv/bin/python)",
-        f"- commit: {commit()}",
-        f"- machine: {machine()}; pinned to one core: {'yes (taskset -c 0)' if pinned else 'no (taskset missing)'}",
+        f"- commit: {git_commit()}",
+        f"- machine: {machine_info()}; pinned to one core: {'yes (taskset -c 0)' if pinned else 'no (taskset missing)'}",
         f"- wall seconds (process, incl. start-up and trace loading): **{wall:.2f} s** (target < {TARGET_S:.0f} s)",
         f"- simulation loop only (wall_s in the result): {out['wall_s']:.2f} s",
         f"- simulated requests: {out['requests']} over {out['duration_s']:.0f} simulated s "

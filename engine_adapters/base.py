@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.state.base import EngineMetrics
+from engine_adapters.types import EngineMetrics
 
 
 @dataclass(slots=True)

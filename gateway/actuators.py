@@ -11,7 +11,8 @@
   workers join the registry (label pool); starting ones count as pending; a worker the gateway registered
   from the webhook that is no longer listed leaves the registry. The provider creates workers to reach
   `desired` and terminates only the ids in `release`: the gateway picks scale-in victims itself and
-  releases them after a graceful drain.
+  releases them after a graceful drain. The POST goes through the gateway's one upstream client
+  (gateway/upstream.py: its TLS, DNS and connection settings), bounded by `timeout_s`.
 
 Graceful drain (both managed kinds): the victim is marked draining (no new requests, on every replica
 through the state store); once nothing is in flight on it, or after `drain_timeout_s` (when this
@@ -30,9 +31,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
+import orjson
 
 from gateway.state.base import WorkerRecord
+from gateway.upstream import encode_headers
 from policies.autoscale.global_ import POOL_BATCH, POOL_INTERACTIVE, POOL_MIXED, POOLS
 from policies.types import ROLE_MIXED
 
@@ -307,18 +309,9 @@ class WebhookActuator(ManagedActuator):
         self.cfg = cfg
         self.fleet: dict[str, _Listed] = {}
         self.released: set[str] = set()       # drained by us; the provider may terminate them
-        self._session: aiohttp.ClientSession | None = None
         self.errors = 0
         self._order: dict[str, float] = {}    # first seen (monotonic): cancel the latest starting first
-
-    async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s))
-
-    async def stop(self) -> None:
-        await super().stop()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._headers = encode_headers([("Content-Type", "application/json"), *self.cfg.headers.items()])
 
     def owns(self, ws: WorkerState) -> bool:
         return ws.rec.source == "webhook"
@@ -342,20 +335,18 @@ class WebhookActuator(ManagedActuator):
         await super().apply(desired)
 
     async def _exchange(self, desired: dict[str, int]) -> None:
-        if self._session is None:
-            await self.start()
-        assert self._session is not None
+        upstream = self.ctx.registry.upstream
+        assert upstream is not None, "the registry is not started"
         active = self.ctx.active_by_pool()
         payload = {"replica": self.ctx.replica_id, "time": time.time(), "desired": desired,
                    "current": {p: len(active.get(p, ())) for p in POOLS}, "draining": self.draining(),
                    "release": sorted(self.released)}
         try:
-            async with self._session.post(self.cfg.url, json=payload, headers=self.cfg.headers) as r:
-                if r.status != 200:
-                    raise ValueError(f"status {r.status}")
-                data = await r.json(content_type=None)
-            fleet = _parse_fleet(data)
-        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, KeyError) as e:
+            r = await upstream.fetch(self.cfg.url, self.cfg.timeout_s, b"POST", orjson.dumps(payload), self._headers)
+            if r.status != 200:
+                raise ValueError(f"status {r.status}")
+            fleet = _parse_fleet(orjson.loads(r.body))
+        except (OSError, TimeoutError, ValueError, TypeError, KeyError) as e:
             self.errors += 1
             log.warning("autoscaler webhook %s failed: %s", self.cfg.url, e)
             return

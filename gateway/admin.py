@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hmac
-
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from gateway import errors
+from gateway.auth import bearer_key_ok
 from gateway.config import WorkerConfig, describe_validation_error
 from gateway.errors import GatewayError
 from gateway.registry import record_from_config
@@ -18,13 +17,7 @@ from gateway.state.base import WORKER_ACTIVE, WORKER_DRAINING
 
 def check_api_key(request: Request) -> None:
     keys = request.app.state.gateway.config.api_keys
-    if not keys:
-        return
-    auth = request.headers.get("authorization", "")
-    if auth[:7].lower() != "bearer ":
-        raise errors.unauthorized()
-    given = auth[7:].strip().encode()
-    if not any(hmac.compare_digest(k.encode(), given) for k in keys):
+    if keys and not bearer_key_ok(request.headers.get("authorization"), [k.encode() for k in keys]):
         raise errors.unauthorized()
 
 

@@ -2,8 +2,9 @@
 
 A thin raw-ASGI front serves the two proxy routes (POST /v1/chat/completions, /v1/completions)
 straight into the dispatcher, with no framework on the hot path. Everything else (/v1/models,
-/health, /ready, /metrics, /admin/*) goes to a FastAPI app. The front also runs the lifespan: it
-starts the state store, the upstream session and the registry's control loops, and stops them.
+/health, /ready, /metrics, /admin/*) goes to a FastAPI app. There is no ASGI lifespan: the server
+(gateway/server.py) starts the gateway (state store, upstream pool, control loops) before uvicorn serves and
+stops it after, so start-up errors surface before the port opens.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from gateway.errors import GatewayError
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
-from gateway.relay import Relay, make_session
+from gateway.relay import Relay, make_upstream_pool
 from gateway.slo import SloBook
 from gateway.state.base import StateStore
 from gateway.state.factory import make_store
+from gateway.upstream import UpstreamPool
 
 log = logging.getLogger("fleetgate")
 
@@ -58,7 +60,7 @@ class Gateway:
         self.learner = Learner(config, self.store, self.registry, self.metrics.registry)
         self.batch = BatchRunner(config, self.store, self.registry, self.metrics)  # Batch API work
         self.autoscaler = Autoscaler(config, self.store, self.registry, self.metrics, self.batch)
-        self.session = None
+        self.upstream: UpstreamPool | None = None  # the one client to workers (gateway/upstream.py)
         self.relay: Relay | None = None
         self.dispatcher: Dispatcher | None = None
 
@@ -66,11 +68,11 @@ class Gateway:
         if self.dispatcher is not None:
             return  # already started (idempotent: lifespan and an embedding server may both call it)
         await self.store.start()
-        self.session = make_session(self.config.timeouts)
-        self.relay = Relay(self.session, self.adapter, self.config.timeouts)
+        self.upstream = make_upstream_pool(self.config)
+        self.relay = Relay(self.adapter, self.config.timeouts, self.upstream)
         self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,
                                      self.metrics, shared_state=self.shared_state, slo=self.slo, learner=self.learner)
-        await self.registry.start(self.session)
+        await self.registry.start(self.upstream)
         await self.learner.start()
         await self.batch.start(self.dispatcher)
         await self.autoscaler.start(self.dispatcher)
@@ -81,11 +83,9 @@ class Gateway:
         await self.autoscaler.stop()
         await self.learner.stop()
         await self.registry.stop()
-        if self.relay is not None:
-            await self.relay.close()  # upstream keep-alive connections of the hot path
-        session, self.session = self.session, None
-        if session is not None:
-            await session.close()
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            await upstream.close()  # keep-alive connections to the workers
         self.dispatcher = None
         await self.store.close()
 
@@ -106,7 +106,7 @@ class FleetgateApp:
                 return
             await self._api(scope, receive, send)
         elif kind == "lifespan":
-            await self._lifespan(receive, send)
+            return  # not supported (ASGI: returning ends it); gateway/server.py starts and stops the gateway
         else:
             await self._api(scope, receive, send)
 
@@ -129,24 +129,6 @@ class FleetgateApp:
                 with contextlib.suppress(Exception):
                     await send({"type": "http.response.start", "status": 500, "headers": err.headers()})
                     await send({"type": "http.response.body", "body": err.body()})
-
-    async def _lifespan(self, receive, send) -> None:  # noqa: ANN001
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                try:
-                    await self.gateway.start()
-                except Exception as e:  # noqa: BLE001 - reported to the server, which exits
-                    log.exception("gateway failed to start")
-                    await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif msg["type"] == "lifespan.shutdown":
-                try:
-                    await self.gateway.stop()
-                finally:
-                    await send({"type": "lifespan.shutdown.complete"})
-                return
 
 
 def create_app(config: GatewayConfig, store: StateStore | None = None) -> FleetgateApp:

@@ -128,11 +128,45 @@ class TimeoutsConfig(_Strict):
     idle_s: float = Field(60.0, gt=0)  # between two chunks of a stream
 
 
+class UpstreamTlsConfig(_Strict):
+    """TLS to `https://` workers (gateway/upstream.py TlsSettings)."""
+
+    verify: bool = True                  # check the worker's certificate and host name
+    ca_bundle: str | None = None         # PEM file of the CAs to trust (default: the system's)
+    client_cert: str | None = None       # PEM certificate to present to workers that ask for one
+    client_key: str | None = None        # its private key, when not in client_cert
+
+    @field_validator("ca_bundle", "client_cert", "client_key")
+    @classmethod
+    def _readable(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"no such file: {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _key_needs_cert(self) -> UpstreamTlsConfig:
+        if self.client_key is not None and self.client_cert is None:
+            raise ValueError("client_key is set without client_cert")
+        return self
+
+
+class UpstreamConfig(_Strict):
+    """The one HTTP client to workers (gateway/upstream.py): relaying, health checks, scrapes, discovery, webhooks."""
+
+    max_connections: int | None = Field(None, ge=1)           # all hosts together; None: no limit
+    max_connections_per_host: int | None = Field(None, ge=1)  # per worker (scheme, host, port); None: no limit
+    pool_timeout_s: float = Field(10.0, gt=0)       # a request waits this long for a connection at the limit
+    # Idle connections are not reused after this long: below the worker's own keep-alive (vLLM's uvicorn: 5 s).
+    keepalive_expiry_s: float = Field(4.0, gt=0)
+    dns_cache_ttl_s: float = Field(300.0, ge=0)     # a host name is resolved once per this long; 0: every connect
+    tls: UpstreamTlsConfig = Field(default_factory=UpstreamTlsConfig)
+
+
 class PdConfig(_Strict):
     """Prefill/decode disaggregation, active for a model while it has prefill or decode workers (gateway/pd.py)."""
 
     # Prompts whose tokens not cached on a decode-capable worker are at most this many are prefilled
-    # there, without a prefill worker (vLLM Router's pd_uncached_token_threshold, peer-routers.md 8.4).
+    # there, without a prefill worker (vLLM Router's pd_uncached_token_threshold, docs/reference/peer-routers.md §8.4).
     local_prefill_tokens: int = Field(256, ge=0)
     decode_policy: str | None = None            # placement of the decode leg; None: the model's policy
     decode_policy_params: dict[str, Any] = Field(default_factory=dict)
@@ -261,6 +295,7 @@ class GatewayConfig(BaseSettings):
     api_keys: list[str] = Field(default_factory=list)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     pd: PdConfig = Field(default_factory=PdConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Collection
@@ -27,6 +26,7 @@ from typing import Any
 from engine_adapters.base import EngineAdapter
 from gateway import errors
 from gateway.admission import ModelQueue
+from gateway.auth import bearer_key_ok
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, sse_error_event
 from gateway.learning import Learner
@@ -173,7 +173,7 @@ class Dispatcher:
             try:
                 if hdrs.content_length == -1:
                     raise errors.bad_request("Invalid Content-Length header.")
-                if self.api_keys and not self._authorized(hdrs.auth):
+                if self.api_keys and not bearer_key_ok(hdrs.auth, self.api_keys):
                     raise errors.unauthorized()
                 raw = await self._read_body(receive, hdrs.content_length)
                 watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, state, gone))
@@ -220,15 +220,6 @@ class Dispatcher:
             self.metrics.count_request(model_label, policy_label, status)
             if model_label != UNKNOWN_MODEL_LABEL:
                 self.metrics.observe_duration(model_label, time.perf_counter() - t0)
-
-    def _authorized(self, auth: bytes | None) -> bool:
-        if not auth or auth[:7].lower() != b"bearer ":
-            return False
-        key = auth[7:].strip()
-        ok = False
-        for k in self.api_keys:
-            ok |= hmac.compare_digest(k, key)
-        return ok
 
     async def _read_body(self, receive, content_length: int | None) -> bytes:  # noqa: ANN001
         if content_length is not None and content_length > self.max_body:

@@ -2,12 +2,14 @@
 
 Body shape (OpenAI API reference, "Error codes"): {"error": {"message", "type", "param", "code"}}.
 `type` follows OpenAI's names (invalid_request_error, authentication_error, ...); `code` is a short
-machine-readable string or null.
+machine-readable string or null. The body and the SSE error event are the engines' wire format too, so they
+live with the adapters (engine_adapters/openai_errors.py) and are re-exported here.
 """
 
 from __future__ import annotations
 
-import orjson
+from engine_adapters.openai_errors import error_body
+from engine_adapters.openai_errors import sse_error_event as sse_error_event  # re-exported for the pipeline
 
 JSON_HEADERS: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
 
@@ -42,15 +44,6 @@ class GatewayError(Exception):
             return JSON_HEADERS
         # Retry-After is whole seconds (RFC 9110 section 10.2.3); never 0, so clients back off.
         return [*JSON_HEADERS, (b"retry-after", str(max(1, round(self.retry_after))).encode())]
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
-
-
-def sse_error_event(message: str, type: str = "upstream_error", code: str | None = "worker_failed") -> bytes:
-    """A mid-stream error as vLLM sends it: an ordinary data event, then [DONE] (reference section 2)."""
-    return b"data: " + error_body(message, type, None, code) + b"\n\ndata: [DONE]\n\n"
 
 
 # --- constructors for the cases the gateway produces ---------------------------------------------

@@ -29,9 +29,9 @@ What the control loop does every `learning.interval_s` (off the request path):
 
 Priors (the model a profile starts from, `WorkerRecord.profile`): `learning.priors.<profile>` (Aladdin
 coefficients k1, c1, k2, c2, c3, h, j, kv_capacity, max_batch, or a whole simulator-style step profile
-with c_step_s, t_weights_s, ...), else the simulator's built-in profile of that name (its YAML is read,
-no simulator code is imported; PerfModel.from_step_profile), else a path to such a YAML file, else the
-PerfModel defaults. Time coefficients are divided by `learning.time_scale` (a simulated fleet running
+with c_step_s, t_weights_s, ...), else, when the simulator is installed (an optional component, imported
+only here), its built-in profile of that name or a simulator profile YAML file at that path, read by its
+profile loader (PerfModel.from_step_profile), else the PerfModel defaults. Time coefficients are divided by `learning.time_scale` (a simulated fleet running
 K times faster than its profiles); fitted and exported coefficients are in the gateway's wall seconds.
 The scraped `num_gpu_blocks` / `block_size` of a profile's workers replace the prior's KV capacity.
 """
@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
 from prometheus_client import CollectorRegistry, Gauge
 
 from policies.base import Policy
@@ -67,7 +66,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fleetgate.learning")
 
-SIM_PROFILES_DIR = Path(__file__).resolve().parents[1] / "simulator" / "profiles"
 DOC_MODEL, DOC_SAMPLES, DOC_PREDICTOR = "learn:model:", "learn:samples:", "learn:predictor:"
 DOC_MAX_AGE_S = 86_400.0
 MIN_DECODE_TOKENS = 4          # ATGT over fewer tokens is mostly noise
@@ -92,35 +90,32 @@ def profile_prior(name: str, configured: Mapping[str, Mapping[str, Any]], time_s
     if name in configured:
         model = prior_from_mapping(configured[name])
     else:
-        model = None
-        for path in _profile_paths(name):
-            try:
-                data = yaml.safe_load(path.read_text())
-                model = PerfModel.from_step_profile(data)
-                break
-            except (OSError, yaml.YAMLError, TypeError, ValueError, KeyError) as e:
-                log.warning("profile %r: cannot derive a prior from %s (%s); using defaults", name, path, e)
-        if model is None:
-            model = PerfModel()
+        model = simulator_profile_prior(name) or PerfModel()
     return scale_time(model, time_scale)
 
 
 def known_profile(name: str, configured: Mapping[str, Mapping[str, Any]]) -> bool:
-    """Is there a declared model for this worker profile (config priors, a built-in profile, a profile file)?"""
-    return name in configured or bool(_profile_paths(name))
+    """Is there a declared model for this worker profile (config priors, a simulator profile or profile file)?"""
+    return name in configured or simulator_profile_prior(name) is not None
 
 
-def _profile_paths(name: str) -> list[Path]:
-    if not name:
-        return []
-    out = []
-    if "/" not in name and "\\" not in name and not name.startswith("."):
-        builtin = SIM_PROFILES_DIR / f"{name}.yaml"
-        if builtin.is_file():
-            out.append(builtin)
-    if name.endswith((".yaml", ".yml")) and Path(name).is_file():
-        out.append(Path(name))
-    return out
+def simulator_profile_prior(name: str) -> PerfModel | None:
+    """Aladdin coefficients of the simulator's profile `name` (a built-in name or a profile YAML path), read by
+    the simulator's profile loader; None when the simulator is not installed or has no such profile."""
+    try:
+        from simulator.package_data import builtin_profile  # optional component
+        from simulator.profiles import profile_yaml
+    except ImportError:
+        return None
+    if not name or (builtin_profile(name) is None
+                    and not (name.endswith((".yaml", ".yml")) and Path(name).is_file())):
+        return None
+    try:
+        data, _ = profile_yaml(name)
+        return PerfModel.from_step_profile(data)
+    except (OSError, TypeError, ValueError, KeyError, AttributeError) as e:
+        log.warning("profile %r: cannot derive a prior from it (%s); using defaults", name, e)
+        return None
 
 
 def scale_time(model: PerfModel, k: float) -> PerfModel:
@@ -689,4 +684,5 @@ def _fit(prior: PerfModel, prefill: list, decode: list, prior_weight: float) -> 
     return fitter.refit()
 
 
-__all__ = ["Learner", "merge_predictors", "prior_from_mapping", "profile_prior", "scale_time"]
+__all__ = ["Learner", "merge_predictors", "prior_from_mapping", "profile_prior", "scale_time",
+           "simulator_profile_prior"]

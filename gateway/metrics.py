@@ -1,6 +1,6 @@
 """The gateway's Prometheus series, on a registry of its own (several gateways can live in one process).
 
-Bucket boundaries follow vLLM 0.11 where a vLLM series exists (vllm-interface.md section 3.2), so
+Bucket boundaries follow vLLM 0.11 where a vLLM series exists (docs/reference/vllm-interface.md §3.2), so
 gateway and engine histograms line up in Grafana. Label children are cached: the hot path does a
 dict lookup, never `labels(...)`. The per-request series (requests, duration, routing, TTFT, TPOT,
 queue wait) are buffered: the hot path appends a number to a list, and the buffers are added to the
@@ -17,13 +17,13 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
 
-# vllm:e2e_request_latency_seconds (reference section 3.2)
+# vllm:e2e_request_latency_seconds (docs/reference/vllm-interface.md §3.2)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-# vllm:time_to_first_token_seconds (reference section 3.2)
+# vllm:time_to_first_token_seconds (docs/reference/vllm-interface.md §3.2)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-# vllm:time_per_output_token_seconds / inter_token_latency_seconds (reference section 3.2)
+# vllm:time_per_output_token_seconds / inter_token_latency_seconds (docs/reference/vllm-interface.md §3.2)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0)
 # Routing decisions take microseconds; start at 10 us.

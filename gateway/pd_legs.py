@@ -3,7 +3,8 @@
 P/D is a profile of the one placement step (policies/placement.py): while a model has healthy prefill or
 decode workers (roles from config or registration), its requests are placed by `PdPolicy` (policies/pd.py),
 through the dispatcher's placement, reservations and admission queue like any other request. Here, as vLLM's
-toy proxy and llm-d's sidecar drive them (vllm-interface.md 4.2; shapes in engine_adapters/vllm/pd.py):
+toy proxy and llm-d's sidecar drive them (docs/reference/vllm-interface.md §4.2; shapes in
+engine_adapters/vllm/kv_transfer.py):
 
     place    (the dispatcher) the decode worker and, unless the prompt is short or mostly cached on a
              decode-capable worker, a prefill worker; both reserved (the prefill worker for its prompt tokens,
@@ -32,17 +33,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from engine_adapters.vllm.pd import decode_body, extract_kv_transfer_params, params_expired, prefill_body
+from engine_adapters.vllm.kv_transfer import (
+    decode_body,
+    extract_kv_transfer_params,
+    params_expired,
+    prefill_body,
+)
 from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.registry import WorkerState
 from gateway.relay import RelayResult, UpstreamFailure
 from gateway.request import Route
-from gateway.upstream import header_pairs
+from gateway.upstream import ClientConnectorError
 from policies.pd import PdPolicy
 from policies.prefix import CHUNK_CHARS
 from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL
@@ -141,9 +146,6 @@ class PdLegs:
         self.d = dispatcher
         self.cfg = dispatcher.config.pd
         self.metrics = PdMetrics.for_registry(dispatcher.metrics.registry)
-        t = dispatcher.config.timeouts
-        self._prefill_timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s, sock_connect=t.connect_s,
-                                                      sock_read=self.cfg.prefill_timeout_s)
 
     async def run(self, ctx: RequestContext) -> RelayResult:
         rt, feats = ctx.rt, ctx.feats
@@ -209,13 +211,12 @@ class PdLegs:
     async def _prefill_once(self, ws: WorkerState, route: Route, leg: bytes,
                             headers: bytes) -> dict[str, Any] | None:
         url = getattr(ws, route.url_attr)
-        try:
-            async with self.d.relay.session.post(url, data=leg, headers=header_pairs(headers),
-                                                 timeout=self._prefill_timeout) as r:
-                answer = await r.read()
-                status = r.status
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            if isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError)):
+        try:  # the one client to workers (gateway/upstream.py), as the relay
+            r = await self.d.relay.upstream.fetch(url, self.cfg.prefill_timeout_s, method=b"POST", body=leg,
+                                                  headers=headers)
+            answer, status = r.body, r.status
+        except (TimeoutError, OSError) as e:
+            if isinstance(e, (ClientConnectorError, ConnectionRefusedError)):
                 self.d.registry.report_failure(ws.id)
             raise _PrefillFailed(f"{type(e).__name__}: {e}", retryable=True) from None
         if status >= 500:

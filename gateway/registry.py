@@ -10,7 +10,8 @@ this module keeps a local, synchronously readable copy for the hot path and runs
 - scrape: every `scrape_interval_s` the engine's /metrics via the engine adapter, into the store;
 - sync: picks up workers added, drained or removed through another replica.
 
-None of the loops is awaited by a request.
+None of the loops is awaited by a request. They talk to workers through the gateway's one upstream client
+(gateway/upstream.py), with the same TLS, DNS and connection settings as the relay.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from engine_adapters.base import EngineAdapter
 from gateway.config import GatewayConfig, WorkerConfig
 from gateway.metrics import GatewayMetrics
 from gateway.state.base import WORKER_ACTIVE, WORKER_DRAINING, EngineMetrics, StateStore, WorkerRecord
+from gateway.upstream import UpstreamPool
 from policies.types import ROLE_MIXED, WorkerView
 
 log = logging.getLogger("fleetgate.registry")
@@ -87,15 +87,14 @@ class Registry:
         self._known_models: dict[str, dict[str, Any]] = {}
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # one-off probes of workers adopted by sync
-        self._session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None  # the gateway's one client to workers (set by start)
         self._listeners: list[Callable[[], None]] = []
-        h = config.health
-        self._probe_timeout = aiohttp.ClientTimeout(total=h.timeout_s)
-        self._scrape_timeout = aiohttp.ClientTimeout(total=max(0.2, min(2.0, config.scrape_interval_s * 2)))
+        self._probe_timeout = config.health.timeout_s
+        self._scrape_timeout = max(0.2, min(2.0, config.scrape_interval_s * 2))
 
     # --- lifecycle --------------------------------------------------------------------------------
-    async def start(self, session: aiohttp.ClientSession) -> None:
-        self._session = session
+    async def start(self, upstream: UpstreamPool) -> None:
+        self.upstream = upstream
         for w in self.config.workers:
             await self.store.upsert_worker(record_from_config(w))
         await self.sync()
@@ -300,24 +299,21 @@ class Registry:
             self._rebuild()
 
     async def _get_ok(self, url: str) -> bool:
-        assert self._session is not None
+        assert self.upstream is not None
         try:
-            async with self._session.get(url, timeout=self._probe_timeout) as resp:
-                await resp.read()
-                return resp.status == 200
-        except (TimeoutError, aiohttp.ClientError, OSError):
+            return (await self.upstream.fetch(url, self._probe_timeout)).status == 200
+        except (TimeoutError, OSError):
             return False
 
     async def _discover(self, ws: WorkerState) -> None:
-        assert self._session is not None
+        assert self.upstream is not None
         try:
-            async with self._session.get(ws.rec.url + self.adapter.models_path, timeout=self._probe_timeout) as r:
-                payload = await r.read()
-                if r.status != 200:
-                    return
-        except (TimeoutError, aiohttp.ClientError, OSError):
+            r = await self.upstream.fetch(ws.rec.url + self.adapter.models_path, self._probe_timeout)
+        except (TimeoutError, OSError):
             return
-        cards = self.adapter.parse_models(payload)
+        if r.status != 200:
+            return
+        cards = self.adapter.parse_models(r.body)
         ws.discovered_at = time.monotonic()
         models = tuple(c["id"] for c in cards)
         if models != ws.models or cards != ws.cards:
@@ -332,14 +328,13 @@ class Registry:
             await asyncio.gather(*(self.scrape(ws) for ws in targets))
 
     async def scrape(self, ws: WorkerState) -> None:
-        assert self._session is not None
+        assert self.upstream is not None
         try:
-            async with self._session.get(ws.rec.url + self.adapter.metrics_path, timeout=self._scrape_timeout) as r:
-                if r.status != 200:
-                    self.metrics.upstream_error(ws.id, "scrape")
-                    return
-                text = await r.text()
-        except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
+            r = await self.upstream.fetch(ws.rec.url + self.adapter.metrics_path, self._scrape_timeout)
+            text = r.body.decode("utf-8") if r.status == 200 else None
+        except (TimeoutError, OSError, UnicodeDecodeError):
+            text = None
+        if text is None:
             self.metrics.upstream_error(ws.id, "scrape")
             return
         m = self.adapter.parse_metrics(text, time.time())

@@ -1,14 +1,15 @@
 """Send one request to one worker and relay the answer to the ASGI client as it arrives.
 
-The request/response exchange with the worker goes through gateway/upstream.py, a lean pooled HTTP/1.1
-client (~12 us CPU per request at concurrency 32 where aiohttp's client took ~72 us, and httpx 3.5-5 ms); the
-aiohttp session made here serves everything off the hot path (health checks, scrapes, P/D prefill legs). Rules:
+The request/response exchange with the worker goes through gateway/upstream.py, the gateway's one pooled
+HTTP/1.1 client to workers (~12 us CPU per request at concurrency 32 where aiohttp's client took ~72 us, and httpx
+3.5-5 ms), built here from the config's `upstream:` and `timeouts:` sections; health checks, scrapes, discovery,
+webhooks and the P/D prefill leg (gateway/pd_legs.py) use the same pool. Rules:
 
 - nothing has been sent to the client yet -> any failure raises `UpstreamFailure` and the dispatcher
   may retry on another worker (connection refused/reset, timeout to headers, a 5xx status, a body
   cut short);
 - the client has seen the response start -> a failure ends the stream with an SSE error event and
-  `data: [DONE]` (vllm-interface.md section 2), never a hang;
+  `data: [DONE]` (docs/reference/vllm-interface.md §2), never a hang;
 - upstream statuses and bodies other than retried 5xx are passed through unchanged.
 """
 
@@ -17,11 +18,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import aiohttp
-
 from engine_adapters.base import EngineAdapter, Usage
-from gateway.config import TimeoutsConfig
-from gateway.upstream import KEEPALIVE_S, UpstreamConnection, UpstreamPool
+from gateway.config import GatewayConfig, TimeoutsConfig
+from gateway.upstream import TlsSettings, UpstreamConnection, UpstreamPool
 
 _BODY_END = {"type": "http.response.body", "body": b"", "more_body": False}
 
@@ -61,27 +60,20 @@ class ResponseState:
         self.tokens = 0
 
 
-def make_session(timeouts: TimeoutsConfig) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s),
-        auto_decompress=False,
-        headers={"Accept-Encoding": "identity"},
-        skip_auto_headers=("User-Agent",),
-    )
+def make_upstream_pool(config: GatewayConfig) -> UpstreamPool:
+    """The one client to workers, as configured (`upstream:`, `timeouts.connect_s`)."""
+    u = config.upstream
+    return UpstreamPool(config.timeouts.connect_s, u.keepalive_expiry_s, max_connections=u.max_connections,
+                        max_connections_per_host=u.max_connections_per_host, pool_timeout_s=u.pool_timeout_s,
+                        dns_ttl_s=u.dns_cache_ttl_s, tls=TlsSettings(**u.tls.model_dump()))
 
 
 class Relay:
-    def __init__(self, session: aiohttp.ClientSession, adapter: EngineAdapter, timeouts: TimeoutsConfig) -> None:
-        self.session = session  # for the calls off the hot path (gateway/pd.py's prefill leg)
+    def __init__(self, adapter: EngineAdapter, timeouts: TimeoutsConfig, upstream: UpstreamPool) -> None:
         self.adapter = adapter
-        self.upstream = UpstreamPool(timeouts.connect_s)
+        self.upstream = upstream
         self.first_byte_s = timeouts.first_byte_s
         self.idle_s = timeouts.idle_s
-
-    async def close(self) -> None:
-        await self.upstream.close()
 
     async def forward(
         self,

@@ -28,7 +28,7 @@ _REQUEST_ID_RE = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 class Route:
     kind: str  # "chat" | "completions"
     url_attr: str  # WorkerState attribute holding the upstream URL
-    default_max_tokens: int | None  # vLLM's default when the body has none (reference section 1.3)
+    default_max_tokens: int | None  # vLLM's default when the body has none (docs/reference/vllm-interface.md §1.3)
 
 
 CHAT = Route("chat", "chat_url", None)

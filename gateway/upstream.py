@@ -1,11 +1,22 @@
-"""The relay's upstream HTTP/1.1 client: pooled keep-alive connections, each request written in one piece,
-responses parsed by httptools (llhttp, the parser uvicorn serves the gateway's own clients with).
+"""The gateway's one HTTP/1.1 client to workers: pooled keep-alive connections, each request written in one
+piece, responses parsed by httptools (llhttp, the parser uvicorn serves the gateway's own clients with).
 
-Why not aiohttp on this path: a bare POST + read of a short answer against bench/null_backend.py at concurrency
-32, on uvloop, cost ~72 us of CPU per request through an aiohttp session and ~12.5 us through this client (same
-process, interleaved, medians of 5; aiohttp was about half of the gateway's whole per-request CPU,
-bench/profile_hotpath.py). aiohttp stays the client for everything off the hot path (health checks, /metrics
-scrapes, P/D prefill legs, webhooks).
+It carries the relay's requests (the hot path) and everything else the gateway sends out: health checks,
+/metrics scrapes, /v1/models discovery (gateway/registry.py) and the autoscaler's webhook (gateway/actuators.py),
+so timeouts, TLS and header rules live here once. Why not aiohttp or httpx: a bare POST + read of a short
+answer against bench/null_backend.py at concurrency 32, on uvloop, cost ~72 us of CPU per request through an
+aiohttp session and ~12.5 us through this client (same process, interleaved, medians of 5; aiohttp was about
+half of the gateway's whole per-request CPU, bench/profile_hotpath.py); httpx took 3.5-5 ms.
+
+Settings (config `upstream:`, gateway/config.py UpstreamConfig; httpx's names where it has one):
+- `max_connections` (all hosts) and `max_connections_per_host`: a request that finds neither an idle connection
+  nor room for a new one waits, first come first served, at most `pool_timeout_s` (then `PoolTimeoutError`, a
+  TimeoutError); idle connections to other hosts are closed to make room. None: no limit (the default);
+- `keepalive_expiry_s`: an idle connection is not reused after this long;
+- DNS: a host name is resolved (loop.getaddrinfo) once per `dns_cache_ttl_s` and its addresses tried in order;
+  a failed connection drops the cached answer;
+- TLS for `https://` workers (TlsSettings): `verify` (default on, system CAs), `ca_bundle` (a PEM file of CAs to
+  trust instead), `client_cert` / `client_key` (certificate authentication to the worker).
 
 Behaviour the relay relies on (the same as the aiohttp session it replaced there):
 - opening a connection is bounded by `connect_s` (`ServerTimeoutError`, a TimeoutError); a connection that
@@ -28,9 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import math
 import socket
 import ssl
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
@@ -41,6 +55,8 @@ DEFAULT_CONTENT_TYPE = b"application/json"
 # keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, vllm/envs.py), and a connection reused just as it expires
 # is closed under the request.
 KEEPALIVE_S = 4.0
+DNS_TTL_S = 300.0
+POOL_TIMEOUT_S = 10.0
 _HIGH_WATER = 1 << 16  # buffered stream bytes at which reading pauses until the consumer catches up
 _TARGET_SAFE = "/%:@!$&'()*+,;=-._~?"  # kept as is in a request target (RFC 3986 pchar, "/" and "?"; escapes kept)
 
@@ -61,13 +77,51 @@ class ServerTimeoutError(TimeoutError):
     """The worker did not accept the connection or send the response's next bytes in time."""
 
 
+class PoolTimeoutError(TimeoutError):
+    """No connection to the worker became free within `pool_timeout_s` (the pool is at its limit)."""
+
+
+# (host, port) -> [(address family, socket address)], as loop.getaddrinfo would give them
+Resolver = Callable[[str, int], Awaitable[list[tuple[int, tuple]]]]
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """How `https://` workers are checked and how the gateway proves itself to them."""
+
+    verify: bool = True                 # check the worker's certificate and host name
+    ca_bundle: str | None = None        # PEM file of CAs to trust (default: the system's)
+    client_cert: str | None = None      # PEM certificate (chain) to present; may hold the key too
+    client_key: str | None = None       # its private key when not in client_cert
+
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca_bundle)
+        if not self.verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        if self.client_cert:
+            ctx.load_cert_chain(self.client_cert, self.client_key)
+        return ctx
+
+
+@dataclass(slots=True)
+class Response:
+    """A whole response (UpstreamPool.fetch)."""
+
+    status: int
+    body: bytes
+    content_type: bytes
+
+
 @dataclass(frozen=True, slots=True)
 class _Target:
     key: tuple[str, str, int]  # (scheme, host, port): the pool a connection to this URL belongs to
     host: str
     port: int
     tls: bool
-    head: bytes  # request line, Host and the headers every request carries
+    head: bytes  # POST request line, Host and the headers every request carries
+    rest: bytes  # the same after the method: b" /path HTTP/1.1\r\nHost: ...", for other methods
+    ip: bool     # host is an IP address literal (nothing to resolve)
 
 
 def encode_headers(headers: list[tuple[str, str]]) -> bytes:
@@ -102,7 +156,7 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("_pool", "_key", "_loop", "transport", "_parser", "closed", "busy", "idle_at", "status",
                  "content_type", "_headers_done", "_complete", "_keep", "_until_eof", "_chunks", "_buffered",
                  "_error", "_waiter", "_wake_on_data", "_paused", "_timer", "_read_timeout", "_headers_deadline",
-                 "_last_io", "_got_bytes")
+                 "_last_io", "_got_bytes", "fresh")
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, str, int], loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
@@ -113,6 +167,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.closed = False
         self.busy = False
         self.idle_at = 0.0
+        self.fresh = True  # not yet reused from the idle set
         self._timer: asyncio.TimerHandle | None = None
         self._reset()
 
@@ -324,20 +379,34 @@ class UpstreamConnection(asyncio.Protocol):
 
 
 class UpstreamPool:
-    """Keep-alive connections per (scheme, host, port), reused last-in first-out; no limit on their number."""
+    """Keep-alive connections per (scheme, host, port), reused last-in first-out, within the limits set."""
 
-    def __init__(self, connect_s: float, keepalive_s: float = KEEPALIVE_S) -> None:
+    def __init__(self, connect_s: float, keepalive_s: float = KEEPALIVE_S, *, max_connections: int | None = None,
+                 max_connections_per_host: int | None = None, pool_timeout_s: float = POOL_TIMEOUT_S,
+                 dns_ttl_s: float = DNS_TTL_S, tls: TlsSettings | None = None, resolver: Resolver | None = None) -> None:
         self.connect_s = connect_s
         self.keepalive_s = keepalive_s
+        self.max_connections = max_connections
+        self.max_per_host = max_connections_per_host
+        self.pool_timeout_s = pool_timeout_s
+        self.dns_ttl_s = dns_ttl_s
+        self.tls = tls or TlsSettings()
+        self._resolve = resolver or _getaddrinfo
+        self._limited = max_connections is not None or max_connections_per_host is not None
         self._idle: dict[tuple[str, str, int], list[UpstreamConnection]] = {}
         self._all: set[UpstreamConnection] = set()
+        self._open: dict[tuple[str, str, int], int] = {}   # connections open or opening, per host
+        self._open_total = 0
+        self._waiters: dict[tuple[str, str, int], deque[asyncio.Future]] = {}
+        self._dns: dict[tuple[str, int], tuple[float, list[tuple[int, tuple]]]] = {}
         self._targets: dict[str, _Target] = {}
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
     async def request(self, url: str, headers: bytes, body: bytes, read_timeout: float,
-                      headers_timeout: float | None = None, stream: bool = False) -> UpstreamConnection:
-        """POST `body` to `url` with `headers` (encoded lines, see encode_headers) and wait for the response
+                      headers_timeout: float | None = None, stream: bool = False,
+                      method: bytes = b"POST") -> UpstreamConnection:
+        """Send `body` to `url` with `headers` (encoded lines, see encode_headers) and wait for the response
         headers. The caller must end the exchange with `release()` (response read to its end) or `close()`."""
         t = self._targets.get(url)
         if t is None:
@@ -345,8 +414,14 @@ class UpstreamPool:
         conn = self._take_idle(t.key)
         reused = conn is not None
         if conn is None:
-            conn = await self._connect(t)
-        message = b"".join((t.head, headers, b"Content-Length: %d\r\n\r\n" % len(body), body))
+            conn = await self._connect(t) if not self._limited else await self._checkout(t)
+            reused = not conn.fresh
+        if method == b"POST":
+            message = b"".join((t.head, headers, b"Content-Length: %d\r\n\r\n" % len(body), body))
+        elif body:
+            message = b"".join((method, t.rest, headers, b"Content-Length: %d\r\n\r\n" % len(body), body))
+        else:
+            message = b"".join((method, t.rest, headers, b"\r\n"))
         while True:
             conn._begin(read_timeout, headers_timeout, stream)
             conn.transport.write(message)
@@ -361,7 +436,34 @@ class UpstreamPool:
                 conn.close()
                 raise
             reused = False  # the worker closed an idle connection under the request: once more, on a new one
-            conn = await self._connect(t)
+            conn = await self._connect(t) if not self._limited else await self._checkout(t)
+
+    async def fetch(self, url: str, timeout_s: float, method: bytes = b"GET", body: bytes = b"",
+                    headers: bytes = b"Accept: */*\r\n") -> Response:
+        """One whole exchange within `timeout_s` (connecting included): for health checks, scrapes, discovery
+        and webhooks. Raises TimeoutError or OSError (ConnectionError) as `request` does."""
+        conn: UpstreamConnection | None = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                conn = await self.request(url, headers, body, timeout_s, method=method)
+                data = await conn.read()
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        response = Response(conn.status, data, conn.content_type or DEFAULT_CONTENT_TYPE)
+        conn.release()
+        return response
+
+    def idle_connections(self, url: str) -> int:
+        """Idle connections to `url`'s host that a request could still reuse (open and not yet expired)."""
+        now = asyncio.get_running_loop().time()
+        return sum(1 for c in self._idle.get(self._target(url).key, ())
+                   if not c.closed and not c.transport.is_closing() and now - c.idle_at <= self.keepalive_s)
+
+    def open_connections(self, url: str | None = None) -> int:
+        """Connections open or being opened, to `url`'s host or to all hosts."""
+        return self._open_total if url is None else self._open.get(self._target(url).key, 0)
 
     async def close(self) -> None:
         self._closed = True
@@ -369,6 +471,10 @@ class UpstreamPool:
             conn.close()
         self._all.clear()
         self._idle.clear()
+        for waiters in self._waiters.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
 
     # --- connections -----------------------------------------------------------------------------------------
     def _take_idle(self, key: tuple[str, str, int]) -> UpstreamConnection | None:
@@ -380,6 +486,7 @@ class UpstreamPool:
             if conn._loop.time() - conn.idle_at > self.keepalive_s:
                 conn.close()
                 continue
+            conn.fresh = False
             return conn
         return None
 
@@ -392,37 +499,154 @@ class UpstreamPool:
         if idle is None:
             idle = self._idle[conn._key] = []
         idle.append(conn)
+        if self._waiters:
+            self._wake(conn._key)
 
     def _forget(self, conn: UpstreamConnection) -> None:
-        self._all.discard(conn)
+        if conn in self._all:
+            self._all.discard(conn)
+            self._free_slot(conn._key)
         idle = self._idle.get(conn._key)
         if idle and conn in idle:
             idle.remove(conn)
 
+    # --- limits ------------------------------------------------------------------------------------------------
+    def _room(self, key: tuple[str, str, int]) -> bool:
+        """Whether a new connection to `key` may open now; closes an idle connection to another host when
+        only the total limit is in the way."""
+        if self.max_per_host is not None and self._open.get(key, 0) >= self.max_per_host:
+            return False
+        if self.max_connections is None or self._open_total < self.max_connections:
+            return True
+        for other, idle in self._idle.items():
+            if other != key and idle:
+                idle[0].close()  # the least recently used; frees its slot
+                return self._open_total < self.max_connections
+        return False
+
+    async def _checkout(self, t: _Target) -> UpstreamConnection:
+        """An idle connection or a new one, waiting (FIFO per host) while the limits allow neither."""
+        if self._room(t.key):
+            return await self._connect(t)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.pool_timeout_s
+        waiters = self._waiters.setdefault(t.key, deque())
+        first = True
+        while True:
+            fut = loop.create_future()
+            (waiters.append if first else waiters.appendleft)(fut)  # woken and beaten to it: stays first in line
+            first = False
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await fut
+            except TimeoutError:
+                raise PoolTimeoutError(f"no connection to {t.host}:{t.port} free within {self.pool_timeout_s:g} s "
+                                       f"(max_connections {self.max_connections}, per host "
+                                       f"{self.max_per_host})") from None
+            except BaseException:
+                if fut.done() and not fut.cancelled():
+                    self._wake(t.key)  # pass the wake-up on: another waiter may use it
+                raise
+            finally:
+                with contextlib.suppress(ValueError):
+                    waiters.remove(fut)
+            if self._closed:
+                raise ClientConnectorError("the upstream pool is closed")
+            conn = self._take_idle(t.key)
+            if conn is not None:
+                return conn
+            if self._room(t.key):
+                return await self._connect(t)
+
+    def _wake(self, key: tuple[str, str, int]) -> None:
+        """Wake the first waiter for `key`; if there is none and a slot of the total is free, one of another host."""
+        waiters = self._waiters.get(key)
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        for waiters in self._waiters.values():
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+                    return
+
+    def _free_slot(self, key: tuple[str, str, int]) -> None:
+        n = self._open.get(key, 0) - 1
+        if n > 0:
+            self._open[key] = n
+        else:
+            self._open.pop(key, None)
+        self._open_total -= 1
+        if self._waiters:
+            self._wake(key)
+
+    # --- opening a connection -------------------------------------------------------------------------------------
     async def _connect(self, t: _Target) -> UpstreamConnection:
         if self._closed:
             raise ClientConnectorError("the upstream pool is closed")
+        self._open[t.key] = self._open.get(t.key, 0) + 1   # the slot is taken while connecting
+        self._open_total += 1
+        try:
+            conn = await self._open_connection(t)
+        except BaseException:
+            self._free_slot(t.key)
+            raise
+        self._all.add(conn)
+        return conn
+
+    async def _open_connection(self, t: _Target) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         tls = None
         if t.tls:
             if self._ssl is None:
-                self._ssl = ssl.create_default_context()
+                self._ssl = self.tls.context()
             tls = self._ssl
+        last: OSError | None = None
         try:
             async with asyncio.timeout(self.connect_s):
-                _, conn = await loop.create_connection(lambda: UpstreamConnection(self, t.key, loop), t.host, t.port,
-                                                       ssl=tls, server_hostname=t.host if tls else None)
+                addresses = [(0, (t.host, t.port))] if t.ip else await self._addresses(t.host, t.port)
+                for family, sockaddr in addresses:
+                    try:
+                        _, conn = await loop.create_connection(
+                            lambda: UpstreamConnection(self, t.key, loop), sockaddr[0], sockaddr[1], family=family,
+                            ssl=tls, server_hostname=t.host if tls else None)
+                        break
+                    except ssl.SSLError:
+                        raise
+                    except OSError as e:
+                        last = e
+                else:
+                    raise last or OSError(f"no address for {t.host}")
         except TimeoutError:
+            self._dns.pop((t.host, t.port), None)
             raise ServerTimeoutError(f"Connection timeout to host {t.host}:{t.port}") from None
         except OSError as e:
+            self._dns.pop((t.host, t.port), None)
             raise ClientConnectorError(f"Cannot connect to host {t.host}:{t.port} ssl:{'default' if tls else False} "
-                                       f"[{e.strerror or e}]") from None
+                                       f"[{getattr(e, 'strerror', None) or e}]") from None
         sock = conn.transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._all.add(conn)
         return conn
+
+    async def _addresses(self, host: str, port: int) -> list[tuple[int, tuple]]:
+        """The host's addresses, from the cache while its answer is younger than dns_ttl_s."""
+        now = asyncio.get_running_loop().time()
+        hit = self._dns.get((host, port))
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        addresses = await self._resolve(host, port)
+        if not addresses:
+            raise OSError(f"no address for {host}")
+        if self.dns_ttl_s > 0:
+            if len(self._dns) > 4096:
+                self._dns.clear()
+            self._dns[(host, port)] = (now + self.dns_ttl_s, addresses)
+        return addresses
 
     def _target(self, url: str) -> _Target:
         try:
@@ -440,12 +664,28 @@ class UpstreamPool:
             netloc += f":{port}"
         target = quote(parts.path or "/", safe=_TARGET_SAFE) + (f"?{quote(parts.query, safe=_TARGET_SAFE)}"
                                                                  if parts.query else "")
-        head = f"POST {target} HTTP/1.1\r\nHost: {netloc}\r\nAccept-Encoding: identity\r\n".encode("ascii")
-        t = _Target((parts.scheme, host, port or default), host, port or default, parts.scheme == "https", head)
+        rest = f" {target} HTTP/1.1\r\nHost: {netloc}\r\nAccept-Encoding: identity\r\n".encode("ascii")
+        try:
+            ipaddress.ip_address(host)
+            ip = True
+        except ValueError:
+            ip = False
+        t = _Target((parts.scheme, host, port or default), host, port or default, parts.scheme == "https",
+                    b"POST" + rest, rest, ip)
         if len(self._targets) > 4096:  # worker URLs come and go through the admin API
             self._targets.clear()
         self._targets[url] = t
         return t
 
-__all__ = ["ClientConnectorError", "ClientPayloadError", "ServerDisconnectedError", "ServerTimeoutError",
-           "UpstreamConnection", "UpstreamPool", "encode_headers", "header_pairs"]
+
+async def _getaddrinfo(host: str, port: int) -> list[tuple[int, tuple]]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    out: list[tuple[int, tuple]] = []
+    for family, _, _, _, sockaddr in infos:
+        if (family, sockaddr) not in out:
+            out.append((family, sockaddr))
+    return out
+
+
+__all__ = ["ClientConnectorError", "ClientPayloadError", "PoolTimeoutError", "Response", "ServerDisconnectedError",
+           "ServerTimeoutError", "TlsSettings", "UpstreamConnection", "UpstreamPool", "encode_headers", "header_pairs"]

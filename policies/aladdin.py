@@ -79,7 +79,7 @@ import numpy as np
 from policies.base import Policy, make_policy, register
 from policies.length_predictor import LengthPredictor
 from policies.perf_model import DECODE, PREFILL, PerfModel
-from policies.slo import DEFAULT_ATGT_S, DEFAULT_TTFT_S, SloTarget, target_for
+from policies.slo_targets import DEFAULT_ATGT_S, DEFAULT_TTFT_S, SloTarget, target_for
 from policies.tail import split_budget, tail_factor
 from policies.types import Decision, RequestFeatures, WorkerView
 

@@ -1,4 +1,4 @@
-"""Baseline routing policies: what users of other routers expect (DESIGN.md, "Policies").
+"""Baseline routing policies: what users of other routers expect (docs/design.md, "Policies").
 
 Each `choose` looks only at the candidates it is given (already healthy, serving the model and under
 cap), is O(candidates), never reads a clock and is deterministic for a given seed.
@@ -246,7 +246,7 @@ class SessionAffinity(Policy):
 class PrefixAffinity(Policy):
     """Longest matching prompt prefix, from an approximate per-worker index of what was sent where.
 
-    As production-stack `prefixaware` / llm-d's approximate prefix scorer (peer-routers.md 1.1, 2.1),
+    As production-stack `prefixaware` / llm-d's approximate prefix scorer (docs/reference/peer-routers.md §1.1, §2.1),
     plus a load guard: below `min_match_chunks`, or when the best match is overloaded (load >
     guard_factor x (min load + 1) + slack), fall back to least_requests. Among equally long matches the
     least loaded wins. The chosen worker's index learns the request's chunks in `on_dispatch`.

@@ -4,7 +4,7 @@ A request in split-phase serving (Aladdin appendix E, "split-phase inference"; A
 prompt on a prefill worker, moves its KV to a decode worker, and decodes there. `PdPolicy.plan` answers,
 for one request and the current worker views (any roles mixed):
 
-1. Conditional disaggregation (peer-routers.md 8.4: llm-d `prefix-based-pd-decider`, vLLM Router
+1. Conditional disaggregation (docs/reference/peer-routers.md §8.4: llm-d `prefix-based-pd-decider`, vLLM Router
    `pd_uncached_token_threshold` 256, Dynamo `isl_bounding`): the prompt tokens a decode-capable worker
    would still have to compute are its length minus what that worker likely caches (the approximate
    prefix index of what was sent where, policies/prefix.py). When they are at most
@@ -12,7 +12,7 @@ for one request and the current worker views (any roles mixed):
    Decode-capable means role decode or mixed.
    With `prefill_overflow`, a prompt whose best prefill worker is predicted to miss the TTFT SLO while
    an idle prefill would not is prefilled by its decode worker instead (Dynamo's `prefill_load`
-   conditional disaggregation, peer-routers.md 4.2): TTFT over TPOT when the prefill pool is saturated.
+   conditional disaggregation, docs/reference/peer-routers.md §4.2): TTFT over TPOT when the prefill pool is saturated.
 2. Prefill worker: the smallest predicted prefill completion (Aegaeon 4.2: the least loaded job queue,
    load = time to finish what is queued), predicted with Aladdin eq. 2 over the prompt tokens already
    queued there plus this prompt, t = k1·(queued + l_in) + c1, and checked against the TTFT SLO. Queued
@@ -20,7 +20,7 @@ for one request and the current worker views (any roles mixed):
    a worker whose KV is nearly full of pinned hand-offs (`kv_full`) is used only when no other is left.
 3. Decode worker: any placement policy by name over the decode pool. With `split_phase` (the default),
    `aladdin` becomes `AladdinDecodePolicy`: the prompt arrives as KV, so the prefill term of its models
-   is the KV transfer (setup + tokens x bytes per token / link bandwidth, vllm-interface.md 8.5) and the
+   is the KV transfer (setup + tokens x bytes per token / link bandwidth, docs/reference/vllm-interface.md §8.5) and the
    packing is driven by decode (ATGT) and KV constraints, as in Aladdin's decode-instance
    simulation (appendix I, figure 12).
 
@@ -40,7 +40,7 @@ from policies.aladdin import AladdinPolicy
 from policies.base import Policy, make_policy
 from policies.perf_model import PerfModel
 from policies.prefix import PrefixIndex
-from policies.slo import DEFAULT_TTFT_S
+from policies.slo_targets import DEFAULT_TTFT_S
 from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, Decision, RequestFeatures, WorkerView
 
 # Decisions (also the values of fleetgate_pd_decisions_total{decision}).
@@ -51,7 +51,7 @@ LOCAL_NO_PREFILL = "local_no_prefill"    # no prefill worker available
 LOCAL_OVERFLOW = "local_overflow"        # the prefill pool's backlog would miss the TTFT SLO: prefill locally
 NO_DECODE = "no_decode_worker"           # nothing can decode: the caller queues or refuses
 
-# KV transfer defaults: 128 KiB per token (Llama-3-8B BF16) over ~40 GB/s, 1 ms setup (reference 8.5).
+# KV transfer defaults: 128 KiB per token (Llama-3-8B BF16) over ~40 GB/s, 1 ms setup (docs/reference/vllm-interface.md §8.5).
 DEFAULT_TRANSFER_S_PER_TOKEN = 131072 / 40e9
 DEFAULT_TRANSFER_SETUP_S = 0.001
 
@@ -85,7 +85,7 @@ def prefill_time(model: PerfModel, queued_tokens: float, prompt_tokens: float) -
 
 def split_phase_model(model: PerfModel, s_per_token: float = DEFAULT_TRANSFER_S_PER_TOKEN,
                       setup_s: float = DEFAULT_TRANSFER_SETUP_S) -> PerfModel:
-    """A decode instance's model: its "prefill" is the KV transfer (reference 8.5), decode/KV unchanged."""
+    """A decode instance's model: its "prefill" is the KV transfer (docs/reference/vllm-interface.md §8.5), decode/KV unchanged."""
     if not (s_per_token > 0 and setup_s >= 0):
         raise ValueError("transfer time per token must be > 0 and setup >= 0")
     return replace(model, k1=s_per_token, c1=setup_s)

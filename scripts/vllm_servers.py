@@ -9,7 +9,7 @@ Standard library only, so it runs under any interpreter (the project's .venv in 
 
 Every server gets a free 127.0.0.1 port, `--enforce-eager --dtype float32 --max-model-len 1024`, a 256 MiB KV
 cache, one OMP core, its own TMPDIR and VLLM_CACHE_ROOT inside a per-run directory that is deleted on stop
-(vllm leaves ZMQ socket files in TMPDIR even after a clean exit). Facts: /work/shared/reference/vllm-cpu.md.
+(vllm leaves ZMQ socket files in TMPDIR even after a clean exit). Facts: docs/reference/vllm-cpu.md.
 """
 
 from __future__ import annotations
@@ -105,11 +105,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def step_trace_env(out_dir: Path) -> dict[str, str]:
-    """ServerSpec.env for a server whose engine logs every step to `out_dir` (bench/vllm_hook, bench/step_trace.py)."""
-    return {"PYTHONPATH": str(REPO / "bench" / "vllm_hook"), "FLEETGATE_STEP_TRACE": str(out_dir)}
-
-
 def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """SIGTERM the process group `proc` leads (started with start_new_session=True), SIGKILL it after `grace_s`."""
     _signal_group(proc.pid, signal.SIGTERM)
@@ -131,7 +126,7 @@ class ServerSpec:
     dev_mode: bool = False
     max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)   # added to the server's environment (step_trace_env)
+    env: dict[str, str] = field(default_factory=dict)   # added to the server's environment
 
 
 @dataclass
@@ -277,7 +272,7 @@ class VllmFleet:
             "--served-model-name", SERVED_MODEL,
             "--max-model-len", str(MAX_MODEL_LEN),
             "--dtype", "float32",
-            "--enforce-eager",  # about twice as fast to start as torch.compile, no slower here (reference sec. 3)
+            "--enforce-eager",  # about twice as fast to start as torch.compile, no slower here (docs/reference/vllm-cpu.md §3)
             "--kv-cache-memory-bytes", "256M",  # without a bound the CPU backend takes 90% of RAM (gotcha 3)
         ]
         if spec.priority_scheduling:
@@ -301,10 +296,10 @@ class VllmFleet:
             **{RUN_ENV_MARK: str(self.run_dir)},
         )
         if server.spec.cpu is not None:
-            # With "auto" every server binds its one OMP thread to core 0 (reference sec. 3): pin them apart.
+            # With "auto" every server binds its one OMP thread to core 0 (docs/reference/vllm-cpu.md §3): pin them apart.
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(server.spec.cpu)
         if server.spec.dev_mode:
-            env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep, /wake_up, /is_sleeping (reference sec. 4, sleep/wake)
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep, /wake_up, /is_sleeping (docs/reference/vllm-cpu.md §4, sleep/wake)
         env.update(server.spec.env)
         return env
 

@@ -53,7 +53,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.autoscale.baselines import StaticProvisioning, UtilizationBand, fleet_utilization
 from policies.autoscale.global_ import (
     POOL_BATCH,
     POOL_INTERACTIVE,
@@ -67,6 +66,7 @@ from policies.autoscale.global_ import (
 )
 from policies.autoscale.local import LocalAutoscaler, LocalConfig
 from policies.autoscale.routing import eviction_victim, has_room
+from policies.autoscale.utilization_band import StaticProvisioning, UtilizationBand, fleet_utilization
 from policies.batch_queue import BatchQueue
 from policies.types import CLASS_BATCH, Decision, RequestFeatures
 from simulator.cluster import _STEP, ClusterSim, RequestResult, SimWorker

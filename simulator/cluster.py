@@ -578,7 +578,7 @@ class ClusterSim:
             self._drain_queue(now)
 
     # ---- P/D: prefill leg on one worker, KV transfer, decode leg on another (policies/pd.py) ---------
-    # The legs follow the gateway's protocol (vllm-interface.md 4.2): the prefill leg is a max_tokens=1
+    # The legs follow the gateway's protocol (docs/reference/vllm-interface.md §4.2): the prefill leg is a max_tokens=1
     # `remote_decode` request whose blocks stay pinned; its finish starts the decode leg (after the API
     # overhead) as a `remote_prefill` request whose KV is ready after the profile's transfer time; the
     # decode leg's first token (the KV has been read) releases the producer's pins.

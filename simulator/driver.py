@@ -15,9 +15,9 @@ the first iteration boundary at or after it, as in a virtual-time loop. Only whe
 by more than `MAX_LAG_WALL_S` does the clock jump to the wall clock (the simulated GPU then lost that
 time, as a real server whose CPU is saturated would; counted in `lag_resyncs` / `lost_model_s`).
 
-The pre-engine delay models vLLM's API server (HTTP, tokenization, queueing; vLLM reference section 8.3,
+The pre-engine delay models vLLM's API server (HTTP, tokenization, queueing; docs/reference/vllm-interface.md §8.3,
 t_overhead), plus a host-path term that grows with the requests already running (the API server serves their
-streams too; fitted by bench/calibrate.py's host-path probe). /metrics histograms record model time; TTFT and e2e latency count from the HTTP arrival, the
+streams too; fitted by bench/fidelity/calibrate.py's host-path probe). /metrics histograms record model time; TTFT and e2e latency count from the HTTP arrival, the
 queue time from entering the engine (vLLM: `queued_ts`, vllm/v1/metrics/stats.py).
 """
 
@@ -309,7 +309,7 @@ class EngineDriver:
         self.core.release_remote(request_id, self.model_now())
         self._wakeup.set()
 
-    # --- sleep mode (ref section 6.1) -------------------------------------------------------------------
+    # --- sleep mode (docs/reference/vllm-interface.md §6.1) ---------------------------------------
     @property
     def is_sleeping(self) -> bool:
         return self._sleeping
@@ -360,7 +360,7 @@ class EngineDriver:
 
 
 def reset_prefix_cache(core: EngineCore) -> None:
-    """Drop every cached block no running request holds (vLLM `reset_prefix_cache`, ref section 6.1).
+    """Drop every cached block no running request holds (vLLM `reset_prefix_cache`, docs/reference/vllm-interface.md §6.1).
 
     EngineCore has no public method for it yet; this uses its block pool (see the report)."""
     if hasattr(core, "reset_prefix_cache"):
@@ -386,7 +386,7 @@ def claim_remote_kv(params: Mapping[str, Any], prompt_len: int, profile: Profile
         producer = _ENGINES.get(engine_id)
     if producer is None or not producer.claim_pinned(tuple(block_ids), prompt_len):
         return None
-    # Transfer = setup + prompt tokens x KV bytes/token / link bandwidth (ref section 8.5).
+    # Transfer = setup + prompt tokens x KV bytes/token / link bandwidth (docs/reference/vllm-interface.md §8.5).
     return profile.kv_transfer_s(prompt_len)
 
 
@@ -404,7 +404,7 @@ def cache_config_labels(core: EngineCore, enable_prefix_caching: bool) -> dict[s
 
 
 def build_engine(profile: Profile, config: Any, model: str, faults: Faults, engine_id: str) -> EngineDriver:
-    """An EngineCore, its metrics and its driver from a server config (simulator.server.ServerConfig)."""
+    """An EngineCore, its metrics and its driver from a server config (simulator.vllm_api.ServerConfig)."""
     core = EngineCore(profile, EngineConfig(scheduling_policy=config.scheduling_policy,
                                             kv_hold_s=config.kv_lease_s), seed=config.seed)
     metrics = VllmMetrics(model, core.max_model_len, cache_config_labels(core, core.caching))

@@ -1,6 +1,6 @@
 """vLLM-V1-like engine model: continuous batching over a paged KV cache, stepped by any clock.
 
-INTERFACE CONTRACT (the HTTP server in simulator/server.py and the virtual-time cluster simulator in
+INTERFACE CONTRACT (the HTTP server in simulator/vllm_api.py and the virtual-time cluster simulator in
 simulator/cluster.py both drive this class; keep these names and meanings):
 
     core = EngineCore(profile, config, seed=0)
@@ -14,7 +14,7 @@ simulator/cluster.py both drive this class; keep these names and meanings):
 Only one step is in flight at a time: plan_step, then finish_step, then plan_step again.
 All times are model seconds; a real-time driver sleeps dur / time_scale between the two calls.
 
-Details of this implementation (vLLM reference sections 5.2 and 8; vLLM V1 scheduler semantics):
+Details of this implementation (docs/reference/vllm-interface.md §5.2 and §8; vLLM V1 scheduler semantics):
 
 - `profile` is a `simulator.profiles.Profile` (or a name / YAML path); `config` an `EngineConfig` or None.
 - `add` raises ValueError for a request that can never run (empty prompt, prompt >= max_model_len, prompt

@@ -2,7 +2,7 @@
 
 A `Faults` object is read by the server on every generation request and by the driver on every
 engine step. It is set at start (fleet YAML / CLI) and changed at run time through the admin
-endpoints `GET/POST/DELETE /sim/faults` (see simulator/server.py).
+endpoints `GET/POST/DELETE /sim/faults` (see simulator/vllm_api.py).
 
     drop_after_tokens  close the TCP connection once a response has carried N tokens (0: before any)
     hang               accept generation requests and never answer (until the client goes away)

@@ -48,7 +48,7 @@ import yaml
 
 from simulator.profiles import list_profiles as builtin_profiles
 from simulator.profiles import load_profile
-from simulator.server import ConfigError, ServerConfig, SimServer
+from simulator.vllm_api import ConfigError, ServerConfig, SimServer
 
 _SERVER_KEYS = {"name", "port", "replicas", "profile", "model", "role", "scheduling_policy", "time_scale",
                 "seed", "faults", "profile_overrides", "dev_mode", "kv_lease_s", "side_channel_port"}
@@ -185,11 +185,14 @@ class SimFleet:
     """Starts simulated servers on one event loop, in a background thread (`start`) or the caller's
     loop (`serve`, used by the CLI). Ports of 0 are picked by the OS."""
 
-    def __init__(self, specs: Sequence[ServerSpec], host: str = "127.0.0.1"):
+    def __init__(self, specs: Sequence[ServerSpec], host: str = "127.0.0.1", tls: dict[str, Any] | None = None):
+        """`tls`: uvicorn's TLS settings (ssl_certfile, ssl_keyfile, ssl_ca_certs, ssl_cert_reqs, ...): every server
+        then speaks https."""
         if not specs:
             raise ConfigError("a fleet needs at least one server")
         self.specs = list(specs)
         self.host = host
+        self.tls = dict(tls or {})
         self.servers: list[SimServer] = [SimServer(s.config, s.name) for s in self.specs]  # validates early
         self.urls: list[str] = []
         self._uvicorns: list[_Server] = []
@@ -201,9 +204,10 @@ class SimFleet:
 
     @classmethod
     def of(cls, workers: int = 1, *, host: str = "127.0.0.1", profile: str = "llama3-8b-h100",
-           model: str | None = None, time_scale: float = 1.0, seed: int = 0, **config: Any) -> SimFleet:
+           model: str | None = None, time_scale: float = 1.0, seed: int = 0, tls: dict[str, Any] | None = None,
+           **config: Any) -> SimFleet:
         """N identical servers on free ports; extra keyword arguments go to every ServerConfig."""
-        return cls(specs_from_options(workers, 0, profile, model, time_scale, seed, **config), host=host)
+        return cls(specs_from_options(workers, 0, profile, model, time_scale, seed, **config), host=host, tls=tls)
 
     @property
     def by_name(self) -> dict[str, str]:
@@ -265,13 +269,14 @@ class SimFleet:
         sockets = [_bind(self.host, s.port) for s in self.specs]
         tasks: list[asyncio.Task] = []
         try:
-            self.urls = [_url(self.host, sock.getsockname()[1]) for sock in sockets]
+            scheme = "https" if self.tls else "http"
+            self.urls = [_url(self.host, sock.getsockname()[1], scheme) for sock in sockets]
             for server in self.servers:
                 await server.start()
             for server, sock in zip(self.servers, sockets, strict=True):
                 cfg = uvicorn.Config(server, http="httptools", loop="none", lifespan="off", access_log=False,
                                      log_config=None, log_level="warning", timeout_graceful_shutdown=2,
-                                     ws="none")
+                                     ws="none", **self.tls)
                 uv = _Server(cfg)
                 self._uvicorns.append(uv)
                 tasks.append(asyncio.ensure_future(uv._serve(sockets=[sock])))
@@ -300,8 +305,8 @@ class SimFleet:
             self._stop.set()
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(host: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 class FleetProcess:

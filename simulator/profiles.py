@@ -1,10 +1,10 @@
 """Performance profiles of simulated workers (model x GPU x TP): capacity, step-time coefficients, lengths.
 
-A profile is plain data loaded from YAML: a built-in name (`simulator/profiles/<name>.yaml`) or a path to a
-user file with the same keys. Every number and its derivation is documented in simulator/CALIBRATION.md.
+A profile is plain data loaded from YAML: a built-in name (`simulator/profiles/<name>.yaml`, package data read
+through simulator.package_data) or a path to a user file with the same keys. Every number and its derivation is documented in simulator/CALIBRATION.md.
 
 Step time of one engine iteration (model seconds), after Aladdin's iteration-time models
-(Aladdin section 3, eq. 2-3; vLLM reference section 8.4 "practical model"):
+(Aladdin section 3, eq. 2-3; docs/reference/vllm-interface.md §8.4 "practical model"):
 
     t = c_step + max(t_weights, k_prefill * P + c_decode * B) + k_ctx * C + k_attn * A + c_admit * N
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-PROFILES_DIR = Path(__file__).parent / "profiles"
+from simulator.package_data import builtin_profile, builtin_profile_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,16 +61,16 @@ class Profile:
     # restart": an evicted request's KV is kept in CPU memory). Default: PCIe Gen4 x16, ~25 GB/s effective.
     host_link_bytes_per_s: float = 25e9
     # Engine time per request admitted into the running batch (request state, block table, sampler set-up on the
-    # engine's own core, serialised with the forward pass). Fitted for the CPU build by bench/calibrate.py's
+    # engine's own core, serialised with the forward pass). Fitted for the CPU build by bench/fidelity/calibrate.py's
     # admission probe; 0 where it hides inside c_step_s and ttft_overhead_s (the GPU profiles).
     c_admit_s: float = 0.0
     # Host-path delay per request already running on the engine: a real vLLM API server hands a new request to
     # the EngineCore (and its first token back) more slowly the more streams it is serving. Fitted for the CPU
-    # build by bench/calibrate.py's host-path probe; 0 in the GPU profiles (no measurement there).
+    # build by bench/fidelity/calibrate.py's host-path probe; 0 in the GPU profiles (no measurement there).
     host_delay_per_running_s: float = 0.0
     # Machine-speed drift (simulator/speed.py): step times x a factor drawn over time from these quantiles of the
     # step time relative to its median (at speed.QUANTILE_PROBS), correlation time speed_tau_s. Measured for the
-    # CPU build by bench/calibrate.py's speed probe; empty = one constant speed (the GPU profiles).
+    # CPU build by bench/fidelity/calibrate.py's speed probe; empty = one constant speed (the GPU profiles).
     speed_quantiles: tuple[float, ...] = ()
     speed_tau_s: float = 30.0
 
@@ -98,7 +98,7 @@ class Profile:
         )
 
     def kv_transfer_s(self, tokens: int) -> float:
-        """Time to move `tokens` of KV from a prefill worker to a decode worker (reference section 8.5)."""
+        """Time to move `tokens` of KV from a prefill worker to a decode worker (docs/reference/vllm-interface.md §8.5)."""
         return self.pd_setup_s + tokens * self.kv_bytes_per_token / self.pd_link_bytes_per_s
 
     def kv_swap_s(self, tokens: int, link_bytes_per_s: float | None = None) -> float:
@@ -177,7 +177,21 @@ def _speed_quantiles(raw: Any, source: str) -> tuple[float, ...]:
 
 
 def list_profiles() -> list[str]:
-    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+    return builtin_profile_names()
+
+
+def profile_yaml(name_or_path: str | Path) -> tuple[Any, str]:
+    """The parsed YAML of a built-in profile (by name) or of a profile file (by path), and where it came from."""
+    key = str(name_or_path)
+    source: Any = builtin_profile(key)
+    if source is None:
+        source = Path(key)
+        if not source.is_file():
+            raise ValueError(f"unknown profile {key!r}: not a built-in ({', '.join(list_profiles())}) nor a file")
+    try:
+        return yaml.safe_load(source.read_text()), str(source)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{source}: invalid YAML: {exc}") from None
 
 
 _CACHE: dict[str, Profile] = {}
@@ -190,14 +204,6 @@ def load_profile(name_or_path: str | Path | Profile) -> Profile:
     key = str(name_or_path)
     if key in _CACHE:
         return _CACHE[key]
-    builtin = PROFILES_DIR / f"{key}.yaml"
-    path = builtin if builtin.is_file() else Path(key)
-    if not path.is_file():
-        raise ValueError(f"unknown profile {key!r}: not a built-in ({', '.join(list_profiles())}) nor a file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: invalid YAML: {exc}") from None
-    prof = profile_from_dict(data, str(path))
+    prof = profile_from_dict(*profile_yaml(key))
     _CACHE[key] = prof
     return prof

@@ -9,7 +9,7 @@ that takes long to drain, so a simulator at one constant speed comes out too fas
 Model: a Gaussian copula over an Ornstein-Uhlenbeck process. z(t) is a stationary OU process with unit
 variance and correlation exp(-d / tau) over a lag d; the factor is the measured marginal's quantile at
 Phi(z(t)). The marginal is a list of quantiles of the step time relative to its median (so the median factor is
-1 and the fitted coefficients keep their meaning), measured with tau by bench/calibrate.py's speed probe (one
+1 and the fitted coefficients keep their meaning), measured with tau by bench/fidelity/calibrate.py's speed probe (one
 steady batch repeated for minutes), never fitted to a benchmark's result. It is the drift within a stretch of
 about half a minute; the host's slower level changes between minutes are measured beside it and left out
 (fit_speed_drift).

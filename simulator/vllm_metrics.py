@@ -1,6 +1,6 @@
 """vLLM 0.11's Prometheus exposition for one simulated engine (names, HELP, labels and buckets).
 
-Source: vllm/v1/metrics/loggers.py (0.11) `PrometheusStatLogger`; reference section 3.2. Every metric
+Source: vllm/v1/metrics/loggers.py (0.11) `PrometheusStatLogger`; docs/reference/vllm-interface.md §3.2. Every metric
 carries `model_name` and `engine="0"`. Each simulated server owns its own `CollectorRegistry`, so many
 servers can share a process. Histograms hold model time (seconds of simulated GPU time).
 """

@@ -1,4 +1,4 @@
-"""Workloads for the simulators: shipped traces (bench/traces) and synthetic arrival processes.
+"""Workloads for the simulators: shipped traces (simulator/traces) and synthetic arrival processes.
 
     reqs = load_workload("azure_conv", rate_scale=2.0, duration=600)
     reqs = load_workload("sharegpt", rate=8.0, arrival="gamma", cv=3.0, duration=300, seed=1)
@@ -19,18 +19,14 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import date
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from simulator.engine import BLOCK_SIZE
+from simulator.package_data import BUILTIN_TRACES, builtin_trace
 
-TRACES_DIR = Path(__file__).parents[1] / "bench" / "traces"
-BUILTIN_TRACES = {
-    "azure_conv": "azure2023_conv.csv",
-    "sharegpt": "sharegpt_lengths_llama2.csv",
-    "arxiv": "arxiv_summarization_lengths_llama2.csv",
-    "mooncake": "mooncake_synthetic.jsonl",
-}
-MOONCAKE_BLOCK_TOKENS = 512     # Mooncake's hash_ids each cover 512 tokens (bench/traces/README.md)
+MOONCAKE_BLOCK_TOKENS = 512     # Mooncake's hash_ids each cover 512 tokens (simulator/traces/README.md)
+TraceFile = Path | Traversable  # a user's file, or a shipped trace (package data)
 
 
 @dataclass(slots=True)
@@ -80,10 +76,12 @@ def arrival_process(kind: str, rate: float, cv: float, rng: random.Random) -> It
 
 
 # ---- trace readers --------------------------------------------------------------------------------
-def resolve_trace(name_or_path: str | Path) -> Path:
+def resolve_trace(name_or_path: str | Path) -> TraceFile:
+    """A built-in trace by name (package data), or a file path."""
     name = str(name_or_path)
-    if name in BUILTIN_TRACES:
-        return TRACES_DIR / BUILTIN_TRACES[name]
+    builtin = builtin_trace(name)
+    if builtin is not None:
+        return builtin
     path = Path(name)
     if not path.is_file():
         raise ValueError(f"unknown trace {name!r}: not a built-in ({', '.join(BUILTIN_TRACES)}) nor a file")
@@ -98,19 +96,24 @@ def _azure_stamp(stamp: str) -> tuple[int, float]:
     return date(int(y), int(mo), int(d)).toordinal(), int(h) * 3600 + int(mi) * 60 + float(s)
 
 
+def _mtime(path: TraceFile) -> float:
+    """A cache key part that changes when a user's file changes (package data does not change)."""
+    return path.stat().st_mtime if isinstance(path, Path) else 0.0
+
+
 @functools.lru_cache(maxsize=16)
-def _read_cached(kind: str, path: Path, mtime: float) -> tuple:
+def _read_cached(kind: str, path: TraceFile, mtime: float) -> tuple:
     """A trace file parsed once per process (studies replay the same file hundreds of times)."""
     reader = {"azure": read_azure, "lengths": read_lengths, "mooncake": read_mooncake}[kind]
     return tuple(reader(path))
 
 
-def read_trace(kind: str, path: Path) -> tuple:
+def read_trace(kind: str, path: TraceFile) -> tuple:
     """`read_azure` / `read_lengths` / `read_mooncake` of `path`, cached until the file changes (read-only)."""
-    return _read_cached(kind, path, path.stat().st_mtime)
+    return _read_cached(kind, path, _mtime(path))
 
 
-def read_azure(path: Path) -> list[tuple[float, int, int]]:
+def read_azure(path: TraceFile) -> list[tuple[float, int, int]]:
     """(seconds from the first request, context tokens, generated tokens); the file lacks a final newline."""
     raw = []
     with path.open(newline="") as f:
@@ -125,7 +128,7 @@ def read_azure(path: Path) -> list[tuple[float, int, int]]:
     return rows
 
 
-def read_lengths(path: Path) -> list[tuple[int, int]]:
+def read_lengths(path: TraceFile) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) from a Vidur/Sarathi processed-trace CSV."""
     with path.open(newline="") as f:
         out = [(max(1, int(r["num_prefill_tokens"])), max(1, int(r["num_decode_tokens"]))) for r in csv.DictReader(f)]
@@ -134,7 +137,7 @@ def read_lengths(path: Path) -> list[tuple[int, int]]:
     return out
 
 
-def read_mooncake(path: Path) -> list[dict]:
+def read_mooncake(path: TraceFile) -> list[dict]:
     with path.open() as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if not rows:
@@ -156,7 +159,7 @@ def mooncake_block_keys(hash_ids: list[int], prompt_tokens: int, cache: dict[int
     return tuple(keys[: prompt_tokens // BLOCK_SIZE])
 
 
-def _detect(path: Path) -> str:
+def _detect(path: TraceFile) -> str:
     with path.open() as f:
         head = f.readline()
     if head.lstrip().startswith("{"):
@@ -193,7 +196,7 @@ def load_workload(
         raise ValueError("duration must be > 0")
     path = resolve_trace(trace)
     rng = random.Random(seed)
-    stamps, lengths = _rows_of(path, path.stat().st_mtime)
+    stamps, lengths = _rows_of(path, _mtime(path))
     if rate is not None or stamps is None:
         if rate is None:
             raise ValueError(f"trace {trace!r} has no timestamps: give an arrival rate (req/s)")
@@ -224,7 +227,7 @@ def load_workload(
 
 
 @functools.lru_cache(maxsize=8)
-def _rows_of(path: Path, mtime: float) -> tuple[tuple[float, ...] | None, tuple[tuple[int, int, tuple[int, ...]], ...]]:
+def _rows_of(path: TraceFile, mtime: float) -> tuple[tuple[float, ...] | None, tuple[tuple[int, int, tuple[int, ...]], ...]]:
     """(arrival seconds or None for a lengths-only trace, (prompt, output, block keys) per row), parsed once per
     process: studies replay the same file hundreds of times (mooncake's block keys take seconds to expand)."""
     kind = _detect(path)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from policies.autoscale.baselines import StaticProvisioning, UtilizationBand, fleet_utilization
 from policies.autoscale.routing import PoolRouter, eviction_victim, has_room, pool_filter, pools_in_use
+from policies.autoscale.utilization_band import StaticProvisioning, UtilizationBand, fleet_utilization
 from policies.base import make_policy
 from policies.batch_queue import BatchQueue
 from policies.placement import ModelPlacement

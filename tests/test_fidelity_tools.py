@@ -13,18 +13,12 @@ import random
 import numpy as np
 import pytest
 
-from bench.calibrate import (
-    TOKEN_HI,
-    TOKEN_LO,
+from bench.fidelity.calibrate import (
     AdmissionSample,
     Calibration,
     DecodeSample,
-    EngineInfo,
     HostPathSample,
     PrefillSample,
-    StreamResult,
-    cache_config_info,
-    client_session,
     decode_step,
     derive_profile,
     fit_admission,
@@ -32,30 +26,36 @@ from bench.calibrate import (
     fit_perf_model,
     fit_prefill_form,
     gateway_overhead,
-    histogram_totals,
     probe_host_path,
     profile_yaml,
+)
+from bench.fidelity.harness import (
+    TOKEN_HI,
+    TOKEN_LO,
+    EngineInfo,
+    StreamResult,
+    cache_config_info,
+    client_session,
+    histogram_totals,
     random_prompt,
     scheduler_limits,
     stream_completion,
 )
-from bench.fidelity import (
+from bench.fidelity.legs import (
     SCALE,
     Cell,
     LegResult,
-    LevelResult,
-    _leg,
     compare,
-    engine_view_table,
     leg_stats,
     load_lengths,
     make_workload,
     poisson_arrivals,
     pool,
-    render_report,
+    run_leg,
     run_open_loop,
     scale_lengths,
 )
+from bench.fidelity.run import LevelResult, engine_view_table, render_report
 from simulator import tokenizer
 from simulator.engine import EngineCore, SimRequest
 from simulator.profiles import load_profile
@@ -206,7 +206,7 @@ def test_derived_profile_maps_the_fit_term_by_term_and_loads(tmp_path):
 
 
 def test_speed_probe_lands_in_the_profile_and_the_report(tmp_path):
-    from bench.fidelity import calibration_section
+    from bench.fidelity.run import calibration_section
     from simulator.speed import fit_speed_drift
 
     prefill, decode = _synthetic()
@@ -284,7 +284,7 @@ def test_injected_requests_that_stay_have_their_modelled_decode_steps_taken_off(
 
 
 def test_decode_inside_counts_the_tokens_after_the_first_that_fell_in_the_window():
-    from bench.calibrate import decode_inside
+    from bench.fidelity.calibrate import decode_inside
 
     early = StreamResult(100, 6, sent=0.0, status=200, chunks=[(0.5, 1), (1.5, 2), (2.5, 4), (3.5, 5), (4.5, 6)])
     late = StreamResult(10, 3, sent=0.0, status=200, chunks=[(2.2, 1), (2.8, 2), (5.0, 3)])
@@ -295,7 +295,7 @@ def test_decode_inside_counts_the_tokens_after_the_first_that_fell_in_the_window
 
 
 def test_admission_probe_injects_requests_that_stay_and_counts_those_admitted_in_the_window(sim_fleet):
-    from bench.calibrate import ADMIT_SHORT_NEW_TOKENS, probe_admission
+    from bench.fidelity.calibrate import ADMIT_SHORT_NEW_TOKENS, probe_admission
 
     url = sim_fleet(1, profile="tiny-cpu", model="tiny", time_scale=1).urls[0]
     got = asyncio.run(probe_admission(url, 1, random.Random(3), batch=4, new_tokens=60, shorts=((16, 40.0),)))
@@ -447,7 +447,8 @@ def test_raw_dump_keeps_each_legs_requests_and_wall_clock_windows(tmp_path):
     a step trace."""
     import json
 
-    from bench.fidelity import LEVELS, Series, dump_raw
+    from bench.fidelity.legs import LEVELS
+    from bench.fidelity.run import Series, dump_raw
 
     def leg(start: float, wall: float) -> LegResult:
         r = _stream(10, 0.1, 0.01, 3)
@@ -520,7 +521,7 @@ def test_client_times_every_token_of_a_simulated_server(sim_fleet):
 
 
 def test_decode_probes_run_in_shuffled_order_so_drift_is_not_read_as_context_cost(sim_fleet):
-    from bench.calibrate import probe_decode
+    from bench.fidelity.calibrate import probe_decode
 
     fleet = sim_fleet(1, profile="tiny-cpu", model="tiny", time_scale=5)
     samples = asyncio.run(probe_decode(fleet.urls[0], (1, 2), (16, 256), 12, 2, INFO, random.Random(4)))
@@ -531,7 +532,7 @@ def test_decode_probes_run_in_shuffled_order_so_drift_is_not_read_as_context_cos
 
 
 def test_speed_probe_repeats_one_batch_and_times_each(sim_fleet):
-    from bench.calibrate import probe_speed
+    from bench.fidelity.calibrate import probe_speed
 
     fleet = sim_fleet(1, profile="tiny-cpu", model="tiny", time_scale=5)
     got = asyncio.run(probe_speed(fleet.urls[0], 1.0, random.Random(5)))
@@ -549,7 +550,7 @@ def test_leg_reads_the_servers_own_histograms_beside_the_client(sim_fleet):
     async def go():
         async with client_session() as session:   # traffic before the leg: not counted in it
             await stream_completion(session, url, random_prompt(random.Random(2), 50), 5)
-        return await _leg(url, url, items, poisson_arrivals(8, 40.0, seed=5), "test leg")
+        return await run_leg(url, url, items, poisson_arrivals(8, 40.0, seed=5), "test leg")
 
     leg = asyncio.run(go())
     eng = leg.engine
@@ -569,11 +570,11 @@ def test_leg_reads_the_servers_own_histograms_beside_the_client(sim_fleet):
 
 
 def test_scaled_profile_slows_every_step_coefficient_and_nothing_else(tmp_path):
-    from bench.fidelity import STEP_KEYS, scaled_profile
-    from simulator.profiles import PROFILES_DIR
+    from bench.fidelity.legs import STEP_KEYS, scaled_profile
+    from simulator.package_data import builtin_profile
 
     base = load_profile("tiny-cpu")
-    slow = load_profile(scaled_profile(PROFILES_DIR / "tiny-cpu.yaml", 1.1, tmp_path / "slow.yaml"))
+    slow = load_profile(scaled_profile(builtin_profile("tiny-cpu"), 1.1, tmp_path / "slow.yaml"))
     for f in dataclasses.fields(base):
         a, b = getattr(base, f.name), getattr(slow, f.name)
         if f.name in STEP_KEYS:
@@ -581,7 +582,7 @@ def test_scaled_profile_slows_every_step_coefficient_and_nothing_else(tmp_path):
         elif f.name != "name":
             assert a == b, f.name
     assert slow.step_time(300, 20, 6000, 45000.0, 1) == pytest.approx(base.step_time(300, 20, 6000, 45000.0, 1) * 1.1)
-    steady = load_profile(scaled_profile(PROFILES_DIR / "tiny-cpu.yaml", 1.0, tmp_path / "steady.yaml", drift=False))
+    steady = load_profile(scaled_profile(builtin_profile("tiny-cpu"), 1.0, tmp_path / "steady.yaml", drift=False))
     assert steady.speed_quantiles == () and steady.c_step_s == base.c_step_s
 
 
@@ -624,8 +625,8 @@ def test_calibration_rounds_accumulate_and_fit_one_profile_over_all_of_them(tmp_
     probe, its speed probes keep their time since the first round and their round, and the fit pools them all."""
     import types
 
-    from bench import calibrate as cal_mod
-    from bench.fidelity import _round_speed_line
+    import bench.fidelity.calibrate as cal_mod
+    from bench.fidelity.run import _round_speed_line
 
     prefill, decode = _synthetic()
     host = [HostPathSample(b, 16, 0.013 + 5e-4 * b, 0.010 + 1e-4 * b) for b in (0, 8, 16, 32)]
@@ -682,7 +683,7 @@ def test_calibration_rounds_accumulate_and_fit_one_profile_over_all_of_them(tmp_
 
 
 def test_level_lasts_long_enough_to_average_the_hosts_speed():
-    from bench.fidelity import LEG_MIN_S, level_size
+    from bench.fidelity.legs import LEG_MIN_S, level_size
 
     assert level_size(400, 4.0) == 400                               # 200 per half already span 50 s
     assert level_size(400, 31.0) == 2 * math.ceil(LEG_MIN_S * 31.0)  # each half sends arrivals for 30 s
@@ -690,11 +691,11 @@ def test_level_lasts_long_enough_to_average_the_hosts_speed():
 
 
 def test_step_trace_sets_each_step_beside_the_profile(tmp_path):
-    """bench.step_trace: periods from one schedule() to the next, idle gaps left out, decode-only and mixed steps
+    """bench.fidelity.step_trace: periods from one schedule() to the next, idle gaps left out, decode-only and mixed steps
     measured against the profile's step time for the same batch."""
     import json
 
-    from bench.step_trace import load_gc, load_steps, step_ratios
+    from bench.fidelity.step_trace import load_gc, load_steps, step_ratios
 
     prof = dataclasses.replace(load_profile("tiny-cpu"), speed_quantiles=())
     decode = {"dec": 8, "ctx": 2000, "pre_n": 0, "pre_tok": 0, "pairs": 0.0}
@@ -748,11 +749,12 @@ def test_step_trace_sets_each_step_beside_the_profile(tmp_path):
     (tmp_path / "steps-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[::2]))
     (tmp_path / "steps-2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[1::2]))
     # bench.fidelity --step-trace: per level, its legs' wall-clock windows, first run and again, in the report
-    from bench.fidelity import LEVELS, _step_trace_rows
-    from simulator.profiles import PROFILES_DIR
+    from bench.fidelity.legs import LEVELS
+    from bench.fidelity.run import _step_trace_rows
+    from simulator.package_data import builtin_profile
 
     legs = [LegResult([], 0.0, 0.0, 0.0, windows=[(rows[0]["t0"], t)]) for _ in LEVELS]
-    trace = _step_trace_rows(tmp_path, PROFILES_DIR / "tiny-cpu.yaml", legs, legs)
+    trace = _step_trace_rows(tmp_path, builtin_profile("tiny-cpu"), legs, legs)
     assert [row["level"] for row in trace] == [name for name, _ in LEVELS]
     assert trace[0]["first"]["decode_ratio"] == pytest.approx(1.3) and trace[2]["again"]["mixed_steps"] == 3
     real = leg_stats([_stream(10, 0.1, 0.005, 20)], 0.0)
@@ -777,12 +779,12 @@ def test_report_header_records_the_whole_command_and_the_commit_the_run_started_
 
 
 def test_at_speed_rebuilds_a_runs_levels_from_its_raw_dump():
-    """bench.at_speed: a finished run's raw.json gives back every level's requests and arrivals exactly as
+    """bench.fidelity.at_speed: a finished run's raw.json gives back every level's requests and arrivals exactly as
     bench.fidelity made them (rate from the real burst's throughput, same seeds and variants)."""
     import json
 
-    from bench.at_speed import plans_from_raw, results
-    from bench.fidelity import LEVELS, level_size, make_workload, poisson_arrivals
+    from bench.fidelity.at_speed import plans_from_raw, results
+    from bench.fidelity.legs import LEVELS, level_size, make_workload, poisson_arrivals
 
     def record(finished: float) -> dict:
         return {"prompt": 10, "max_tokens": 2, "sent": 0.0, "ttft": 0.1, "tpot": 0.1, "status": 200, "error": "",

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from engine_adapters.vllm import VllmAdapter
-from engine_adapters.vllm.metrics import parse_vllm_metrics
+from engine_adapters.vllm.metrics_parser import parse_vllm_metrics
 from engine_adapters.vllm.sse import VllmStreamScanner
 
 SAMPLE = Path(__file__).parent / "data" / "vllm-cpu-metrics-sample.txt"

@@ -8,6 +8,7 @@ import re
 import httpx
 import openai
 
+from gateway.auth import bearer_key_ok
 from tests.helpers import MODEL
 from tests.helpers import running_gateway as gateway
 
@@ -132,3 +133,11 @@ async def test_metrics_are_exported_and_move(sim_fleet) -> None:
         text = (await http.get(gw.url + "/metrics")).text
         assert sample(text, "fleetgate_upstream_errors_total", worker="w0", kind="status_5xx") == 1
         assert sample(text, "fleetgate_requests_total", model=MODEL, status="502") == 1
+
+
+def test_the_one_key_check() -> None:
+    keys = [b"k-one", b"k-two"]
+    assert bearer_key_ok(b"Bearer k-two", keys) and bearer_key_ok("bearer  k-one ", keys)
+    assert not bearer_key_ok(b"Bearer k-three", keys)
+    assert not bearer_key_ok(b"Basic k-one", keys) and not bearer_key_ok(None, keys) and not bearer_key_ok("", keys)
+    assert not bearer_key_ok(b"Bearer k-one", [])

@@ -15,7 +15,6 @@ import yaml
 
 from gateway.config import ConfigError, load_config
 from gateway.learning import (
-    SIM_PROFILES_DIR,
     _PrefillLog,
     _Trace,
     merge_predictors,
@@ -26,6 +25,7 @@ from gateway.server import GatewayServer
 from policies.length_predictor import LengthPredictor
 from policies.perf_model import PerfModel
 from simulator.fleet import FleetProcess
+from simulator.profiles import profile_yaml
 from simulator.tokenizer import synthetic_text
 from tests.helpers import MODEL, REDIS_URL, metric, poll, running_gateway, worker_entries
 
@@ -34,7 +34,7 @@ FAST = {"interval_s": 0.05, "refit_interval_s": 0.2, "refit_min_new": 8, "sync_i
 
 def true_model(profile: str = "llama3-8b-h100") -> PerfModel:
     """The simulator profile's coefficients in Aladdin's form (model seconds)."""
-    return PerfModel.from_step_profile(yaml.safe_load((SIM_PROFILES_DIR / f"{profile}.yaml").read_text()))
+    return PerfModel.from_step_profile(profile_yaml(profile)[0])
 
 
 def gateway(urls: list[str], profile: str, **cfg: Any) -> AbstractAsyncContextManager[GatewayServer]:
@@ -164,15 +164,19 @@ async def test_two_gateway_processes_share_fitted_models_through_redis(sim_fleet
 
 
 # --- units ----------------------------------------------------------------------------------------------
-def test_priors_come_from_config_then_simulator_profiles_then_defaults() -> None:
+def test_priors_come_from_config_then_simulator_profiles_then_defaults(tmp_path) -> None:
     assert profile_prior("llama3-8b-h100", {}).c3 == pytest.approx(true_model().c3)
     assert profile_prior("llama3-8b-h100", {}, time_scale=10).c3 == pytest.approx(true_model().c3 / 10)
     assert profile_prior("custom", {"custom": {"k1": 1e-4, "max_batch": 8}}).max_batch == 8
-    step_like = yaml.safe_load((SIM_PROFILES_DIR / "llama2-13b-a100.yaml").read_text())
+    step_like = profile_yaml("llama2-13b-a100")[0]
     assert profile_prior("x", {"x": step_like}).k2 == pytest.approx(true_model("llama2-13b-a100").k2)
     assert profile_prior("no-such-profile", {}).c3 == PerfModel().c3
-    assert profile_prior(str(SIM_PROFILES_DIR / "llama3-8b-a100.yaml"), {}).c3 == pytest.approx(
-        true_model("llama3-8b-a100").c3)
+    own = tmp_path / "own.yaml"
+    own.write_text(yaml.safe_dump(profile_yaml("llama3-8b-a100")[0]))
+    assert profile_prior(str(own), {}).c3 == pytest.approx(true_model("llama3-8b-a100").c3)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("c_step_s: [")
+    assert profile_prior(str(broken), {}).c3 == PerfModel().c3
     m = scale_time(PerfModel(p=(1, 2, 3, 4, 5, 6, 7, 8)), 2.0)
     assert (m.k1, m.c3, m.p[7], m.h, m.kv_capacity) == (PerfModel().k1 / 2, PerfModel().c3 / 2, 4.0, 1 / 16, 3682.0)
 

@@ -1,7 +1,7 @@
 """Prefill/decode-disaggregated serving through the gateway, against simulated vLLM producers and consumers.
 
 Every test runs a real gateway on 127.0.0.1 in front of simulated vLLM servers speaking the NIXL
-`kv_transfer_params` protocol (simulator/server.py), with the official openai client where a client is
+`kv_transfer_params` protocol (simulator/vllm_api.py), with the official openai client where a client is
 involved; failures come from the simulator's fault injection (POST /sim/faults).
 """
 
@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_adapters.vllm.pd import PREFILL_LEG_PARAMS
+from engine_adapters.vllm.kv_transfer import PREFILL_LEG_PARAMS
 from gateway.server import GatewayServer
 from simulator.tokenizer import count_tokens, render_chat, synthetic_text
 from tests.helpers import MODEL, CliProcess, free_port_range, poll, run_cli, running_gateway
@@ -30,10 +30,11 @@ CONSUMER = {"role": "kv_consumer"}
 
 # --- helpers ------------------------------------------------------------------------------------------------
 
-def gateway(workers: list[tuple[str, str, str]], **settings) -> AbstractAsyncContextManager[GatewayServer]:
-    """A gateway over (id, url, role) workers."""
+def gateway(workers: list[tuple[str, str, str]], profile: str = "", **settings) -> AbstractAsyncContextManager[GatewayServer]:
+    """A gateway over (id, url, role) workers (of `profile`, when a policy needs their performance model)."""
     settings.setdefault("health", {"interval_s": 0.1, "timeout_s": 0.5})
-    return running_gateway(workers=[{"id": i, "url": u, "role": r} for i, u, r in workers], **settings)
+    return running_gateway(workers=[{"id": i, "url": u, "role": r, "profile": profile} for i, u, r in workers],
+                           **settings)
 
 
 def samples(text: str, name: str, **labels: str) -> float:
@@ -206,7 +207,7 @@ async def test_aladdin_places_the_decode_legs_in_split_phase_mode(sim_fleet) -> 
     fleet = sim_fleet(fleet={"servers": [PRODUCER, CONSUMER, CONSUMER]}, time_scale=20)
     p, d0, d1 = fleet.urls
     keys = [f"aladdin-{i}" for i in range(4)]
-    async with gateway([("p0", p, "prefill"), ("d0", d0, "decode"), ("d1", d1, "decode")],
+    async with gateway([("p0", p, "prefill"), ("d0", d0, "decode"), ("d1", d1, "decode")], "llama3-8b-h100",
                        pd={"decode_policy": "aladdin", "prefill_overflow": False}) as gw, \
             httpx.AsyncClient(timeout=20) as http:
         results = await asyncio.gather(*(chat(gw, long_chat(k)[0], stream=True, max_tokens=8) for k in keys))

@@ -36,7 +36,8 @@ async def test_two_gateways_on_one_redis_never_exceed_the_worker_cap(sim_fleet, 
              gateway_process(cfg, "--redis-url", REDIS_URL, env=impatient)]
     urls = [p.listening_url() for p in procs]
     impatient_url = urls.pop()
-    # 200 tokens last ~0.35 s here: every request arrives before the first ones finish, even on a loaded machine
+    # Each request lasts several times longer than the 16 take to reach the gateways (slow on a loaded host),
+    # so every request beyond the cap finds it full and queues.
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True}
     peak = 0
     samples = 0

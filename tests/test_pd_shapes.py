@@ -1,7 +1,7 @@
 """The two P/D legs' bodies against what vLLM accepts (no GPU, no vLLM process).
 
 The schema below transcribes vLLM 0.11's request models (vllm/entrypoints/openai/protocol.py:
-ChatCompletionRequest / CompletionRequest; vllm-interface.md sections 1.3 and 4.2) for the fields the
+ChatCompletionRequest / CompletionRequest; docs/reference/vllm-interface.md §1.3 and §4.2) for the fields the
 legs touch, including the validator that refuses `stream_options` without `stream: true`. When the
 real-vLLM suite's virtualenv exists (scripts/vllm_env.sh), the same fields are also read from that
 vLLM's own source (parsed, not imported: importing vLLM takes ~20 s).
@@ -19,7 +19,7 @@ import orjson
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from engine_adapters.vllm.pd import (
+from engine_adapters.vllm.kv_transfer import (
     PREFILL_LEG_PARAMS,
     decode_body,
     extract_kv_transfer_params,
@@ -62,7 +62,7 @@ class VllmCompletionRequest(_VllmRequest):
 
 
 class ProducerParams(BaseModel):
-    """What the NIXL producer reads on the prefill leg (vllm-interface.md 4.2 step 1), exactly these keys."""
+    """What the NIXL producer reads on the prefill leg (docs/reference/vllm-interface.md §4.2 step 1), exactly these keys."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     do_remote_decode: bool

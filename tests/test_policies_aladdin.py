@@ -19,7 +19,7 @@ from policies.aladdin import (
 from policies.base import make_policy, policy_names
 from policies.length_predictor import LengthPredictor
 from policies.perf_model import PerfModel
-from policies.slo import SloAttainment, SloTarget, atgt, check_slo, target_for
+from policies.slo_targets import SloAttainment, SloTarget, atgt, check_slo, target_for
 from policies.tail import cantelli_factor, normal_factor, split_budget, tail_factor
 from policies.types import RequestFeatures, WorkerView
 

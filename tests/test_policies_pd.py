@@ -24,8 +24,9 @@ from policies.pd import (
 )
 from policies.perf_model import PerfModel
 from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, RequestFeatures, WorkerView
-from simulator.cluster import ClusterSim, run_simulate_cli
+from simulator.cluster import ClusterSim
 from simulator.profiles import load_profile
+from simulator.simulate import SimSpec, run_simulate_cli
 from simulator.workload import WorkloadRequest, synthetic_workload
 
 FAST = PerfModel(k1=1e-4, c1=0.02)
@@ -204,9 +205,8 @@ def test_cluster_rejects_what_vllm_refuses_on_either_leg() -> None:
 
 
 def test_simulate_cli_pd(capsys: pytest.CaptureFixture[str]) -> None:
-    run_simulate_cli(trace="sharegpt", workers=8, profile="llama3-8b-h100", policy="aladdin", rate=10.0,
-                     rate_scale=1.0, arrival="poisson", cv=1.0, duration=20.0, slo_ttft_ms=600.0, slo_tpot_ms=30.0,
-                     seed=0, as_json=True, pd="1:2")
+    run_simulate_cli(SimSpec(trace="sharegpt", workers=8, profile="llama3-8b-h100", policy="aladdin", rate=10.0,
+                             duration=20.0, seed=0, pd="1:2"), as_json=True)
     out = json.loads(capsys.readouterr().out)
     assert out["workers"] == 3 and out["policy"] == "pd/aladdin" and out["completed"] == out["requests"] > 0
     assert out["pd_decisions"].get(DISAGGREGATED, 0) > 0

@@ -1,4 +1,4 @@
-"""Calibration of the built-in profiles against the vLLM reference section 8 figures (virtual time).
+"""Calibration of the built-in profiles against the figures of docs/reference/vllm-interface.md §8 (virtual time).
 
 Targets (simulator/CALIBRATION.md has the derivations):
 - llama3-8b-h100: TTFT of a lone 2048-token prompt incl. API overhead ~70 ms (8.3: 15-30 ms + 2048 x

@@ -11,15 +11,14 @@ import pytest
 from policies.base import Policy, make_policy
 from policies.types import Decision, RequestFeatures, WorkerView
 from simulator.cluster import ClusterSim
+from simulator.package_data import builtin_trace
 from simulator.workload import (
-    BUILTIN_TRACES,
     WorkloadRequest,
     gamma_arrivals,
     load_workload,
     poisson_arrivals,
     synthetic_workload,
 )
-from tests.helpers import ROOT
 from tests.helpers import run_cli as fleetgate
 
 KEYS = {"requests", "completed", "slo_attainment", "goodput_rps", "throughput_rps", "output_tokens_per_s",
@@ -218,7 +217,7 @@ def test_length_traces_need_a_rate_and_get_synthetic_arrivals():
 def test_mooncake_prefix_blocks_share_heads():
     wl = load_workload("mooncake", duration=600)
     assert wl and all(len(r.prefix_blocks) == r.prompt_tokens // 16 for r in wl)
-    raw = [json.loads(line) for line in (ROOT / "bench/traces" / BUILTIN_TRACES["mooncake"]).open()][: len(wl)]
+    raw = [json.loads(line) for line in builtin_trace("mooncake").open()][: len(wl)]
     pairs = [(a, b) for a, b in zip(raw, raw[1:], strict=False) if a["hash_ids"][:2] == b["hash_ids"][:2]]
     assert pairs, "the trace has shared prefixes"
     idx = {id(r): i for i, r in enumerate(raw)}

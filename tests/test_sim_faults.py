@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.faults import FaultConfigError, Faults, parse_faults
 from simulator.fleet import SimFleet
-from simulator.server import ConfigError
+from simulator.vllm_api import ConfigError
 from tests.helpers import poll_sync as poll
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.fleet import SimFleet, fleet_from_dict, load_fleet_file
-from simulator.server import ConfigError
+from simulator.vllm_api import ConfigError
 from tests.helpers import CliProcess, free_port_range, run_cli
 
 

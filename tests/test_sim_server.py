@@ -17,7 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.tokenizer import count_tokens, render_chat, synthetic_text
-from tests.helpers import MODEL
+from tests.helpers import MODEL, metric
+from tests.helpers import poll as apoll
 from tests.helpers import poll_sync as poll
 
 SMALL = {"max_model_len": 1024}  # profile override: small context for the length-error tests
@@ -504,7 +505,10 @@ async def test_queue_time_is_waiting_for_a_slot_not_for_the_next_step(sim_fleet)
             return client.post("/v1/completions", json={"prompt": synthetic_text(64, i), "max_tokens": tokens,
                                                         "ignore_eos": True})
         long = asyncio.ensure_future(post(0, 2000))   # holds one slot to the end (cancelled there)
-        await asyncio.sleep(0.05)
+
+        async def long_is_running() -> bool:
+            return (metric((await client.get("/metrics")).text, "vllm:num_requests_running") or 0) >= 1
+        await apoll(long_is_running, what="the long request in the running batch")
         m0 = metrics(url)
         assert (await post(1, 5)).status_code == 200           # the second slot is free
         m1 = metrics(url)

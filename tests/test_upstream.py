@@ -22,6 +22,7 @@ from gateway.upstream import (
     encode_headers,
     header_pairs,
 )
+from tests.helpers import poll
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]
 
@@ -44,8 +45,8 @@ class ScriptedServer:
                     head = await reader.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
                 body = await reader.readexactly(length)
                 self.requests.append(head + body)
                 await self.script(reader, writer, body)
@@ -282,7 +283,8 @@ async def test_idle_connections_expire_and_dead_ones_are_not_reused() -> None:
         conn = await p.request(srv.url, b"", b"1", 5.0)
         await conn.read()
         conn.release()
-        await asyncio.sleep(0.1)
+        assert p.idle_connections(srv.url) == 1
+        await poll(lambda: p.idle_connections(srv.url) == 0, what="the idle connection to expire")
         conn = await p.request(srv.url, b"", b"2", 5.0)  # the idle one expired: a new connection
         await conn.read()
         conn.release()
@@ -298,7 +300,7 @@ async def test_idle_connections_expire_and_dead_ones_are_not_reused() -> None:
             conn = await p.request(srv.url, b"", b"{}", 5.0)
             assert await conn.read() == b"{}"
             conn.release()
-            await asyncio.sleep(0.05)  # the close reaches the client
+            await poll(lambda: p.idle_connections(srv.url) == 0, what="the worker's close to reach the pool")
         assert srv.connections == 2
 
 

@@ -24,7 +24,8 @@ import httpx
 import openai
 import pytest
 
-from scripts.vllm_servers import ServerSpec, VllmFleet, free_port, step_trace_env, stop_group
+from bench.fidelity.step_trace import hook_env
+from scripts.vllm_servers import ServerSpec, VllmFleet, free_port, stop_group
 from tests.helpers import poll_sync
 
 REPO = Path(__file__).resolve().parent.parent
@@ -135,7 +136,7 @@ def engine_metric(url: str, name: str, **match: str) -> float:
 
 @pytest.fixture(scope="session")
 def step_trace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the plain server's engine logs its steps (bench/vllm_hook: a bench diagnostic, read-only wrappers)."""
+    """Where the plain server's engine logs its steps (bench/fidelity/vllm_hook: a bench diagnostic, read-only wrappers)."""
     return tmp_path_factory.mktemp("step-trace")
 
 
@@ -143,7 +144,7 @@ def step_trace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_fleet(request: pytest.FixtureRequest, step_trace_dir: Path) -> Iterator[VllmFleet]:
     specs = [
         ServerSpec("prio", cpu=0, priority_scheduling=True, max_num_seqs=1, dev_mode=True),
-        ServerSpec("plain", cpu=1 % (os.cpu_count() or 1), dev_mode=True, env=step_trace_env(step_trace_dir)),
+        ServerSpec("plain", cpu=1 % (os.cpu_count() or 1), dev_mode=True, env=hook_env(step_trace_dir)),
     ]
     fleet = VllmFleet(specs)
     try:

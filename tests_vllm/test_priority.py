@@ -1,4 +1,4 @@
-"""vLLM's `priority` field reaches the engine through the gateway (reference: vllm-cpu.md, priority scheduling).
+"""vLLM's `priority` field reaches the engine through the gateway (docs/reference/vllm-cpu.md §4, priority scheduling).
 
 The "prio" server runs `--scheduling-policy priority --max-num-seqs 1`: a long blocker holds the only slot,
 four priority-10 requests queue behind it, then one priority -10 request arrives last and must run first.

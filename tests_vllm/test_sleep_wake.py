@@ -1,6 +1,6 @@
 """vLLM dev-mode sleep/wake (VLLM_SERVER_DEV_MODE=1): the protocol works on CPU, though no memory is freed.
 
-Reference: vllm-cpu.md "Sleep / wake": /sleep?level=1 -> {"status":"sleeping"}, /is_sleeping, the
+Reference: docs/reference/vllm-cpu.md §4 "Sleep / wake": /sleep?level=1 -> {"status":"sleeping"}, /is_sleeping, the
 engine_sleep_state gauge; a request sent while asleep blocks (not fails) and finishes after /wake_up.
 """
 

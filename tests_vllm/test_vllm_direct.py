@@ -34,9 +34,9 @@ def test_generation_counter_counts_tokens(plain_server) -> None:  # noqa: ANN001
 
 
 def test_step_trace_logs_each_engine_step_with_its_batch(plain_server, step_trace_dir) -> None:  # noqa: ANN001
-    """bench/vllm_hook on the plain server: one 77-token prompt with 5 output tokens is one prefill step and
-    four decode steps, each with the context it decoded over (what bench.step_trace sets beside a profile)."""
-    from bench.step_trace import load_steps
+    """bench/fidelity/vllm_hook on the plain server: one 77-token prompt with 5 output tokens is one prefill step and
+    four decode steps, each with the context it decoded over (what bench.fidelity.step_trace sets beside a profile)."""
+    from bench.fidelity.step_trace import load_steps
 
     prompt = [random.Random(time.time_ns()).randrange(16, 4000) for _ in range(77)]   # no prefix-cache hit
     began = time.time()

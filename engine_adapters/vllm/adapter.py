@@ -8,10 +8,10 @@ from typing import Any
 import orjson
 
 from engine_adapters.base import EngineAdapter, ShapedRequest, Usage
-from engine_adapters.vllm.metrics import parse_vllm_metrics
+from engine_adapters.types import EngineMetrics
+from engine_adapters.vllm.metrics_parser import parse_vllm_metrics
 from engine_adapters.vllm.shaping import shape_for_vllm
 from engine_adapters.vllm.sse import VllmStreamScanner
-from gateway.state.base import EngineMetrics
 
 _PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -27,7 +27,7 @@ class VllmAdapter(EngineAdapter):
         return VllmStreamScanner(strip_usage)
 
     def parse_usage(self, body: bytes) -> Usage | None:
-        # The usage object is the last top-level key family in vLLM's responses (section 1.3); scan
+        # The usage object is the last top-level key family in vLLM's responses (docs/reference/vllm-interface.md §1.3); scan
         # from its position instead of decoding the whole document.
         at = body.rfind(b'"usage"')
         if at < 0:

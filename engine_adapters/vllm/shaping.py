@@ -13,7 +13,7 @@ def shape_for_vllm(raw: bytes, body: dict[str, Any], stream: bool, changed: bool
     """Forward `raw` untouched unless something must change.
 
     A stream without `stream_options.include_usage` gets it switched on so the gateway learns the
-    exact token counts; the relay then strips the usage event again (vllm-interface.md section 2).
+    exact token counts; the relay then strips the usage event again (docs/reference/vllm-interface.md §2).
     """
     strip = False
     if stream:

@@ -1,4 +1,4 @@
-"""Scan vLLM's OpenAI SSE stream without re-serializing it (vllm-interface.md section 2).
+"""Scan vLLM's OpenAI SSE stream without re-serializing it (docs/reference/vllm-interface.md §2).
 
 Each event is `data: <json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`. With
 `stream_options.include_usage` the last JSON event has `"choices":[]` and a `usage` object. The
@@ -11,7 +11,7 @@ from __future__ import annotations
 import orjson
 
 from engine_adapters.base import StreamScanner, Usage
-from gateway.errors import sse_error_event
+from engine_adapters.openai_errors import sse_error_event
 
 EVENT_END = b"\n\n"
 DONE_EVENT = b"data: [DONE]"

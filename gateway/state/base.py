@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from engine_adapters.types import EngineMetrics
 from gateway.state.jobs import JobStore
 
 WORKER_ACTIVE = "active"
@@ -31,23 +32,6 @@ class WorkerRecord:
     state: str = WORKER_ACTIVE          # active | draining
     healthy: bool = True
     source: str = "config"              # config | admin
-
-
-@dataclass(slots=True)
-class EngineMetrics:
-    """The engine-neutral numbers scraped from a worker's /metrics (see engine_adapters)."""
-
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0               # 0..1
-    prefix_cache_queries: float = 0.0   # counters, tokens
-    prefix_cache_hits: float = 0.0
-    num_gpu_blocks: int | None = None
-    block_size: int | None = None
-    generation_tokens: float = 0.0      # counter: output tokens generated (local autoscaler throughput)
-    itl_sum: float = 0.0                # inter-token latency histogram _sum / _count (seconds, engine time)
-    itl_count: float = 0.0
-    scraped_at: float = 0.0             # unix time of the scrape
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Redis-backed state store: many gateway replicas share one registry and one set of reservations.
 
-Keys (prefix `fg:` by default; DESIGN.md "State", adapted):
+Keys (prefix `fg:` by default; docs/design.md "Shared state"):
   fg:workers            hash  worker id -> JSON WorkerRecord
   fg:metrics            hash  worker id -> JSON EngineMetrics
   fg:res:<worker>       zset  "<replica>|<request_id>" scored by lease expiry (ms, Redis TIME)

@@ -1,11 +1,11 @@
 """Replay a finished fidelity run's levels on the simulator at the real engine's speed in each level's minutes.
 
-    .venv/bin/python -m bench.at_speed RUN_DIR [--cpus 1]
+    .venv/bin/python -m bench.fidelity.at_speed RUN_DIR [--cpus 1]
 
 RUN_DIR holds what `bench.fidelity --profile RUN_DIR/profile.yaml --raw RUN_DIR/raw.json --step-trace
 RUN_DIR/trace` wrote. Each level's requests and arrivals are rebuilt exactly as the run made them (same seed, rate
 from the real burst), its engine speed is the step trace's measured / modelled over the level's first real run
-(bench.step_trace, both kinds of step), and the level runs on `fleetgate sim` with the profile's step times
+(bench.fidelity.step_trace, both kinds of step), and the level runs on `fleetgate sim` with the profile's step times
 scaled by it. The same diagnostic bench.fidelity now runs itself with --step-trace; this applies it to runs made
 before, or again to see the simulator's own spread.
 """
@@ -21,19 +21,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.calibrate import StreamResult, keep_off_core, run_gateway, run_sim_server
-from bench.fidelity import (
+from bench.fidelity.harness import (
+    MODEL,
+    StreamResult,
+    keep_off_core,
+)
+from bench.fidelity.legs import (
     LEVELS,
     LegResult,
-    LevelResult,
     WorkItem,
-    _leg,
     compare,
     leg_stats,
     level_plan,
-    matched_table,
     pool,
+    run_leg,
     scaled_profile,
+)
+from bench.fidelity.run import (
+    LevelResult,
+    matched_table,
+)
+from bench.harness import (
+    run_gateway,
+    run_sim_server,
 )
 
 
@@ -47,7 +57,7 @@ class LevelPlan:
 
 
 def results(records: Sequence[dict[str, Any]]) -> list[StreamResult]:
-    """A leg's requests from raw.json (bench.fidelity.dump_raw), times relative to the leg's start."""
+    """A leg's requests from raw.json (bench.fidelity.run.dump_raw), times relative to the leg's start."""
     return [StreamResult(r["prompt"], r["max_tokens"], sent=r["sent"], status=r["status"], error=r["error"] or "",
                          chunks=[(t, n) for t, n in r["chunks"]]) for r in records]
 
@@ -70,8 +80,8 @@ def plans_from_raw(raw: dict[str, Any], seed: int = 1, n: int = 400) -> list[Lev
 async def run_halves(gateway: str, engine: str, plan: LevelPlan, what: str) -> LegResult:
     """A level's two halves, one after the other, pooled as bench.fidelity pools them."""
     half = len(plan.a_arrivals)
-    a = await _leg(gateway, engine, plan.items[:half], plan.a_arrivals, f"A {what}")
-    b = await _leg(gateway, engine, plan.items[half:], plan.b_arrivals, f"B {what}")
+    a = await run_leg(gateway, engine, plan.items[:half], plan.a_arrivals, f"A {what}")
+    b = await run_leg(gateway, engine, plan.items[half:], plan.b_arrivals, f"B {what}")
     return pool(a, b)
 
 
@@ -81,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cpus", default="1", help="cores for the simulator (the fidelity run's host cores)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
-    from bench.step_trace import load_steps, step_ratios
+    from bench.fidelity.step_trace import load_steps, step_ratios
     from simulator.profiles import load_profile
 
     keep_off_core(0)
@@ -92,8 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for (name, frac), plan in zip(LEVELS, plans_from_raw(raw, args.seed), strict=True):
         speed = step_ratios(steps, prof, raw["windows"]["real"][name]).all_ratio
         with tempfile.TemporaryDirectory(prefix="fleetgate-at-speed-") as tmp, \
-                run_sim_server(scaled_profile(profile, speed, Path(tmp) / "p.yaml"), args.cpus) as url, \
-                run_gateway(url) as gw:
+                run_sim_server(scaled_profile(profile, speed, Path(tmp) / "p.yaml"), args.cpus, MODEL) as url, \
+                run_gateway(url, MODEL) as gw:
             leg = asyncio.run(run_halves(gw, url, plan, f"sim x{speed:.2f}"))
         real = leg_stats(results(raw["real"][name]), 0.0)
         fitted = leg_stats(results(raw["sim"][name]), 0.0)

@@ -1,7 +1,8 @@
-"""Request shapes of vLLM's prefill/decode protocol over `kv_transfer_params` (NIXL; vllm-interface.md 4.2).
+"""Request shapes of vLLM's prefill/decode protocol over `kv_transfer_params` (NIXL;
+docs/reference/vllm-interface.md §4.2).
 
 The two legs exactly as vLLM's toy proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py)
-and llm-d's sidecar (connector_nixlv2.go) build them (peer-routers.md section 8):
+and llm-d's sidecar (connector_nixlv2.go) build them (docs/reference/peer-routers.md §8):
 
 - prefill leg: the client's body with `max_tokens` 1 (and `max_completion_tokens` 1 if present),
   `stream` false, no `stream_options`, no `min_tokens` / `min_completion_tokens`, and
@@ -19,7 +20,7 @@ from typing import Any
 
 import orjson
 
-# vllm-interface.md 4.2 step 1: what the prefill leg asks of the producer.
+# docs/reference/vllm-interface.md §4.2 step 1: what the prefill leg asks of the producer.
 PREFILL_LEG_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
@@ -54,7 +55,7 @@ def extract_kv_transfer_params(response: bytes) -> dict[str, Any] | None:
     """`kv_transfer_params` of a prefill answer, if it is a usable producer hand-off, else None.
 
     Usable means an object with `do_remote_prefill: true` (what the NIXL producer returns for a
-    length-capped finish; vllm-interface.md 4.2 step 2). The object is returned as parsed, untouched.
+    length-capped finish; docs/reference/vllm-interface.md §4.2 step 2). The object is returned as parsed, untouched.
     """
     try:
         obj = orjson.loads(response)
@@ -70,7 +71,7 @@ def params_expired(params: dict[str, Any], received_at_unix: float, now_unix: fl
     """Whether the producer has probably freed the blocks the params name.
 
     vLLM 0.33 says so itself (`remote_blocks_expiry_time`, unix seconds); 0.11 holds them for
-    VLLM_NIXL_ABORT_REQUEST_TIMEOUT (120 s) after the answer (vllm-interface.md 4.1), passed as `hold_s`.
+    VLLM_NIXL_ABORT_REQUEST_TIMEOUT (120 s) after the answer (docs/reference/vllm-interface.md §4.1), passed as `hold_s`.
     """
     expiry = params.get("remote_blocks_expiry_time")
     if isinstance(expiry, (int, float)) and not isinstance(expiry, bool) and now_unix >= expiry:

@@ -6,8 +6,8 @@ update_from_output began: the forward pass and sampling lie between), t_upd (its
 dec (sequences decoding), ctx (their summed context before the step), ctx_max (the longest), pre_n / pre_tok
 (prompts prefilling and their tokens this step), pairs (causal attention pairs of those prefill chunks), run /
 wait (the scheduler's running and waiting queues), tot (tokens scheduled), new / fin (requests the model runner
-adds to its batch in this step, and finished ones it drops from it: the batch's churn). bench/step_trace.py
-reads it and sets every step beside a simulator profile's step time for the same batch.
+adds to its batch in this step, and finished ones it drops from it: the batch's churn).
+bench/fidelity/step_trace.py reads it and sets every step beside a simulator profile's step time for the same batch.
 
 It wraps vllm.v1.core.sched.scheduler.Scheduler.schedule and update_from_output (vLLM 0.32) when that module is
 first imported; with FLEETGATE_STEP_TRACE unset it does nothing. The wrappers only read the scheduler's state.

@@ -11,9 +11,9 @@ gateway runs, Llama-3.1-8B on H100 workers (simulator/profiles/llama3-8b-h100.ya
    policy decide; the smallest decode pool meeting 99% is found by bisection, per arrival rate, for
    `aladdin` (split-phase decode packing), `least_requests` (JSQ) and `power_of_two`.
 
-    .venv/bin/python -m bench.pd                 # writes bench/results/pd.md and pd.png
-    .venv/bin/python -m bench.pd --quick --no-write
-    .venv/bin/python -m bench.pd --render       # re-render the report from bench/results/pd.json
+    .venv/bin/python -m bench.pd_split              # writes bench/results/pd.md and pd.png
+    .venv/bin/python -m bench.pd_split --quick --no-write
+    .venv/bin/python -m bench.pd_split --render     # re-render the report from bench/results/pd.json
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     table2, needed = sizing(rates, prof, sizing_duration, hi=24)
     wall = time.perf_counter() - t0
     body = _report(table1, table2, needed, rows, duration, sizing_duration, wall)
-    command = "python -m bench.pd" + (" --quick" if args.quick else "")
+    command = "python -m bench.pd_split" + (" --quick" if args.quick else "")
     if args.no_write:
         print(body)
         return

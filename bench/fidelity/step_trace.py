@@ -1,6 +1,9 @@
-"""Read a vLLM step trace (bench/vllm_hook) and set every step beside a simulator profile's step time.
+"""Read a vLLM step trace (bench/fidelity/vllm_hook) and set every step beside a simulator profile's step time.
 
-    .venv/bin/python -m bench.step_trace <trace dir> [--profile simulator/profiles/tiny-cpu.yaml]
+    .venv/bin/python -m bench.fidelity.step_trace <trace dir> [--profile simulator/profiles/tiny-cpu.yaml]
+
+`hook_env(dir)` is the environment that makes a vLLM server record the trace: the hook directory on its
+PYTHONPATH (its sitecustomize.py wraps the scheduler when vLLM imports it) and the output directory.
 
 A step's period is from its schedule() to the next one's (forward pass, sampling, output processing and the
 engine loop in between), what the profile's step time stands for. Where the engine went idle after a step (the
@@ -23,8 +26,15 @@ from pathlib import Path
 
 from simulator.profiles import Profile, load_profile
 
+HOOK_DIR = Path(__file__).resolve().parent / "vllm_hook"
 IDLE_GAP_S = 0.5   # a longer period than this holds an idle engine, not a step
 IDLE_TAIL_S = 0.002   # from update_from_output's end to the next schedule(): longer holds an idle wait
+
+
+def hook_env(out_dir: Path) -> dict[str, str]:
+    """Environment for a vLLM server (scripts/vllm_servers.py ServerSpec.env) whose engine logs every step to
+    `out_dir`."""
+    return {"PYTHONPATH": str(HOOK_DIR), "FLEETGATE_STEP_TRACE": str(out_dir)}
 
 
 @dataclass(slots=True, frozen=True)

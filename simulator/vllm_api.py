@@ -1,7 +1,7 @@
 """A vLLM 0.11-compatible OpenAI HTTP server around one simulated EngineCore (a plain ASGI app).
 
-What a router can see is copied from vLLM 0.11 (reference: /work/shared/reference/vllm-interface.md, cited
-below as "ref §N"): routes (§1.1), nested error bodies and messages (§1.2), response shapes and defaults
+What a router can see is copied from vLLM 0.11 (docs/reference/vllm-interface.md, cited
+below as "vllm-interface §N"): routes (§1.1), nested error bodies and messages (§1.2), response shapes and defaults
 (§1.3), SSE framing byte for byte (§2), /metrics (§3, in simulator/vllm_metrics.py), P/D
 `kv_transfer_params` (§4.2) and dev-mode sleep/wake (§6.1). Sim-only extras: `/sim/faults`, `/sim/state`
 and the request header `x-sim-output-tokens` (how many tokens to generate before "stop").
@@ -55,12 +55,12 @@ class ServerConfig:
     model: str | None = None                # served model name; default: the profile's model
     time_scale: float = 1.0                 # model seconds per wall second
     seed: int = 0
-    role: str = "kv_both"                   # P/D role (ref §4.1); kv_both: the request decides
+    role: str = "kv_both"                   # P/D role (vllm-interface §4.1); kv_both: the request decides
     scheduling_policy: str = "fcfs"         # vLLM --scheduling-policy
     profile_overrides: dict[str, Any] = field(default_factory=dict)   # e.g. {"num_gpu_blocks": 64}
     faults: dict[str, Any] | Faults | None = None
     dev_mode: bool = True                   # VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, /reset_prefix_cache
-    side_channel_port: int = 5557           # advertised NIXL side-channel port (0.11 default, ref §4.1)
+    side_channel_port: int = 5557           # advertised NIXL side-channel port (0.11 default, vllm-interface §4.1)
     kv_lease_s: float = 120.0               # VLLM_NIXL_ABORT_REQUEST_TIMEOUT: how long P keeps pinned KV
 
 
@@ -79,7 +79,7 @@ def resolve_profile(cfg: ServerConfig) -> Profile:
     return prof
 
 
-# --- request bodies (vLLM extensions included; unknown fields are ignored, ref §1.3) ---------------
+# --- request bodies (vLLM extensions included; unknown fields are ignored, vllm-interface §1.3) ---------------
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -138,7 +138,7 @@ class DetokenizeRequest(_Lenient):
     tokens: list[int]
 
 
-# --- errors (ref §1.2) -----------------------------------------------------------------------------
+# --- errors (vllm-interface §1.2) -----------------------------------------------------------------------------
 class ApiError(Exception):
     def __init__(self, status: int, message: str, err_type: str | None = None, param: str | None = None):
         super().__init__(message)
@@ -159,7 +159,7 @@ def error_body(status: int, message: str, err_type: str | None = None, param: st
 
 
 def _validation_error(exc: ValidationError) -> ApiError:
-    # FastAPI's RequestValidationError as vLLM 0.11 renders it: 400, type "Bad Request" (ref §1.2).
+    # FastAPI's RequestValidationError as vLLM 0.11 renders it: 400, type "Bad Request" (vllm-interface §1.2).
     errors = [{"type": e["type"], "loc": ("body", *e["loc"]), "msg": e["msg"], "input": e.get("input")}
               for e in exc.errors(include_url=False)]
     lines = [f"{len(errors)} validation error{'s' if len(errors) != 1 else ''}:"]
@@ -184,7 +184,7 @@ class _HideDeliberateDrops(logging.Filter):
 
 
 logging.getLogger("uvicorn.error").addFilter(_HideDeliberateDrops())
-_log = logging.getLogger("simulator.server")
+_log = logging.getLogger("simulator.vllm_api")
 
 
 # --- the server -----------------------------------------------------------------------------------
@@ -218,7 +218,7 @@ class SimServer:
         except FaultConfigError as exc:
             raise ConfigError(f"faults: {exc}") from None
         self.rng = random.Random(config.seed)
-        self.engine_id = str(uuid.uuid4())  # KVTransferConfig.engine_id default (ref §4.1)
+        self.engine_id = str(uuid.uuid4())  # KVTransferConfig.engine_id default (vllm-interface §4.1)
         self.driver: EngineDriver = build_engine(self.profile, config, self.model, self.faults, self.engine_id)
         self.created = int(time.time())
         self._model_json = orjson.dumps(self.model)
@@ -330,7 +330,7 @@ class SimServer:
 
     def _plan(self, req: ChatRequest | CompletionRequest, headers: dict[bytes, bytes], chat: bool) -> _Plan:
         """Everything vLLM decides before the request reaches the engine, with its error messages."""
-        if req.model and req.model != self.model:  # serving_engine.py::_check_model (ref §1.2)
+        if req.model and req.model != self.model:  # serving_engine.py::_check_model (vllm-interface §1.2)
             raise ApiError(404, f"The model `{req.model}` does not exist.")
         L = self.max_model_len
         if chat:
@@ -338,7 +338,7 @@ class SimServer:
             token_ids = tokenizer.encode(prompt)
             n = len(token_ids)
             requested = req.max_completion_tokens or req.max_tokens
-            # serving_engine.py::_validate_input (ref §1.2, chat messages)
+            # serving_engine.py::_validate_input (vllm-interface §1.2, chat messages)
             if n >= L:
                 raise ApiError(400, f"This model's maximum context length is {L} tokens. However, your request "
                                     f"has {n} input tokens. Please reduce the length of the input messages.")
@@ -353,7 +353,7 @@ class SimServer:
             token_ids = _completion_prompt_tokens(req.prompt)
             n = len(token_ids)
             requested = req.max_tokens
-            # renderer.py::_create_tokens_prompt with max_length = max_model_len - max_tokens (ref §1.2)
+            # renderer.py::_create_tokens_prompt with max_length = max_model_len - max_tokens (vllm-interface §1.2)
             if requested is not None and n > L - requested:
                 raise ApiError(400, f"This model's maximum context length is {L - requested} tokens. However, "
                                     f"your request has {n} input tokens. Please reduce the length of the input "
@@ -383,7 +383,7 @@ class SimServer:
         remote_kv_delay = None
         if kv.get("do_remote_prefill") and self.config.role != "kv_producer":
             # Fetch P's pinned blocks; unknown or expired params -> local prefill (kv_load_failure_policy
-            # "recompute", ref §4.1). Only producers in this process can be reached (no real NIXL).
+            # "recompute", vllm-interface §4.1). Only producers in this process can be reached (no real NIXL).
             remote_kv_delay = claim_remote_kv(kv, n, self.profile)
         stream_opts = req.stream_options
         return _Plan(
@@ -416,7 +416,7 @@ class SimServer:
         return max(min(target, max_tokens), min(req.min_tokens, max_tokens), 1)
 
     async def _complete(self, plan: _Plan, h: RequestHandle, receive: Receive, send: Send, chat: bool) -> None:
-        """Non-streaming: wait for the end, then one JSON body (ref §1.3 shapes)."""
+        """Non-streaming: wait for the end, then one JSON body (vllm-interface §1.3 shapes)."""
         watcher = _DisconnectWatcher(receive, h)
         try:
             drop_at = self.faults.drop_after_tokens
@@ -458,7 +458,7 @@ class SimServer:
         await _respond(send, 200, data)
 
     def _kv_params(self, h: RequestHandle) -> dict[str, Any] | None:
-        """P's answer to a do_remote_decode request (0.11 nixl_connector.py::request_finished, ref §4.2):
+        """P's answer to a do_remote_decode request (0.11 nixl_connector.py::request_finished, vllm-interface §4.2):
         only a length-capped finish hands its blocks over."""
         if h.finish_reason != "length" or h.remote_block_ids is None:
             return None
@@ -467,7 +467,7 @@ class SimServer:
                 "remote_port": self.config.side_channel_port, "tp_size": 1}
 
     async def _stream(self, plan: _Plan, h: RequestHandle, receive: Receive, send: Send, chat: bool) -> None:
-        """SSE exactly as vLLM 0.11 frames it (ref §2); several ready tokens go out in one write."""
+        """SSE exactly as vLLM 0.11 frames it (vllm-interface §2); several ready tokens go out in one write."""
         rid = plan.response_id.encode()
         head = b'data: {"id":"' + rid + b'","object":"' + (b"chat.completion.chunk" if chat else b"text_completion")
         head += b'","created":' + str(plan.created).encode() + b',"model":' + self._model_json + b',"choices":['
@@ -523,7 +523,7 @@ class SimServer:
                     return
                 if fin:
                     if plan.include_usage:
-                        # the usage chunk: choices [], serialized with exclude_none (ref §2)
+                        # the usage chunk: choices [], serialized with exclude_none (vllm-interface §2)
                         parts.append(head + b'],"usage":{"prompt_tokens":%d,"total_tokens":%d,'
                                      b'"completion_tokens":%d}}\n\n' % (P, P + n, n))
                     parts.append(b"data: [DONE]\n\n")
@@ -551,7 +551,7 @@ class SimServer:
         await _respond(send, 200, orjson.dumps({"version": VLLM_VERSION}))
 
     async def _load(self, scope: dict, receive: Receive, send: Send) -> None:
-        # As with --enable-server-load-tracking: in-flight generation requests (ref §1.3 GET /load).
+        # As with --enable-server-load-tracking: in-flight generation requests (vllm-interface §1.3 GET /load).
         await _respond(send, 200, orjson.dumps({"server_load": self._inflight}))
 
     async def _metrics(self, scope: dict, receive: Receive, send: Send) -> None:

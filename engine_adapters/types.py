@@ -1,0 +1,25 @@
+"""Plain data the engine adapters produce, shared with the gateway (which re-exports it where it stores it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """The engine-neutral numbers scraped from a worker's /metrics (parsed by an engine adapter)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0               # 0..1
+    prefix_cache_queries: float = 0.0   # counters, tokens
+    prefix_cache_hits: float = 0.0
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    generation_tokens: float = 0.0      # counter: output tokens generated (local autoscaler throughput)
+    itl_sum: float = 0.0                # inter-token latency histogram _sum / _count (seconds, engine time)
+    itl_count: float = 0.0
+    scraped_at: float = 0.0             # unix time of the scrape
+
+
+__all__ = ["EngineMetrics"]
