@@ -71,6 +71,7 @@ MIN_ITL_TOKENS = 16          # fewer inter-token samples in a window say little 
 MIN_OUTPUT_SAMPLES = 20      # batch output length statistics from this many finished requests on
 DEFAULT_ITL_SLO_S = 0.2      # Chiron section 6: interactive ITL SLO 200 ms
 BP_KINDS = ("lbp", "tbp", "ibp", "bbp")
+RECENT_ACTIONS = 50          # scale actions kept for the status page (gateway/status_page.py)
 
 
 class WindowSum:
@@ -133,6 +134,7 @@ class Autoscaler:
         self.leader = False
         self.state: dict[str, Any] = {}
         self.actions: Counter[str] = Counter()           # "pool|direction|reason" -> workers (leader, cumulative)
+        self.recent_actions: deque[dict[str, Any]] = deque(maxlen=RECENT_ACTIONS)  # for the status page
         self._local: dict[str, _LocalState] = {}
         self._peak: dict[str, int] = {}
         self._area: dict[str, list[float]] = {}         # worker -> [interactive, batch] x seconds (this replica)
@@ -395,6 +397,8 @@ class Autoscaler:
             actions.append(ScaleAction(POOL_BATCH, "up", 1, "bootstrap"))
         for a in actions:
             self.actions[f"{a.pool}|{a.direction}|{a.reason}"] += a.count
+            self.recent_actions.append({"t": now, "pool": a.pool, "direction": a.direction, "count": a.count,
+                                        "reason": a.reason, "busy": round(obs.interactive_busy, 3)})
             log.info("scale %s %s %+d (%s)", a.pool, a.direction, a.count if a.direction == "up" else -a.count, a.reason)
         if self.actuator.kind != "none":
             await self.actuator.apply(desired)
@@ -410,7 +414,7 @@ class Autoscaler:
                              "lbp": extra["lbp"], "tbp": extra["tbp"]},
             "wait": {"batch": bp["batch_wait_s"] if math.isfinite(bp["batch_wait_s"]) else 1e9,
                      "interactive": wait_i},
-            "actions": dict(self.actions), "rate": obs.interactive_rate, "busy": obs.interactive_busy,
+            "actions": dict(self.actions), "recent_actions": list(self.recent_actions), "rate": obs.interactive_rate, "busy": obs.interactive_busy,
             "forecast": bp.get("forecast_busy"),
         }
 

@@ -6,9 +6,36 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="SLO-aware routing gateway for vLLM fleets.")
-config_app = typer.Typer(no_args_is_help=True, help="Configuration files.")
+# Plain click help (rich_markup_mode=None): typer's rich help shows on/off flags as `<bool>`.
+_HELP = {"help_option_names": ["-h", "--help"]}
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, context_settings=_HELP,
+                  help="SLO-aware routing gateway for vLLM fleets.")
+config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, context_settings=_HELP,
+                         help="Configuration files.")
 app.add_typer(config_app, name="config")
+
+LOG_FORMAT_HELP = "Log lines: text, logfmt or json (config logging.format)."
+LOG_LEVEL_HELP = "Log level: debug, info, warning or error (config logging.level)."
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("fleetgate")
+        except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+            v = "unknown (not installed)"
+        typer.echo(f"fleetgate {v}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """SLO-aware routing gateway for vLLM fleets."""
 
 
 @app.command()
@@ -16,14 +43,17 @@ def serve(
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config file."),
     host: str | None = typer.Option(None, help="Address to listen on (default: config listen.host, 127.0.0.1)."),
     port: int | None = typer.Option(None, help="Port to listen on; 0 picks a free one (default: config, 8000)."),
-    worker: list[str] = typer.Option([], "--worker", "-w", help="Worker URL (repeatable); adds to the config."),
+    worker: list[str] = typer.Option([], "--worker", "-w", metavar="URL", help="Worker URL (repeatable); adds to the config."),
     policy: str | None = typer.Option(None, help="Default routing policy (overrides the config)."),
     redis_url: str | None = typer.Option(None, "--redis-url", help="Share state through Redis."),
+    log_format: str | None = typer.Option(None, "--log-format", help=LOG_FORMAT_HELP),
+    log_level: str | None = typer.Option(None, "--log-level", help=LOG_LEVEL_HELP),
 ) -> None:
     """Run the gateway in front of the workers named in the config (and/or --worker)."""
     from gateway.server import run_serve
 
-    run_serve(config=config, host=host, port=port, workers=worker, policy=policy, redis_url=redis_url)
+    run_serve(config=config, host=host, port=port, workers=worker, policy=policy, redis_url=redis_url,
+              log_format=log_format, log_level=log_level)
 
 
 @app.command()

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from engine_adapters.base import EngineAdapter
-from gateway import errors
+from gateway import errors, observe
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, sse_error_event
 from gateway.learning import Learner
@@ -39,6 +39,7 @@ from gateway.relay import Relay, RelayResult, ResponseState, UpstreamFailure
 from gateway.slo import SloBook
 from gateway.state.base import StateStore
 from gateway.upstream import encode_headers
+from gateway.validation import check_sampling
 from policies.base import Policy, make_policy
 from policies.prefix import prompt_chunk_hashes
 from policies.types import CLASS_BATCH, CLASS_INTERACTIVE, RequestFeatures
@@ -150,6 +151,7 @@ class Dispatcher:
         # Request classes and worker types (gateway/batch_runner.py ClassRouter): pool-aware candidates,
         # per-worker class counts, eviction of batch work; None: every worker takes every request.
         self.pools: Any = None
+        self.observer: observe.RequestObserver | None = None  # access log / tracing (gateway/observe.py)
 
     # --- per-model state ------------------------------------------------------------------------
     def runtime(self, model: str) -> ModelRuntime:
@@ -183,6 +185,8 @@ class Dispatcher:
         rid = hdrs.request_id
         client_headers = [(b"x-request-id", rid)]
         feats: RequestFeatures | None = None
+        result: RelayResult | None = None
+        rec = self.observer.begin(rid.decode(), scope["path"], scope["headers"]) if self.observer else None
         try:
             try:
                 if hdrs.content_length == -1:
@@ -233,6 +237,8 @@ class Dispatcher:
             self.metrics.count_request(model_label, policy_label, status)
             if model_label != UNKNOWN_MODEL_LABEL:
                 self.metrics.observe_duration(model_label, time.perf_counter() - t0)
+            if rec is not None:
+                self.observer.end(rec, model_label, policy_label, status, feats, result)
 
     def _authorized(self, auth: bytes | None) -> bool:
         if not auth or auth[:7].lower() != b"bearer ":
@@ -323,7 +329,8 @@ class Dispatcher:
             t_sent = self.learner.dispatched(rt.policy, feats, ws.id, state)
             try:
                 result = await self.relay.forward(
-                    send, getattr(ws, route.url_attr), payload, upstream_headers, client_headers, stream,
+                    send, getattr(ws, route.url_attr), payload, observe.leg("upstream", ws.id, upstream_headers),
+                    client_headers, stream,
                     strip_usage, attempt + 1 < self.attempts, state)
                 if result.midstream_error is not None:
                     self.metrics.upstream_error(ws.id, "midstream")
@@ -333,6 +340,7 @@ class Dispatcher:
                 failure = f
                 tried.append(ws.id)
                 self.metrics.upstream_error(ws.id, f.kind)
+                observe.leg_failed(f.kind, f.detail)
                 if f.kind == "connect":
                     self.registry.report_failure(ws.id)
                 log.debug("request %s failed on %s (%s); %s", feats.request_id, ws.id, f.detail,
@@ -344,7 +352,8 @@ class Dispatcher:
             state.started = state.ended = True
             await send({"type": "http.response.start", "status": failure.status,
                         "headers": [(b"content-type", failure.content_type), *client_headers]})
-            await send({"type": "http.response.body", "body": failure.body, "more_body": False})
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": self.adapter.openai_error(failure.status, failure.body)})
             return RelayResult(status=failure.status)
         raise errors.upstream_failed(failure.detail)
 
@@ -399,6 +408,7 @@ class Dispatcher:
                 if pools is not None:
                     pools.placed(feats, wid)
                 placed = ws
+                observe.note_placement(wid, decision.reason, time.perf_counter() - t)
                 break
             views = [v for v in views if v.id != wid]  # another replica took the last slot
         self.metrics.observe_routing(rt.model, time.perf_counter() - t)
@@ -430,6 +440,7 @@ class Dispatcher:
                 ws = await self._try_place(rt, feats, ())
                 if ws is not None:
                     self.metrics.observe_queue_wait(rt.model, time.perf_counter() - t0)
+                    observe.note_queue(time.perf_counter() - t0)
                     return ws
         finally:
             q.leave(ev)  # wakes the next waiter when we were the head
@@ -508,6 +519,7 @@ def parse_request(raw: bytes, route: Route) -> ParsedRequest:
     priority = body.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise errors.bad_request(f"`priority` must be an integer, got {_short_json(priority)}.", "priority")
+    check_sampling(body)
     return ParsedRequest(body, model or None, stream, max_tokens, priority)
 
 

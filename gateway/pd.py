@@ -39,7 +39,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from engine_adapters.vllm.pd import decode_body, extract_kv_transfer_params, params_expired, prefill_body
-from gateway import errors
+from gateway import errors, observe
 from gateway.registry import WorkerState
 from gateway.relay import RelayResult, ResponseState, UpstreamFailure
 from gateway.upstream import header_pairs
@@ -220,6 +220,7 @@ class PdRouter:
                 continue
             pol.on_dispatch(feats, decode.id, time.time())
             pair = _Pair(decode, prefill, plan)
+            observe.note_placement(decode.id, plan.decision, time.perf_counter() - t, prefill and prefill.id)
             break
         self.d.metrics.observe_routing(rt.model, time.perf_counter() - t)
         return pair
@@ -251,6 +252,7 @@ class PdRouter:
                 pair = await self._try_place(rt, pol, feats)
                 if pair is not None:
                     self.d.metrics.observe_queue_wait(rt.model, time.perf_counter() - t0)
+                    observe.note_queue(time.perf_counter() - t0)
                     return pair
         finally:
             q.leave(ev)
@@ -284,8 +286,9 @@ class PdRouter:
                     self.metrics.decision(rt.model, PREFILL_RETRY)
                 t0 = time.perf_counter()
                 try:
-                    params = await self._prefill_once(ws, route, leg, headers)
+                    params = await self._prefill_once(ws, route, leg, observe.leg("prefill", ws.id, headers))
                 except _PrefillFailed as f:
+                    observe.leg_failed("pd_prefill", str(f))
                     tried.append(ws.id)
                     self.d.metrics.upstream_error(ws.id, "pd_prefill")
                     log.debug("prefill leg of %s failed on %s: %s", feats.request_id, ws.id, f)
@@ -359,9 +362,11 @@ class PdRouter:
             pair.remote_kv = params is not None
             t0 = time.perf_counter()
             try:
-                result = await self.d.relay.forward(send, getattr(ws, route.url_attr), leg, headers, client_headers,
+                result = await self.d.relay.forward(send, getattr(ws, route.url_attr), leg,
+                                                    observe.leg("decode", ws.id, headers), client_headers,
                                                     stream, strip_usage, attempt + 1 < self.d.attempts, state)
             except UpstreamFailure as f:
+                observe.leg_failed(f.kind, f.detail)
                 failure = f
                 tried.append(ws.id)
                 self.d.metrics.upstream_error(ws.id, f.kind)
