@@ -66,4 +66,4 @@ class AccessLog:
         if not self.logger.isEnabledFor(logging.INFO):
             return
         fields = self.fields(rec, status, feats, result, total_s)
-        self.logger.info("%s %s %s", rec.route, status, rec.model or "-", extra={"fields": fields})
+        self.logger.info("request", extra={"fields": fields})

@@ -220,6 +220,7 @@ def build_api(gw: Gateway) -> FastAPI:
     @api.get("/metrics")
     async def metrics() -> Response:
         gw.registry.refresh_gauges()
+        gw.metrics.state_store_up.labels("redis" if gw.shared_state else "memory").set(int(gw.store.reachable()))
         return Response(gw.metrics.render(), media_type=_METRICS_CONTENT_TYPE)
 
     @api.api_route("/v1/chat/completions", methods=["GET", "PUT", "DELETE", "PATCH"], include_in_schema=False)

@@ -135,6 +135,7 @@ class Autoscaler:
         self.state: dict[str, Any] = {}
         self.actions: Counter[str] = Counter()           # "pool|direction|reason" -> workers (leader, cumulative)
         self.recent_actions: deque[dict[str, Any]] = deque(maxlen=RECENT_ACTIONS)  # for the status page
+        self._fleet_shape: tuple = ()
         self._local: dict[str, _LocalState] = {}
         self._peak: dict[str, int] = {}
         self._area: dict[str, list[float]] = {}         # worker -> [interactive, batch] x seconds (this replica)
@@ -405,6 +406,7 @@ class Autoscaler:
             await self._relabel(desired[POOL_INTERACTIVE])
         active = self.ctx.active_by_pool()
         pending = self.actuator.pending()
+        self._log_fleet(active, pending, desired)
         bp = plan.backpressure
         wait_i = extra["waiting"] / obs.interactive_rate if obs.interactive_rate > 0 else 0.0
         return {
@@ -417,6 +419,25 @@ class Autoscaler:
             "actions": dict(self.actions), "recent_actions": list(self.recent_actions), "rate": obs.interactive_rate, "busy": obs.interactive_busy,
             "forecast": bp.get("forecast_busy"),
         }
+
+    def _log_fleet(self, active: dict[str, list[WorkerState]], pending: dict[str, int],
+                   desired: dict[str, int]) -> None:
+        """One `fleet:` line whenever the fleet's make-up (workers, pools, starting, draining, desired) changes."""
+        draining = self.actuator.draining()
+        shape = (tuple((p, tuple(sorted(w.id for w in active[p]))) for p in POOLS), tuple(sorted(pending.items())),
+                 tuple(draining), tuple(sorted(desired.items())))
+        if shape == self._fleet_shape:
+            return
+        self._fleet_shape = shape
+        inflight = self.store.inflight()
+        parts = []
+        for p in POOLS:
+            for ws in sorted(active[p], key=lambda w: w.id):
+                f = inflight.get(ws.id)
+                parts.append(f"{ws.id}[{p} {f.requests if f else 0}/{ws.rec.cap or '-'}]")
+        log.info("fleet: %d active (%s), %d starting, %d draining; desired %s", sum(len(v) for v in active.values()),
+                 " ".join(parts) or "none", sum(pending.values()), len(draining),
+                 " ".join(f"{p}={n}" for p, n in desired.items()))
 
     async def _observe_only(self, now: float) -> dict[str, Any]:
         """Autoscaling off: still export what the queues look like (depth, wait estimates, pool sizes)."""

@@ -64,16 +64,21 @@ def demo(
     profile: str = typer.Option("llama3-8b-h100", help="Simulator profile for the workers."),
     model: str = typer.Option("meta-llama/Llama-3.1-8B-Instruct", help="Model name the fleet serves."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="Run the simulated engines K times faster."),
-    base_port: int = typer.Option(0, "--base-port", help="First simulator port (0: gateway port + 1)."),
+    base_port: int = typer.Option(0, "--base-port", help="First simulator port; worker n listens on base + n "
+                                  "(0: gateway port + 1)."),
     pd: str | None = typer.Option(None, "--pd", help="P:D, e.g. 2:2 — prefill and decode workers."),
     autoscale: bool = typer.Option(False, "--autoscale", help="Run the autoscaler with the sim actuator."),
+    log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
+    slo_ttft_ms: float = typer.Option(1000.0, "--slo-ttft-ms", help="The fleet's TTFT SLO (attainment metrics)."),
+    slo_tpot_ms: float = typer.Option(50.0, "--slo-tpot-ms", help="The fleet's time-per-output-token SLO."),
 ) -> None:
     """Gateway plus N simulated vLLM workers in one command; in-memory state, nothing else to start."""
     from gateway.demo import run_demo
 
     run_demo(
         port=port, workers=workers, policy=policy, profile=profile, model=model,
-        time_scale=time_scale, base_port=base_port or port + 1, pd=pd, autoscale=autoscale,
+        time_scale=time_scale, base_port=base_port or port + 1, pd=pd, autoscale=autoscale, log_format=log_format,
+        slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
     )
 
 

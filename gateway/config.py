@@ -187,6 +187,8 @@ class SimActuatorConfig(_Strict):
     initial: dict[Literal["interactive", "mixed", "batch"], int] = Field(default_factory=dict)  # at start, no cold start
     seed: int = 0
     cap: int | None = Field(None, ge=1)               # new workers' cap (None: the local autoscaler's, if on)
+    # Worker n (sim-n, the lowest n not in use) listens on base_port + n; 0: any free port.
+    base_port: int = Field(0, ge=0, le=65535)
 
 
 class WebhookActuatorConfig(_Strict):

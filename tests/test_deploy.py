@@ -10,14 +10,19 @@ from pathlib import Path
 import yaml
 
 from gateway.config import load_config
-from gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def exported_series() -> set[str]:
+    """Every series a gateway can export: its own, the SLO book's and the P/D router's."""
+    from gateway.app import Gateway
+    from gateway.pd import PdMetrics
+
+    gw = Gateway(load_config(None))
+    PdMetrics.for_registry(gw.metrics.registry)
     names: set[str] = set()
-    for family in GatewayMetrics().registry.collect():
+    for family in gw.metrics.registry.collect():
         for sample in family.samples:
             names.add(sample.name)
         names.add(family.name)
@@ -34,6 +39,8 @@ def test_dashboard_is_generated_from_its_script() -> None:
 def test_dashboard_only_uses_exported_gateway_series() -> None:
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/fleetgate.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [r["expr"] for g in yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())["groups"]
+              for r in g["rules"]]
     used = {m for e in exprs for m in re.findall(r"\bfleetgate_[a-z_]+", e)}
     assert used, "the dashboard plots no gateway series"
     exported = exported_series()
@@ -44,7 +51,7 @@ def test_dashboard_only_uses_exported_gateway_series() -> None:
         return m
 
     missing = {m for m in used if m not in exported and base(m) not in exported}
-    assert not missing, f"dashboard uses series the gateway does not export: {sorted(missing)}"
+    assert not missing, f"dashboard or alerts use series the gateway does not export: {sorted(missing)}"
 
 
 def test_compose_prometheus_and_kubernetes_files_parse() -> None:
