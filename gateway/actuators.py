@@ -1,7 +1,7 @@
 """Actuators: turn the autoscaler's desired worker counts per pool into workers (`autoscale.actuator.kind`).
 
 - `none`: nothing; the numbers are exported (`fleetgate_desired_workers{pool}`) and KEDA scales the
-  Deployments from Prometheus (deploy/kubernetes/keda-scaledobject.yaml).
+  Deployments from Prometheus (deploy/kubernetes/base/keda-scaledobject.yaml).
 - `sim`: simulated vLLM servers started in this process (simulator/fleet.py, one server per worker,
   on a free port), taking traffic after `cold_start_s`. For `fleetgate demo --autoscale` and tests; the
   workers live in the leader's process, so run one gateway replica with it.

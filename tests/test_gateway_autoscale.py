@@ -350,7 +350,7 @@ def test_keda_scaled_objects_read_the_exported_desired_workers() -> None:
 
     from gateway.metrics import GatewayMetrics
 
-    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/keda-scaledobject.yaml").read_text()))
+    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/base/keda-scaledobject.yaml").read_text()))
     assert {d["kind"] for d in docs} == {"ScaledObject"}
     exported = {f.name for f in GatewayMetrics().registry.collect()}
     by_pool = {}
