@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +43,9 @@ def pinned(cmd: list[str], core: int) -> list[str]:
 
 
 def start(cmd: list[str], core: int) -> subprocess.Popen:
-    return subprocess.Popen(pinned(cmd, core), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    # stderr to a file, not a pipe nobody reads: the gateway's access log would fill a pipe and block it.
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
+    return subprocess.Popen(pinned(cmd, core), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
                             start_new_session=True)
 
 
@@ -66,8 +69,9 @@ async def measured(pid: int, coro) -> tuple[RunResult, float]:
     return res, process_cpu_seconds(pid) - cpu0
 
 
-async def main_async(quick: bool) -> str:
+async def main_async(quick: bool, config: str | None = None) -> str:
     py = sys.executable
+    gw_config = ["--config", config] if config else []
     n_lat = 300 if quick else 2000
     n_thr = 1500 if quick else 8000
     n_stream = 64 if quick else 256
@@ -83,10 +87,10 @@ async def main_async(quick: bool) -> str:
             await wait_ready(u + "/health")
 
         gw_sim_port, gw_null_port = free_port(), free_port()
-        gw_sim = start([py, "-m", "gateway.cli", "serve", "--port", str(gw_sim_port), "--policy", "round_robin",
-                        *sum((["-w", u] for u in sim_urls), [])], core=0)
-        gw_null = start([py, "-m", "gateway.cli", "serve", "--port", str(gw_null_port), "--policy", "round_robin",
-                         "-w", f"http://127.0.0.1:{null_port}"], core=0)
+        gw_sim = start([py, "-m", "gateway.cli", "serve", *gw_config, "--port", str(gw_sim_port), "--policy",
+                        "round_robin", *sum((["-w", u] for u in sim_urls), [])], core=0)
+        gw_null = start([py, "-m", "gateway.cli", "serve", *gw_config, "--port", str(gw_null_port), "--policy",
+                         "round_robin", "-w", f"http://127.0.0.1:{null_port}"], core=0)
         procs += [gw_sim, gw_null]
         await wait_ready(f"http://127.0.0.1:{gw_sim_port}/ready")
         await wait_ready(f"http://127.0.0.1:{gw_null_port}/ready")
@@ -177,9 +181,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead.md"))
+    ap.add_argument("--config", help="gateway config file for both gateways (e.g. access log or tracing settings)")
     args = ap.parse_args()
-    body = asyncio.run(main_async(args.quick))
-    cmd = "python -m bench.overhead" + (" --quick" if args.quick else "")
+    body = asyncio.run(main_async(args.quick, args.config))
+    cmd = "python -m bench.overhead" + (" --quick" if args.quick else "") + (f" --config {args.config}"
+                                                                            if args.config else "")
     write_report(Path(args.out), "Gateway overhead", cmd, body)
     print(Path(args.out).read_text())
 
