@@ -66,4 +66,7 @@ class AccessLog:
         if not self.logger.isEnabledFor(logging.INFO):
             return
         fields = self.fields(rec, status, feats, result, total_s)
-        self.logger.info("request", extra={"fields": fields})
+        # makeRecord + handle: logger.info() would also walk the stack for the caller's file and line.
+        record = self.logger.makeRecord(self.logger.name, logging.INFO, __file__, 0, "request", None, None,
+                                        extra={"fields": fields})
+        self.logger.handle(record)

@@ -14,6 +14,7 @@ dropped (`suppressed=N`). Access-log lines are exempt (one per request is the po
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from typing import Any
@@ -27,9 +28,14 @@ _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _HANDLER_MARK = "_fleetgate_handler"
 
 
+_second: list = [-1, ""]  # the last whole second formatted, and its text (one strftime per second)
+
+
 def _iso(created: float) -> str:
-    t = time.gmtime(created)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", t) + f".{int(created % 1 * 1000):03d}Z"
+    sec = int(created)
+    if sec != _second[0]:
+        _second[0], _second[1] = sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+    return f"{_second[1]}.{int(created % 1 * 1000):03d}Z"
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
@@ -46,16 +52,22 @@ def _fields(record: logging.LogRecord) -> dict[str, Any]:
     return out
 
 
+_NEEDS_QUOTES = re.compile(r'[\s"=\\]')
+
+
 def logfmt_value(v: Any) -> str:
-    """One logfmt value: bare when it has no space, quote or `=`, else a double-quoted string."""
+    """One logfmt value: bare when it has no space, quote, backslash or `=`, else a double-quoted string."""
     if v is None:
         return ""
-    if isinstance(v, bool):
+    t = type(v)
+    if t is int:
+        return str(v)
+    if t is bool:
         return "true" if v else "false"
-    if isinstance(v, float):
+    if t is float:
         return f"{v:.6g}"
     s = str(v)
-    if s and not any(c in s for c in ' "=\\\n\t'):
+    if s and not _NEEDS_QUOTES.search(s):
         return s
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
 
@@ -146,5 +158,8 @@ def setup_logging(level: str = "info", fmt: str = "text", stream: Any = None, wi
     handler.addFilter(RateLimitFilter(window_s, burst))
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
+    # No format here shows thread or process names: skip computing them for every record (the logging module's
+    # documented switches, "Optimization" in its HOWTO); the access log writes one record per request.
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     logging.getLogger("fleetgate").setLevel(getattr(logging, level.upper()))
     return handler
