@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from gateway.logs import ACCESS_LOGGER
+from gateway.logs import ACCESS_LOGGER, access_sink
 from gateway.observe import RequestRecord, result_tokens, ttft_s
 
 if TYPE_CHECKING:
@@ -66,6 +66,10 @@ class AccessLog:
         if not self.logger.isEnabledFor(logging.INFO):
             return
         fields = self.fields(rec, status, feats, result, total_s)
+        sink = access_sink() if self.logger.name == ACCESS_LOGGER else None
+        if sink is not None:  # the process's handler (gateway/logs.py): the line without a LogRecord
+            sink.emit_access(fields)
+            return
         # makeRecord + handle: logger.info() would also walk the stack for the caller's file and line.
         record = self.logger.makeRecord(self.logger.name, logging.INFO, __file__, 0, "request", None, None,
                                         extra={"fields": fields})

@@ -72,14 +72,30 @@ def logfmt_value(v: Any) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
 
 
+def _logfmt(fields: dict[str, Any]) -> str:
+    return " ".join(f"{k}={logfmt_value(v)}" for k, v in fields.items())
+
+
+# Each formatter also writes an access-log line straight from its fields (`format_access`, the same line `format`
+# makes of a record of the access logger): gateway/access_log.py skips the LogRecord on its per-request path.
+_ACCESS_HEAD = f"level=info logger={ACCESS_LOGGER} msg=request"
+
+
 class LogfmtFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return " ".join(f"{k}={logfmt_value(v)}" for k, v in _fields(record).items())
+        return _logfmt(_fields(record))
+
+    def format_access(self, created: float, fields: dict[str, Any]) -> str:
+        return f"ts={_iso(created)} {_ACCESS_HEAD} {_logfmt(fields)}"
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         return orjson.dumps(_fields(record), default=str).decode()
+
+    def format_access(self, created: float, fields: dict[str, Any]) -> str:
+        return orjson.dumps({"ts": _iso(created), "level": "info", "logger": ACCESS_LOGGER, "msg": "request",
+                             **fields}, default=str).decode()
 
 
 class TextFormatter(logging.Formatter):
@@ -90,9 +106,35 @@ class TextFormatter(logging.Formatter):
         line = super().format(record)
         extra = getattr(record, "fields", None)
         if extra:
-            line += " " + " ".join(f"{k}={logfmt_value(v)}" for k, v in extra.items())
+            line += " " + _logfmt(extra)
         suppressed = getattr(record, "suppressed", 0)
         return f"{line} (suppressed {suppressed} similar)" if suppressed else line
+
+    def format_access(self, created: float, fields: dict[str, Any]) -> str:
+        stamp = time.strftime(self.default_time_format, time.localtime(created))
+        return f"{stamp},{int(created % 1 * 1000):03d} INFO {ACCESS_LOGGER}: request {_logfmt(fields)}"
+
+
+class FleetgateHandler(logging.StreamHandler):
+    """The process's one log handler (setup_logging); `emit_access` writes an access line without a LogRecord."""
+
+    def emit_access(self, fields: dict[str, Any]) -> None:
+        try:
+            line = self.formatter.format_access(time.time(), fields)  # type: ignore[union-attr]
+            with self.lock:  # type: ignore[union-attr]
+                self.stream.write(line + self.terminator)
+                self.flush()
+        except Exception:  # noqa: BLE001 - as logging.Handler.emit: never let logging break a request
+            self.handleError(logging.makeLogRecord({"msg": "access log line", "fields": fields}))
+
+
+_active: list[FleetgateHandler] = []  # the handler setup_logging installed (at most one)
+
+
+def access_sink() -> FleetgateHandler | None:
+    """The installed handler while it is still attached to the root logger, else None (use plain logging)."""
+    h = _active[0] if _active else None
+    return h if h is not None and h in logging.root.handlers else None
 
 
 def make_formatter(fmt: str) -> logging.Formatter:
@@ -152,8 +194,9 @@ def setup_logging(level: str = "info", fmt: str = "text", stream: Any = None, wi
     for h in list(root.handlers):
         if getattr(h, _HANDLER_MARK, False):
             root.removeHandler(h)
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = FleetgateHandler(stream or sys.stderr)
     setattr(handler, _HANDLER_MARK, True)
+    _active[:] = [handler]
     handler.setFormatter(make_formatter(fmt))
     handler.addFilter(RateLimitFilter(window_s, burst))
     root.addHandler(handler)

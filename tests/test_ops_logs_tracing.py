@@ -136,3 +136,42 @@ async def test_tracing_off_forwards_the_clients_traceparent_unchanged(sim_fleet)
         assert gw.gateway.dispatcher.observer is not None and gw.gateway.tracing is None
         assert (await c.post(gw.url + "/v1/chat/completions", json=CHAT, headers={"traceparent": tp})).status_code == 200
         assert (await c.get(fleet.urls[0] + "/sim/state")).json()["traceparents"] == [tp]
+
+
+async def test_spans_are_exported_over_otlp_http(sim_fleet) -> None:
+    """A real OTLP/HTTP receiver on loopback gets the request's spans (protobuf, as a collector would)."""
+    from aiohttp import web
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    received: list[ExportTraceServiceRequest] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        msg = ExportTraceServiceRequest()
+        msg.ParseFromString(await request.read())
+        received.append(msg)
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    fleet = sim_fleet(1, time_scale=20)
+    try:
+        async with running_gateway(fleet.urls, tracing={"enabled": True, "service_name": "fg-test",
+                                                        "otlp_endpoint": f"http://127.0.0.1:{port}/v1/traces"}) as gw:
+            async with httpx.AsyncClient() as c:
+                assert (await c.post(gw.url + "/v1/chat/completions", json=CHAT)).status_code == 200
+        # leaving the gateway shut the provider down, which flushes the batch processor
+        await poll(lambda: received, 10, "an OTLP export")
+    finally:
+        await runner.cleanup()
+    spans = [s for m in received for rs in m.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    names = {s.name for s in spans}
+    assert {"POST /v1/chat/completions", "admission", "placement", "upstream upstream"} <= names
+    service = {a.value.string_value for m in received for rs in m.resource_spans for a in rs.resource.attributes
+               if a.key == "service.name"}
+    assert service == {"fg-test"}
+    assert len({s.trace_id for s in spans}) == 1
