@@ -160,10 +160,9 @@ async def test_spans_are_exported_over_otlp_http(sim_fleet) -> None:
     port = site._server.sockets[0].getsockname()[1]
     fleet = sim_fleet(1, time_scale=20)
     try:
-        async with running_gateway(fleet.urls, tracing={"enabled": True, "service_name": "fg-test",
-                                                        "otlp_endpoint": f"http://127.0.0.1:{port}/v1/traces"}) as gw:
-            async with httpx.AsyncClient() as c:
-                assert (await c.post(gw.url + "/v1/chat/completions", json=CHAT)).status_code == 200
+        tracing = {"enabled": True, "service_name": "fg-test", "otlp_endpoint": f"http://127.0.0.1:{port}/v1/traces"}
+        async with running_gateway(fleet.urls, tracing=tracing) as gw, httpx.AsyncClient() as c:
+            assert (await c.post(gw.url + "/v1/chat/completions", json=CHAT)).status_code == 200
         # leaving the gateway shut the provider down, which flushes the batch processor
         await poll(lambda: received, 10, "an OTLP export")
     finally:
