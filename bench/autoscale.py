@@ -45,7 +45,6 @@ from typing import Any
 from bench.report import write_report
 from simulator.autoscale_sim import Arm, ArmResult, Scenario, run_arm, scenario_wa, scenario_wb
 from simulator.profiles import load_profile
-from simulator.progress import Progress
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -647,11 +646,10 @@ def main(argv: list[str] | None = None) -> None:
 
     def log(r: ArmResult) -> None:
         s = r.summary()
-        bar.step(f"{r.scenario:<22} {r.arm:<30} GPU-s {s['gpu_seconds']:>8,} SLO {_f(s['interactive_slo'])} "
-                 f"batch {_f(s['batch_on_time'])} ({s['wall_s']} s)")
+        print(f"{r.scenario:<22} {r.arm:<30} GPU-s {s['gpu_seconds']:>8,} SLO {_f(s['interactive_slo'])} "
+              f"batch {_f(s['batch_on_time'])} ({s['wall_s']} s)", flush=True)
 
-    with Progress("autoscaling arms") as bar:
-        models = [run_model(m, log, args.only, args.cap) for m in MODELS if args.model in (None, m.key)]
+    models = [run_model(m, log, args.only, args.cap) for m in MODELS if args.model in (None, m.key)]
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     print(f"total wall {wall:.0f} s, CPU {cpu:.0f} s")
     for line in headline(models):

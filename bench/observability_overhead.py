@@ -30,7 +30,7 @@ import timeit
 from pathlib import Path
 
 from bench.report import write_report
-from simulator.progress import Progress
+from simulator.progress import stderr_progress
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -125,12 +125,12 @@ def main(argv: list[str] | None = None) -> None:
         variants.append(("baseline (before)", args.base_tree, None))
     variants += [(name, ROOT, cfg) for name, cfg in VARIANTS.items()]
     results: dict[str, dict[str, list[float]]] = {v: {k: [] for k in METRICS} for v, _, _ in variants}
-    with Progress("bench.overhead rounds", total=args.rounds * len(variants)) as bar:
-        for r in range(args.rounds):
-            for name, tree, cfg in variants:
-                for k, v in run_overhead(tree, cfg, not args.full).items():
-                    results[name][k].append(v)
-                bar.step(f"round {r + 1} {name}")
+    runs = [(r, v) for r in range(args.rounds) for v in variants]
+    with stderr_progress("bench.overhead runs") as progress:
+        for i, (_, (name, tree, cfg)) in enumerate(runs):
+            for k, v in run_overhead(tree, cfg, not args.full).items():
+                results[name][k].append(v)
+            progress(i + 1, len(runs))
     lines = ["## The hooks, timed in-process (best of 5)", "", "| what | per call |", "|---|---|"]
     lines += [f"| {name} | {s * 1e6:.3f} µs |" for name, s in hooks]
     lines += ["", f"## bench.overhead{'' if args.full else ' --quick'}, {args.rounds} alternating rounds "

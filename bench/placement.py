@@ -1,236 +1,176 @@
-"""Workers needed vs arrival rate (Aladdin figures 10 and 12): the smallest fleet that keeps >= 99% SLO attainment.
+"""Workers needed for 99% SLO attainment on every shipped trace, per policy, with aladdin's parameters chosen by
+leave-one-trace-out: the report on a trace never uses a parameter picked on it.
 
-    .venv/bin/python -m bench.placement            # writes bench/results/placement.md and placement.png
-    .venv/bin/python -m bench.placement --quick    # a smoke run: short, two rates, one seed, no files
+    .venv/bin/python -m bench.placement            # the full study (hours; partial results as it goes)
+    .venv/bin/python -m bench.placement --quick    # the same protocol on short runs (< 15 minutes)
 
-Setting (Aladdin appendix G, table 3): Llama-2-13B on one A100 (profile `llama2-13b-a100`), TTFT SLO 600 ms,
-ATGT SLO 30 ms; a request attains its SLO when both hold. For every policy, trace, rate and seed the
-virtual-time cluster simulator (`simulator.cluster.ClusterSim`) runs a fixed fleet of N workers, and a
-search over N (grow until the target holds, then bisect) finds the smallest N with attainment >= target.
+Every run is `simulator.simulate.simulate(SimSpec(...))`, what `fleetgate simulate` runs for the same flags
+(tests/test_bench_placement.py checks they agree): the gateway's placement step and admission queue, the online
+length predictor warm-started from the trace's other rows, attainment over servable requests.
 
-Workloads:
-- `sharegpt`: Poisson arrivals at the given rate, (prompt, output) lengths drawn i.i.d. (seeded) from
-  `sharegpt_lengths_llama2.csv`. The file lists conversation turns in order (each turn's prompt holds the
-  history), so replaying it in file order would send bursts of ever longer prompts; i.i.d. draws are what
-  "ShareGPT prompts with Poisson arrivals" means.
-- `azure_conv`: the Azure conversation trace's own timestamps and lengths, rate-scaled to the target mean
-  rate; seed k starts the window k windows into the (scaled) trace.
-Requests whose prompt and output do not fit Llama-2's 4096-token context together are dropped (26% of
-the ShareGPT rows, 8% of the Azure requests): the engine would cut their output at the context limit,
-leaving prompts of ~4090 tokens with a handful of output tokens whose ATGT no placement can protect.
-
-Information (the same for every policy): `predicted_output_tokens` comes from one online
-`LengthPredictor` per run (per model and input-length bucket, unbiased), warm-started with lengths drawn
-from the trace (Aladdin: "the estimated output length of each input length in the historical data") and fed
-every completion by the simulator. `aladdin` uses that same predictor for its re-predictions and gets first-
-token / completion reports from the simulator, as it would from the gateway's stream. The admission queue
-(only `aladdin` ever queues) is retried on every completion and every 20 ms (`queue_poll_s`), 16 deep
-(`queue_lookahead`). An `aladdin (oracle lengths)` row, told every request's true output length, is
-reported separately (first seed only). The search stops a run as soon as more than 1% of its requests
-missed (it cannot pass any more). The full run takes ~15 CPU minutes; --quick is a one-minute smoke run.
+Protocol
+1. Traces (`TRACES`): azure_conv (its own arrivals, two rate scales), ShareGPT and arXiv lengths with Poisson and
+   Gamma arrivals at CV 4 and 8 (two rates each) on Llama-2-13B/A100 with Aladdin's SLO (TTFT 600 ms, ATGT 30 ms),
+   and mooncake (its own arrivals, long prompts with shared prefixes) on Llama-3-8B/H100 (128k context) whose TTFT
+   target is at least `MOONCAKE_SLOWDOWN` times the prompt's prefill on an idle worker (ATGT 30 ms).
+2. Baselines (`BASELINES`): for every trace, rate and seed, the smallest fleet with attainment >= target,
+   found by a search over N (grow until it holds, then bisect; a run stops as soon as its misses exceed the
+   budget). The best baseline of a point is the smallest N over all of them.
+3. Candidates (`CANDIDATES`): aladdin's parameter sets (packing rule, margin, slack mode, queue look-ahead). Each
+   is searched on every trace at its higher rate, first seed: that is the selection data.
+4. Leave-one-trace-out: for trace t, the candidate with the smallest mean of N / N_best over the other traces
+   (ties: the first listed). aladdin on t runs with that candidate at every rate and seed; so does the oracle row
+   (the same parameters, told the true output lengths).
+5. Targets: aladdin needs no more workers than the best baseline at every point, and at least 15% fewer at
+   half of them or more. The report lists every miss with its numbers.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import random
+import json
+import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.report import write_report
-from policies.base import Policy, make_policy
-from policies.length_predictor import LengthPredictor
+from bench.report import git_commit, write_report
 from simulator.cluster import ClusterSim, RequestResult
 from simulator.profiles import load_profile
-from simulator.workload import (
-    WorkloadRequest,
-    poisson_arrivals,
-    read_azure,
-    read_lengths,
-    resolve_trace,
-)
+from simulator.simulate import SimSpec, build_sim, build_workload
 
 ROOT = Path(__file__).parents[1]
 RESULTS_MD = ROOT / "bench" / "results" / "placement.md"
-PROFILE = "llama2-13b-a100"
-SLO_TTFT_S, SLO_ATGT_S = 0.600, 0.030          # Aladdin table 3, Llama2-chat 13b on A100
 TARGET = 0.99
-QUEUE_POLL_S = 0.02
-QUEUE_LOOKAHEAD = 16
-WARM_SAMPLES = 2000
-POLICIES = ("round_robin", "least_requests", "power_of_two", "aladdin")
+P13, P8 = "llama2-13b-a100", "llama3-8b-h100"
+MOONCAKE_SLOWDOWN = 3.0
+
+# name -> (SimSpec fields, the two load levels: req/s for synthetic arrivals, else the rate scale)
+TRACES: dict[str, tuple[dict[str, Any], tuple[float, float]]] = {
+    "azure_conv": ({"trace": "azure_conv", "profile": P13}, (2.0, 4.0)),
+    "sharegpt": ({"trace": "sharegpt", "profile": P13}, (4.0, 8.0)),
+    "sharegpt_cv4": ({"trace": "sharegpt", "profile": P13, "arrival": "gamma", "cv": 4.0}, (4.0, 8.0)),
+    "sharegpt_cv8": ({"trace": "sharegpt", "profile": P13, "arrival": "gamma", "cv": 8.0}, (4.0, 8.0)),
+    "arxiv": ({"trace": "arxiv", "profile": P13}, (2.0, 4.0)),
+    "arxiv_cv4": ({"trace": "arxiv", "profile": P13, "arrival": "gamma", "cv": 4.0}, (2.0, 4.0)),
+    "arxiv_cv8": ({"trace": "arxiv", "profile": P13, "arrival": "gamma", "cv": 8.0}, (2.0, 4.0)),
+    "mooncake": ({"trace": "mooncake", "profile": P8, "ttft_slowdown": MOONCAKE_SLOWDOWN}, (0.5, 1.0)),
+}
+BASELINES = ("round_robin", "least_requests", "power_of_two", "least_kv", "hetero")
+# aladdin's candidate parameter sets: policy parameters, plus the admission queue's look-ahead.
+CANDIDATES: dict[str, dict[str, Any]] = {
+    "paper": {},                                        # Algorithm 1 as printed: fullest feasible bin
+    "margin": {"margin": 0.25},                         # fullest bin keeping 25% headroom on every constraint
+    "spread": {"fit": "worst"},                         # most headroom: the constraints as admission control
+    "spread_lookahead": {"fit": "worst", "queue_lookahead": 16},
+}
 ORACLE = "aladdin (oracle lengths)"
 
 
-# ---- workloads ------------------------------------------------------------------------------------
-@functools.cache
-def _sharegpt_rows() -> tuple[tuple[int, int], ...]:
-    return tuple(read_lengths(resolve_trace("sharegpt")))
+def point_spec(trace: str, level: float, seed: int, duration: float) -> SimSpec:
+    fields, _ = TRACES[trace]
+    timestamps = fields["trace"] in ("azure_conv", "mooncake")
+    load = {"rate_scale": level} if timestamps else {"rate": level}
+    return SimSpec(**fields, **load, seed=seed, duration=duration, slo_ttft_s=0.6, slo_tpot_s=0.03)
 
 
-@functools.cache
-def _azure_rows() -> tuple[tuple[float, int, int], ...]:
-    return tuple(read_azure(resolve_trace("azure_conv")))
+def with_policy(spec: SimSpec, policy: str, params: dict[str, Any] | None = None, workers: int | None = None,
+                oracle: bool = False) -> SimSpec:
+    params = dict(params or {})
+    lookahead = params.pop("queue_lookahead", spec.queue_lookahead)
+    return replace(spec, policy=policy, policy_params=params, queue_lookahead=lookahead,
+                   workers=workers if workers is not None else spec.workers,
+                   lengths="oracle" if oracle else "predicted")
 
 
-def _fits_context(prompt: int, output: int, max_model_len: int) -> bool:
-    return prompt + output <= max_model_len
-
-
-def sharegpt_workload(rate: float, duration: float, seed: int, max_model_len: int) -> list[WorkloadRequest]:
-    rows = [r for r in _sharegpt_rows() if _fits_context(r[0], r[1], max_model_len)]
-    rng = random.Random(seed)
-    out: list[WorkloadRequest] = []
-    for i, t in enumerate(poisson_arrivals(rate, rng)):
-        if t >= duration:
-            break
-        p, o = rows[rng.randrange(len(rows))]
-        out.append(WorkloadRequest(f"req-{i}", t, p, o))
-    return out
-
-
-def azure_native_rate() -> float:
-    rows = _azure_rows()
-    return (len(rows) - 1) / (rows[-1][0] - rows[0][0])
-
-
-def azure_workload(rate: float, duration: float, seed: int, max_model_len: int) -> list[WorkloadRequest]:
-    rows = _azure_rows()
-    scale = rate / azure_native_rate()
-    span = rows[-1][0] / scale                                  # scaled length of the whole trace
-    start = (seed * duration) % max(span - duration, 1.0)
-    out: list[WorkloadRequest] = []
-    for t, p, o in rows:
-        ts = t / scale - start
-        if ts < 0 or not _fits_context(p, o, max_model_len):
-            continue
-        if ts >= duration:
-            break
-        out.append(WorkloadRequest(f"req-{len(out)}", ts, p, o))
-    return out
-
-
-WORKLOADS: dict[str, Callable[[float, float, int, int], list[WorkloadRequest]]] = {
-    "sharegpt": sharegpt_workload,
-    "azure_conv": azure_workload,
-}
-
-
-def history(trace: str, seed: int, max_model_len: int, n: int = WARM_SAMPLES) -> list[tuple[int, int]]:
-    """(prompt, output) pairs to warm the predictor with: drawn from the trace with a different stream."""
-    rows = _sharegpt_rows() if trace == "sharegpt" else [(p, o) for _, p, o in _azure_rows()]
-    rows = [(p, o) for p, o in rows if _fits_context(p, o, max_model_len)]
-    rng = random.Random(10_000 + seed)
-    return [rows[rng.randrange(len(rows))] for _ in range(n)]
-
-
-# ---- one run ----------------------------------------------------------------------------------------
+# ---- one run, and the search over N ------------------------------------------------------------------------
 @dataclass
-class RunResult:
+class Probe:
     workers: int
-    attainment: float          # an upper bound when stopped early
+    attainment: float            # an upper bound when stopped early
     ttft_miss: int
     atgt_miss: int
-    requests: int
-    ttft_p99: float | None
-    tpot_p99: float | None
+    servable: int
     wall_s: float
     stopped_early: bool = False
 
 
 class _Missed(Exception):
-    """More requests missed their SLO than the target allows: the run cannot pass any more."""
+    """More servable requests missed than the target allows: the run cannot pass any more."""
 
 
-def make_run_policy(name: str, predictor: LengthPredictor, seed: int) -> Policy:
-    if name == "power_of_two":
-        return make_policy(name, seed=seed)
-    if name in ("aladdin", ORACLE):
-        return make_policy("aladdin", predictor=predictor, learn_lengths=False)
-    return make_policy(name)
-
-
-def run_once(policy: str, workers: int, workload: list[WorkloadRequest], trace: str, seed: int,
-             warm: bool = True, target: float = TARGET, stop_early: bool = True) -> RunResult:
-    """One fixed-fleet run. With `stop_early` it stops as soon as more than (1 − target) of the workload
-    missed its SLO (the run can no longer reach the target; the attainment reported is then an upper bound)."""
-    prof = load_profile(PROFILE)
-    predictor = LengthPredictor()
-    if warm:
-        for p, o in history(trace, seed, prof.max_model_len):
-            predictor.observe(prof.model, p, o)
-    pol = make_run_policy(policy, predictor, seed)
-    predicted: Any = (lambda r: r.output_tokens) if policy == ORACLE else predictor
-    sim = ClusterSim(PROFILE, workers, pol, slo_ttft_s=SLO_TTFT_S, slo_tpot_s=SLO_ATGT_S,
-                     predicted_output_tokens=predicted, queue_poll_s=QUEUE_POLL_S, queue_lookahead=QUEUE_LOOKAHEAD)
-    budget = int((1.0 - target) * len(workload)) if stop_early else len(workload)
-    misses = {"ttft": 0, "atgt": 0, "any": 0}
+def probe(spec: SimSpec, target: float = TARGET, stop_early: bool = True) -> Probe:
+    """One fixed-fleet run; with `stop_early` it ends once more than (1 - target) of the servable requests missed."""
+    wl = build_workload(spec)
+    limit = load_profile(spec.profiles[0]).max_model_len
+    servable = sum(1 for r in wl if r.prompt_tokens < limit)
+    budget = int((1.0 - target) * servable) if stop_early else len(wl)
+    miss = {"ttft": 0, "atgt": 0, "any": 0}
 
     def count(_sim: ClusterSim, r: RequestResult) -> None:
-        if r.slo_met:
+        if r.slo_met or not r.servable:
             return
-        misses["any"] += 1
-        misses["ttft"] += r.ttft is None or r.ttft > r.slo_ttft_s
-        misses["atgt"] += r.tpot is not None and r.tpot > r.slo_tpot_s
-        if misses["any"] > budget:
+        miss["any"] += 1
+        miss["ttft"] += r.ttft is None or r.ttft > r.slo_ttft_s
+        miss["atgt"] += r.tpot is not None and r.tpot > r.slo_tpot_s
+        if miss["any"] > budget:
             raise _Missed
 
-    if policy == ORACLE:   # the features carry the true lengths; the predictor (risk estimate) still learns
-        sim.on_finish.append(lambda _s, r: r.completed and predictor.observe(prof.model, r.prompt_tokens,
-                                                                             r.output_tokens))
+    sim = build_sim(spec, wl)
     sim.on_finish.append(count)
     t0 = time.perf_counter()
     try:
-        d = sim.run(workload).to_dict()
+        d = sim.run(wl).to_dict()
     except _Missed:
-        n = len(workload)
-        return RunResult(workers, 1.0 - misses["any"] / n, misses["ttft"], misses["atgt"], n, None, None,
-                         time.perf_counter() - t0, stopped_early=True)
-    return RunResult(workers, d["slo_attainment"], misses["ttft"], misses["atgt"], d["requests"], d["ttft_p99"],
-                     d["tpot_p99"], time.perf_counter() - t0)
+        return Probe(spec.workers, 1.0 - miss["any"] / max(servable, 1), miss["ttft"], miss["atgt"], servable,
+                     time.perf_counter() - t0, stopped_early=True)
+    return Probe(spec.workers, d["slo_attainment"], miss["ttft"], miss["atgt"], d["servable"],
+                 time.perf_counter() - t0)
 
 
-# ---- the search over N ------------------------------------------------------------------------------
 @dataclass
 class Search:
-    policy: str
+    label: str                   # policy or candidate label
     trace: str
-    rate: float
+    level: float
     seed: int
-    needed: int | None                 # None: not reached up to max_workers
-    runs: dict[int, RunResult] = field(default_factory=dict)
-
-    @property
-    def at_needed(self) -> RunResult | None:
-        return self.runs.get(self.needed) if self.needed is not None else None
+    needed: int | None           # None: not reached up to the cap
+    probes: dict[int, Probe] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
 
 
-def min_workers(policy: str, trace: str, rate: float, seed: int, duration: float, target: float = TARGET,
-                start: int | None = None, max_workers: int | None = None, warm: bool = True) -> Search:
-    """Smallest N with attainment >= target: double from `start` until it holds, then bisect.
-
-    Assumes attainment grows with N (it does, up to noise; every probed N is kept in `runs`)."""
-    prof = load_profile(PROFILE)
-    workload = WORKLOADS[trace](rate, duration, seed, prof.max_model_len)
-    s = Search(policy, trace, rate, seed, None)
-    max_workers = max_workers or int(4 * rate + 8)
+def min_workers(spec: SimSpec, label: str, trace: str, level: float, target: float, start: int,
+                cap: int) -> Search:
+    """Smallest N in [1, cap] with attainment >= target: from `start`, double up (or halve down) to bracket it,
+    then bisect. Assumes attainment grows with N up to noise; every probe is kept."""
+    s = Search(label, trace, level, spec.seed, None, params=dict(spec.policy_params))
 
     def ok(n: int) -> bool:
-        if n not in s.runs:
-            s.runs[n] = run_once(policy, n, workload, trace, seed, warm, target)
-        return s.runs[n].attainment >= target
+        if n not in s.probes:
+            s.probes[n] = probe(replace(spec, workers=n), target)
+        return s.probes[n].attainment >= target
 
-    lo, hi = 0, max(1, start or round(rate))    # lo: known to fail (0 trivially), hi: candidate
-    while not ok(hi):
-        lo = hi
-        if hi >= max_workers:
-            return s
-        hi = min(max_workers, hi * 2)
+    n = max(1, min(start, cap))
+    if ok(n):
+        hi, lo = n, 0
+        while hi > 1:
+            m = max(1, hi * 3 // 4 if hi > 4 else hi - 1)
+            if not ok(m):
+                lo = m
+                break
+            hi = m
+    else:
+        lo, hi = n, None
+        while hi is None:
+            if lo >= cap:
+                return s
+            m = min(cap, max(lo + 1, lo * 3 // 2))
+            if ok(m):
+                hi = m
+            else:
+                lo = m
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if ok(mid):
@@ -241,185 +181,257 @@ def min_workers(policy: str, trace: str, rate: float, seed: int, duration: float
     return s
 
 
-# ---- the report ----------------------------------------------------------------------------------------
-def _fmt_needed(s: Search) -> str:
-    return str(s.needed) if s.needed is not None else f">{max(s.runs)}"
+# ---- the study ------------------------------------------------------------------------------------------
+@dataclass
+class Study:
+    args: argparse.Namespace
+    searches: list[Search] = field(default_factory=list)
+    chosen: dict[str, str] = field(default_factory=dict)      # trace -> candidate chosen without it
+    t0: float = field(default_factory=time.perf_counter)
 
-
-def _fmt_probe(n: int, r: RunResult, target: float) -> str:
-    if r.stopped_early:  # stopped once the misses exceeded the budget: attainment < target for sure
-        return f"N={n}: <{target:g} (stopped at {r.ttft_miss}/{r.atgt_miss})"
-    return f"N={n}: {r.attainment:.4f} ({r.ttft_miss}/{r.atgt_miss})"
-
-
-def saving(base: Search, other: Search) -> float | None:
-    if base.needed is None or other.needed is None:
+    def find(self, label: str, trace: str, level: float, seed: int) -> Search | None:
+        for s in self.searches:
+            if (s.label, s.trace, s.level, s.seed) == (label, trace, level, seed):
+                return s
         return None
-    return 1.0 - other.needed / base.needed
+
+    def best_baseline(self, trace: str, level: float, seed: int) -> tuple[int | None, str]:
+        best: tuple[int, str] | None = None
+        for b in BASELINES:
+            s = self.find(b, trace, level, seed)
+            if s is not None and s.needed is not None and (best is None or s.needed < best[0]):
+                best = (s.needed, b)
+        return (best[0], best[1]) if best else (None, "")
+
+    def run(self, spec: SimSpec, label: str, trace: str, level: float, start: int) -> Search:
+        cap = max(8 * start, 48)    # bursty arrivals (Gamma CV 8) need many times the mean load's fleet
+        s = min_workers(spec, label, trace, level, self.args.target, start, cap)
+        self.searches.append(s)
+        walls = sum(p.wall_s for p in s.probes.values())
+        print(f"[{time.perf_counter() - self.t0:6.0f} s] {trace} {level:g} seed {spec.seed} {label}: "
+              f"{s.needed if s.needed else '>' + str(max(s.probes))} ({len(s.probes)} runs, {walls:.0f} s)",
+              file=sys.stderr, flush=True)
+        self.save()
+        return s
+
+    def save(self) -> None:
+        if self.args.no_write:
+            return
+        data = {"chosen": self.chosen, "searches": [asdict(s) for s in self.searches]}
+        self.args.out.with_suffix(".json").write_text(json.dumps(data, indent=1))
 
 
-def report(searches: list[Search], args: argparse.Namespace, png: Path | None) -> str:
-    lines = [
-        f"Profile `{PROFILE}`, SLO TTFT {SLO_TTFT_S * 1000:.0f} ms and ATGT {SLO_ATGT_S * 1000:.0f} ms (Aladdin table 3); "
-        f"target attainment {args.target:.0%}; {args.duration:.0f} simulated seconds per run; seeds "
-        f"{', '.join(map(str, args.seeds))}. Target of the issue: `aladdin` needs >= 25% fewer workers than "
-        "`least_requests` at some rate.",
-        "",
-    ]
-    by = {(s.policy, s.trace, s.rate, s.seed): s for s in searches}
-    policies = [p for p in args.policies]
+def estimate_start(spec: SimSpec) -> int:
+    """A first guess of the fleet size from the offered load: prompt and output tokens per second over what one
+    worker of the profile makes at a moderate batch (only where the search starts)."""
+    wl = build_workload(spec)
+    span = max(wl[-1].arrival - wl[0].arrival, 1.0)
+    prof = load_profile(spec.profiles[0])
+    tokens_out = sum(r.output_tokens for r in wl) / span
+    step = prof.step_time(0, 32, 32 * 1500, 0.0)
+    per_worker = 32 / step * 0.5
+    return max(1, round(tokens_out / per_worker))
+
+
+def run_study(args: argparse.Namespace) -> Study:
+    st = Study(args)
+    points = [(t, lv, sd) for t in args.traces for lv in TRACES[t][1] for sd in args.seeds]
+    # 1. baselines at every point
+    for trace, level, seed in points:
+        spec = point_spec(trace, level, seed, args.duration)
+        start = estimate_start(spec)
+        for b in BASELINES:
+            s = st.run(with_policy(spec, b), b, trace, level, start)
+            start = s.needed or start
+    # 2. selection data: every candidate on every trace at its higher load, first seed
     for trace in args.traces:
-        lines += [f"## {trace}", "", "Workers needed (smallest N with attainment >= target):", ""]
-        head = "| rate (req/s) | seed | " + " | ".join(policies) + " | aladdin vs least_requests |"
-        lines += [head, "|" + "---|" * (len(policies) + 3)]
-        for rate in args.rates:
+        level, seed = TRACES[trace][1][1], args.seeds[0]
+        spec = point_spec(trace, level, seed, args.duration)
+        best, _ = st.best_baseline(trace, level, seed)
+        for name, params in CANDIDATES.items():
+            st.run(with_policy(spec, "aladdin", params), f"cand:{name}", trace, level, best or estimate_start(spec))
+    # 3. leave-one-trace-out choice, then aladdin and its oracle on every point of the left-out trace
+    for trace in args.traces:
+        st.chosen[trace] = choose(st, [t for t in args.traces if t != trace] or [trace])
+    st.save()
+    for trace, level, seed in points:
+        spec = point_spec(trace, level, seed, args.duration)
+        best, _ = st.best_baseline(trace, level, seed)
+        params = CANDIDATES[st.chosen[trace]]
+        a = st.run(with_policy(spec, "aladdin", params), "aladdin", trace, level, best or estimate_start(spec))
+        if seed == args.seeds[0]:
+            st.run(with_policy(spec, "aladdin", params, oracle=True), ORACLE, trace, level,
+                   a.needed or best or estimate_start(spec))
+    return st
+
+
+def choose(st: Study, traces: list[str]) -> str:
+    """The candidate with the smallest mean of N / N_best over `traces` (a miss counts as twice the best)."""
+    scores: dict[str, float] = {}
+    for name in CANDIDATES:
+        ratios = []
+        for trace in traces:
+            level, seed = TRACES[trace][1][1], st.args.seeds[0]
+            best, _ = st.best_baseline(trace, level, seed)
+            s = st.find(f"cand:{name}", trace, level, seed)
+            if best is None or s is None:
+                continue
+            ratios.append((s.needed / best) if s.needed is not None else 2.0)
+        scores[name] = statistics.fmean(ratios) if ratios else float("inf")
+    return min(CANDIDATES, key=lambda n: (scores[n], list(CANDIDATES).index(n)))
+
+
+# ---- the report ---------------------------------------------------------------------------------------------
+def _n(s: Search | None) -> str:
+    if s is None:
+        return "-"
+    return str(s.needed) if s.needed is not None else f">{max(s.probes)}"
+
+
+def report(st: Study, png: Path | None) -> str:
+    args = st.args
+    lines = [
+        f"Target: the smallest fleet with SLO attainment >= {args.target:.0%} (over servable requests). "
+        f"{args.duration:.0f} simulated seconds per run, seeds {', '.join(map(str, args.seeds))}; "
+        f"Llama-2-13B/A100 (TTFT 600 ms, ATGT 30 ms) except mooncake on Llama-3-8B/H100 (TTFT >= "
+        f"{MOONCAKE_SLOWDOWN:g}x the prompt's prefill alone, at least 600 ms; ATGT 30 ms).",
+        "",
+        "## Parameters chosen by leave-one-trace-out",
+        "",
+        "| left-out trace | candidate chosen on the other traces | aladdin parameters |",
+        "|---|---|---|",
+    ]
+    for trace in args.traces:
+        name = st.chosen.get(trace, "-")
+        lines.append(f"| {trace} | {name} | `{json.dumps(CANDIDATES.get(name, {}))}` |")
+    lines += ["", "Selection data (workers needed at the higher load, first seed; N / best baseline):", "",
+              "| trace | best baseline | " + " | ".join(CANDIDATES) + " |", "|---|---|" + "---|" * len(CANDIDATES)]
+    for trace in args.traces:
+        level, seed = TRACES[trace][1][1], args.seeds[0]
+        best, who = st.best_baseline(trace, level, seed)
+        cells = []
+        for name in CANDIDATES:
+            s = st.find(f"cand:{name}", trace, level, seed)
+            ratio = f" ({s.needed / best:.2f})" if s is not None and s.needed and best else ""
+            cells.append(_n(s) + ratio)
+        lines.append(f"| {trace} @ {level:g} | {best} ({who}) | " + " | ".join(cells) + " |")
+    lines += ["", "## Workers needed", ""]
+    head = "| trace | load | seed | " + " | ".join(BASELINES) + " | best baseline | aladdin | oracle | aladdin vs best |"
+    lines += [head, "|" + "---|" * (len(BASELINES) + 7)]
+    hits: list[tuple[str, float, int, int, int]] = []
+    for trace in args.traces:
+        for level in TRACES[trace][1]:
             for seed in args.seeds:
-                row = [by.get((p, trace, rate, seed)) for p in policies]
-                sav = None
-                if "aladdin" in policies and "least_requests" in policies:
-                    sav = saving(by[("least_requests", trace, rate, seed)], by[("aladdin", trace, rate, seed)])
-                cells = " | ".join("-" if s is None else _fmt_needed(s) for s in row)
-                lines.append(f"| {rate:g} | {seed} | {cells} | {'-' if sav is None else f'{sav:.0%} fewer'} |")
-        lines += ["", "Attainment at each probed N (TTFT misses / ATGT misses):", ""]
-        for rate in args.rates:
-            for seed in args.seeds:
-                for p in policies:
-                    s = by.get((p, trace, rate, seed))
-                    if s is None:
-                        continue
-                    probes = ", ".join(_fmt_probe(n, r, args.target) for n, r in sorted(s.runs.items()))
-                    lines.append(f"- rate {rate:g}, seed {seed}, {p}: {probes}")
+                best, _ = st.best_baseline(trace, level, seed)
+                a = st.find("aladdin", trace, level, seed)
+                o = st.find(ORACLE, trace, level, seed)
+                cells = " | ".join(_n(st.find(b, trace, level, seed)) for b in BASELINES)
+                vs = "-"
+                if best and a is not None and a.needed is not None:
+                    vs = f"{1 - a.needed / best:+.0%}"
+                    hits.append((trace, level, seed, best, a.needed))
+                elif best and a is not None:
+                    hits.append((trace, level, seed, best, 10**6))
+                lines.append(f"| {trace} | {level:g} | {seed} | {cells} | {best if best else '-'} | {_n(a)} | "
+                             f"{_n(o)} | {vs} fewer |".replace("+-", "-").replace("-- fewer", "-"))
+    lines += ["", "## Against the targets", ""]
+    if hits:
+        worse = [h for h in hits if h[4] > h[3]]
+        saving = [h for h in hits if h[4] <= 0.85 * h[3]]
+        lines += [f"- Points: {len(hits)}. aladdin needs more workers than the best baseline at {len(worse)} "
+                  f"(target: 0); at least 15% fewer at {len(saving)} ({len(saving) / len(hits):.0%}; target: half or "
+                  "more).", ""]
+        for trace, level, seed, best, got in worse:
+            shown = ">cap" if got >= 10**6 else str(got)
+            lines.append(f"  - more than the best baseline: {trace} @ {level:g}, seed {seed}: {shown} vs {best}")
         lines.append("")
-    if "aladdin" in policies and "least_requests" in policies:
-        lines += ["## Against the target", ""]
-        for trace in args.traces:
-            savs = [(saving(by[("least_requests", trace, r, sd)], by[("aladdin", trace, r, sd)]), r, sd)
-                    for r in args.rates for sd in args.seeds]
-            savs = [x for x in savs if x[0] is not None]
-            hit = sorted({r for v, r, _ in savs if v >= 0.25 - 1e-9})
-            best = max(savs, default=None)
-            both = [r for r in hit if all((v >= 0.25 - 1e-9) for v, rr, _ in savs if rr == r)]
-            lines.append(
-                f"- {trace}: largest saving {best[0]:.0%} (rate {best[1]:g}, seed {best[2]}); >= 25% at rate(s) "
-                f"{', '.join(f'{r:g}' for r in hit) or 'none'}"
-                f"{'; on every seed at rate(s) ' + ', '.join(f'{r:g}' for r in both) if both else ''}."
-                if best else f"- {trace}: no comparison.")
+        per_trace: dict[str, list[float]] = {}
+        for trace, _, _, best, got in hits:
+            if got < 10**6:
+                per_trace.setdefault(trace, []).append(1 - got / best)
+        lines += ["Saving against the best baseline per trace (mean over loads and seeds, [min, max]):", ""]
+        for trace, v in per_trace.items():
+            lines.append(f"- {trace}: {statistics.fmean(v):+.0%} [{min(v):+.0%}, {max(v):+.0%}]")
         lines.append("")
-    lines += [NOTES, ""]
+    lines += ["## Every probe (attainment at N, TTFT misses / ATGT misses; `<` = stopped early)", ""]
+    for s in st.searches:
+        probes = ", ".join(f"N={n}: {'<' if p.stopped_early else ''}{p.attainment:.4f} ({p.ttft_miss}/{p.atgt_miss})"
+                           for n, p in sorted(s.probes.items()))
+        lines.append(f"- {s.trace} @ {s.level:g}, seed {s.seed}, {s.label}: {probes}")
+    lines.append("")
     if png is not None:
-        lines += [f"![workers needed vs rate]({png.name})", ""]
-    lines += [f"Wall time of the whole run: {args.wall_s:.0f} s (machine shared with other jobs).", ""]
+        lines += [f"![workers needed]({png.name})", ""]
+    wall = sum(p.wall_s for s in st.searches for p in s.probes.values())
+    lines += [f"CPU time in simulation runs: {wall / 60:.0f} minutes (machine shared with other jobs).", ""]
     return "\n".join(lines)
 
 
-NOTES = """## How to read this
-
-- Every policy sees the same fleet, the same requests and the same predicted output lengths (online
-  predictor); only `aladdin` ever holds a request back, in the simulator's admission queue, which is retried
-  every 20 ms and on every completion, and lets up to 16 waiting requests try past a head that does not fit
-  (each waits for its own deadline, so a FIFO head must not block the others). Baselines never queue: their
-  requests wait in the engines' own FCFS queues. A held request's wait counts in its TTFT like any other.
-- `aladdin` here is the policy's defaults (best fit by capacity_norm, γ = 0.5, θ = 0.8) with constraint (d)
-  in risk mode (the default): a prompt's prefill stalls every decode on the worker, and only requests that
-  have not yet saved that much slack (young ones) can miss their ATGT for it, if their remaining output is
-  short. The policy sums, over each worker's youngest decodes and not yet started requests,
-  P(remaining output < deficit / per-token saving) from the completed output lengths (appendix C's
-  conditional distribution) and places where that expected number of broken ATGTs is <= 0.005; otherwise the
-  request waits, but only until waiting longer would cost its own TTFT (then: the worker with the least risk).
-  Its TTFT estimate (c) counts the wait so far, the decode step in flight and the decodes batched with each
-  prefill chunk. The paper's (d) as printed (`slack="paper"`) protects every request but closes a worker
-  after each admission and queues far too long; the earlier default (`slack="lifetime"`) credits every
-  request with its mean remaining output and lets ~2% of requests (the short ones) miss their ATGT at any N.
-- Where the gains come from: with least_requests the misses at the margin are ATGT misses of short answers
-  (a few dozen tokens) that a 0.1-0.4 s prefill lands on, plus TTFT misses of long prompts queued behind
-  other prefills. Timing prefills against the young requests' slack and the newcomer's own TTFT deadline
-  removes most of both; packing (best fit) and oracle lengths add little here (the oracle row: lengths only
-  feed (b) and (e), which rarely bind at 30 ms ATGT on this profile).
-- azure_conv has shorter answers (mean 211 tokens vs 424, few short ones), so fewer stalls land on
-  vulnerable requests and least_requests already runs near the fleet's capacity (at rate 8, 5 workers put
-  the mean time per output token, prefill stalls included, at ~29 ms by eq. 2-3): there is little left to
-  save, and the gains (0-25%; the 25% is 3 workers instead of 4 on one seed) are not stable across seeds.
-- Attainment is not exactly monotone in N (power_of_two most of all); the search bisects, and every probed
-  N is listed above. A packing policy never reaches 100%: it fills workers to the SLO limit whatever N is."""
-
-
-def plot(searches: list[Search], args: argparse.Namespace, path: Path) -> None:
+def plot(st: Study, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(args.traces), figsize=(5.5 * len(args.traces), 4), squeeze=False)
-    for ax, trace in zip(axes[0], args.traces, strict=True):
-        for p in args.policies:
-            xs, ys = [], []
-            for rate in args.rates:
-                vals = [s.needed for s in searches if s.policy == p and s.trace == trace and s.rate == rate
+    traces = st.args.traces
+    cols = min(4, len(traces))
+    rows = -(-len(traces) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, trace in zip(axes.flat, traces, strict=False):
+        levels = TRACES[trace][1]
+        for label in (*BASELINES, "aladdin", ORACLE):
+            xs, mean, lo, hi = [], [], [], []
+            for level in levels:
+                vals = [s.needed for sd in st.args.seeds if (s := st.find(label, trace, level, sd)) is not None
                         and s.needed is not None]
                 if vals:
-                    xs.append(rate)
-                    ys.append(sum(vals) / len(vals))
-            ax.plot(xs, ys, marker="o", label=p)
-        ax.set_title(f"{trace}: workers for >= {args.target:.0%} SLO attainment")
-        ax.set_xlabel("arrival rate (req/s)")
-        ax.set_ylabel("workers (mean over seeds)")
+                    xs.append(level)
+                    mean.append(statistics.fmean(vals))
+                    lo.append(mean[-1] - min(vals))
+                    hi.append(max(vals) - mean[-1])
+            if xs:
+                ax.errorbar(xs, mean, yerr=[lo, hi], marker="o", capsize=3, label=label,
+                            lw=2.5 if label == "aladdin" else 1)
+        ax.set_title(trace)
+        ax.set_xlabel("load (req/s or rate scale)")
+        ax.set_ylabel("workers for 99%")
         ax.grid(alpha=0.3)
-        ax.legend()
+    for ax in list(axes.flat)[len(traces):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 60 s per point, 2 rates, 1 seed, no files")
-    ap.add_argument("--traces", default="sharegpt,azure_conv")
-    ap.add_argument("--rates", default="2,4,8,12")
-    ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--policies", default=",".join((*POLICIES, ORACLE)))
+    ap.add_argument("--quick", action="store_true", help="short runs, one seed, four traces (< 15 minutes)")
+    ap.add_argument("--traces", default=",".join(TRACES))
+    ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--duration", type=float, default=600.0, help="simulated seconds per run")
     ap.add_argument("--target", type=float, default=TARGET)
     ap.add_argument("--out", type=Path, default=RESULTS_MD)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
-        args.rates, args.seeds, args.duration, args.no_write = "2,4", "0", 60.0, True
+        args.traces, args.seeds, args.duration = "sharegpt,sharegpt_cv8,arxiv,azure_conv", "0", 120.0
+        args.no_write = args.no_write or args.out == RESULTS_MD
     args.traces = [t for t in args.traces.split(",") if t]
-    args.rates = [float(x) for x in args.rates.split(",") if x]
     args.seeds = [int(x) for x in args.seeds.split(",") if x]
-    args.policies = [p for p in args.policies.split(",") if p]
     for t in args.traces:
-        if t not in WORKLOADS:
-            ap.error(f"unknown trace {t!r}; use {', '.join(WORKLOADS)}")
-    t0 = time.perf_counter()
-    searches: list[Search] = []
-    oracle_seeds = args.seeds[:1]   # the oracle row on the first seed only (it costs as much as aladdin)
-    for trace in args.traces:
-        for rate in args.rates:
-            for seed in args.seeds:
-                start = None
-                needed: dict[str, int] = {}
-                for p in args.policies:
-                    if p == ORACLE and seed not in oracle_seeds:
-                        continue
-                    s = min_workers(p, trace, rate, seed, args.duration, args.target,
-                                    start=needed.get("least_requests", start))
-                    start = s.needed or start
-                    if s.needed:
-                        needed[p] = s.needed
-                    searches.append(s)
-                    print(f"{trace} rate {rate:g} seed {seed} {p}: {_fmt_needed(s)} "
-                          f"({sum(r.wall_s for r in s.runs.values()):.1f} s)", file=sys.stderr, flush=True)
-    args.wall_s = time.perf_counter() - t0
-    print(f"total {args.wall_s:.0f} s", file=sys.stderr)
+        if t not in TRACES:
+            ap.error(f"unknown trace {t!r}; use {', '.join(TRACES)}")
+    commit = git_commit()
+    st = run_study(args)
+    print(f"total {time.perf_counter() - st.t0:.0f} s", file=sys.stderr)
     if args.no_write:
-        print(report(searches, args, None))
+        print(report(st, None))
         return
     png = args.out.with_suffix(".png")
-    plot(searches, args, png)
+    plot(st, png)
     cmd = "python -m bench.placement " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_report(args.out, "Workers needed vs arrival rate (SLO-aware placement)", cmd.strip(),
-                 report(searches, args, png))
+    write_report(args.out, "Workers needed for 99% SLO attainment, every shipped trace (leave-one-trace-out)",
+                 cmd.strip(), report(st, png), commit=commit)
 
 
 if __name__ == "__main__":

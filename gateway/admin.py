@@ -10,9 +10,9 @@ from pydantic import ValidationError
 
 from gateway import errors
 from gateway.config import WorkerConfig, describe_validation_error
-from gateway.dispatch import parse_json_object
 from gateway.errors import GatewayError
 from gateway.registry import record_from_config
+from gateway.request import parse_json_object
 from gateway.state.base import WORKER_ACTIVE, WORKER_DRAINING
 
 

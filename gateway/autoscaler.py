@@ -224,11 +224,13 @@ class Autoscaler:
         self._area = {}
         self._area_t0 = mono
         out = self.batch.outputs
-        waiting = 0
+        waiting = shortfall = 0
         if self.dispatcher is not None:
-            waiting = sum(len(rt.queue.waiters) for rt in self.dispatcher.runtimes.values())
+            waiting = sum(len(rt.queue) for rt in self.dispatcher.runtimes.values())
+            shortfall = self.dispatcher.learner.shortfall_total()
         return {"t": now_wall, "workers": workers, "dispatched": self.batch.router.interactive_dispatched,
-                "batch_tokens": self.batch.batch_tokens, "out": [out.n, out.total, out.total_sq], "waiting": waiting}
+                "batch_tokens": self.batch.batch_tokens, "out": [out.n, out.total, out.total_sq], "waiting": waiting,
+                "shortfall": shortfall}
 
     # --- Chiron Algorithm 1 (leader) ------------------------------------------------------------------
     def _slo_for(self, pool: str) -> float:
@@ -298,7 +300,7 @@ class Autoscaler:
         per_worker: dict[str, list[float]] = {}
         new_dispatches = new_tokens = 0.0
         out_n = out_sum = out_sq = 0.0
-        waiting = 0
+        waiting = shortfall = 0
         for key, d in docs.items():
             if now - d.get("t", 0.0) > stale:
                 if now - d.get("t", 0.0) > 100 * stale:
@@ -317,6 +319,7 @@ class Autoscaler:
             n, s, sq = d.get("out", (0, 0.0, 0.0))
             out_n, out_sum, out_sq = out_n + n, out_sum + s, out_sq + sq
             waiting += int(d.get("waiting", 0))
+            shortfall += int(d.get("shortfall", 0))   # each replica's unplaceable requests are its own
         self._rate.add(now, new_dispatches)
         span = max(1e-9, min(cfg.rate_window_s, now - self._t_start))
         rate = self._rate.total(now) / span
@@ -346,7 +349,7 @@ class Autoscaler:
             interactive_rate=rate, queue=snap.deadlines, batch_inflight=snap.running,
             batch_tokens_per_s=self._batch_tokens.total(now) / thr_span,
             worker_tokens_per_s=self._worker_tokens.mean(now) or self._best(now),
-            output_mean=mean, output_std=std)
+            output_mean=mean, output_std=std, placement_shortfall=float(shortfall))
         extra = {"queue": snap.queued, "waiting": waiting, "lbp": self._pool_bp("lbp"), "tbp": self._pool_bp("tbp")}
         return obs, extra
 
@@ -416,7 +419,8 @@ class Autoscaler:
                              "lbp": extra["lbp"], "tbp": extra["tbp"]},
             "wait": {"batch": bp["batch_wait_s"] if math.isfinite(bp["batch_wait_s"]) else 1e9,
                      "interactive": wait_i},
-            "actions": dict(self.actions), "recent_actions": list(self.recent_actions), "rate": obs.interactive_rate, "busy": obs.interactive_busy,
+            "actions": dict(self.actions), "recent_actions": list(self.recent_actions),
+            "rate": obs.interactive_rate, "busy": obs.interactive_busy,
             "forecast": bp.get("forecast_busy"),
         }
 

@@ -33,8 +33,8 @@ from redis.exceptions import RedisError
 
 from gateway import errors
 from gateway.admin import check_api_key
-from gateway.dispatch import estimate_chat_tokens, estimate_prompt_tokens, parse_json_object
 from gateway.errors import GatewayError
+from gateway.request import estimate_chat_tokens, estimate_prompt_tokens, parse_json_object
 from gateway.state.jobs import QueuedRequest, request_id_for
 
 if TYPE_CHECKING:

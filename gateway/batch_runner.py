@@ -8,8 +8,9 @@ metrics and learning as any other request. Its claim is renewed every lease_s / 
 stops renewing, and any replica's reaper returns the request to the queue after lease_s.
 
 `ClassRouter` is the dispatcher's hook for request classes and worker types (Chiron section 3):
-- candidates: a request goes to workers of its own type (label `pool`: interactive | batch) and spills to
-  `mixed` (unlabelled) workers when its own pool has no room;
+- candidates (the placement step's pool filter, policies/autoscale/routing.py, the same in the simulator): a
+  request goes to workers of its own type (label `pool`: interactive | batch) with room and spills to `mixed`
+  (unlabelled) workers with room; no room: it waits;
 - an interactive request that finds no room evicts a batch request of this replica from the mixed worker
   running the most batch work (policies.autoscale.routing.eviction_victim): the runner "disconnects"
   (the relay closes the upstream request, vLLM aborts it) and the request returns to its place in the queue;
@@ -38,11 +39,11 @@ import orjson
 from gateway import errors
 from gateway.batch_api import new_id
 from gateway.batch_progress import BatchProgressLog
-from gateway.dispatch import ROUTES
+from gateway.request import ROUTES
 from gateway.state.jobs import BatchStats, QueuedRequest, QueueSnapshot, expired_line
-from policies.autoscale.global_ import POOL_BATCH, POOL_INTERACTIVE, POOL_MIXED
-from policies.autoscale.routing import eviction_victim, pool_of
-from policies.types import CLASS_BATCH, RequestFeatures, WorkerView
+from policies.autoscale.global_ import POOL_INTERACTIVE, POOL_MIXED
+from policies.autoscale.routing import eviction_victim
+from policies.types import CLASS_BATCH, RequestFeatures
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -102,14 +103,6 @@ class ClassRouter:
 
     def _refresh(self) -> None:
         self.pools_in_use = any(worker_pool(ws.rec.labels) != POOL_MIXED for ws in self.registry.workers.values())
-
-    def filter(self, feats: RequestFeatures, views: list[WorkerView]) -> list[WorkerView]:
-        """Own pool first, else mixed (Chiron section 3); unchanged while no worker carries a pool label."""
-        if not self.pools_in_use:
-            return views
-        own = POOL_BATCH if feats.request_class == CLASS_BATCH else POOL_INTERACTIVE
-        mine = [v for v in views if pool_of(v) == own]
-        return mine or [v for v in views if pool_of(v) == POOL_MIXED]
 
     def placed(self, feats: RequestFeatures, worker_id: str) -> None:
         c = self.counts.get(worker_id)
@@ -317,7 +310,7 @@ class BatchRunner:
         best = 0
         for m in models:
             rt = self.dispatcher.runtimes.get(m)
-            if rt is not None and rt.queue.waiters:
+            if rt is not None and len(rt.queue):
                 continue
             free = 0
             for ws in self.registry.rotation(m):

@@ -106,30 +106,45 @@ def sim(
 
 @app.command()
 def simulate(
-    trace: str | None = typer.Option(None, help="Trace file or built-in name (azure_conv, sharegpt, ...)."),
+    trace: str | None = typer.Option(None, help="Trace file or built-in name (azure_conv, sharegpt, arxiv, mooncake)."),
     workers: int = typer.Option(8, help="Number of workers."),
-    profile: str = typer.Option("llama3-8b-h100", help="Profile name or YAML file."),
+    profile: str = typer.Option("llama3-8b-h100", help="Profile name or YAML file (comma-separated: a mixed fleet)."),
     policy: str = typer.Option("least_requests", help="Routing policy."),
-    rate: float | None = typer.Option(None, help="Synthetic arrival rate (req/s) when no timestamps."),
+    policy_param: list[str] = typer.Option([], "--policy-param", metavar="KEY=VALUE",
+                                           help="A policy parameter KEY=VALUE (repeatable)."),
+    rate: float | None = typer.Option(None, help="Synthetic arrival rate (req/s); lengths-only traces need one."),
     rate_scale: float = typer.Option(1.0, "--rate-scale", help="Multiply the trace's arrival rate."),
     arrival: str = typer.Option("poisson", help="Synthetic arrivals: poisson or gamma."),
     cv: float = typer.Option(1.0, help="Coefficient of variation for gamma arrivals."),
     duration: float | None = typer.Option(None, help="Simulated seconds of arrivals."),
-    slo_ttft_ms: float = typer.Option(600.0, "--slo-ttft-ms"),
-    slo_tpot_ms: float = typer.Option(30.0, "--slo-tpot-ms"),
-    seed: int = typer.Option(0),
+    slo_ttft_ms: float = typer.Option(600.0, "--slo-ttft-ms", help="TTFT target."),
+    slo_tpot_ms: float = typer.Option(30.0, "--slo-tpot-ms", help="TPOT (ATGT) target."),
+    ttft_slowdown: float | None = typer.Option(
+        None, "--ttft-slowdown", help="TTFT target at least K x the prompt's prefill alone (long contexts)."),
+    seed: int = typer.Option(0, help="Seed: the window of a timestamped trace, the draws of synthetic arrivals."),
+    oracle_lengths: bool = typer.Option(False, "--oracle-lengths",
+                                        help="Tell policies every request's true output length (an oracle)."),
+    warmup: int = typer.Option(2000, help="Past (prompt, output) pairs of the trace the length predictor starts from."),
+    queue_lookahead: int = typer.Option(1, "--queue-lookahead", help="Admission queue look-ahead (gateway default 1)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     pd: str | None = typer.Option(None, "--pd", help="P:D prefill and decode workers (replaces --workers); "
                                      "--policy then places the decode legs."),
 ) -> None:
-    """Virtual-time cluster simulation: same engine model, same policies, no sockets."""
-    from simulator.cluster import run_simulate_cli
+    """Virtual-time cluster simulation: the gateway's placement step and admission queue, the same engine model,
+    no sockets. Attainment is over servable requests; progress goes to stderr."""
+    from simulator.simulate import SimSpec, parse_params, run_simulate_cli
 
-    run_simulate_cli(
-        trace=trace, workers=workers, profile=profile, policy=policy, rate=rate, rate_scale=rate_scale,
-        arrival=arrival, cv=cv, duration=duration, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-        seed=seed, as_json=as_json, pd=pd,
-    )
+    try:
+        spec = SimSpec(trace=trace or "azure_conv", rate=rate, rate_scale=rate_scale, arrival=arrival, cv=cv,
+                       duration=duration, seed=seed, profile=profile, workers=workers, policy=policy,
+                       policy_params=parse_params(policy_param), slo_ttft_s=slo_ttft_ms / 1000.0,
+                       slo_tpot_s=slo_tpot_ms / 1000.0, ttft_slowdown=ttft_slowdown, pd=pd,
+                       lengths="oracle" if oracle_lengths else "predicted", warmup=warmup,
+                       queue_lookahead=queue_lookahead)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    run_simulate_cli(spec, as_json)
 
 
 @config_app.command("check")

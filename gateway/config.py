@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from policies.admission import DEFAULT_QUEUE_LOOKAHEAD, DEFAULT_QUEUE_SIZE, DEFAULT_QUEUE_TIMEOUT_S
+
 WORKER_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MiB = 1024 * 1024
 
@@ -106,10 +108,14 @@ class LearningConfig(_Strict):
 
 class LimitsConfig(_Strict):
     max_body_bytes: int = Field(4 * MiB, ge=1024)
-    queue_size: int = Field(256, ge=0)  # per model; 0 disables queueing (429 at once when full)
-    queue_timeout_s: float = Field(5.0, ge=0)
-    # How often the queue's head retries placement besides on every release (None: 0.05 s with shared
-    # state, 0.5 s without). SLO-aware policies whose answer changes with time (aladdin) want ~0.02.
+    # The admission queue (policies/admission.py; the simulator runs the same one):
+    queue_size: int = Field(DEFAULT_QUEUE_SIZE, ge=0)  # per model; 0 disables queueing (429 at once)
+    queue_timeout_s: float = Field(DEFAULT_QUEUE_TIMEOUT_S, ge=0)  # longest wait without a TTFT target
+    # A drain tries waiting requests until this many found no worker (1: head-of-line FIFO); a new request
+    # tries at once while fewer than this many wait.
+    queue_lookahead: int = Field(DEFAULT_QUEUE_LOOKAHEAD, ge=1)
+    # How often the queue retries besides on every local release, on a registry change and when a policy
+    # asked (None: 0.05 s with shared state: other replicas free capacity silently; 0.5 s without).
     queue_poll_s: float | None = Field(None, gt=0)
     retries: int = Field(2, ge=0, le=10)  # extra workers tried when one fails before any byte was sent
 
@@ -409,10 +415,27 @@ def semantic_problems(cfg: GatewayConfig) -> list[str]:
             problems.append(f"{where}: unknown policy {name!r}; expected one of: {', '.join(known)}")
             continue
         try:
-            make_policy(name, **params)
+            policy = make_policy(name, **params)
         except Exception as e:  # noqa: BLE001 - any constructor complaint is a config problem
             problems.append(f"{where}: policy {name!r} rejects its params {params!r}: {e}")
+            continue
+        if policy.needs_perf_models:
+            problems += unmodelled_workers(cfg, where, name)
     return problems
+
+
+def unmodelled_workers(cfg: GatewayConfig, where: str, policy: str) -> list[str]:
+    """An SLO-aware policy needs each worker's own performance model: never another GPU's defaults. A worker
+    whose profile is not a built-in profile, a profile file or a `learning.priors` entry is refused."""
+    from gateway.learning import known_profile
+
+    out = []
+    for i, w in enumerate(cfg.workers):
+        if not known_profile(w.profile, cfg.learning.priors):
+            out.append(f"workers[{i}].profile: {where} {policy!r} needs each worker's performance model, and "
+                       f"{w.profile or '(none)'!r} is no built-in profile, profile file or learning.priors entry "
+                       "(fleetgate sim --list-profiles lists the built-in ones)")
+    return out
 
 
 def describe_validation_error(err: ValidationError, model: type[BaseModel]) -> list[str]:

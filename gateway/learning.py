@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from gateway.registry import Registry
     from gateway.relay import RelayResult, ResponseState
     from gateway.state.base import StateStore
+    from policies.placement import ModelPlacement
     from policies.types import RequestFeatures
 
 log = logging.getLogger("fleetgate.learning")
@@ -72,8 +73,8 @@ DOC_MAX_AGE_S = 86_400.0
 MIN_DECODE_TOKENS = 4          # ATGT over fewer tokens is mostly noise
 PREFILL_SETTLE_MAX_S = 30.0    # a prefill observation waits at most this long for earlier requests to finish
 TRACE_KEEP = 2048              # scrape samples kept per worker (trimmed in halves)
-_TIME_COEFS = ("k1", "c1", "k2", "c2", "c3")
-_EXPORTED = ("k1", "c1", "k2", "c2", "c3", "h", "j", "kv_capacity", "max_batch")
+_TIME_COEFS = ("k1", "c1", "k2", "c2", "c3", "k1q", "pf")
+_EXPORTED = ("k1", "k1q", "pf", "c1", "k2", "c2", "c3", "h", "j", "kv_capacity", "max_batch")
 
 
 # --- priors ------------------------------------------------------------------------------------------
@@ -102,6 +103,11 @@ def profile_prior(name: str, configured: Mapping[str, Mapping[str, Any]], time_s
         if model is None:
             model = PerfModel()
     return scale_time(model, time_scale)
+
+
+def known_profile(name: str, configured: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Is there a declared model for this worker profile (config priors, a built-in profile, a profile file)?"""
+    return name in configured or bool(_profile_paths(name))
 
 
 def _profile_paths(name: str) -> list[Path]:
@@ -223,19 +229,21 @@ class _PrefillLog:
         if len(self.rows) > 2 * TRACE_KEEP:
             del self.rows[:TRACE_KEEP]
 
-    def others_between(self, t_sent: float, t_first: float) -> float:
-        """Prompt tokens of the other requests prefilled while this one waited: first token in
+    def others_between(self, t_sent: float, t_first: float) -> tuple[float, float]:
+        """Prompt tokens (Σl, Σl²) of the other requests prefilled while this one waited: first token in
         (t_sent, t_first] and sent before t_first (Aladdin eq. 2's Σl_in of the prefill it shared)."""
         rows = self.rows
         lo = bisect.bisect_right(rows, (t_sent, math.inf, math.inf))
         hi = bisect.bisect_right(rows, (t_first, math.inf, math.inf))
-        total, me = 0.0, False
+        total = sq = 0.0
+        me = False
         for tf, ts, l_in in rows[lo:hi]:
             if tf == t_first and ts == t_sent and not me:
                 me = True  # the request itself
             elif ts < t_first:
                 total += l_in
-        return total
+                sq += l_in * l_in
+        return total, sq
 
 
 # --- per-profile state ---------------------------------------------------------------------------------
@@ -257,7 +265,8 @@ class _Profile:
 
 @dataclass(slots=True)
 class _Active:
-    policy: Policy | None  # set when the policy takes progress reports
+    placement: ModelPlacement
+    feats: RequestFeatures
     state: ResponseState
     worker: str
     t_sent: float
@@ -282,12 +291,13 @@ class Learner:
         self._pred_cache: dict[tuple[str, int, int | None], float] = {}
         self._profiles: dict[str, _Profile] = {}
         self._traces: dict[str, _Trace] = {}
-        self._policies: dict[str, Policy] = {}
+        self._policies: list[tuple[str, Policy]] = []   # (model, policy): every policy the gateway built
         self._active: dict[str, _Active] = {}
         self._done: deque[tuple] = deque(maxlen=100_000)
         self._prefill_logs: dict[str, _PrefillLog] = {}
         self._prefill_wait: list[tuple] = []
-        self._shortfall_seen: dict[str, tuple[int, float]] = {}  # model -> (no_fits, monotonic of last rise)
+        self._shortfall_seen: dict[tuple[str, int], tuple[int, float]] = {}  # (model, policy) -> (no_fits, rise)
+        self.shortfall_now: dict[str, int] = {}   # model -> the placement shortfall last exported
         self._buckets_seen: set[tuple[str, int]] = set()
         self._task: asyncio.Task | None = None
         self._fitting = False
@@ -336,8 +346,9 @@ class Learner:
 
     # --- hot path ----------------------------------------------------------------------------------
     def attach(self, model: str, policy: Policy) -> None:
-        """A model's policy was built: give it the current perf models and the shared predictor."""
-        self._policies[model] = policy
+        """A policy of `model` was built (its own, or its P/D profile's decode policy): give it the current perf
+        models and the shared predictor."""
+        self._policies.append((model, policy))
         if not self.enabled:
             return
         if hasattr(policy, "set_perf_model"):
@@ -359,26 +370,35 @@ class Learner:
             hit = self._pred_cache[key] = self.predictor.predict(model, prompt_tokens, max_tokens)
         return hit
 
-    def dispatched(self, policy: Policy, feats: RequestFeatures, worker_id: str, state: ResponseState) -> float:
-        """The request was sent to `worker_id`; returns the dispatch time (perf_counter)."""
+    def dispatched(self, placement: ModelPlacement, feats: RequestFeatures, worker_id: str,
+                   state: ResponseState) -> float:
+        """The request was sent to `worker_id`; returns the dispatch time (perf_counter). The control loop
+        reports its progress (tokens relayed so far) to the placement step now and then."""
         t = time.perf_counter()
         if self.enabled:
-            self._active[feats.request_id] = _Active(
-                policy if hasattr(policy, "report_progress") else None, state, worker_id, t)
+            self._active[feats.request_id] = _Active(placement, feats, state, worker_id, t)
         return t
 
-    def finished(self, feats: RequestFeatures, worker_id: str, t_sent: float, result: RelayResult) -> None:
-        """The worker answered (any status); observations are processed by the control loop. A policy that
-        keeps a ledger hears the final token count now (`observe_completion`, before its `on_complete`)."""
-        if self.enabled and result.status == 200 and result.midstream_error is None:
-            n = result.usage.completion_tokens if result.usage is not None else result.tokens
-            if n > 0:
-                self._done.append((feats.model, feats.prompt_tokens, n, worker_id, t_sent,
-                                   result.first_token_at, result.last_token_at))
-                a = self._active.get(feats.request_id)
-                hook = getattr(a.policy, "observe_completion", None) if a is not None else None
-                if hook is not None:
-                    hook(feats, n, time.time())
+    def finished(self, feats: RequestFeatures, worker_id: str, t_sent: float, result: RelayResult) -> int:
+        """The worker answered (any status): its timings become observations for the control loop. Returns
+        the output tokens of a completed answer (0 otherwise), which the placement step then hears."""
+        if result.status != 200 or result.midstream_error is not None:
+            return 0
+        n = result.usage.completion_tokens if result.usage is not None else result.tokens
+        if self.enabled and n > 0:
+            self._done.append((feats.model, feats.prompt_tokens, n, worker_id, t_sent,
+                               result.first_token_at, result.last_token_at))
+        return max(n, 0)
+
+    def observe_length(self, model: str, prompt_tokens: int, output_tokens: int) -> None:
+        """A completed request's output length (the placement step calls this before its policy hears)."""
+        if not self.enabled:
+            return
+        self._own_predictor.observe(model, prompt_tokens, output_tokens)
+        if self.predictor is not self._own_predictor:
+            self.predictor.observe(model, prompt_tokens, output_tokens)
+        self._own_dirty = True
+        self._buckets_seen.add((model, length_bucket(prompt_tokens)))
 
     def released(self, request_id: str) -> None:
         self._active.pop(request_id, None)
@@ -467,14 +487,8 @@ class Learner:
         if not done:
             return
         workers = self.registry.workers
-        self._own_dirty = True
-        merged = self.predictor if self.predictor is not self._own_predictor else None
         while done:
             model, l_in, n, wid, t_sent, t_first, t_last = done.popleft()
-            self._own_predictor.observe(model, l_in, n)
-            if merged is not None:
-                merged.observe(model, l_in, n)
-            self._buckets_seen.add((model, length_bucket(l_in)))
             ws = workers.get(wid)
             if ws is None or t_first is None:
                 continue
@@ -517,8 +531,8 @@ class Learner:
         for item in self._prefill_wait:
             wid, prof, t_sent, t_first, l_in = item
             if t_first < oldest.get(wid, math.inf) or now - t_first > PREFILL_SETTLE_MAX_S:
-                shared = self._prefill_logs[wid].others_between(t_sent, t_first)
-                prof.prefill.append((l_in + shared, t_first - t_sent))
+                shared, shared_sq = self._prefill_logs[wid].others_between(t_sent, t_first)
+                prof.prefill.append((l_in + shared, l_in * l_in + shared_sq, t_first - t_sent))
                 prof.new += 1
                 prof.dirty = True
             else:
@@ -529,25 +543,34 @@ class Learner:
         if not self._active:
             return
         now = time.time()
-        for rid, a in list(self._active.items()):
+        for a in list(self._active.values()):
             n = a.state.tokens
-            if a.policy is not None and n > a.reported:
+            if n > a.reported:
                 a.reported = n
-                a.policy.report_progress(rid, n, now)
+                a.placement.progress(a.feats, n, now)
 
     def _export_shortfall(self) -> None:
         mono = time.monotonic()
-        for model, policy in self._policies.items():
+        per_model: dict[str, int] = {}
+        for model, policy in self._policies:
             if not hasattr(policy, "shortfall"):
                 continue
+            key = (model, id(policy))
             no_fits = int(getattr(policy, "no_fits", 0))
-            seen, at = self._shortfall_seen.get(model, (0, float("-inf")))
+            seen, at = self._shortfall_seen.get(key, (0, float("-inf")))
             if no_fits != seen:
                 seen, at = no_fits, mono
-                self._shortfall_seen[model] = (seen, at)
+                self._shortfall_seen[key] = (seen, at)
             # The policy forgets unplaced requests only on its next no_fit: without one for its TTL, none is left.
             recent = mono - at <= float(getattr(policy, "unplaced_ttl_s", 30.0))
-            self.g_shortfall.labels(model).set(policy.shortfall if recent else 0)
+            per_model[model] = max(per_model.get(model, 0), policy.shortfall if recent else 0)
+        for model, n in per_model.items():
+            self.g_shortfall.labels(model).set(n)
+        self.shortfall_now = per_model
+
+    def shortfall_total(self) -> int:
+        """More workers this replica's unplaceable requests need, over all models (the autoscaler's input)."""
+        return sum(self.shortfall_now.values())
 
     # --- models --------------------------------------------------------------------------------------
     def _all_samples(self, p: _Profile) -> tuple[list, list]:
@@ -565,7 +588,7 @@ class Learner:
         self._push(p)
 
     def _push(self, p: _Profile) -> None:
-        for policy in self._policies.values():
+        for _, policy in self._policies:
             if hasattr(policy, "set_perf_model"):
                 policy.set_perf_model(p.name, p.model)
 
@@ -650,7 +673,7 @@ class Learner:
         for other in others:
             self._buckets_seen.update((str(m), int(b)) for m, b, _ in other.get("buckets", []))
         self._export_lengths()
-        for policy in self._policies.values():
+        for _, policy in self._policies:
             if isinstance(getattr(policy, "predictor", None), LengthPredictor):
                 policy.predictor = merged
 
@@ -658,8 +681,9 @@ class Learner:
 def _fit(prior: PerfModel, prefill: list, decode: list, prior_weight: float) -> PerfModel:
     """Refit a profile from observations (runs in a worker thread)."""
     fitter = PerfModelFitter(prior=prior, capacity=max(len(prefill), len(decode), 8), prior_weight=prior_weight)
-    for tokens, seconds in prefill:
-        fitter.add_prefill(tokens, seconds)
+    for row in prefill:  # (Σl, Σl², seconds); replicas of older versions share (Σl, seconds)
+        tokens, seconds = row[0], row[-1]
+        fitter.add_prefill(tokens, seconds, sum_sq_tokens=row[1] if len(row) == 3 else None)
     for batch, ctx, seconds in decode:
         fitter.add_decode(batch, ctx, seconds)
     return fitter.refit()

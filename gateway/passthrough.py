@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 
 from gateway import errors
 from gateway.admin import check_api_key
-from gateway.dispatch import new_request_id, parse_json_object
+from gateway.request import new_request_id, parse_json_object
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

@@ -83,6 +83,7 @@ class Registry:
         self.workers: dict[str, WorkerState] = {}
         # model -> workers that may take a request for it (active, healthy, role mixed); rebuilt on change
         self._rotation: dict[str, tuple[WorkerState, ...]] = {}
+        self._candidates: dict[str, tuple[WorkerState, ...]] = {}
         self._pools: dict[tuple[str, str], tuple[WorkerState, ...]] = {}  # (model, role) -> workers
         self._known_models: dict[str, dict[str, Any]] = {}
         self._tasks: list[asyncio.Task] = []
@@ -131,7 +132,12 @@ class Registry:
 
     # --- hot-path reads (no I/O) ----------------------------------------------------------------
     def rotation(self, model: str) -> tuple[WorkerState, ...]:
+        """Active, healthy mixed workers serving `model`."""
         return self._rotation.get(model, ())
+
+    def candidates(self, model: str) -> tuple[WorkerState, ...]:
+        """Active, healthy workers of any role serving `model`: what the placement step chooses from."""
+        return self._candidates.get(model, ())
 
     def pool(self, model: str, role: str) -> tuple[WorkerState, ...]:
         """Active, healthy workers of one role (mixed | prefill | decode) serving `model` (P/D: gateway/pd.py)."""
@@ -217,6 +223,7 @@ class Registry:
 
     def _rebuild(self) -> None:
         rotation: dict[str, list[WorkerState]] = {}
+        candidates: dict[str, list[WorkerState]] = {}
         pools: dict[tuple[str, str], list[WorkerState]] = {}
         known: dict[str, dict[str, Any]] = {}
         for ws in sorted(self.workers.values(), key=lambda w: w.id):
@@ -225,9 +232,11 @@ class Registry:
                 known.setdefault(m, cards.get(m) or _card(m))
                 if ws.healthy and ws.active:
                     pools.setdefault((m, ws.rec.role), []).append(ws)
+                    candidates.setdefault(m, []).append(ws)
                     if ws.rec.role == ROLE_MIXED:
                         rotation.setdefault(m, []).append(ws)
         self._rotation = {m: tuple(v) for m, v in rotation.items()}
+        self._candidates = {m: tuple(v) for m, v in candidates.items()}
         self._pools = {k: tuple(v) for k, v in pools.items()}
         self._known_models = known
         for fn in self._listeners:

@@ -138,37 +138,33 @@ class SloBook:
             tpot = parse_target_ms(raw_tpot, TPOT_HEADER)
         return ttft, tpot
 
-    @staticmethod
-    def queue_budget(feats: RequestFeatures, queue_timeout_s: float) -> tuple[float, str]:
-        """How long the request may wait for a worker, and why that long: an interactive request with a
-        TTFT target gives up when the target has passed (waiting longer cannot meet it); else the
-        configured queue timeout."""
-        if feats.slo_ttft_s is not None and feats.request_class != CLASS_BATCH:
-            left = feats.slo_ttft_s - max(time.time() - feats.arrival, 0.0)
-            if left < queue_timeout_s:
-                return max(left, 0.0), f"its TTFT target of {feats.slo_ttft_s * 1000:g} ms passed while queued"
-        return queue_timeout_s, f"waited {queue_timeout_s:g}s in the admission queue"
-
     # --- measurement (per finished request) -------------------------------------------------------
-    def record(self, feats: RequestFeatures, stream: bool, t0: float, result: RelayResult, t_end: float) -> None:
-        """Judge one answered request; t0 / t_end are perf_counter() at arrival and after the last byte."""
+    @staticmethod
+    def judge(feats: RequestFeatures, stream: bool, t0: float, result: RelayResult, t_end: float) -> bool | None:
+        """Did one answered request meet its SLO (module docstring)? None: not an SLO matter (no target, or
+        a non-200 answer); t0 / t_end are perf_counter() at arrival and after the last byte."""
         ttft_t, tpot_t = feats.slo_ttft_s, feats.slo_tpot_s
         if (ttft_t is None and tpot_t is None) or result.status != 200:
-            return
+            return None
         if result.midstream_error is not None:
-            met = False
-        elif result.first_token_at is not None:  # streamed
+            return False
+        if result.first_token_at is not None:  # streamed
             n = result.usage.completion_tokens if result.usage is not None else result.tokens
             met = ttft_t is None or result.first_token_at - t0 <= ttft_t
             if met and tpot_t is not None and n > 1 and result.last_token_at is not None:
                 met = (result.last_token_at - result.first_token_at) / (n - 1) <= tpot_t
-        elif not stream and result.usage is not None:  # the whole answer at once
+            return met
+        if not stream and result.usage is not None:  # the whole answer at once
             n = result.usage.completion_tokens
             # ATGT alone cannot be observed without a stream: a TPOT-only target holds trivially.
-            met = ttft_t is None or t_end - t0 <= ttft_t + (tpot_t or 0.0) * max(n - 1, 0)
-        else:
-            met = False  # a stream without any token
-        self._count(feats, met)
+            return ttft_t is None or t_end - t0 <= ttft_t + (tpot_t or 0.0) * max(n - 1, 0)
+        return False  # a stream without any token
+
+    def record(self, feats: RequestFeatures, stream: bool, t0: float, result: RelayResult, t_end: float) -> None:
+        """Judge one answered request and count it."""
+        met = self.judge(feats, stream, t0, result, t_end)
+        if met is not None:
+            self._count(feats, met)
 
     def record_refused(self, feats: RequestFeatures) -> None:
         """The request was turned away for capacity (429 / 503): a miss, if it had a target."""

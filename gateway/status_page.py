@@ -58,7 +58,7 @@ async def status(gw: Gateway) -> dict[str, Any]:
         rt = disp.runtimes.get(m) if disp is not None else None
         policy = rt.policy_name if rt is not None else gw.config.model_settings(m)[0]
         models.append({"id": m, "policy": policy, "workers_in_rotation": len(reg.rotation(m)),
-                       "queue": len(rt.queue.waiters) if rt is not None else 0, "slo": _slo(gw, m)})
+                       "queue": len(rt.queue) if rt is not None else 0, "slo": _slo(gw, m)})
     state = gw.autoscaler.state if gw.config.autoscale.enabled else {}
     autoscale = {"enabled": gw.config.autoscale.enabled, "leader": state.get("leader"),
                  "desired": state.get("desired", {}), "current": state.get("current", {}),

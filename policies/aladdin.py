@@ -42,15 +42,25 @@ Choices beyond the paper (each a parameter):
     a worker to any prompt after each admission; "off" drops (d). bench/results/placement.md compares them.
   * Risk mode waits for a worker within the budget only while the TTFT allows: once no worker would meet
     the TTFT after `deadline_margin_s` more, it takes the feasible ((b), (c), (e)) worker with the least
-    risk ("deadline"). The caller must retry queued requests at least that often.
+    risk ("deadline"). Decision.retry_at tells the admission queue when that moment comes.
+  * Which feasible worker: `fit="best"` is Algorithm 1 (the fullest bin; with `margin` m, the fullest of
+    those that keep at least m relative headroom on every constraint, else the one with the most); `fit=
+    "worst"` takes the one with the most headroom (the constraints then act as admission control and a fleet
+    larger than needed spreads its load instead of idling). Best fit minimises the workers in use, which pays
+    when idle workers can be released; on a fixed fleet it leaves the model's errors no room (the
+    placement study, bench/results/placement.md, chooses between them by leave-one-trace-out).
+  * Trust: `observe_outcome` keeps each worker's recent SLO miss rate (EWMA over `miss_window` requests). Where
+    the model is right, requests it placed hardly ever miss; a worker above `max_miss_rate` is not trusted
+    and, when every worker the model would place on is untrusted, the `fallback` baseline places the request
+    ("fallback") until the rate falls or the learner installs a new model (which resets it).
   * (c) counts the time the request already waited (now − arrival, `count_wait`), the decode step in
     flight and, per prefill chunk of `prefill_chunk_tokens` (vLLM's max_num_batched_tokens), the ongoing
     decodes batched with it. A request whose TTFT is lost anyway ("late") is placed where (b), (d), (e)
     hold, or (risk mode) where the risk is least, instead of waiting and blocking others.
   * capacity_norm divides batch size and context by the worker's own limits (eq. 4 at b=1, (T−c3)/c2)
     so that workers of different profiles rank on one scale.
-  * A request that fits no worker even when alone (e.g. its prefill exceeds the TTFT target) is placed
-    on the least-loaded worker ("best_effort") instead of waiting forever.
+  * A request that fits no worker even when alone (e.g. its prefill exceeds the TTFT target) is placed by
+    the `fallback` baseline ("best_effort") instead of waiting forever.
   * Engine-reported load (WorkerView running/waiting/kv_usage) beyond the ledger's (other gateway
     replicas) is counted in (b) and (e).
 """
@@ -66,7 +76,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import Policy, register
+from policies.base import Policy, make_policy, register
 from policies.length_predictor import LengthPredictor
 from policies.perf_model import DECODE, PREFILL, PerfModel
 from policies.slo import DEFAULT_ATGT_S, DEFAULT_TTFT_S, SloTarget, target_for
@@ -85,6 +95,12 @@ SLACK_MODES = (SLACK_PAPER, SLACK_LIFETIME, SLACK_RISK, SLACK_OFF)
 _YOUNG = 8              # risk mode: the most recently started decodes tracked per worker
 _MIN_SAMPLES = 32       # risk mode: fewer completed lengths than this -> the lifetime rule
 _FAR = 1e12             # "never recovers", in tokens
+
+# Which feasible worker takes the request: "best" is Algorithm 1 (the fullest bin by capacity_norm; with a
+# margin, the fullest among those keeping at least that headroom on every constraint, else the one with the
+# most), "worst" the one with the most headroom (spread, with the constraints as admission control).
+FIT_BEST, FIT_WORST = "best", "worst"
+FITS = (FIT_BEST, FIT_WORST)
 
 # Constraint names, as counted in `last_rejections`.
 C_ATGT, C_TTFT, C_SLACK, C_KV = "atgt", "ttft", "prefill_slack", "kv"
@@ -208,6 +224,7 @@ class AladdinPolicy(Policy):
     """Best-fit packing under Aladdin's ATGT / TTFT / prefill-slack / KV constraints."""
 
     name = "aladdin"
+    needs_perf_models = True
 
     def __init__(
         self,
@@ -230,6 +247,11 @@ class AladdinPolicy(Policy):
         count_wait: bool = True,
         stall_risk: float = 0.005,
         deadline_margin_s: float = 0.05,
+        fit: str = "best",
+        margin: float = 0.0,
+        fallback: str | None = "least_requests",
+        max_miss_rate: float = 0.1,
+        miss_window: int = 64,
     ) -> None:
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"gamma (strictness knob) must be in [0, 1], got {gamma}")
@@ -262,6 +284,18 @@ class AladdinPolicy(Policy):
             raise ValueError("stall_risk must be in [0, 1) and deadline_margin_s >= 0")
         self.stall_risk = float(stall_risk)
         self.deadline_margin_s = float(deadline_margin_s)
+        if fit not in FITS:
+            raise ValueError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {margin}")
+        self.fit, self.margin = fit, float(margin)
+        if not 0.0 < max_miss_rate <= 1.0 or miss_window < 1:
+            raise ValueError("max_miss_rate must be in (0, 1] and miss_window >= 1")
+        self.fallback = make_policy(fallback) if fallback else None
+        self.max_miss_rate, self._miss_alpha = float(max_miss_rate), 1.0 / miss_window
+        self.fallbacks = 0
+        self._head = np.zeros(0)
+        self._kv_head = np.zeros(0)
         self._cdf_cache: dict[str, tuple[int, np.ndarray]] = {}
         self._parts: tuple[np.ndarray, ...] | None = None
         self._ttft_reachable = True
@@ -292,6 +326,7 @@ class AladdinPolicy(Policy):
         ("_s_in_dec", 0.0), ("_s_g0", 0.0), ("_min_tdec", _INF), ("_vb", 0.0), ("_vkv", 0.0),
         ("_k1", 1.0), ("_c1", 0.0), ("_k2", 1.0), ("_c2", 0.0), ("_c3", 0.0), ("_h", 1.0), ("_j", 0.0),
         ("_M", 1.0), ("_bmax", 1.0), ("_rmse_pre", 0.0), ("_rmse_dec", 0.0), ("_bcap", 1.0), ("_ccap", 1.0),
+        ("_k1q", 0.0), ("_pf", 0.0), ("_miss", 0.0),
     )
 
     def _grow(self, cap: int) -> None:
@@ -326,6 +361,7 @@ class AladdinPolicy(Policy):
         t = self.slo.atgt_s
         self._k1[r], self._c1[r], self._k2[r], self._c2[r], self._c3[r] = m.k1, m.c1, m.k2, m.c2, m.c3
         self._h[r], self._j[r], self._M[r], self._bmax[r] = m.h, m.j, m.kv_capacity, m.max_batch
+        self._k1q[r], self._pf[r] = m.k1q, m.pf
         self._rmse_pre[r] = m.fit[PREFILL].rmse if PREFILL in m.fit else 0.0
         self._rmse_dec[r] = m.fit[DECODE].rmse if DECODE in m.fit else 0.0
         # capacity_norm scales (deviation: normalised so heterogeneous workers compare).
@@ -342,6 +378,7 @@ class AladdinPolicy(Policy):
         for row in self._rows:
             if row.profile == profile:
                 self._apply_model(row.idx, m)
+                self._miss[row.idx] = 0.0     # a new model earns its trust afresh
 
     def _row_for_id(self, worker_id: str) -> int:
         r = self._index.get(worker_id)
@@ -623,6 +660,11 @@ class AladdinPolicy(Policy):
         rows = self._rows_for_views(workers)
         self._advance(rows, now)
         ok, norm = self._feasible(request, rows, now)
+        untrusted = self._miss[rows] > self.max_miss_rate
+        if untrusted.any() and self.fallback is not None:
+            ok &= ~untrusted
+            if not ok.any():    # the model is wrong where it would place: the robust baseline decides
+                return self._fall_back(request, workers, now)
         if ok.any():
             return self._best_fit(request, workers, ok, norm, "best_fit")
         if self.slack == SLACK_RISK:
@@ -635,6 +677,8 @@ class AladdinPolicy(Policy):
             # target): waiting cannot help, so it goes where the least work is, as a best effort.
             self.best_efforts += 1
             self._unplaced.pop(request.request_id, None)
+            if self.fallback is not None:
+                return Decision(self.fallback.choose(request, workers, now).worker_id, "best_effort")
             return Decision(workers[int(np.argmin(norm))].id, "best_effort")
         if not self._ttft_reachable:
             # No worker meets its TTFT any more (waiting only adds to the estimate: the wait grows as fast
@@ -651,13 +695,44 @@ class AladdinPolicy(Policy):
                     return d
         self.no_fits += 1
         self._note_unplaced(request, rows, now)
-        return Decision(None, "no_fit")
+        return Decision(None, "no_fit", retry_at=self._risk_deadline(request, now))
+
+    def _fall_back(self, request: RequestFeatures, workers: Sequence[WorkerView], now: float) -> Decision:
+        """The robust baseline's choice (`fallback`) where the model cannot be trusted: every worker it would
+        place on misses too often (`observe_outcome`)."""
+        self.fallbacks += 1
+        self._unplaced.pop(request.request_id, None)
+        d = self.fallback.choose(request, workers, now)
+        return Decision(d.worker_id, "fallback")
+
+    def _risk_deadline(self, request: RequestFeatures, now: float) -> float | None:
+        """Risk mode, waiting for a worker within the budget: the time after which no worker would meet the
+        TTFT with `deadline_margin_s` to spare any more (then `choose` takes the least risk), i.e. when the
+        caller should ask again even if nothing changes meanwhile. None outside risk mode."""
+        if self.slack != SLACK_RISK or self._parts is None:
+            return None
+        later, ttft = self._parts[1], self._parts[7]
+        if not later.any():
+            return None
+        slo = target_for(request, self.slo)
+        # At least a millisecond on: at the boundary itself the next call decides.
+        return now + max(float(np.max(slo.ttft_s - self.deadline_margin_s - ttft[later])), 1e-3)
 
     def _best_fit(self, request: RequestFeatures, workers: Sequence[WorkerView], ok: np.ndarray, norm: np.ndarray,
                   reason: str) -> Decision:
-        """Algorithm 1: the feasible worker with the largest capacity_norm (the fullest bin that fits)."""
-        order = np.argsort(-norm, kind="stable")
-        best = order[int(np.argmax(ok[order]))]
+        """Algorithm 1: the feasible worker with the largest capacity_norm (the fullest bin that fits), as `fit`
+        and `margin` ask (module docstring): headroom is each worker's smallest relative slack over the
+        constraints after the placement."""
+        head = self._head
+        if self.fit == FIT_WORST:
+            best = int(np.argmax(np.where(ok, head, -_INF)))
+        else:
+            cand = ok & (head >= self.margin) if self.margin > 0 else ok
+            if not cand.any():   # nobody keeps the margin: the most headroom
+                best = int(np.argmax(np.where(ok, head, -_INF)))
+            else:
+                order = np.argsort(-norm, kind="stable")
+                best = int(order[int(np.argmax(cand[order]))])
         if request.request_id in self._unplaced:
             del self._unplaced[request.request_id]
             self._shortfall = None
@@ -668,7 +743,7 @@ class AladdinPolicy(Policy):
         """Risk mode: no worker is within the stall-risk budget. Waiting for one costs TTFT, so wait only
         while some worker would still meet the TTFT after `deadline_margin_s` more; at that deadline (or
         once the TTFT is lost anyway) take the worker where the prefill breaks the fewest ATGTs."""
-        base, later, risk, l_in, lp, var, z = self._parts
+        base, later, risk, l_in, lp, var, z, _ = self._parts
         if at_deadline and (not base.any() or later.any()):
             return None
         idx = np.nonzero(base)[0]
@@ -697,7 +772,9 @@ class AladdinPolicy(Policy):
         lp, _ = self._predicted(request)
         k2, c2, c3 = self._k2[rows], self._c2[rows], self._c3[rows]
         ok_b = l_in + self.gamma * lp <= self.theta * (slo.atgt_s - c2 - c3) / k2           # eq. 4, b = 1
-        ok_c = self._k1[rows] * l_in + self._c1[rows] <= slo.ttft_s                          # eq. 2
+        k1 = self._k1[rows]
+        pre = self._c1[rows] + np.maximum(self._pf[rows], k1 * l_in + self._k1q[rows] * l_in * l_in)
+        ok_c = pre <= slo.ttft_s                                                             # eq. 2
         ok_e = self._h[rows] * (l_in + lp) + self._j[rows] <= self._M[rows]                  # eq. 1
         return ok_b & ok_c & ok_e
 
@@ -722,8 +799,9 @@ class AladdinPolicy(Policy):
         b = b_now + 1.0
         t_dec = np.minimum(self._min_tdec[rows], slo.atgt_s)
         limit = th * (t_dec - c2 * b - c3) / k2                       # (b) via eq. 4
-        queued = np.maximum(self._P[rows] - self._C[rows], 0.0)
-        pre = k1 * (queued + l_in) + c1                                # eq. 2 over queued + new
+        queued = np.maximum(self._P[rows] - self._C[rows], 0.0)       # prefill work, in linear-token units
+        work = l_in + self._k1q[rows] / k1 * l_in * l_in
+        pre = c1 + np.maximum(self._pf[rows], k1 * (queued + work))    # eq. 2 over queued + new
         # TTFT also pays what it waited, the decode step in flight and, in every prefill chunk, the ongoing
         # decodes (vLLM V1 batches them with the chunk): (chunks + 1) decode steps of eq. 3.
         n_dec = self._n_dec[rows]
@@ -759,15 +837,23 @@ class AladdinPolicy(Policy):
             ok_d = np.ones(len(rows), dtype=bool)
         if self.slack == SLACK_RISK:
             later = ok_b & (ttft + self.deadline_margin_s <= slo.ttft_s) if check_ttft else ok_b
-            self._parts = (ok_b & ok_c, later, risk, l_in, lp, var, z)
+            self._parts = (ok_b & ok_c, later, risk, l_in, lp, var, z, ttft)
         ok = ok_b & ok_c & ok_d
         rej = {C_ATGT: int(np.count_nonzero(~ok_b)), C_TTFT: int(np.count_nonzero(~ok_c)),
                C_SLACK: int(np.count_nonzero(~ok_d)), C_KV: 0}
+        # Headroom after the placement: the smallest relative slack over (b), (c), (d) and the batch limit.
+        head = np.minimum(1.0 - ctx_tot / np.maximum(limit, 1e-9), 1.0 - b / self._bmax[rows])
+        if check_ttft:
+            head = np.minimum(head, 1.0 - ttft / slo.ttft_s)
+        if self.slack == SLACK_RISK and self.stall_risk > 0:
+            head = np.minimum(head, 1.0 - risk / self.stall_risk)
         idx = np.nonzero(ok)[0]
         if len(idx):
             ok_e = self._kv_fits(rows[idx], l_in, lp, var, z)
             ok[idx] = ok_e
             rej[C_KV] = int(np.count_nonzero(~ok_e))
+            head[idx] = np.minimum(head[idx], self._kv_head)
+        self._head = head
         self.last_rejections = rej
         return ok, norm
 
@@ -848,6 +934,7 @@ class AladdinPolicy(Policy):
         peak += np.maximum(self._vkv[rs] * M - now_model, 0.0)
         if z:
             peak += z * h * np.sqrt(self._s_var[rs] + var)
+        self._kv_head = 1.0 - peak / M
         return peak <= M
 
     def on_dispatch(self, request: RequestFeatures, worker_id: str, now: float) -> None:
@@ -865,7 +952,7 @@ class AladdinPolicy(Policy):
         req = _Req(rid, request.model, max(int(request.prompt_tokens), 0), lp, var, slo.atgt_s, slo.ttft_s,
                    self._group(slo.atgt_s), request.max_tokens)
         req.g0 = float(self._G[r])
-        self._P[r] += req.l_in
+        self._P[r] += req.l_in + self._k1q[r] / self._k1[r] * req.l_in * req.l_in  # prefill work (perf_model)
         req.pend_end = float(self._P[r])
         row.pending.append(req)
         if len(row.pending) == 1:
@@ -914,6 +1001,15 @@ class AladdinPolicy(Policy):
         """The request completed after `output_tokens` tokens (called just before `on_complete`): corrects
         the ledger and, with `learn_lengths`, teaches the length predictor."""
         self.report_progress(request.request_id, output_tokens, now)
+
+    def observe_outcome(self, request: RequestFeatures, worker_id: str, slo_met: bool, now: float) -> None:
+        """Whether a request that ran on `worker_id` met its SLO: the worker's recent miss rate (an EWMA over
+        `miss_window` requests). A model that is right misses (almost) never where it placed; above
+        `max_miss_rate` the worker's model is not trusted and the `fallback` baseline places there until
+        the rate falls again or a new model is installed."""
+        r = self._index.get(worker_id)
+        if r is not None:
+            self._miss[r] += self._miss_alpha * ((0.0 if slo_met else 1.0) - self._miss[r])
 
     def _force_prefilled(self, r: int, req: _Req, now: float) -> None:
         """The request's first token exists, so the prefill queue up to it has drained."""
@@ -1107,20 +1203,22 @@ class AladdinPolicy(Policy):
 class _FreshBin:
     """Aggregates of requests that would start together on an empty worker (for the scale signal)."""
 
-    __slots__ = ("n", "s_in", "s_ctx", "s_tok", "t_dec", "t_pre")
+    __slots__ = ("n", "s_in", "s_sq", "s_ctx", "s_tok", "t_dec", "t_pre")
 
     def __init__(self) -> None:
-        self.n, self.s_in, self.s_ctx, self.s_tok, self.t_dec, self.t_pre = 0, 0.0, 0.0, 0.0, _INF, _INF
+        self.n, self.s_in, self.s_sq, self.s_ctx, self.s_tok, self.t_dec, self.t_pre = 0, 0.0, 0.0, 0.0, 0.0, _INF, _INF
 
     def add(self, l_in: int, lp: float, slo: SloTarget, m: PerfModel, gamma: float, theta: float,
             force: bool = False) -> bool:
         n, s_in, s_ctx, s_tok = self.n + 1, self.s_in + l_in, self.s_ctx + l_in + gamma * lp, self.s_tok + l_in + lp
+        s_sq = self.s_sq + float(l_in) * l_in
         t_dec, t_pre = min(self.t_dec, slo.atgt_s), min(self.t_pre, slo.ttft_s)
         fits = (n <= m.max_batch and s_ctx <= theta * m.context_limit(n, t_dec)   # (b), eq. 4
-                and m.prefill_time(s_in) <= t_pre                                   # (c), eq. 2
+                and m.prefill_time(s_in, s_sq) <= t_pre                             # (c), eq. 2
                 and m.kv_blocks(s_tok, n) <= m.kv_capacity)                         # (e) at final sizes
         if fits or force:
-            self.n, self.s_in, self.s_ctx, self.s_tok, self.t_dec, self.t_pre = n, s_in, s_ctx, s_tok, t_dec, t_pre
+            self.n, self.s_in, self.s_sq, self.s_ctx, self.s_tok = n, s_in, s_sq, s_ctx, s_tok
+            self.t_dec, self.t_pre = t_dec, t_pre
         return fits
 
 

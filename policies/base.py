@@ -21,6 +21,10 @@ class Policy:
     """Base class: subclasses implement `choose`; the hooks are optional."""
 
     name: str = "base"
+    # A policy that reads RequestFeatures.prefix_hashes says so: the gateway hashes prompts only for those.
+    needs_prefix_hashes: bool = False
+    # A policy that places by performance models says so: every worker then needs its profile's model.
+    needs_perf_models: bool = False
 
     def choose(self, request: RequestFeatures, workers: Sequence[WorkerView], now: float) -> Decision:
         raise NotImplementedError
@@ -63,5 +67,6 @@ def policy_names() -> list[str]:
 def _load_builtin() -> None:
     # Importing the modules registers their policies.
     import policies.aladdin  # noqa: F401
+    import policies.autoscale.routing  # noqa: F401
     import policies.baselines  # noqa: F401
     import policies.hetero  # noqa: F401

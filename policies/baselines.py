@@ -253,6 +253,7 @@ class PrefixAffinity(Policy):
     """
 
     name = "prefix_affinity"
+    needs_prefix_hashes = True   # the caller fills RequestFeatures.prefix_hashes for it
 
     def __init__(
         self,

@@ -68,6 +68,7 @@ class HeteroPolicy(Policy):
     """Min-max assignment of predicted per-request workloads over heterogeneous instances."""
 
     name = "hetero"
+    needs_perf_models = True
 
     def __init__(
         self,
@@ -93,7 +94,7 @@ class HeteroPolicy(Policy):
         self._load = np.zeros(0)       # Σ w of unfinished requests (Algorithm 2 instLoads)
         self._tokens = np.zeros(0)     # Σ (I + Õ) of unfinished requests (instRunningReqLen)
         self._reqs = np.zeros(0)       # unfinished requests
-        self._coef = np.zeros((0, 12))  # p1..p8, h, j, M, max_batch
+        self._coef = np.zeros((0, 13))  # p1..p8, h, j, M, max_batch, k1q
         self._placed: dict[str, tuple[int, float, float]] = {}  # request -> (row, w, I + Õ)
         self._last: tuple[str, np.ndarray, np.ndarray] | None = None  # (request, rows, w) of the last choose
 
@@ -126,7 +127,7 @@ class HeteroPolicy(Policy):
         i = float(max(request.prompt_tokens, 0))
         o = _output_len(request)
         c = self._coef[rows]
-        p1, p2, p3, p4, p5, p6, p7, p8, h, j, M, bmax = c.T
+        p1, p2, p3, p4, p5, p6, p7, p8, h, j, M, bmax, k1q = c.T
         kv_usage = (h * self._tokens[rows] + j * self._reqs[rows]) / M          # eq. 8
         if engine_kv is not None:
             kv_usage = np.maximum(kv_usage, engine_kv)
@@ -136,7 +137,7 @@ class HeteroPolicy(Policy):
             t = np.ones(len(rows))
         else:
             b = np.clip(np.floor(M / (h * (i + o) + j)), 1.0, bmax)           # eq. 5
-            prefill = p1 * b * i + p2 * b + p3 * i + p4                        # eq. 3
+            prefill = p1 * b * i + p2 * b + p3 * i + p4 + k1q * b * i * i       # eq. 3 + attention (perf_model)
             ctx_sum = o * i + o * (o + 1) / 2.0                                 # Σ_{k=1..O} (I + k)
             decode = (p5 * b + p7) * ctx_sum + (p6 * b + p8) * o                # eq. 4
             t = (prefill + decode) / b                                          # eq. 6
@@ -198,7 +199,7 @@ def _output_len(request: RequestFeatures) -> float:
 
 
 def _coef_row(m: PerfModel) -> np.ndarray:
-    return np.array([*m.hetero_coeffs(), m.h, m.j, m.kv_capacity, float(m.max_batch)])
+    return np.array([*m.hetero_coeffs(), m.h, m.j, m.kv_capacity, float(m.max_batch), m.k1q])
 
 
 def _as_model(m: PerfModel | Mapping[str, Any]) -> PerfModel:

@@ -111,6 +111,11 @@ class LengthPredictor:
         return st.n if st else 0
 
     # --- prediction --------------------------------------------------------------------------------
+    def model_mean(self, model: str) -> float:
+        """The model-wide mean output length seen so far (the default before any)."""
+        ms = self._models.get(model)
+        return ms.mean if ms and ms.n else self.default_output
+
     def _mean(self, model: str, prompt_tokens: int) -> float:
         """Bucket mean shrunk towards the model mean: (n_b·m_b + s·m_model) / (n_b + s)."""
         ms = self._models.get(model)

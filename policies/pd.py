@@ -76,8 +76,11 @@ class PdPlan:
 
 
 def prefill_time(model: PerfModel, queued_tokens: float, prompt_tokens: float) -> float:
-    """Predicted completion of a prompt behind `queued_tokens` queued ones: Aladdin eq. 2, k1·Σl_in + c1."""
-    return model.k1 * (max(queued_tokens, 0.0) + max(prompt_tokens, 0.0)) + model.c1
+    """Predicted completion of a prompt behind `queued_tokens` queued ones: Aladdin eq. 2 with the attention
+    term (policies/perf_model.py), c1 + max(pf, k1·(queued + work(l_in))); the queued prompts' own attention
+    is not known from their token sum and counts as linear."""
+    work = max(queued_tokens, 0.0) + model.prefill_work(max(prompt_tokens, 0.0))
+    return model.c1 + max(model.pf, model.k1 * work)
 
 
 def split_phase_model(model: PerfModel, s_per_token: float = DEFAULT_TRANSFER_S_PER_TOKEN,
@@ -244,6 +247,22 @@ class PdPolicy(Policy):
 
     def on_complete(self, request: RequestFeatures, worker_id: str, now: float) -> None:
         self.decode_policy.on_complete(request, worker_id, now)
+
+    def report_progress(self, request_id: str, generated_tokens: int, now: float) -> None:
+        """Forwarded to a decode policy that keeps a ledger (aladdin)."""
+        hook = getattr(self.decode_policy, "report_progress", None)
+        if hook is not None:
+            hook(request_id, generated_tokens, now)
+
+    def observe_completion(self, request: RequestFeatures, output_tokens: int, now: float) -> None:
+        hook = getattr(self.decode_policy, "observe_completion", None)
+        if hook is not None:
+            hook(request, output_tokens, now)
+
+    def observe_outcome(self, request: RequestFeatures, worker_id: str, slo_met: bool, now: float) -> None:
+        hook = getattr(self.decode_policy, "observe_outcome", None)
+        if hook is not None:
+            hook(request, worker_id, slo_met, now)
 
     def forget_worker(self, worker_id: str) -> None:
         self.index.forget_worker(worker_id)

@@ -3,6 +3,7 @@
 Aladdin (joint placement and scaling) section 3:
     eq. 1  KV blocks of a request    kv   = h·(l_in + l_out) + j
     eq. 2  prefill iteration time    t_pre = k1·Σl_in + c1
+           extended here: t_pre = c1 + max(pf, k1·Σl_in + k1q·Σl_in²)  (see `prefill_time`)
     eq. 3  decode iteration time     t_d  = (k2·l_avg + c2)·b + c3          (= k2·Σctx + c2·b + c3)
     eq. 4  context limit for ATGT T  l_d(b) = (T − c2·b − c3) / k2
 Heterogeneous-cluster paper section 3.1.2 (per instance s, batch of b requests, input I, output O):
@@ -10,6 +11,14 @@ Heterogeneous-cluster paper section 3.1.2 (per instance s, batch of b requests, 
     eq. 4  T_decode  = Σ_{k=1..O} [p5·b·(I+k) + p6·b + p7·(I+k) + p8]
 The Aladdin form maps onto the hetero form with p = (k1, 0, 0, c1, k2, c2, 0, c3), which is what a
 model uses until the hetero form has been fitted on its own.
+
+Prefill beyond eq. 2 (linear in the prompt): causal attention makes a prompt of l tokens cost Σ over its
+pairs of (query, key) positions, l²/2 pairs, so long prompts grow quadratically (FlashAttention's cost
+model; at 64k tokens on Llama-3-8B the quadratic part is ~60% of the prefill). `k1q` is that cost per
+token² (= k_attn/2 in the simulator's step model), summed per prompt: a queue of prompts costs
+k1·Σl + k1q·Σl². `pf` is the floor of a short prompt's pass: a forward pass streams all weights once,
+so a prompt of a few tokens costs what a few hundred do (the memory-bound regime); the prediction is
+c1 + max(pf, k1·Σl + k1q·Σl²). The hetero form gains the same term: T_prefill += k1q·b·I².
 
 KV is counted in engine blocks (vLLM `num_gpu_blocks`, 16 tokens each by default), so `kv_capacity`
 is the worker's M in Aladdin's constraint (e). All times are seconds.
@@ -28,7 +37,7 @@ import numpy as np
 PREFILL, DECODE, KV, HETERO_PREFILL, HETERO_DECODE = "prefill", "decode", "kv", "hetero_prefill", "hetero_decode"
 COMPONENTS = (PREFILL, DECODE, KV, HETERO_PREFILL, HETERO_DECODE)
 
-_COEF_NAMES = ("k1", "c1", "k2", "c2", "c3", "h", "j")
+_COEF_NAMES = ("k1", "c1", "k2", "c2", "c3", "h", "j", "k1q", "pf")
 
 
 @dataclass(slots=True)
@@ -44,12 +53,13 @@ class ComponentFit:
 class PerfModel:
     """Coefficients of one worker profile.
 
-    Defaults: Llama-2-13B BF16 on one A100-80GB (Aladdin table 3's setting), i.e. what
-    `from_step_profile` derives from the simulator's `llama2-13b-a100` profile.
+    Defaults: a linear (eq. 2) model of Llama-2-13B BF16 on one A100-80GB (Aladdin table 3's setting), for
+    tests and hand-made models; workers use their own profile's model (`from_step_profile`, fitted online),
+    never these.
     """
 
     k1: float = 1.1742e-4   # prefill seconds per prompt token (eq. 2)
-    c1: float = 0.032178    # prefill seconds per iteration, incl. the server's per-request overhead (eq. 2)
+    c1: float = 0.032178    # prefill seconds per request, incl. the server's per-request overhead (eq. 2)
     k2: float = 4.462e-7    # decode seconds per context token per request (eq. 3)
     c2: float = 5.76172e-5  # decode seconds per request (eq. 3)
     c3: float = 0.017178    # decode seconds per iteration (eq. 3)
@@ -57,14 +67,23 @@ class PerfModel:
     j: float = 1.0          # KV blocks per request: partial last block (eq. 1)
     kv_capacity: float = 3682.0   # M: KV blocks on the worker
     max_batch: int = 256          # engine's max_num_seqs
+    k1q: float = 0.0              # prefill seconds per prompt token squared (causal attention, l²/2 pairs)
+    pf: float = 0.0               # prefill floor: the weights' streaming time of one forward pass
     # Hetero form p1..p8 when fitted on its own; None: derived from the Aladdin coefficients.
     p: tuple[float, ...] | None = None
     fit: dict[str, ComponentFit] = field(default_factory=dict)
 
     # --- Aladdin section 3 -----------------------------------------------------------------------
-    def prefill_time(self, total_input_tokens: float) -> float:
-        """Aladdin eq. 2: one prefill iteration over Σl_in tokens."""
-        return self.k1 * total_input_tokens + self.c1
+    def prefill_time(self, total_input_tokens: float, sum_sq_tokens: float | None = None) -> float:
+        """Aladdin eq. 2 with the attention term: prompts of Σl = `total_input_tokens` tokens (Σl² =
+        `sum_sq_tokens`; None: one prompt of that length) take c1 + max(pf, k1·Σl + k1q·Σl²)."""
+        sq = total_input_tokens * total_input_tokens if sum_sq_tokens is None else sum_sq_tokens
+        return self.c1 + max(self.pf, self.k1 * total_input_tokens + self.k1q * sq)
+
+    def prefill_work(self, prompt_tokens: float) -> float:
+        """A prompt's prefill work in linear-token equivalents, l + (k1q/k1)·l²: a queue of prompts drains
+        at 1/k1 of these per second (Aladdin's ledger counts queued prefill in them)."""
+        return prompt_tokens + self.k1q / self.k1 * prompt_tokens * prompt_tokens
 
     def decode_step(self, batch: float, mean_context: float) -> float:
         """Aladdin eq. 3: one decode iteration of `batch` requests with mean context `mean_context`."""
@@ -90,7 +109,7 @@ class PerfModel:
     def hetero_prefill(self, batch: float, input_len: float) -> float:
         """Hetero eq. 3: prefill of a batch of `batch` requests of (longest) input `input_len`."""
         p1, p2, p3, p4 = self.hetero_coeffs()[:4]
-        return p1 * batch * input_len + p2 * batch + p3 * input_len + p4
+        return p1 * batch * input_len + p2 * batch + p3 * input_len + p4 + self.k1q * batch * input_len * input_len
 
     def hetero_decode(self, batch: float, input_len: float, output_len: float) -> float:
         """Hetero eq. 4 in closed form: Σ_{k=1..O} (I+k) = O·I + O(O+1)/2."""
@@ -155,16 +174,20 @@ class PerfModel:
         (simulator/profiles.py: t = c_step + max(t_weights, k_prefill·P + c_decode·B) + k_ctx·C + k_attn·A).
 
         Decode (P = 0): the chord of max(t_w, c_decode·B) over B in [0, max_num_seqs] gives c2, with
-        c3 = c_step + t_w and k2 = k_ctx. Prefill: k1 = k_prefill + k_attn·chunk/2 (causal attention of a
-        chunk of max_num_batched_tokens), c1 = c_step + t_w + the per-request server overhead.
+        c3 = c_step + t_w and k2 = k_ctx. Prefill of a lone prompt of l tokens, chunked by
+        max_num_batched_tokens (C): Σ over chunks of c_step + max(t_w, k_prefill·chunk) + k_attn·pairs, with
+        l²/2 pairs in all, i.e. c1 = server overhead + c_step, k1 = k_prefill + c_step/C (every further
+        chunk's fixed cost), k1q = k_attn/2, pf = t_w (a short prompt's memory-bound pass).
         """
         get = prof.get if isinstance(prof, Mapping) else (lambda k, d=None: getattr(prof, k, d))
         c_step, t_w = float(get("c_step_s")), float(get("t_weights_s"))
         c_dec, bmax = float(get("c_decode_s")), int(get("max_num_seqs"))
         chunk = float(get("max_num_batched_tokens", 2048))
         model = cls(
-            k1=float(get("k_prefill_s")) + float(get("k_attn_s", 0.0)) * chunk / 2.0,
-            c1=c_step + t_w + float(get("ttft_overhead_s", 0.0)),
+            k1=float(get("k_prefill_s")) + c_step / chunk,
+            c1=c_step + float(get("ttft_overhead_s", 0.0)),
+            k1q=float(get("k_attn_s", 0.0)) / 2.0,
+            pf=t_w,
             k2=float(get("k_ctx_s")),
             c2=max(c_dec * bmax - t_w, 0.0) / bmax,
             c3=c_step + t_w,
@@ -281,9 +304,9 @@ class PerfModelFitter:
         self.refit_interval_s = refit_interval_s
         self.refit_min_new = refit_min_new
         self.loss = loss
-        # prefill: (total tokens, batch, longest input, seconds); decode: (batch, mean ctx, seconds);
+        # prefill: (total tokens, Σ tokens², batch, longest input, seconds); decode: (batch, mean ctx, seconds);
         # kv: (tokens, requests, blocks)
-        self._prefill = _Ring(capacity, 4)
+        self._prefill = _Ring(capacity, 5)
         self._decode = _Ring(capacity, 3)
         self._kv = _Ring(capacity, 3)
         self._new = 0
@@ -292,12 +315,15 @@ class PerfModelFitter:
 
     # --- observations ----------------------------------------------------------------------------
     def add_prefill(
-        self, total_tokens: float, seconds: float, batch: int = 1, max_input: float | None = None
+        self, total_tokens: float, seconds: float, batch: int = 1, max_input: float | None = None,
+        sum_sq_tokens: float | None = None,
     ) -> None:
-        """One prefill iteration: Σl_in prompt tokens of `batch` requests took `seconds`."""
+        """Prefill of `batch` prompts of Σl_in = `total_tokens` (Σl_in² = `sum_sq_tokens`; default: equal
+        prompts) took `seconds`."""
         longest = total_tokens / max(batch, 1) if max_input is None else max_input
-        if self._valid(total_tokens, seconds, batch, longest) and batch >= 1 and seconds > 0:
-            self._prefill.add((total_tokens, batch, longest, seconds))
+        sq = total_tokens * total_tokens / max(batch, 1) if sum_sq_tokens is None else sum_sq_tokens
+        if self._valid(total_tokens, sq, seconds, batch, longest) and batch >= 1 and seconds > 0:
+            self._prefill.add((total_tokens, sq, batch, longest, seconds))
             self._new += 1
 
     def add_decode(self, batch: int, mean_context: float, seconds: float) -> None:
@@ -341,12 +367,14 @@ class PerfModelFitter:
         ph = np.array(pr.hetero_coeffs(), dtype=float)
         p = ph.copy()
         pre, dec, kv = self._prefill.rows(), self._decode.rows(), self._kv.rows()
-        if len(pre) >= 3:
-            tot, b, longest, t = pre[:, 0], pre[:, 1], pre[:, 2], pre[:, 3]
-            x = np.column_stack([tot, np.ones_like(tot)])
-            m.k1, m.c1 = self._blend(x, t, [pr.k1, pr.c1], m, PREFILL)
+        # Prefill above the floor (pf) is linear in (Σl, Σl², 1); below it the pass costs c1 + pf.
+        above = pre[pr.k1 * pre[:, 0] + pr.k1q * pre[:, 1] > pr.pf] if len(pre) else pre
+        if len(above) >= 4:
+            tot, sq, b, longest, t = above.T
+            x = np.column_stack([tot, sq, np.ones_like(tot)])
+            m.k1, m.k1q, m.c1 = self._blend(x, t, [pr.k1, pr.k1q, pr.c1], m, PREFILL, relative=True)
             xh = np.column_stack([b * longest, b, longest, np.ones_like(b)])
-            p[:4] = self._blend(xh, t, ph[:4], m, HETERO_PREFILL)
+            p[:4] = self._blend(xh, t - m.k1q * sq, ph[:4], m, HETERO_PREFILL)
         if len(dec) >= 4:
             b, ctx, t = dec[:, 0], dec[:, 1], dec[:, 2]
             x = np.column_stack([b * ctx, b, np.ones_like(b)])
@@ -364,9 +392,16 @@ class PerfModelFitter:
         self._new = 0
         return m
 
-    def _blend(self, x: np.ndarray, y: np.ndarray, prior: Any, m: PerfModel, comp: str) -> list[float]:
+    def _blend(self, x: np.ndarray, y: np.ndarray, prior: Any, m: PerfModel, comp: str,
+               relative: bool = False) -> list[float]:
+        """Robust fit blended with the prior. `relative`: residuals relative to the observation, so a
+        component spanning orders of magnitude (prefill: 20 ms to 20 s) is fitted at every size alike."""
         prior = np.asarray(prior, dtype=float)
-        fitted = robust_linear_fit(x, y, prior, self.loss)
+        if relative:
+            inv = 1.0 / np.maximum(y, 1e-12)
+            fitted = robust_linear_fit(x * inv[:, None], np.ones_like(y), prior, self.loss)
+        else:
+            fitted = robust_linear_fit(x, y, prior, self.loss)
         n = len(y)
         w = n / (n + self.prior_weight)
         theta = w * fitted + (1.0 - w) * prior

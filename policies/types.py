@@ -59,6 +59,7 @@ class WorkerView:
     profile: str = ""
     weight: float = 1.0
     labels: Mapping[str, str] = field(default_factory=dict)
+    max_model_len: int | None = None   # the engine's context limit (from /v1/models); None: not known
 
     @property
     def load(self) -> int:
@@ -74,3 +75,6 @@ class Decision:
     reason: str = ""
     # For P/D: the prefill worker chosen alongside the decode worker in `worker_id`.
     prefill_worker_id: str | None = None
+    # With worker_id None: the earliest time (the caller's clock) it is worth asking again even if no capacity
+    # is freed meanwhile (e.g. aladdin's risk-mode deadline); None: only when capacity changes.
+    retry_at: float | None = None

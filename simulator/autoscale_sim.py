@@ -8,7 +8,8 @@ What the driver adds to `ClusterSim` (all in the `AutoscaleSim` subclass; cluste
 - request classes: interactive requests go through the cluster's own path (its FIFO admission queue
   when no worker has room); batch requests wait in a deadline-ordered `BatchQueue` held by the gateway
   and are pumped into workers with room whenever a slot frees, after any waiting interactive request;
-- pools as worker labels (`labels["pool"]`: interactive / mixed / batch) and the `PoolRouter` policy;
+- pools as worker labels (`labels["pool"]`: interactive / mixed / batch): the gateway's placement step
+  (policies/placement.py) filters by pool, then the arm's policy (`least_fill` by default) picks;
   in the Chiron arm an interactive request that finds no room evicts the newest batch request of a
   mixed worker, which goes back to the queue at its old place (Chiron section 3);
 - per-worker caps that change at run time (`SimWorker.cap`), set by Chiron's local autoscaler from the
@@ -65,9 +66,9 @@ from policies.autoscale.global_ import (
     theta_from_spikes,
 )
 from policies.autoscale.local import LocalAutoscaler, LocalConfig
-from policies.autoscale.routing import PoolRouter, eviction_victim, has_room
+from policies.autoscale.routing import eviction_victim, has_room
 from policies.batch_queue import BatchQueue
-from policies.types import CLASS_BATCH, RequestFeatures
+from policies.types import CLASS_BATCH, Decision, RequestFeatures
 from simulator.cluster import _STEP, ClusterSim, RequestResult, SimWorker
 from simulator.engine import EngineConfig, SimRequest
 from simulator.profiles import load_profile
@@ -121,6 +122,9 @@ class Arm:
     static_cap: int | None = None      # utilization / static: the per-worker cap (None: profile max_num_seqs)
     batch_max_cap: int = 4096          # chiron: local-autoscaler ceiling on batch-pool workers (sec. 6.2: 2048-4096)
     evict_mode: str = "restart"        # chiron: "restart" (live gateway) or "swap" (sec. 4 fast restart, sim only)
+    policy: str = "least_fill"         # the placement policy behind the pool filter (the gateway's config name)
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    joint: bool = False                # feed the placement shortfall (aladdin) to the global autoscaler
     label: str = ""
 
     @property
@@ -258,8 +262,12 @@ class AutoscaleSim(ClusterSim):
         engine = EngineConfig(max_num_seqs=max(prof.max_num_seqs, self.local_config.max_cap, self.static_cap,
                                                arm.batch_max_cap if arm.kind == "chiron" else 0),
                               scheduling_policy="priority")
-        super().__init__(prof, 0, PoolRouter(), slo_ttft_s=scenario.slo_ttft_s, slo_tpot_s=scenario.slo_tpot_s,
-                         engine_config=engine, cap=self.static_cap, scrape_interval_s=0.0)
+        super().__init__(prof, 0, arm.policy, slo_ttft_s=scenario.slo_ttft_s, slo_tpot_s=scenario.slo_tpot_s,
+                         engine_config=engine, cap=self.static_cap, scrape_interval_s=0.0,
+                         policy_params=arm.policy_params or None, seed=scenario.seed,
+                         # the gateway of such a fleet lets interactive requests wait out their TTFT target
+                         # (limits.queue_timeout_s >= the target) while new workers start
+                         queue_timeout_s=max(scenario.slo_ttft_s, 5.0))
         self.use_local = arm.kind in ("chiron", "utilization_local")
         self.evict = arm.kind == "chiron"
         self.swap = self.evict and arm.evict_mode == "swap"
@@ -410,7 +418,7 @@ class AutoscaleSim(ClusterSim):
 
     def kick(self, now: float) -> None:
         """Capacity may have appeared (a cap grew, a worker joined): serve waiting interactive, then batch."""
-        if self._queue:
+        if self.queue:
             self._drain_queue(now)
         self._request_pump(now)
 
@@ -419,24 +427,23 @@ class AutoscaleSim(ClusterSim):
             return
         self._pump_due = None
         q = self.batch_queue
-        if self._queue:                 # interactive requests wait: they go first
+        if self.queue:                  # interactive requests wait: they go first
             self._drain_queue(now)
-        while q and not self._queue:
+        while q and not self.queue:
             item = q.peek()
             r, feats = item.payload
-            if not super()._try_dispatch(r, feats, now):
+            if super()._try_dispatch(r, feats, now) is not None:
                 break
             q.pop()
-        if self._queue or q:            # a finish or an engine step retries sooner; this is the fallback
+        if self.queue or q:             # a finish or an engine step retries sooner; this is the fallback
             retry = now + (self.scrape_interval_s or 0.5)
             self._pump_due = retry
             self.schedule(retry, _pump)
 
-    def _try_dispatch(self, r: WorkloadRequest, feats: RequestFeatures, now: float) -> bool:
-        if super()._try_dispatch(r, feats, now):
-            return True
-        if not self.evict or feats.request_class == CLASS_BATCH or not self._evict_one(now):
-            return False
+    def _try_dispatch(self, r: WorkloadRequest, feats: RequestFeatures, now: float) -> Decision | None:
+        d = super()._try_dispatch(r, feats, now)
+        if d is None or not self.evict or feats.request_class == CLASS_BATCH or not self._evict_one(now):
+            return d
         return super()._try_dispatch(r, feats, now)
 
     def _evict_one(self, now: float) -> bool:
@@ -464,7 +471,7 @@ class AutoscaleSim(ClusterSim):
         self._evicted(victim, r, ev.record if ev is not None else None, best, now)
         best.inflight -= 1
         best.inflight_tokens -= r.prompt_tokens + int(feats.predicted_output_tokens)
-        self.policy.on_complete(feats, best.id, now)
+        self.placement.finished(feats, best.id, 0, now)
         st.touch(now)
         del st.batch[victim]
         res = self.results[victim]
@@ -542,7 +549,7 @@ class AutoscaleSim(ClusterSim):
                 st.itl_weighted += dur / k * tokens
                 st.itl_tokens += tokens
         # The engine admitted what it was sent and the cap allows more: look at the queues now.
-        if ((self._queue or (self.batch_queue and w.labels.get("pool") != POOL_INTERACTIVE))
+        if ((self.queue or (self.batch_queue and w.labels.get("pool") != POOL_INTERACTIVE))
                 and not w.draining and w.removed_at is None and (w.cap is None or w.inflight < w.cap)
                 and w.engine.num_waiting == 0 and w.inflight <= w.engine.num_running):
             self._request_pump(now)
@@ -623,9 +630,9 @@ class AutoscaleSim(ClusterSim):
                 if pool == POOL_MIXED and not has_room(self._view(w, now)):
                     mixed_gen += produced
                     n_mixed_full += 1
-        if self._queue:                 # interactive requests waiting for room count as demand too
+        if self.queue:                  # interactive requests waiting for room count as demand too
             caps = sorted(w.cap for w in self.workers.values() if w.cap and not w.draining)
-            busy += len(self._queue) / (caps[len(caps) // 2] if caps else 1)
+            busy += len(self.queue) / (caps[len(caps) // 2] if caps else 1)
         if n_batch:
             self._batch_pool_tokens.add(now, batch_gen / window / n_batch)
         if self.batch_queue or batch_inflight:     # measure while there is batch work, from its start
@@ -646,9 +653,13 @@ class AutoscaleSim(ClusterSim):
             batch_tokens_per_s=thr, worker_tokens_per_s=per_worker,
             output_mean=stats.mean if stats.n >= 20 else self.predicted_output_tokens_value(),
             output_std=stats.std if stats.n >= 20 else 0.0,
+            placement_shortfall=float(getattr(self.policy, "shortfall", 0)) if self.arm.joint else 0.0,
         )
 
     def predicted_output_tokens_value(self) -> float:
+        """The mean output length the run's predictor has seen (the gateway's view, not the trace's)."""
+        if self.length_predictor is not None:
+            return self.length_predictor.model_mean(self.model)
         p = self.predicted_output_tokens
         return float(p) if isinstance(p, int | float) else 128.0
 
@@ -656,7 +667,7 @@ class AutoscaleSim(ClusterSim):
         active, pending = self.pool_counts()
         row: dict[str, Any] = {"t": now, "workers": sum(active.values()) + sum(pending.values()),
                                "active": dict(active), "pending": dict(pending), "queue": len(self.batch_queue),
-                               "interactive_waiting": len(self._queue)}
+                               "interactive_waiting": len(self.queue)}
         caps = [w.cap for w in self.workers.values() if w.cap]
         row["mean_cap"] = statistics.fmean(caps) if caps else None
         row["max_running"] = max((w.engine.num_running for w in self.workers.values()), default=0)
@@ -816,7 +827,7 @@ def _baseline_tick(sim: AutoscaleSim, now: float) -> None:
     live = [w for w in sim.workers.values() if not w.draining]
     mean_out = sim.predicted_output_tokens_value()
     queued = sim.batch_queue.prompt_tokens + mean_out * len(sim.batch_queue)
-    queued += sum(r.prompt_tokens + mean_out for r, _ in sim._queue)
+    queued += sum(w.features.prompt_tokens + mean_out for w in sim.queue)
     util = fleet_utilization([w.engine.kv_usage for w in live], sim.kv_tokens, queued)
     desired, reason = sim.band.decide(util, current, now)
     if desired > current:

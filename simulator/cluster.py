@@ -47,21 +47,24 @@ import heapq
 import itertools
 import json
 import math
-import sys
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from policies.admission import DEFAULT_QUEUE_SIZE, DEFAULT_QUEUE_TIMEOUT_S, AdmissionQueue
 from policies.base import Policy, make_policy
 from policies.length_predictor import LengthPredictor
-from policies.pd import parse_pd_split, pd_policy_for_profiles
+from policies.pd import PdPolicy, pd_policy_for_profiles
+from policies.perf_model import PerfModel
+from policies.placement import TOO_LONG, ModelPlacement, context_limit, too_long_message
 from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, Decision, RequestFeatures, WorkerView
 from simulator.engine import BLOCK_SIZE, EngineConfig, EngineCore, SimRequest
 from simulator.profiles import Profile, load_profile
-from simulator.workload import WorkloadRequest, load_workload, mean_output_tokens
+from simulator.workload import WorkloadRequest
 
+REFUSED = "refused"                      # finish_reason: 429 from the admission queue (full, or out of budget)
+REJECTED_TOO_LONG = "rejected_too_long"  # finish_reason: vLLM's 400 for a prompt its context cannot hold
 PREFIX_HASHES_MAX = 64          # leading block keys passed to policies as RequestFeatures.prefix_hashes
 _ADD, _STEP, _WAKE, _TIMER = 0, 1, 2, 3
 
@@ -77,7 +80,8 @@ class RequestResult:
     first_token: float | None = None
     finished: float | None = None
     output_tokens: int = 0
-    finish_reason: str | None = None        # stop | length | abort | rejected | None (never finished)
+    finish_reason: str | None = None        # stop | length | abort | refused | rejected_too_long | None
+    status: int | None = None               # the HTTP error a rejected request got (400, 429)
     num_cached_tokens: int = 0
     preemptions: int = 0
     slo_ttft_s: float = math.inf
@@ -112,6 +116,12 @@ class RequestResult:
         """Arrival to first scheduling (gateway queue + API overhead + engine WAITING)."""
         first = self.prefill_scheduled if self.prefill_scheduled is not None else self.first_scheduled
         return None if first is None else first - self.arrival
+
+    @property
+    def servable(self) -> bool:
+        """Could any worker serve it? Not when vLLM refuses it for its length (it is then outside the SLO
+        denominator; refusals for capacity stay in it as misses)."""
+        return self.finish_reason != REJECTED_TOO_LONG
 
     @property
     def slo_met(self) -> bool:
@@ -175,16 +185,20 @@ class SimResult:
         done = [r for r in rs if r.completed]
         span = max(self.end - self.start, 1e-9)
         met = sum(1 for r in rs if r.slo_met)
+        servable = sum(1 for r in rs if r.servable)
         ttfts = sorted(r.ttft for r in done)
         tpots = sorted(r.tpot for r in done if r.output_tokens > 1)
         e2es = sorted(r.e2e for r in done)
         queues = sorted(r.queue_s for r in done)
         return {
             "requests": len(rs),
+            "servable": servable,
+            "rejected_too_long": len(rs) - servable,
             "completed": len(done),
-            "rejected": sum(1 for r in rs if r.finish_reason == "rejected"),
+            "refused": sum(1 for r in rs if r.finish_reason == REFUSED),
             "unfinished": sum(1 for r in rs if r.finish_reason is None),
-            "slo_attainment": met / len(rs) if rs else 0.0,
+            "slo_met": met,
+            "slo_attainment": met / servable if servable else 0.0,
             "goodput_rps": met / span,
             "throughput_rps": len(done) / span,
             "output_tokens_per_s": sum(r.output_tokens for r in done) / span,
@@ -235,6 +249,25 @@ def _pct(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
+def sim_policy(name: str, params: dict[str, Any] | None, profiles: Sequence[Profile], slo_ttft_s: float,
+               slo_tpot_s: float, predictor: LengthPredictor | None = None, seed: int | None = None) -> Policy:
+    """A policy by name as the simulated fleet needs it: SLO-aware policies get each profile's own performance
+    model (PerfModel.from_step_profile: never another GPU's) and the run's SLOs; aladdin shares the run's
+    output-length predictor (the placement step feeds it); seeded policies get the seed."""
+    kw = dict(params or {})
+    if name in ("aladdin", "hetero"):
+        kw.setdefault("perf_models", {p.name: PerfModel.from_step_profile(p) for p in profiles})
+    if name == "aladdin":
+        kw.setdefault("slo_ttft_s", slo_ttft_s)
+        kw.setdefault("slo_atgt_s", slo_tpot_s)
+        if predictor is not None:
+            kw.setdefault("predictor", predictor)
+            kw.setdefault("learn_lengths", False)
+    if name in ("random", "power_of_two") and seed is not None:
+        kw.setdefault("seed", seed)
+    return make_policy(name, **kw)
+
+
 class ClusterSim:
     def __init__(
         self,
@@ -247,12 +280,15 @@ class ClusterSim:
         scrape_interval_s: float = 0.5,
         engine_config: EngineConfig | None = None,
         max_iterations: int = 1 << 30,
-        predicted_output_tokens: float | Callable[[WorkloadRequest], float] | None = None,
+        predicted_output_tokens: float | Callable[[WorkloadRequest], float] | LengthPredictor | None = None,
         policy_params: dict[str, Any] | None = None,
         cap: int | None = None,
         queue_poll_s: float | None = None,
         queue_lookahead: int = 1,
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
         prefill_workers: int = 0,
+        seed: int | None = None,
     ) -> None:
         if workers < 0:
             raise ValueError("workers must be >= 0")
@@ -272,25 +308,40 @@ class ClusterSim:
         if not plist:
             raise ValueError("at least one profile is needed")
         self.profiles = [load_profile(p) for p in plist]
-        self.policy = make_policy(policy, **(policy_params or {})) if isinstance(policy, str) else policy
-        self.policy_name = policy if isinstance(policy, str) else getattr(policy, "name", type(policy).__name__)
+        self.model = self.profiles[0].model
+        # Output lengths: the online predictor the gateway uses (fed every completion), unless the caller gives
+        # a number, a function of the request (an oracle) or a predictor of its own.
+        p = predicted_output_tokens
+        self.length_predictor = p if isinstance(p, LengthPredictor) else LengthPredictor() if p is None else None
+        self.predicted_output_tokens = None if p is None or isinstance(p, LengthPredictor) else p
+        if isinstance(policy, str):
+            self.policy = sim_policy(policy, policy_params, self.profiles, slo_ttft_s, slo_tpot_s,
+                                     self.length_predictor, seed)
+            self.policy_name = policy
+        else:
+            self.policy, self.policy_name = policy, getattr(policy, "name", type(policy).__name__)
+        pd_factory = None
+        if isinstance(policy, str):
+            def pd_factory() -> PdPolicy:
+                params = dict(policy_params or {})
+                if policy == "aladdin" and self.length_predictor is not None:
+                    params.setdefault("predictor", self.length_predictor)
+                    params.setdefault("learn_lengths", False)
+                return pd_policy_for_profiles(policy, params, self.profiles, slo_ttft_s=slo_ttft_s,
+                                              slo_tpot_s=slo_tpot_s, prefix_chunk_tokens=BLOCK_SIZE)
+        observe = self.length_predictor.observe if self.length_predictor is not None else None
+        self.placement = ModelPlacement(self.policy, pd_factory, observe)
         self.prefill_workers = prefill_workers
-        if prefill_workers and isinstance(policy, str):  # P/D pools: the named policy places decodes
-            self.policy = pd_policy_for_profiles(policy, policy_params, self.profiles, slo_ttft_s=slo_ttft_s,
-                                                 slo_tpot_s=slo_tpot_s, prefix_chunk_tokens=BLOCK_SIZE)
-            self.policy_name = f"pd/{policy}"
+        if prefill_workers:
+            self.policy_name = f"pd/{self.policy_name}"
         self._pd_legs: dict[str, _PdLeg] = {}
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.scrape_interval_s = scrape_interval_s
         self.engine_config = engine_config
         self.max_iterations = max_iterations
-        self.predicted_output_tokens = predicted_output_tokens
-        self.length_predictor = predicted_output_tokens if isinstance(predicted_output_tokens, LengthPredictor) else None
-        self._progress_hook = getattr(self.policy, "report_progress", None)
-        self._completion_hook = getattr(self.policy, "observe_completion", None)
         self.queue_poll_s = queue_poll_s
-        self.queue_lookahead = queue_lookahead
-        self._poll_armed = False
+        self.queue = AdmissionQueue(queue_size, queue_lookahead, queue_timeout_s)
+        self._wake_at = math.inf
         self.cap = cap
         self.now = 0.0
         self.workers: dict[str, SimWorker] = {}
@@ -302,9 +353,8 @@ class ClusterSim:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._ids = itertools.count()
-        self._queue: deque[tuple[WorkloadRequest, RequestFeatures]] = deque()
-        self._max_queue = 0
         self._pending: dict[str, tuple[WorkloadRequest, RequestFeatures]] = {}
+        self._decisions: dict[str, Decision] = {}
         for i in range(workers):
             role = ROLE_MIXED if not prefill_workers else ROLE_PREFILL if i < prefill_workers else ROLE_DECODE
             self.add_worker(self.profiles[i % len(self.profiles)], role=role, now=0.0)
@@ -322,7 +372,7 @@ class ClusterSim:
         t = self.now if now is None else now
         self.workers[wid] = SimWorker(wid, prof, EngineCore(prof, self.engine_config), t, role,
                                       cap if cap is not None else self.cap, dict(labels or {}), weight=weight)
-        if self._queue:
+        if self.queue:
             self._drain_queue(t)
         return wid
 
@@ -342,7 +392,7 @@ class ClusterSim:
         """Call fn(sim, now) at model time t (during run)."""
         heapq.heappush(self._heap, (t, next(self._seq), _TIMER, fn))
 
-    # ---- policy interface -------------------------------------------------------------------------
+    # ---- the placement step (policies/placement.py) and the admission queue (policies/admission.py) ---------
     def _view(self, w: SimWorker, now: float) -> WorkerView:
         iv = self.scrape_interval_s
         tick = now // iv if iv > 0 else now
@@ -350,40 +400,47 @@ class ClusterSim:
             eng = w.engine
             w.scrape_tick, w.m_running, w.m_waiting, w.m_kv = tick, eng.num_running, eng.num_waiting, eng.kv_usage
         return WorkerView(w.id, w.role, w.inflight, w.inflight_tokens, w.cap, w.m_running, w.m_waiting, w.m_kv,
-                          w.profile.name, w.weight, w.labels)
+                          w.profile.name, w.weight, w.labels, w.profile.max_model_len)
 
     def _predict(self, r: WorkloadRequest) -> float:
+        """The output length policies are told: a number or function given to the sim (an oracle, by name),
+        else the online predictor's."""
         p = self.predicted_output_tokens
-        if self.length_predictor is not None:
-            return self.length_predictor.predict(self.profiles[0].model, r.prompt_tokens, r.max_tokens)
-        return float(p(r)) if callable(p) else float(p or 128.0)
+        if p is not None:
+            return float(p(r)) if callable(p) else float(p)
+        return self.length_predictor.predict(self.model, r.prompt_tokens, r.max_tokens)
 
     def features(self, r: WorkloadRequest) -> RequestFeatures:
         return RequestFeatures(
-            request_id=r.request_id, model=self.profiles[0].model, prompt_tokens=r.prompt_tokens,
+            request_id=r.request_id, model=self.model, prompt_tokens=r.prompt_tokens,
             max_tokens=r.max_tokens, predicted_output_tokens=self._predict(r),
             session_id=r.session_id, prefix_hashes=tuple(r.prefix_blocks[:PREFIX_HASHES_MAX]),
             slo_ttft_s=r.slo_ttft_s or self.slo_ttft_s, slo_tpot_s=r.slo_tpot_s or self.slo_tpot_s,
             priority=r.priority, arrival=r.arrival,
         )
 
-    def _try_dispatch(self, r: WorkloadRequest, feats: RequestFeatures, now: float) -> bool:
+    def _try_dispatch(self, r: WorkloadRequest, feats: RequestFeatures, now: float) -> Decision | None:
+        """Place and send the request; None when it was handled (sent, or refused as too long), else the
+        Decision that found no worker (its retry_at tells the queue when to ask again)."""
         views = [self._view(w, now) for w in self.workers.values()
                  if not w.draining and (w.cap is None or w.inflight < w.cap)]
-        if not views:
-            return False
-        decision: Decision = self.policy.choose(feats, views, now)
+        decision = self.placement.place(feats, views, now)
         wid = decision.worker_id
         if wid is None:
-            return False
+            if decision.reason == TOO_LONG:
+                self._reject(r, REJECTED_TOO_LONG, 400, too_long_message(feats, context_limit(views)), now)
+                return None
+            return decision
         w = self.workers.get(wid)
         if w is None or w.draining:
             raise RuntimeError(f"policy {self.policy_name} chose {wid!r}, which is not a candidate")
-        if decision.prefill_worker_id is not None or self.prefill_workers:
+        if decision.prefill_worker_id is not None or self.placement.pd is not None:
             self.results[r.request_id].pd_decision = decision.reason
+        self.placement.dispatched(feats, decision, now)
+        self._decisions[r.request_id] = decision
         if decision.prefill_worker_id is not None:
-            return self._dispatch_pd(r, feats, w, decision.prefill_worker_id, now)
-        self.policy.on_dispatch(feats, wid, now)
+            self._dispatch_pd(r, feats, w, decision.prefill_worker_id, now)
+            return None
         w.inflight += 1
         w.inflight_tokens += r.prompt_tokens + int(feats.predicted_output_tokens)
         res = self.results[r.request_id]
@@ -393,32 +450,68 @@ class ClusterSim:
         self._pending[r.request_id] = (r, feats)
         heapq.heappush(self._heap, (now + w.profile.pre_engine_delay(w.engine.num_running), next(self._seq), _ADD,
                                      (wid, r.request_id)))
-        return True
+        return None
+
+    def _reject(self, r: WorkloadRequest, reason: str, status: int, error: str, now: float) -> None:
+        """The request is answered with an error and never reaches an engine (a 400 or a 429)."""
+        res = self.results[r.request_id]
+        res.finish_reason, res.status, res.error, res.finished = reason, status, error, now
+        for hook in self.on_finish:
+            hook(self, res)
+
+    def _arrive(self, r: WorkloadRequest, now: float) -> None:
+        if r.request_id in self.results:
+            raise ValueError(f"duplicate request id {r.request_id!r}")
+        self.results[r.request_id] = RequestResult(r.request_id, r.arrival, r.prompt_tokens,
+                                                   slo_ttft_s=r.slo_ttft_s or self.slo_ttft_s,
+                                                   slo_tpot_s=r.slo_tpot_s or self.slo_tpot_s)
+        for hook in self.on_arrival:
+            hook(self, r, now)
+        feats = self.features(r)
+        q = self.queue
+        retry_at = math.inf
+        if q.admits_directly():
+            d = self._try_dispatch(r, feats, now)
+            if d is None:
+                return
+            retry_at = d.retry_at if d.retry_at is not None else math.inf
+        if q.full():
+            self._reject(r, REFUSED, 429, "admission queue full", now)
+            return
+        q.enter(feats, now, r).retry_at = retry_at
+        self._arm(now)
 
     def _drain_queue(self, now: float) -> None:
-        q = self._queue
-        while q and self._try_dispatch(q[0][0], q[0][1], now):
-            q.popleft()
-        i = 1
-        while i < min(len(q), self.queue_lookahead):   # a head that does not fit: the next ones may
-            if self._try_dispatch(q[i][0], q[i][1], now):
-                del q[i]
+        q = self.queue
+        for w in q.expired(now):
+            self._reject(w.handle, REFUSED, 429, w.reason, now)
+        for w in q.candidates():
+            d = self._try_dispatch(w.handle, w.features, now)
+            if d is None:
+                q.remove(w)
             else:
-                i += 1
-        if q and self.queue_poll_s is not None and not self._poll_armed:
-            self._poll_armed = True
-            self.schedule(now + self.queue_poll_s, _poll_queue)
+                w.retry_at = d.retry_at if d.retry_at is not None else math.inf
+        self._arm(now)
+
+    def _arm(self, now: float) -> None:
+        """Make sure a drain runs at the queue's next due time (a policy's retry_at or a deadline), and every
+        `queue_poll_s` while requests wait when polling is on."""
+        if not self.queue:
+            return
+        t = self.queue.next_wake()
+        if self.queue_poll_s is not None:
+            t = min(t, now + self.queue_poll_s)
+        if t < self._wake_at:
+            self._wake_at = t
+            self.schedule(t, _wake_queue)
 
     def _complete(self, w: SimWorker, r: WorkloadRequest, feats: RequestFeatures, now: float) -> None:
         w.inflight -= 1
         w.inflight_tokens -= r.prompt_tokens + int(feats.predicted_output_tokens)
         res = self.results[r.request_id]
-        if res.completed:
-            if self.length_predictor is not None:
-                self.length_predictor.observe(feats.model, r.prompt_tokens, res.output_tokens)
-            if self._completion_hook is not None:
-                self._completion_hook(feats, res.output_tokens, now)
-        self.policy.on_complete(feats, w.id, now)
+        self._decisions.pop(r.request_id, None)
+        self.placement.finished(feats, w.id, res.output_tokens if res.completed else 0, now,
+                                slo_met=res.slo_met if res.completed else False)
         for hook in self.on_finish:
             hook(self, self.results[r.request_id])
         self._maybe_retire(w, now)
@@ -437,7 +530,7 @@ class ClusterSim:
         except ValueError as exc:   # what vLLM answers with HTTP 400
             del self._pending[rid]
             res = self.results[rid]
-            res.finish_reason, res.error, res.finished = "rejected", str(exc), now
+            res.finish_reason, res.status, res.error, res.finished = "rejected_too_long", 400, str(exc), now
             self._complete(w, r, feats, now)
             return
         if w.step_end is None:
@@ -468,8 +561,8 @@ class ClusterSim:
             if self._pd_legs and ev.request_id in self._pd_legs and self._pd_step_event(w, ev, now):
                 continue
             if not ev.finished:
-                if ev.first_token and self._progress_hook is not None:
-                    self._progress_hook(ev.request_id, 1, now)
+                if ev.first_token:
+                    self.placement.progress(self._pending[ev.request_id][1], 1, now)
                 continue
             rec = ev.record
             r, feats = self._pending.pop(ev.request_id)
@@ -481,7 +574,7 @@ class ClusterSim:
             finished = True
         if w.removed_at is None:
             self._plan(w, now)
-        if finished and self._queue:
+        if finished and self.queue:
             self._drain_queue(now)
 
     # ---- P/D: prefill leg on one worker, KV transfer, decode leg on another (policies/pd.py) ---------
@@ -493,7 +586,6 @@ class ClusterSim:
         wp = self.workers.get(pid)
         if wp is None or wp.draining or wp is wd:
             raise RuntimeError(f"policy {self.policy_name} chose prefill worker {pid!r}, which is not a candidate")
-        self.policy.on_dispatch(feats, wd.id, now)
         wd.inflight += 1
         wd.inflight_tokens += r.prompt_tokens + int(feats.predicted_output_tokens)
         wp.inflight += 1
@@ -568,7 +660,7 @@ class ClusterSim:
         wp.inflight -= 1
         wp.inflight_tokens -= r.prompt_tokens
         self._maybe_retire(wp, now)
-        if self._queue:
+        if self.queue:
             self._drain_queue(now)
 
     def _pd_reject(self, leg: _PdLeg, error: str, now: float) -> None:
@@ -576,7 +668,7 @@ class ClusterSim:
         self._pd_legs.pop(leg.request_id, None)
         r, feats = self._pending.pop(leg.request_id)
         res = self.results[leg.request_id]
-        res.finish_reason, res.error, res.finished = "rejected", error, now
+        res.finish_reason, res.status, res.error, res.finished = REJECTED_TOO_LONG, 400, error, now
         self._complete(leg.decode, r, feats, now)
 
     def _poke(self, w: SimWorker, now: float) -> None:
@@ -597,17 +689,19 @@ class ClusterSim:
                 heapq.heappush(self._heap, (end, next(self._seq), _STEP, (w, w.token)))
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def run(self, workload: Sequence[WorkloadRequest], until: float | None = None) -> SimResult:
+    def run(self, workload: Sequence[WorkloadRequest], until: float | None = None,
+            progress: Callable[[int, int], None] | None = None) -> SimResult:
+        """Run the workload to the end (or `until`). `progress(arrived, total)` is called every 1% of the
+        arrivals (for long runs' progress bars)."""
         wall0 = time.perf_counter()
         arrivals = sorted(workload, key=lambda r: r.arrival)
-        if self.predicted_output_tokens is None:
-            self.predicted_output_tokens = mean_output_tokens(arrivals) or 128.0
         start = arrivals[0].arrival if arrivals else 0.0
         for w in self.workers.values():   # the fleet present before the run counts from the first arrival
             w.added_at = max(w.added_at, start)
         heap = self._heap
         i, n = 0, len(arrivals)
         inf = math.inf
+        tick = max(n // 100, 1) if progress is not None else n + 1
         while True:
             t_arr = arrivals[i].arrival if i < n else inf
             t_evt = heap[0][0] if heap else inf
@@ -619,6 +713,8 @@ class ClusterSim:
                 r = arrivals[i]
                 i += 1
                 self._arrive(r, t)
+                if i % tick == 0:
+                    progress(i, n)
                 continue
             _, _, kind, payload = heapq.heappop(heap)
             if kind == _STEP:
@@ -638,22 +734,6 @@ class ClusterSim:
             self.results.pop(r.request_id, None)
         return self._result(start, end, time.perf_counter() - wall0)
 
-    def _arrive(self, r: WorkloadRequest, now: float) -> None:
-        if r.request_id in self.results:
-            raise ValueError(f"duplicate request id {r.request_id!r}")
-        self.results[r.request_id] = RequestResult(r.request_id, r.arrival, r.prompt_tokens,
-                                                   slo_ttft_s=r.slo_ttft_s or self.slo_ttft_s,
-                                                   slo_tpot_s=r.slo_tpot_s or self.slo_tpot_s)
-        for hook in self.on_arrival:
-            hook(self, r, now)
-        feats = self.features(r)
-        if len(self._queue) >= self.queue_lookahead or not self._try_dispatch(r, feats, now):
-            self._queue.append((r, feats))
-            self._max_queue = max(self._max_queue, len(self._queue))
-            if self.queue_poll_s is not None and not self._poll_armed:
-                self._poll_armed = True
-                self.schedule(now + self.queue_poll_s, _poll_queue)
-
     def _result(self, start: float, end: float, wall: float) -> SimResult:
         all_workers = list(self.workers.values()) + self.retired
         gpu_s = sum(w.gpus * max(0.0, (w.removed_at if w.removed_at is not None else end) - w.added_at)
@@ -665,73 +745,15 @@ class ClusterSim:
             preemptions=sum(w.engine.stats.preemptions for w in all_workers),
             prefix_cache_queries=sum(w.engine.stats.prefix_cache_queries for w in all_workers),
             prefix_cache_hits=sum(w.engine.stats.prefix_cache_hits for w in all_workers),
-            max_admission_queue=self._max_queue,
+            max_admission_queue=self.queue.peak,
         )
 
 
-def _poll_queue(sim: ClusterSim, now: float) -> None:
-    """Timer: retry the admission queue's head (re-armed by `_drain_queue` while requests wait)."""
-    sim._poll_armed = False
-    if sim._queue:
+def _wake_queue(sim: ClusterSim, now: float) -> None:
+    """Timer: the admission queue's next due time (`_arm`); a stale timer (an earlier one was set since) does
+    nothing."""
+    if now < sim._wake_at:
+        return
+    sim._wake_at = math.inf
+    if sim.queue:
         sim._drain_queue(now)
-
-
-# ---- `fleetgate simulate` -------------------------------------------------------------------------
-def run_simulate_cli(
-    trace: str | None, workers: int, profile: str, policy: str, rate: float | None, rate_scale: float,
-    arrival: str, cv: float, duration: float | None, slo_ttft_ms: float, slo_tpot_ms: float, seed: int,
-    as_json: bool, pd: str | None = None,
-) -> None:
-    import typer
-
-    try:
-        prefill_workers = 0
-        if pd is not None:  # P prefill + D decode workers; `policy` places the decode legs (policies/pd.py)
-            prefill_workers, decode_workers = parse_pd_split(pd)
-            workers = prefill_workers + decode_workers
-        if workers < 1:
-            raise ValueError("--workers must be >= 1")
-        workload = load_workload(trace or "azure_conv", rate=rate, rate_scale=rate_scale, arrival=arrival,
-                                 cv=cv, duration=duration, seed=seed)
-        if not workload:
-            raise ValueError("the workload is empty (check --duration / --rate)")
-        profiles = [p.strip() for p in profile.split(",") if p.strip()]
-        sim = ClusterSim(profiles, workers, policy, slo_ttft_s=slo_ttft_ms / 1000.0, slo_tpot_s=slo_tpot_ms / 1000.0,
-                         policy_params={"seed": seed} if policy in ("random", "power_of_two") else None,
-                         prefill_workers=prefill_workers)
-        result = sim.run(workload)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    summary = result.to_dict()
-    summary["trace"] = trace or "azure_conv"
-    if as_json:
-        print(json.dumps(summary))
-        return
-    _print_summary(summary)
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def _print_summary(summary: dict[str, Any]) -> None:
-    rows = [(k, _fmt(v)) for k, v in summary.items()]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        width = max(len(k) for k, _ in rows)
-        for k, v in rows:
-            print(f"{k:<{width}}  {v}")
-        return
-    table = Table(title="fleetgate simulate", show_header=False)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for k, v in rows:
-        table.add_row(k, v)
-    Console().print(table)

@@ -1,95 +1,44 @@
-"""Progress of long runs (benchmarks, `fleetgate simulate`), on stderr so stdout stays the result.
-
-    with Progress("P/D sizing", total=len(cases)) as bar:
-        for case in cases:
-            ...
-            bar.step(f"{case}: 3 workers")      # one finished unit, with a note
-
-On a terminal (stderr is a TTY) it is a `rich` bar with the count, elapsed time, an ETA and the last note. Not
-on a terminal (CI logs, `2> file`) each step is one plain line, `[3/12 41s] note`, so a long run is never
-silent. FLEETGATE_PROGRESS=bar / lines / off forces a mode; `mode="off"` in code too. Nothing is written to
-stdout.
-"""
+"""Progress of long runs on stderr (`fleetgate simulate`, the benchmarks): a rich progress bar when stderr is a
+terminal, a plain line every 10% otherwise (logs, CI), nothing at all with FLEETGATE_PROGRESS=0."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
-from types import TracebackType
-from typing import Any, TextIO
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-MODES = ("bar", "lines", "off")
-ENV = "FLEETGATE_PROGRESS"
-
-
-def choose_mode(stream: TextIO, mode: str | None = None) -> str:
-    mode = mode or os.environ.get(ENV) or ("bar" if _isatty(stream) else "lines")
-    if mode not in MODES:
-        raise ValueError(f"progress mode {mode!r}: expected one of {', '.join(MODES)}")
-    return mode
+Progress = Callable[[int, int], None]
 
 
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
+@contextmanager
+def stderr_progress(label: str) -> Iterator[Progress]:
+    """A `progress(done, total)` callback for the duration of the block."""
+    if os.environ.get("FLEETGATE_PROGRESS", "1") == "0":
+        yield lambda done, total: None
+        return
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
 
+        with Bar("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 TimeRemainingColumn(), transient=True, console=Console(stderr=True)) as bar:
+            task = bar.add_task(label, total=None)
 
-class Progress:
-    def __init__(self, description: str, total: int | None = None, mode: str | None = None,
-                 stream: TextIO | None = None) -> None:
-        self.description = description
-        self.total = total
-        self.stream = stream or sys.stderr
-        self.mode = choose_mode(self.stream, mode)
-        self.done = 0
-        self._t0 = time.perf_counter()
-        self._bar: Any = None
-        self._task: Any = None
+            def update(done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total)
 
-    def __enter__(self) -> Progress:
-        return self.start()
+            yield update
+        return
+    t0 = time.monotonic()
+    last = [-1]
 
-    def start(self) -> Progress:
-        """Show the bar (or the heading line); `with Progress(...)` calls it, else pair it with `close()`."""
-        self._t0 = time.perf_counter()
-        if self.mode == "bar":
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-            from rich.progress import Progress as RichProgress
+    def line(done: int, total: int) -> None:
+        pct = done * 100 // max(total, 1)
+        if pct // 10 != last[0] // 10:
+            last[0] = pct
+            print(f"{label}: {pct}% ({done}/{total}) after {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
 
-            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"),
-                                     console=Console(file=self.stream), transient=False)
-            self._bar.start()
-            self._task = self._bar.add_task(self.description, total=self.total, note="")
-        elif self.mode == "lines":
-            total = f" ({self.total} steps)" if self.total else ""
-            print(f"{self.description}{total}", file=self.stream, flush=True)
-        return self
-
-    def step(self, note: str = "", n: int = 1) -> None:
-        """`n` units finished; `note` says what (shown beside the bar, or as the line)."""
-        self.done += n
-        if self.mode == "bar":
-            self._bar.update(self._task, advance=n, note=note)
-        elif self.mode == "lines":
-            of = f"/{self.total}" if self.total else ""
-            print(f"  [{self.done}{of} {time.perf_counter() - self._t0:.0f}s] {note}", file=self.stream, flush=True)
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
+    yield line

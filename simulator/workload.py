@@ -10,7 +10,9 @@ one of these formats works too (the format is detected from its header / first l
 
 from __future__ import annotations
 
+import bisect
 import csv
+import functools
 import json
 import math
 import random
@@ -43,6 +45,7 @@ class WorkloadRequest:
     max_tokens: int | None = None
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    source_row: int | None = None       # its row in the trace file (so a history can leave it out)
 
 
 # ---- arrival processes ----------------------------------------------------------------------------
@@ -93,6 +96,18 @@ def _azure_stamp(stamp: str) -> tuple[int, float]:
     y, mo, d = day.split("-")
     h, mi, s = clock.split(":")
     return date(int(y), int(mo), int(d)).toordinal(), int(h) * 3600 + int(mi) * 60 + float(s)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_cached(kind: str, path: Path, mtime: float) -> tuple:
+    """A trace file parsed once per process (studies replay the same file hundreds of times)."""
+    reader = {"azure": read_azure, "lengths": read_lengths, "mooncake": read_mooncake}[kind]
+    return tuple(reader(path))
+
+
+def read_trace(kind: str, path: Path) -> tuple:
+    """`read_azure` / `read_lengths` / `read_mooncake` of `path`, cached until the file changes (read-only)."""
+    return _read_cached(kind, path, path.stat().st_mtime)
 
 
 def read_azure(path: Path) -> list[tuple[float, int, int]]:
@@ -166,50 +181,75 @@ def load_workload(
     limit: int | None = None,
 ) -> list[WorkloadRequest]:
     """Requests sorted by arrival. Timestamped traces keep their arrivals unless `rate` is given;
-    `rate_scale` multiplies the arrival rate (divides gaps); `duration` keeps arrivals before it."""
+    `rate_scale` multiplies the arrival rate (divides gaps); `duration` keeps arrivals before it.
+
+    The seed decides what is replayed: for a timestamped trace longer than `duration`, seed k replays the
+    window starting k windows in (wrapping around); with synthetic arrivals (lengths-only traces, or `rate`
+    given), each request's (prompt, output) pair is drawn i.i.d. from the trace's rows (a file that lists a
+    conversation's turns in order would otherwise send bursts of ever longer prompts)."""
     if rate_scale <= 0:
         raise ValueError("rate_scale must be > 0")
     if duration is not None and duration <= 0:
         raise ValueError("duration must be > 0")
     path = resolve_trace(trace)
-    kind = _detect(path)
     rng = random.Random(seed)
-    lengths: list[tuple[int, int, tuple[int, ...]]]
-    stamps: list[float] | None = None
-    if kind == "azure":
-        rows = read_azure(path)
-        lengths = [(p, o, ()) for _, p, o in rows]
-        stamps = [t for t, _, _ in rows]
-    elif kind == "mooncake":
-        rows = read_mooncake(path)
-        cache: dict[int, tuple[int, ...]] = {}
-        lengths = [(max(1, r["input_length"]), max(1, r["output_length"]),
-                    mooncake_block_keys(r.get("hash_ids", []), r["input_length"], cache)) for r in rows]
-        t0 = rows[0]["timestamp"]
-        stamps = [(r["timestamp"] - t0) / 1000.0 for r in rows]   # ms -> s
-    else:
-        lengths = [(p, o, ()) for p, o in read_lengths(path)]
+    stamps, lengths = _rows_of(path, path.stat().st_mtime)
     if rate is not None or stamps is None:
         if rate is None:
             raise ValueError(f"trace {trace!r} has no timestamps: give an arrival rate (req/s)")
         arrivals = arrival_process(arrival, rate * rate_scale, cv, rng)
-        # Lengths-only traces repeat from the start when a duration asks for more requests than the file has.
-        n = len(lengths) if duration is None else None
+        n = len(lengths) if duration is None else None   # without a duration: as many requests as rows
         stamps = []
         for i, t in enumerate(arrivals):
             if (n is not None and i >= n) or (duration is not None and t >= duration) or (limit and i >= limit):
                 break
             stamps.append(t)
-        if n is None:
-            lengths = [lengths[j % len(lengths)] for j in range(len(stamps))]
+        rows = [rng.randrange(len(lengths)) for _ in stamps]
     else:
-        stamps = [t / rate_scale for t in stamps]
+        stamps = [t / rate_scale for t in stamps]       # a new list: the cached one stays as it was
+        start = 0.0
+        span = stamps[-1] if stamps else 0.0
+        if duration is not None and seed and span > duration:
+            start = (seed * duration) % (span - duration)
+        first = bisect.bisect_left(stamps, start)
+        rows = list(range(first, len(stamps)))
+        stamps = [stamps[j] - start for j in rows]
     out: list[WorkloadRequest] = []
-    for i, (t, (p, o, keys)) in enumerate(zip(stamps, lengths, strict=False)):
+    for i, (t, j) in enumerate(zip(stamps, rows, strict=True)):
         if (duration is not None and t >= duration) or (limit is not None and i >= limit):
             break
-        out.append(WorkloadRequest(f"req-{i}", t, p, o, keys))
+        p, o, keys = lengths[j]
+        out.append(WorkloadRequest(f"req-{i}", t, p, o, keys, source_row=j))
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _rows_of(path: Path, mtime: float) -> tuple[tuple[float, ...] | None, tuple[tuple[int, int, tuple[int, ...]], ...]]:
+    """(arrival seconds or None for a lengths-only trace, (prompt, output, block keys) per row), parsed once per
+    process: studies replay the same file hundreds of times (mooncake's block keys take seconds to expand)."""
+    kind = _detect(path)
+    if kind == "azure":
+        rows = read_trace("azure", path)
+        return tuple(t for t, _, _ in rows), tuple((p, o, ()) for _, p, o in rows)
+    if kind == "mooncake":
+        rows = read_trace("mooncake", path)
+        cache: dict[int, tuple[int, ...]] = {}
+        t0 = rows[0]["timestamp"]
+        return (tuple((r["timestamp"] - t0) / 1000.0 for r in rows),       # ms -> s
+                tuple((max(1, r["input_length"]), max(1, r["output_length"]),
+                       mooncake_block_keys(r.get("hash_ids", []), r["input_length"], cache)) for r in rows))
+    return None, tuple((p, o, ()) for p, o in read_trace("lengths", path))
+
+
+def trace_rows(trace: str | Path) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) of every row of a trace, in file order (the rows `source_row` indexes)."""
+    path = resolve_trace(trace)
+    kind = _detect(path)
+    if kind == "azure":
+        return [(p, o) for _, p, o in read_trace("azure", path)]
+    if kind == "mooncake":
+        return [(max(1, r["input_length"]), max(1, r["output_length"])) for r in read_trace("mooncake", path)]
+    return list(read_trace("lengths", path))
 
 
 def mean_output_tokens(requests: list[WorkloadRequest]) -> float:

@@ -230,3 +230,28 @@ def test_combiner_respects_the_total_bound():
     assert plan.desired[POOL_INTERACTIVE] + plan.desired[POOL_MIXED] == 6     # 8 total, 2 are batch
     with pytest.raises(ValueError):
         GlobalConfig(theta=0.2, delta=0.3)
+
+
+# ---- joint placement and scaling (Aladdin section 4.2 + appendix E.2) ---------------------------------------
+def test_placement_shortfall_raises_the_interactive_target_and_holds_scale_in() -> None:
+    cfg = GlobalConfig(theta=0.5, delta=0.1, cooldown_out_s=0.0, cooldown_in_s=0.0, stabilization_s=0.0,
+                       use_rate_forecast=False)
+    workers = {POOL_INTERACTIVE: 2, POOL_MIXED: 2}
+    # 2 of 4 workers busy: IBP 0.5 sits in the band, so Chiron alone would hold 4 ...
+    calm = GlobalAutoscaler(cfg).update(FleetObservation(interactive_busy=2.0, workers=workers), 0.0)
+    assert sum(calm.desired[p] for p in (POOL_INTERACTIVE, POOL_MIXED)) == 4 and not calm.actions
+    # ... but 3 more workers' worth of requests fit nowhere within their SLO: 4 active + 3.
+    plan = GlobalAutoscaler(cfg).update(FleetObservation(interactive_busy=2.0, workers=workers,
+                                                         placement_shortfall=3.0), 0.0)
+    assert sum(plan.desired[p] for p in (POOL_INTERACTIVE, POOL_MIXED)) == 7
+    assert [(a.direction, a.reason) for a in plan.actions] and all(a.reason == "placement_shortfall"
+                                                                   for a in plan.actions)
+    assert plan.backpressure["placement_shortfall"] == 3.0
+    # Idle by IBP (would scale in) yet 1 worker short: no scale-in below active + shortfall.
+    idle = GlobalAutoscaler(cfg).update(FleetObservation(interactive_busy=0.2, workers=workers,
+                                                         placement_shortfall=1.0), 0.0)
+    assert sum(idle.desired[p] for p in (POOL_INTERACTIVE, POOL_MIXED)) == 5
+    # Workers already starting cover the shortfall: nothing more is asked.
+    covered = GlobalAutoscaler(cfg).update(FleetObservation(interactive_busy=2.0, workers=workers,
+                                                            pending={POOL_MIXED: 3}, placement_shortfall=3.0), 0.0)
+    assert sum(covered.desired[p] for p in (POOL_INTERACTIVE, POOL_MIXED)) == 7 and not covered.actions

@@ -7,8 +7,10 @@ import math
 import pytest
 
 from policies.autoscale.baselines import StaticProvisioning, UtilizationBand, fleet_utilization
-from policies.autoscale.routing import PoolRouter, eviction_victim, has_room
+from policies.autoscale.routing import PoolRouter, eviction_victim, has_room, pool_filter, pools_in_use
+from policies.base import make_policy
 from policies.batch_queue import BatchQueue
+from policies.placement import ModelPlacement
 from policies.types import CLASS_BATCH, RequestFeatures, WorkerView
 
 
@@ -82,18 +84,23 @@ def _w(wid: str, pool: str, inflight: int = 0, cap: int = 10, running: int | Non
                       waiting=waiting, labels={"pool": pool})
 
 
-def test_router_prefers_own_pool_then_spills_to_mixed():
-    router = PoolRouter()
+def test_placement_prefers_own_pool_then_spills_to_mixed():
+    """The placement step's pool filter (the gateway and the simulators share it) with the `least_fill` policy."""
+    place = ModelPlacement(make_policy("least_fill")).place
     inter = RequestFeatures("i", "m", 10)
     batch = RequestFeatures("b", "m", 10, request_class=CLASS_BATCH)
     ws = [_w("i1", "interactive", 5), _w("i2", "interactive", 2), _w("m1", "mixed", 0), _w("b1", "batch", 9)]
-    assert router.choose(inter, ws, 0).worker_id == "i2"        # own pool, least filled
-    assert router.choose(batch, ws, 0).worker_id == "b1"        # own pool even if fuller than mixed
+    assert place(inter, ws, 0).worker_id == "i2"        # own pool, least filled
+    assert place(batch, ws, 0).worker_id == "b1"        # own pool even if fuller than mixed
     full = [_w("i1", "interactive", 5, waiting=1), _w("m1", "mixed", 3), _w("b1", "batch", 3, running=2)]
-    assert router.choose(inter, full, 0).worker_id == "m1"      # i1's engine queues: spill to mixed
-    assert router.choose(batch, full, 0).worker_id == "m1"      # b1 has a request in transit
-    assert router.choose(inter, [_w("b1", "batch")], 0).worker_id is None
+    assert place(inter, full, 0).worker_id == "m1"      # i1's engine queues: spill to mixed
+    assert place(batch, full, 0).worker_id == "m1"      # b1 has a request in transit
+    assert place(inter, [_w("b1", "batch")], 0).worker_id is None
+    assert pool_filter(inter, [_w("b1", "batch")]) == []
     assert has_room(_w("x", "mixed", 3)) and not has_room(_w("x", "mixed", 3, waiting=2))
+    # Without pool labels every worker is a candidate and the policy alone decides.
+    assert not pools_in_use([WorkerView("a"), WorkerView("b")])
+    assert PoolRouter().choose(inter, [_w("a", "mixed", 4), _w("b", "mixed", 1)], 0).worker_id == "b"
 
 
 def test_eviction_victim_is_the_mixed_worker_with_most_batch_work():

@@ -4,6 +4,11 @@ weights, `weighted_round_robin`, and `aladdin`'s risk mode of constraint (d)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,6 +23,7 @@ from policies.length_predictor import LengthPredictor
 from policies.perf_model import PerfModel
 from policies.types import Decision, RequestFeatures, WorkerView
 from simulator.cluster import ClusterSim
+from simulator.simulate import simulate
 from simulator.workload import WorkloadRequest, synthetic_workload
 
 # Decode step 10 ms whatever the batch, prefill 1 ms per prompt token, KV never binding.
@@ -26,31 +32,63 @@ CLOCK = PerfModel(k1=1e-3, c1=0.0, k2=1e-9, c2=0.0, c3=0.01, h=1.0, j=0.0, kv_ca
 
 # --- the experiments, tiny ---------------------------------------------------------------------------
 def test_min_workers_search_is_consistent():
+    spec = bp.point_spec("sharegpt", 1.0, 0, 30.0)
     for policy in ("least_requests", "aladdin"):
-        s = bp.min_workers(policy, "sharegpt", rate=1.0, seed=0, duration=30.0)
-        assert s.needed is not None and s.needed >= 1, s.runs
-        assert s.runs[s.needed].attainment >= bp.TARGET and not s.runs[s.needed].stopped_early
-        if s.needed - 1 in s.runs:                      # the bisection's lower neighbour failed
-            assert s.runs[s.needed - 1].attainment < bp.TARGET
-        assert all(r.requests == s.runs[s.needed].requests > 0 for r in s.runs.values())
+        s = bp.min_workers(bp.with_policy(spec, policy), policy, "sharegpt", 1.0, bp.TARGET, start=3, cap=12)
+        assert s.needed is not None and s.needed >= 1, s.probes
+        assert s.probes[s.needed].attainment >= bp.TARGET and not s.probes[s.needed].stopped_early
+        if s.needed - 1 in s.probes:                      # the bisection's lower neighbour failed
+            assert s.probes[s.needed - 1].attainment < bp.TARGET
+        assert all(p.servable == s.probes[s.needed].servable > 0 for p in s.probes.values())
 
 
-def test_workloads_fit_the_context_and_scale_the_rate():
-    share = bp.sharegpt_workload(4.0, 60.0, seed=1, max_model_len=4096)
-    assert all(r.prompt_tokens + r.output_tokens <= 4096 for r in share)
-    assert 150 < len(share) < 330 and share == sorted(share, key=lambda r: r.arrival)
-    azure = bp.azure_workload(8.0, 60.0, seed=0, max_model_len=4096)
-    assert all(r.prompt_tokens + r.output_tokens <= 4096 and 0 <= r.arrival < 60 for r in azure)
-    assert azure != bp.azure_workload(8.0, 60.0, seed=1, max_model_len=4096)   # another window
+def test_the_benchmark_runs_what_fleetgate_simulate_runs(tmp_path):
+    """Same spec, same seed: the bench's probe and the CLI's JSON give the same numbers."""
+    spec = bp.with_policy(bp.point_spec("sharegpt_cv4", 2.0, 1, 60.0), "aladdin", bp.CANDIDATES["spread"], workers=3)
+    got = bp.probe(spec, stop_early=False)
+    p = subprocess.run([sys.executable, "-m", "gateway.cli", "simulate", "--trace", "sharegpt", "--rate", "2",
+                        "--arrival", "gamma", "--cv", "4", "--duration", "60", "--seed", "1", "--workers", "3",
+                        "--profile", "llama2-13b-a100", "--policy", "aladdin", "--policy-param", "fit=worst",
+                        "--json"], capture_output=True, text=True, timeout=300, env={**os.environ,
+                                                                                      "FLEETGATE_PROGRESS": "0"})
+    assert p.returncode == 0, p.stderr
+    cli = json.loads(p.stdout)
+    assert cli["slo_attainment"] == got.attainment and cli["servable"] == got.servable
+    direct = simulate(spec).to_dict()
+    assert direct["slo_attainment"] == cli["slo_attainment"] and direct["ttft_p99"] == cli["ttft_p99"]
 
 
-def test_placement_main_writes_report_and_plot(tmp_path):
+def test_leave_one_trace_out_never_chooses_on_the_reported_trace():
+    st = bp.Study(argparse.Namespace(seeds=[0], target=bp.TARGET, traces=["a", "b"]))
+    for t in ("a", "b"):
+        bp.TRACES[t] = ({"trace": "sharegpt"}, (1.0, 2.0))
+    try:
+        def add(label: str, trace: str, n: int) -> None:
+            st.searches.append(bp.Search(label, trace, 2.0, 0, n))
+        for t in ("a", "b"):
+            for b in bp.BASELINES:
+                add(b, t, 10)
+        # "paper" is best on a (8 workers), "spread" on b (7); each trace gets the one that won on the other
+        for name in bp.CANDIDATES:
+            add(f"cand:{name}", "a", {"paper": 8}.get(name, 12))
+            add(f"cand:{name}", "b", {"spread": 7}.get(name, 12))
+        assert bp.choose(st, ["b"]) == "spread" and bp.choose(st, ["a"]) == "paper"
+    finally:
+        for t in ("a", "b"):
+            bp.TRACES.pop(t)
+
+
+def test_placement_main_writes_report_and_plot(tmp_path, monkeypatch):
+    monkeypatch.setattr(bp, "BASELINES", ("round_robin", "least_requests"))
+    monkeypatch.setattr(bp, "CANDIDATES", {"paper": {}, "spread": {"fit": "worst"}})
     out = tmp_path / "placement.md"
-    bp.main(["--traces", "sharegpt", "--rates", "1", "--seeds", "0", "--duration", "20",
-             "--policies", "least_requests,aladdin", "--out", str(out)])
+    bp.main(["--traces", "sharegpt,arxiv", "--seeds", "0", "--duration", "15", "--out", str(out)])
     text = out.read_text()
-    assert "| 1 | 0 |" in text and "aladdin vs least_requests" in text and "N=" in text
+    assert "## Parameters chosen by leave-one-trace-out" in text and "| sharegpt | " in text
+    assert "## Against the targets" in text and "N=" in text and "best baseline" in text
     assert out.with_suffix(".png").stat().st_size > 1000
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert set(data["chosen"]) == {"sharegpt", "arxiv"}
 
 
 def test_hetero_pair_main_writes_report_and_plot(tmp_path):
@@ -126,15 +164,18 @@ class HoldBig(Policy):
 
 def test_queue_poll_and_lookahead():
     wl = [WorkloadRequest("big", 0.0, 500, 2)] + [WorkloadRequest(f"s{i}", 0.1 * (i + 1), 20, 2) for i in range(5)]
-    # Head-only queue without polling: the small ones wait behind the big one until something completes.
-    res = {r.request_id: r for r in ClusterSim("llama3-8b-a100", 1, HoldBig()).run(wl).results}
-    assert res["big"].dispatched is None and res["s0"].dispatched is None
+    slo = {"slo_ttft_s": 30.0}   # no TTFT deadline within the test: the queue timeout (5 s) is the budget
+    # Head-only queue without polling: the small ones wait behind the big one until something completes or,
+    # here, until the big one's budget runs out (refused with 429 at 5 s).
+    res = {r.request_id: r for r in ClusterSim("llama3-8b-a100", 1, HoldBig(), **slo).run(wl).results}
+    assert res["big"].finish_reason == "refused" and res["big"].status == 429 and res["big"].dispatched is None
+    assert res["s0"].dispatched == pytest.approx(5.0)
     # Polling: the head goes at the first poll after t = 1 s; the small ones follow right behind it.
-    res = {r.request_id: r for r in ClusterSim("llama3-8b-a100", 1, HoldBig(), queue_poll_s=0.05).run(wl).results}
+    res = {r.request_id: r for r in ClusterSim("llama3-8b-a100", 1, HoldBig(), queue_poll_s=0.05, **slo).run(wl).results}
     assert 1.0 <= res["big"].dispatched < 1.0 + 0.05 + 1e-9
     assert all(res[f"s{i}"].dispatched >= res["big"].dispatched for i in range(5))
     # Look-ahead: the small ones overtake the waiting head.
-    sim = ClusterSim("llama3-8b-a100", 1, HoldBig(), queue_poll_s=0.05, queue_lookahead=4)
+    sim = ClusterSim("llama3-8b-a100", 1, HoldBig(), queue_poll_s=0.05, queue_lookahead=4, **slo)
     res = {r.request_id: r for r in sim.run(wl).results}
     assert all(res[f"s{i}"].dispatched == pytest.approx(0.1 * (i + 1)) for i in range(5))
     assert res["big"].completed and res["big"].dispatched >= 1.0
@@ -177,7 +218,9 @@ def test_risk_mode_waits_while_a_young_request_would_likely_miss():
     short = risk_policy(5)        # every answer is 5 tokens: r0 surely misses -> wait
     ws = young_worker(short)
     d = short.choose(newcomer, ws, 1.02)
-    assert d == Decision(None, "no_fit") and short.last_rejections["prefill_slack"] == 1
+    assert (d.worker_id, d.reason) == (None, "no_fit") and short.last_rejections["prefill_slack"] == 1
+    # Ask again when waiting longer would cost its TTFT: 0.6 − 0.05 margin − (0.4 s prefill + 2 decode steps).
+    assert d.retry_at == pytest.approx(1.02 + 0.6 - 0.05 - 0.42)
     long = risk_policy(1000)      # every answer is 1000 tokens: r0 recovers -> place now
     ws = young_worker(long)
     assert long.choose(newcomer, ws, 1.02) == Decision("w0", "best_fit")

@@ -113,3 +113,23 @@ def test_serve_command_line_on_top_of_the_file() -> None:
     assert [w.id for w in cfg.workers][-2:] == ["10.0.0.9:8000", "10.0.0.9:8000-2"]
     assert cfg.workers[-1].url == "http://10.0.0.9:8000"
     assert cfg.default_policy == "round_robin" and cfg.redis_url.endswith("/15")
+
+
+def test_slo_aware_policies_refuse_workers_without_a_model(tmp_path) -> None:
+    """aladdin and hetero place by each worker's own performance model: a profile nobody declared is refused,
+    never silently replaced by another GPU's coefficients."""
+    from gateway.config import ConfigError, load_config
+
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("workers:\n  - {id: a, url: 'http://127.0.0.1:9', profile: mystery-gpu}\n"
+                   "  - {id: b, url: 'http://127.0.0.1:10', profile: llama3-8b-h100}\ndefault_policy: aladdin\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    assert e.value.problems == [
+        "workers[0].profile: default_policy 'aladdin' needs each worker's performance model, and 'mystery-gpu' is "
+        "no built-in profile, profile file or learning.priors entry (fleetgate sim --list-profiles lists the "
+        "built-in ones)"]
+    cfg.write_text(cfg.read_text() + "learning: {priors: {mystery-gpu: {k1: 1.0e-4, c1: 0.02}}}\n")
+    assert load_config(cfg).default_policy == "aladdin"          # declared coefficients: accepted
+    cfg.write_text("workers:\n  - {id: a, url: 'http://127.0.0.1:9', profile: mystery-gpu}\n")
+    assert load_config(cfg).default_policy == "least_requests"   # a plain policy needs no model

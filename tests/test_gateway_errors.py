@@ -163,7 +163,7 @@ async def test_full_workers_queue_then_429_with_retry_after(sim_fleet) -> None:
         assert holder.status_code == 200
         t = time.monotonic()
         waiting = asyncio.create_task(http.post(gw.url + "/v1/chat/completions", json=CHAT))
-        while not gw.gateway.dispatcher.runtimes[MODEL].queue.waiters:
+        while not len(gw.gateway.dispatcher.runtimes[MODEL].queue):
             await asyncio.sleep(0.005)
         # the queue (size 1) is full: refused at once
         r = await http.post(gw.url + "/v1/chat/completions", json=CHAT)

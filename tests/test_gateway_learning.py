@@ -142,7 +142,7 @@ async def test_two_gateway_processes_share_fitted_models_through_redis(sim_fleet
     async with httpx.AsyncClient(timeout=60) as http:
         before = coef((await http.get(b + "/metrics")).text, "llama3-8b-h100", "c3")
         for i in range(24):  # traffic through A only
-            await send(http, a, 64 * (1 + i % 8), 12, i)
+            await send(http, a, 256 + 64 * (i % 8), 12, i)  # above the prefill floor (perf_model pf)
         await poll_metrics(http, a, lambda t: (metric(
             t, "fleetgate_perf_model_samples", {"profile": "llama3-8b-h100", "phase": "prefill"}) or 0) >= 16)
 
@@ -215,6 +215,6 @@ def test_prefill_log_counts_prompts_prefilled_while_a_request_waited() -> None:
     log.add(1.5, 0.2, 300.0)    # B: sent 0.2, first token 1.5 (prefilled after A)
     log.add(3.0, 2.0, 50.0)     # C: sent after B's first token
     log.add(1.2, 1.1, 70.0)     # D: sent after B yet prefilled before it (one chunked-prefill step)
-    assert log.others_between(0.2, 1.5) == 100.0 + 70.0  # A's and D's prefills fell in B's wait
-    assert log.others_between(0.0, 1.0) == 0.0            # A waited for nobody
-    assert log.others_between(2.0, 3.0) == 0.0
+    assert log.others_between(0.2, 1.5) == (100.0 + 70.0, 100.0**2 + 70.0**2)  # A's and D's prefills fell in B's wait
+    assert log.others_between(0.0, 1.0) == (0.0, 0.0)     # A waited for nobody
+    assert log.others_between(2.0, 3.0) == (0.0, 0.0)

@@ -214,7 +214,7 @@ async def test_aladdin_places_the_decode_legs_in_split_phase_mode(sim_fleet) -> 
         assert (await tokens(http, p))[0] == sum(long_chat(k)[1] for k in keys)
         decode = [await tokens(http, u) for u in (d0, d1)]
         assert sum(t[0] for t in decode) == 0 and sum(t[1] for t in decode) == 8 * len(keys)
-        pol = gw.gateway.dispatcher.pd.policies[MODEL]
+        pol = gw.gateway.dispatcher.runtimes[MODEL].placement.pd  # the P/D profile of the placement step
         assert pol.decode_policy_name == "aladdin_decode" and pol.decisions == {"disaggregated": len(keys)}
 
 
@@ -391,3 +391,39 @@ def test_demo_pd_serves_split_requests_and_stops_cleanly() -> None:
 def test_demo_pd_bad_split_is_refused() -> None:
     r = run_cli("demo", "--pd", "0:2")
     assert r.returncode == 2 and "--pd" in r.stderr and "P:D" in r.stderr
+
+
+async def test_plain_and_pd_requests_take_one_path(sim_fleet, monkeypatch) -> None:
+    """The same placement step (policies/placement.py), reservation code and admission queue place a plain
+    request and a P/D one: only the profile the step picks differs (P/D runs its two legs afterwards)."""
+    from policies.placement import ModelPlacement
+
+    seen: list[tuple[str, str, str | None]] = []
+    place = ModelPlacement.place
+
+    def spy(self, feats, views, now):  # noqa: ANN001, ANN202
+        d = place(self, feats, views, now)
+        seen.append((feats.request_id, d.reason, d.prefill_worker_id))
+        return d
+
+    monkeypatch.setattr(ModelPlacement, "place", spy)
+    fleet = sim_fleet(fleet={"servers": [PRODUCER, CONSUMER, {}]}, time_scale=20)
+    p, d, m = fleet.urls
+    messages, _ = long_chat("one-path", 1500)
+    # A plain fleet, then a P/D fleet, each capped at one request per worker so the second request queues.
+    for workers, kind in (([("m0", m, "mixed")], "plain"), ([("p0", p, "prefill"), ("d0", d, "decode")], "pd")):
+        caps = [{"id": i, "url": u, "role": r, "cap": 1} for i, u, r in workers]
+        async with running_gateway(workers=caps, health={"interval_s": 0.1, "timeout_s": 0.5}) as gw, \
+                httpx.AsyncClient(timeout=30) as http:
+            seen.clear()
+            rs = await asyncio.gather(*(chat(gw, messages, stream=True, max_tokens=60, request_id=f"{kind}-{i}")
+                                        for i in range(2)))
+            assert [r[1] for r in rs] == [60, 60]
+            reasons = {reason for _, reason, _ in seen}
+            if kind == "pd":
+                assert any(pre == "p0" for _, _, pre in seen) and "disaggregated" in reasons
+            else:
+                assert all(pre is None for _, _, pre in seen) and reasons <= {"least_requests", "no_workers", ""}
+            # the second request found the one worker (pair) full and waited in the model's admission queue
+            assert {rid for rid, *_ in seen} == {f"{kind}-0", f"{kind}-1"} and len(seen) >= 3
+            assert await metric(http, gw.url, "fleetgate_queue_wait_seconds_count", model=MODEL) == 1

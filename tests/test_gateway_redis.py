@@ -36,7 +36,8 @@ async def test_two_gateways_on_one_redis_never_exceed_the_worker_cap(sim_fleet, 
              gateway_process(cfg, "--redis-url", REDIS_URL, env=impatient)]
     urls = [p.listening_url() for p in procs]
     impatient_url = urls.pop()
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True}
+    # 200 tokens last ~0.35 s here: every request arrives before the first ones finish, even on a loaded machine
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True}
     peak = 0
     samples = 0
     done = asyncio.Event()
@@ -52,7 +53,7 @@ async def test_two_gateways_on_one_redis_never_exceed_the_worker_cap(sim_fleet, 
 
         async def one(i: int) -> httpx.Response:
             return await http.post(urls[i % 2] + "/v1/chat/completions", json=body,
-                                   headers={"x-sim-output-tokens": "40"})
+                                   headers={"x-sim-output-tokens": "200"})
 
         sampler = asyncio.create_task(sample())
         responses = await asyncio.gather(*(one(i) for i in range(16)))

@@ -212,13 +212,37 @@ def test_no_fit_exposes_shortfall():
 
 
 def test_request_that_fits_nowhere_even_alone_is_placed_as_best_effort():
-    p = policy(CLOCK)
+    p = policy(CLOCK, fallback=None)
     ws = views(3)
     place(p, req(0, l_in=300), ws, 0.0)
     place(p, req(1, l_in=200, lp=50, slo_ttft_s=2.0), ws, 0.0)  # both packed onto w0
     d = p.choose(req(2, l_in=700), ws, 0.0)  # prefill 0.7 s > TTFT 0.6 s on any worker
-    assert d == type(d)("w1", "best_effort") and p.best_efforts == 1  # the first least-loaded worker
+    assert d == type(d)("w1", "best_effort") and p.best_efforts == 1  # the first least-loaded worker by the ledger
     assert p.shortfall == 0  # not a reason to scale out
+    # With the default fallback baseline (least_requests) the views' in-flight counts decide.
+    p = policy(CLOCK)
+    loaded = [WorkerView("w0", profile="p", inflight=2), WorkerView("w1", profile="p", inflight=1),
+              WorkerView("w2", profile="p", inflight=0)]
+    assert p.choose(req(3, l_in=700), loaded, 0.0) == type(d)("w2", "best_effort")
+
+
+def test_untrusted_model_hands_placement_to_the_fallback_until_it_recovers():
+    p = policy(CLOCK, miss_window=4, max_miss_rate=0.3)
+    ws = views(2)
+    assert p.choose(req(0), ws, 0.0).reason == "best_fit"
+    for i in range(3):   # requests the model placed on both workers missed their SLO: 1 - 0.75^3 = 0.58
+        p.observe_outcome(req(f"m{i}"), "w0", False, 0.0)
+        p.observe_outcome(req(f"n{i}"), "w1", False, 0.0)
+    loaded = [WorkerView("w0", profile="p", inflight=3), WorkerView("w1", profile="p", inflight=1)]
+    d = p.choose(req(1), loaded, 0.1)
+    assert (d.worker_id, d.reason, p.fallbacks) == ("w1", "fallback", 1)   # least_requests decides
+    for i in range(5):   # w1's requests meet their SLO again: 0.58 * 0.75^5 = 0.14 < 0.3, trusted again
+        p.observe_outcome(req(f"k{i}"), "w1", True, 0.2)
+    assert p.choose(req(2), loaded, 0.3) == type(d)("w1", "best_fit")      # only w1 is trusted
+    p.set_perf_model("p", CLOCK)     # a new model resets the trust of its workers
+    assert p.choose(req(3), loaded, 0.4).reason == "best_fit"
+    with pytest.raises(ValueError):
+        policy(CLOCK, max_miss_rate=0.0)
 
 
 def test_completion_frees_everything():

@@ -197,7 +197,7 @@ def test_cluster_rejects_what_vllm_refuses_on_either_leg() -> None:
     fine = WorkloadRequest("ok", 0.2, 1000, 10)
     sim = ClusterSim("llama3-8b-h100", 2, "least_requests", prefill_workers=1)
     res = {r.request_id: r for r in sim.run([too_long, fine]).results}
-    assert res["big"].finish_reason == "rejected" and "max_model_len" in res["big"].error
+    assert res["big"].finish_reason == "rejected_too_long" and "maximum context length" in res["big"].error
     assert res["ok"].completed and all(w.inflight == 0 and w.inflight_tokens == 0 for w in sim.workers.values())
     with pytest.raises(ValueError, match="prefill_workers"):
         ClusterSim("llama3-8b-h100", 2, "least_requests", prefill_workers=2)

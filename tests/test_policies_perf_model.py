@@ -9,7 +9,8 @@ import pytest
 
 from policies.perf_model import DECODE, KV, PREFILL, PerfModel, PerfModelFitter, robust_linear_fit
 
-M = PerfModel(k1=2e-4, c1=0.01, k2=1e-6, c2=1e-3, c3=0.02, h=0.0625, j=1.0, kv_capacity=1000, max_batch=64)
+M = PerfModel(k1=2e-4, c1=0.01, k2=1e-6, c2=1e-3, c3=0.02, h=0.0625, j=1.0, kv_capacity=1000, max_batch=64,
+              k1q=0.0, pf=0.0)
 
 
 def test_aladdin_equations_by_hand():
@@ -26,8 +27,20 @@ def test_aladdin_equations_by_hand():
     assert PerfModel(c2=1e-5, c3=0.02, max_batch=64).batch_limit(0.05) == 64
 
 
+def test_prefill_attention_term_and_floor_by_hand():
+    m = PerfModel(k1=1e-4, c1=0.02, k1q=2e-9, pf=0.015)
+    # c1 + max(pf, k1·l + k1q·l²): 8000 tokens -> 0.02 + 0.8 + 0.128; 50 tokens -> the floor.
+    assert m.prefill_time(8000) == pytest.approx(0.02 + 0.8 + 0.128)
+    assert m.prefill_time(50) == pytest.approx(0.02 + 0.015)
+    # Two prompts of 4000: Σl² = 2·4000², half the quadratic cost of one 8000-token prompt.
+    assert m.prefill_time(8000, 2 * 4000**2) == pytest.approx(0.02 + 0.8 + 0.064)
+    # Work in linear-token equivalents: l + (k1q/k1)·l² = 8000 + 1280.
+    assert m.prefill_work(8000) == pytest.approx(9280)
+    assert m.c1 + m.k1 * m.prefill_work(8000) == pytest.approx(m.prefill_time(8000))
+
+
 def test_hetero_equations_by_hand():
-    m = PerfModel(p=(1.0, 2.0, 3.0, 4.0, 0.1, 0.2, 0.3, 0.4))
+    m = PerfModel(p=(1.0, 2.0, 3.0, 4.0, 0.1, 0.2, 0.3, 0.4), k1q=0.0)
     # eq. 3: p1·b·I + p2·b + p3·I + p4 with b=2, I=10: 20 + 4 + 30 + 4
     assert m.hetero_prefill(2, 10) == pytest.approx(58.0)
     # eq. 4: Σ_{k=1..3} [0.1·2·(10+k) + 0.2·2 + 0.3·(10+k) + 0.4]
@@ -50,7 +63,9 @@ def test_from_prior_and_step_profile():
             "k_attn_s": 4e-9, "max_num_batched_tokens": 2048, "max_num_seqs": 256, "block_size": 16,
             "num_gpu_blocks": 3000, "ttft_overhead_s": 0.015}
     s = PerfModel.from_step_profile(prof)
-    assert s.k1 == pytest.approx(1e-4 + 4e-9 * 1024)
+    # Chunked prefill of 2048-token chunks: every further chunk adds c_step; l²/2 attention pairs.
+    assert s.k1 == pytest.approx(1e-4 + 0.003 / 2048) and s.k1q == pytest.approx(2e-9)
+    assert s.c1 == pytest.approx(0.018) and s.pf == pytest.approx(0.014)
     assert s.c3 == pytest.approx(0.017) and s.k2 == pytest.approx(4e-7)
     # The chord bounds max(t_w, c_decode·B) from above on [0, max_num_seqs].
     for b in (1, 50, 140, 256):
@@ -69,7 +84,7 @@ def test_bad_models_rejected():
 def _noisy(true: PerfModel, rng: np.random.Generator, n: int, outliers: float, fitter: PerfModelFitter) -> None:
     for _ in range(n):
         bad = rng.random() < outliers
-        tot = int(rng.integers(50, 4000))
+        tot = int(rng.integers(200, 30_000))
         fitter.add_prefill(tot, true.prefill_time(tot) * (1 + 0.02 * rng.standard_normal()) * (6 if bad else 1))
         b, ctx = int(rng.integers(1, 64)), float(rng.uniform(100, 3000))
         fitter.add_decode(b, ctx, true.decode_step(b, ctx) * (1 + 0.02 * rng.standard_normal()) * (4 if bad else 1))
@@ -79,11 +94,11 @@ def _noisy(true: PerfModel, rng: np.random.Generator, n: int, outliers: float, f
 
 @pytest.mark.parametrize("outliers", [0.0, 0.1])
 def test_fitter_recovers_known_coefficients(outliers):
-    true = PerfModel(k1=2e-4, c1=0.02, k2=6e-7, c2=2e-4, c3=0.03, h=1 / 16, j=0.5)
+    true = PerfModel(k1=2e-4, c1=0.02, k2=6e-7, c2=2e-4, c3=0.03, h=1 / 16, j=0.5, k1q=4e-9, pf=0.01)
     fitter = PerfModelFitter(prior=PerfModel(), prior_weight=5)
     _noisy(true, np.random.default_rng(1), 500, outliers, fitter)
     m = fitter.refit()
-    for name in ("k1", "c1", "k2", "c2", "c3", "h", "j"):
+    for name in ("k1", "k1q", "c1", "k2", "c2", "c3", "h", "j"):
         assert getattr(m, name) == pytest.approx(getattr(true, name), rel=0.08), name
     for comp in (PREFILL, DECODE, KV):
         assert m.fit[comp].n == 500
@@ -102,12 +117,12 @@ def test_ordinary_least_squares_is_pulled_by_outliers_robust_is_not():
 
 
 def test_prior_dominates_with_few_samples():
-    prior = PerfModel(k1=1e-4, c1=0.01)
+    prior = PerfModel(k1=1e-4, c1=0.01, k1q=0.0, pf=0.0)
     fitter = PerfModelFitter(prior=prior, prior_weight=20)
-    for tot in (100, 1000, 2000, 3000):
+    for tot in (100, 1000, 2000, 3000, 4000):
         fitter.add_prefill(tot, 3e-4 * tot + 0.01)  # the truth has 3x the prior's k1
     m = fitter.refit()
-    w = 4 / (4 + 20)  # θ = w·θ_fit + (1 − w)·θ_prior
+    w = 5 / (5 + 20)  # θ = w·θ_fit + (1 − w)·θ_prior
     assert m.k1 == pytest.approx(w * 3e-4 + (1 - w) * 1e-4, rel=0.02)
     assert m.k2 == prior.k2  # no decode samples: prior kept
 

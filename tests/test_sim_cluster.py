@@ -103,7 +103,9 @@ def test_policy_hook_order_and_features():
 
     def spy(request, workers, now):
         seen_views.append(workers)
-        assert request.predicted_output_tokens == pytest.approx(statistics.mean(r.output_tokens for r in wl))
+        # The run's own online predictor (fed every completion), never the trace's true lengths.
+        assert request.predicted_output_tokens == sim.length_predictor.predict(request.model, request.prompt_tokens,
+                                                                              request.max_tokens)
         assert request.slo_ttft_s == 0.6 and request.slo_tpot_s == 0.03
         return orig(request, workers, now)
 
@@ -133,7 +135,7 @@ class CapTwo(Policy):
 
 def test_wait_decisions_queue_fifo_and_drain():
     wl = synthetic_workload(60, 50.0, 500, 50, seed=1)
-    sim = ClusterSim("llama3-8b-h100", 2, CapTwo())
+    sim = ClusterSim("llama3-8b-h100", 2, CapTwo(), slo_ttft_s=30.0)  # a TTFT target long enough to wait for
     res = sim.run(wl)
     d = res.to_dict()
     assert d["completed"] == 60 and d["max_admission_queue"] > 10
@@ -183,8 +185,10 @@ def test_ttft_counts_api_overhead_and_oversized_prompts_are_rejected():
     res = ClusterSim("llama2-13b-a100", 1).run(wl)
     by = {r.request_id: r for r in res.results}
     assert by["ok"].ttft > 0.015 and by["ok"].completed
-    assert by["huge"].finish_reason == "rejected" and "max_model_len" in by["huge"].error
-    assert res.to_dict()["rejected"] == 1
+    assert by["huge"].finish_reason == "rejected_too_long" and by["huge"].status == 400
+    assert "maximum context length is 4096 tokens" in by["huge"].error
+    d = res.to_dict()
+    assert d["rejected_too_long"] == 1 and d["servable"] == 1 and d["slo_attainment"] == by["ok"].slo_met
 
 
 # ---- workloads ------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.dispatch import _read_headers, new_request_id
+from gateway.request import new_request_id, read_headers
 from gateway.upstream import (
     KEEPALIVE_S,
     ClientConnectorError,
@@ -330,12 +330,12 @@ def test_encode_headers_drops_line_breaks_and_keeps_a_given_accept() -> None:
 
 
 def test_client_headers_become_one_encoded_block() -> None:
-    hdrs = _read_headers([(b"host", b"gw"), (b"content-length", b"2"), (b"authorization", b"Bearer k"),
+    hdrs = read_headers([(b"host", b"gw"), (b"content-length", b"2"), (b"authorization", b"Bearer k"),
                           (b"x-session-id", b"s1"), (b"x-a", b"1\r\nx-evil: 1"), (b"accept", b"text/event-stream")])
     assert hdrs.forward == b"x-session-id: s1\r\naccept: text/event-stream\r\n"  # no hop-by-hop, credentials, CR/LF
     assert header_pairs(hdrs.forward) == [("x-session-id", "s1"), ("accept", "text/event-stream")]
-    assert _read_headers([(b"x-b", b"2")]).forward == b"x-b: 2\r\nAccept: */*\r\n"
-    rid = _read_headers([(b"x-request-id", b"bad id!")]).request_id  # invalid: a uuid4 hex replaces it
+    assert read_headers([(b"x-b", b"2")]).forward == b"x-b: 2\r\nAccept: */*\r\n"
+    rid = read_headers([(b"x-request-id", b"bad id!")]).request_id  # invalid: a uuid4 hex replaces it
     assert uuid.UUID(rid.decode()).version == 4 and len(rid) == 32
     assert new_request_id() != new_request_id()
 

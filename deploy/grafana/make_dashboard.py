@@ -45,7 +45,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Admission queue wait (requests that waited)", "s",
      [("histogram_quantile(0.5, sum by (le) (rate(fleetgate_queue_wait_seconds_bucket[1m])))", "p50"),
       ("histogram_quantile(0.99, sum by (le) (rate(fleetgate_queue_wait_seconds_bucket[1m])))", "p99")]),
-    # Prefill/decode disaggregation (gateway/pd.py).
+    # Prefill/decode disaggregation (gateway/pd_legs.py).
     ("P/D decisions/s", "short",
      [("sum by (model, decision) (rate(fleetgate_pd_decisions_total[1m]))", "{{model}} {{decision}}")]),
     ("P/D phase time p99", "s",

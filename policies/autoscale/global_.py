@@ -17,6 +17,11 @@ workers form one pool sized by interactive backpressure; the batch pool by batch
 - Aladdin appendix E.2 eq. 7: N = ceil(k5 * rate + c5), k5 and c5 fitted online by least squares over
   observed (interactive rate, busy workers) pairs; it forecasts the busy count from the arrival rate,
   which moves before the busy count does.
+- Aladdin's joint placement and scaling (section 4.2's MIP opens a new bin when no worker fits): the
+  placement step's shortfall (`placement_shortfall`: how many more empty workers the requests that fit
+  nowhere within their SLO need, policies/aladdin.py `shortfall`) is demand the busy count cannot show (those
+  requests are not running anywhere). It raises the interactive + mixed target to at least the active workers
+  plus the shortfall; a scale-out it causes is counted as `placement_shortfall`.
 - Batch backpressure BBP (section 5.3, eq. 1-2, Algorithm 2): queued requests are grouped by deadline;
   a group is late if the output of every request up to and including it cannot be generated before its
   deadline; the batch pool gets the fewest extra workers that leave no group late, and goes to zero when
@@ -308,6 +313,7 @@ class FleetObservation:
     worker_tokens_per_s: float | None = None           # output tokens/s of one worker saturated with batch work
     output_mean: float = 256.0                         # batch output length, tokens (fitted from finished ones)
     output_std: float = 0.0
+    placement_shortfall: float = 0.0                   # more workers the unplaceable requests need (aladdin)
 
 
 @dataclass(slots=True)
@@ -343,6 +349,9 @@ class GlobalAutoscaler:
         need = max(busy, forecast or 0.0)
         target, why = interactive_target(need, total_im, cfg.theta, cfg.delta)
         reason_up = "rate_forecast" if forecast is not None and forecast > busy and why == "ibp_high" else "ibp_high"
+        short = max(0.0, obs.placement_shortfall)
+        if short > 0 and active_im + math.ceil(short) > target:    # joint placement and scaling
+            target, reason_up = active_im + math.ceil(short), "placement_shortfall"
         room = cfg.max_total - cur[POOL_BATCH]
         target = min(target, max(cfg.min_interactive, room))
         new_im, reason_im = self.im.decide(total_im, target, now, reason_up, "ibp_low")
@@ -398,7 +407,7 @@ class GlobalAutoscaler:
             actions.append(ScaleAction(POOL_BATCH, UP if diff > 0 else DOWN, abs(diff), reason_b or "bounds"))
         coef = self.fit.coefficients
         bp = {"ibp": ibp, "bbp": float(bbp), "theta": cfg.theta, "interactive_need": need,
-              "batch_wait_s": wait, "batch_groups": float(len(groups))}
+              "batch_wait_s": wait, "batch_groups": float(len(groups)), "placement_shortfall": short}
         if forecast is not None:
             bp["forecast_busy"] = forecast
         if coef is not None:

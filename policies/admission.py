@@ -1,0 +1,125 @@
+"""The admission queue: requests that found no placement wait here, in arrival order, until one is found or
+their budget runs out. Pure: the caller passes its clock; the gateway (gateway/admission.py) and the
+virtual-time simulator (simulator/cluster.py) drive this same object.
+
+Rules (in one place, so the simulator and the gateway cannot drift):
+- A new request tries to place itself at once only while fewer than `lookahead` requests wait (with the
+  default lookahead of 1: only when nobody waits, so it never overtakes one that waits).
+- A drain tries the waiting requests in arrival order and stops after `lookahead` of them found no worker
+  (lookahead 1: head-of-line; larger: a head that does not fit, e.g. one an SLO-aware policy holds back until
+  its own deadline, does not block the requests behind it).
+- A request gives up at its deadline (`queue_budget`): an interactive request when its TTFT target has
+  passed (waiting longer cannot meet it), else after the configured queue timeout. It is refused with 429.
+- When to drain: whenever capacity may have been freed (a request finished, a worker joined) and at the
+  earliest `retry_at` a policy asked for (Decision.retry_at: e.g. aladdin's risk-mode deadline), plus the
+  earliest deadline (to refuse on time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.types import CLASS_BATCH, RequestFeatures
+
+DEFAULT_QUEUE_SIZE = 256          # waiting requests per model (gateway config limits.queue_size)
+DEFAULT_QUEUE_TIMEOUT_S = 5.0     # the longest wait without a TTFT target (limits.queue_timeout_s)
+DEFAULT_QUEUE_LOOKAHEAD = 1       # limits.queue_lookahead
+
+
+def queue_budget(feats: RequestFeatures, now: float, timeout_s: float) -> tuple[float, str]:
+    """How long the request may wait for a worker from `now`, and why that long: an interactive request with a
+    TTFT target gives up when the target has passed (its arrival is `feats.arrival`, on the caller's clock);
+    else the configured queue timeout."""
+    if feats.slo_ttft_s is not None and feats.request_class != CLASS_BATCH:
+        left = feats.slo_ttft_s - max(now - feats.arrival, 0.0)
+        if left < timeout_s:
+            return max(left, 0.0), f"its TTFT target of {feats.slo_ttft_s * 1000:g} ms passed while queued"
+    return timeout_s, f"waited {timeout_s:g}s in the admission queue"
+
+
+@dataclass(slots=True, eq=False)
+class Waiting:
+    """One queued request. `handle` is the caller's (an asyncio future in the gateway, the workload request in
+    the simulator)."""
+
+    features: RequestFeatures
+    entered: float
+    deadline: float
+    reason: str                  # why it is refused at the deadline (the 429's message)
+    handle: Any = None
+    retry_at: float = math.inf   # the earliest time its policy asked to be retried (Decision.retry_at)
+    queued: bool = field(default=True)
+
+
+class AdmissionQueue:
+    """FIFO of the requests of one model that wait for a placement (see the module docstring)."""
+
+    __slots__ = ("max_size", "lookahead", "timeout_s", "_items", "peak")
+
+    def __init__(self, max_size: int = DEFAULT_QUEUE_SIZE, lookahead: int = DEFAULT_QUEUE_LOOKAHEAD,
+                 timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S) -> None:
+        if max_size < 0 or lookahead < 1 or timeout_s < 0:
+            raise ValueError("max_size >= 0, lookahead >= 1 and timeout_s >= 0 are required")
+        self.max_size = max_size
+        self.lookahead = lookahead
+        self.timeout_s = timeout_s
+        self._items: dict[Waiting, None] = {}   # insertion-ordered; O(1) removal
+        self.peak = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def full(self) -> bool:
+        return len(self._items) >= self.max_size
+
+    def admits_directly(self) -> bool:
+        """May a newly arrived request try to place itself before waiting?"""
+        return len(self._items) < self.lookahead
+
+    def enter(self, feats: RequestFeatures, now: float, handle: Any = None) -> Waiting:
+        """Queue a request (the caller checked `full` first); its deadline from `queue_budget`."""
+        budget, reason = queue_budget(feats, now, self.timeout_s)
+        w = Waiting(feats, now, now + budget, reason, handle)
+        self._items[w] = None
+        self.peak = max(self.peak, len(self._items))
+        return w
+
+    def remove(self, w: Waiting) -> None:
+        if w.queued:
+            w.queued = False
+            del self._items[w]
+
+    def expired(self, now: float) -> list[Waiting]:
+        """Remove and return the requests whose deadline has passed (the caller refuses them)."""
+        gone = [w for w in self._items if w.deadline <= now]
+        for w in gone:
+            self.remove(w)
+        return gone
+
+    def candidates(self) -> Iterator[Waiting]:
+        """The waiting requests to try now, in arrival order. The caller `remove`s each one it placed before
+        asking for the next; one still queued then counts as not placed, and after `lookahead` of those the
+        drain ends."""
+        misses = 0
+        for w in list(self._items):
+            if not w.queued:
+                continue
+            yield w
+            if w.queued:
+                misses += 1
+                if misses >= self.lookahead:
+                    return
+
+    def next_wake(self) -> float:
+        """The earliest time a drain is due without any capacity freed: a retry a policy asked for, or a
+        deadline (math.inf: none)."""
+        t = math.inf
+        for w in self._items:
+            t = min(t, w.retry_at, w.deadline)
+        return t
+
+    def __iter__(self) -> Iterator[Waiting]:
+        return iter(list(self._items))

@@ -1,0 +1,158 @@
+"""One model's placement step: which worker(s) run a request, and what its policy hears back afterwards.
+
+    candidates (healthy, serving the model, under their cap: the caller builds the views)
+      -> servable?            a prompt no candidate's context can hold is refused (vLLM's 400), not placed
+      -> class / pool filter  Chiron's worker pools: own pool first, then mixed (policies/autoscale/routing.py)
+      -> profile              plain, or P/D when the fleet has prefill or decode workers: then `PdPolicy` plans
+                              a prefill worker and a decode worker (or a local prefill) around the same policy
+      -> policy               any policy by name (policies/base.py)
+      -> Decision             worker(s), or None with a reason and maybe a `retry_at` (the admission queue waits)
+
+and the feedback, in this order for every request: `dispatched` once it was sent, `first_token`, then
+`finished` (with its output length when it completed) or `released` (failed, aborted). The live gateway
+(gateway/dispatch.py) and the virtual-time simulator (simulator/cluster.py) both drive this object; neither
+calls a policy directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from policies.autoscale.routing import pool_filter, pools_in_use
+from policies.base import Policy
+from policies.pd import DISAGGREGATED, LOCAL_CACHED, LOCAL_NO_PREFILL, LOCAL_OVERFLOW, LOCAL_SHORT, PdPolicy
+from policies.types import ROLE_MIXED, Decision, RequestFeatures, WorkerView
+
+TOO_LONG = "too_long"        # Decision.reason of a request no candidate can hold (the caller answers 400)
+NO_WORKERS = "no_workers"
+
+
+def context_limit(views: Sequence[WorkerView]) -> int | None:
+    """The largest max_model_len among the candidates (None: some candidate's is unknown)."""
+    best = 0
+    for v in views:
+        if v.max_model_len is None:
+            return None
+        best = max(best, v.max_model_len)
+    return best
+
+
+def servable(feats: RequestFeatures, limit: int | None) -> bool:
+    """vLLM refuses a prompt of max_model_len tokens or more, and one whose prompt plus max_tokens exceeds it."""
+    if limit is None:
+        return True
+    return feats.prompt_tokens < limit and (feats.max_tokens is None or feats.prompt_tokens + feats.max_tokens <= limit)
+
+
+def too_long_message(feats: RequestFeatures, limit: int | None) -> str:
+    """vLLM's 400 message for a request over the context (vllm/entrypoints/openai/serving_engine.py)."""
+    asked = feats.prompt_tokens + (feats.max_tokens or 0)
+    return (f"This model's maximum context length is {limit} tokens. However, you requested {asked} tokens "
+            f"({feats.prompt_tokens} in the messages, {feats.max_tokens or 0} in the completion). Please reduce "
+            "the length of the messages or completion.")
+
+
+class ModelPlacement:
+    """The placement step of one model (module docstring). `pd_factory` builds the P/D profile's PdPolicy (around
+    the model's policy settings) the first time the fleet has prefill or decode workers; `observe_length` hears
+    every completed request's (model, prompt tokens, output tokens) for output-length prediction."""
+
+    __slots__ = ("policy", "_pd", "_pd_factory", "_via_pd", "observe_length")
+
+    def __init__(self, policy: Policy, pd_factory: Callable[[], PdPolicy] | None = None,
+                 observe_length: Callable[[str, int, int], None] | None = None) -> None:
+        self.policy = policy
+        self._pd: PdPolicy | None = None
+        self._pd_factory = pd_factory
+        self._via_pd: set[str] = set()            # requests the P/D profile placed (its ledger hears about them)
+        self.observe_length = observe_length
+
+    @property
+    def pd(self) -> PdPolicy | None:
+        """The P/D profile's policy, once built."""
+        return self._pd
+
+    def _pd_policy(self) -> PdPolicy | None:
+        if self._pd is None and self._pd_factory is not None:
+            self._pd = self._pd_factory()
+        return self._pd
+
+    # --- the decision -------------------------------------------------------------------------------
+    def place(self, feats: RequestFeatures, views: Sequence[WorkerView], now: float) -> Decision:
+        if not views:
+            return Decision(None, NO_WORKERS)
+        if not servable(feats, context_limit(views)):
+            return Decision(None, TOO_LONG)
+        if pools_in_use(views):
+            views = pool_filter(feats, views)
+            if not views:
+                return Decision(None, "no_room_in_pool")
+        if any(v.role != ROLE_MIXED for v in views):
+            pd = self._pd_policy()
+            if pd is not None:
+                return pd.choose(feats, views, now)
+            views = [v for v in views if v.role == ROLE_MIXED]
+            if not views:
+                return Decision(None, NO_WORKERS)
+        return self.policy.choose(feats, views, now)
+
+    def retry_prefill(self, feats: RequestFeatures, views: Sequence[WorkerView]) -> str | None:
+        """Another prefill worker for a P/D request whose prefill leg failed (None: prefill locally)."""
+        pd = self._pd_policy()
+        return pd.choose_prefill(feats, views)[0] if pd is not None else None
+
+    def retry_decode(self, feats: RequestFeatures, views: Sequence[WorkerView], now: float) -> str | None:
+        """Another decode-capable worker for a P/D request whose decode leg failed before its first byte."""
+        pd = self._pd_policy()
+        return pd.choose_decode(feats, views, now).worker_id if pd is not None else None
+
+    # --- feedback -------------------------------------------------------------------------------------
+    def is_pd(self, request_id: str) -> bool:
+        """Was the request placed through the P/D profile (it runs as P/D legs, perhaps with a local prefill)?"""
+        return request_id in self._via_pd
+
+    def _owner(self, request_id: str) -> Policy:
+        return self._pd if self._pd is not None and request_id in self._via_pd else self.policy
+
+    def dispatched(self, feats: RequestFeatures, decision: Decision, now: float) -> None:
+        """The request was sent as decided (for P/D, `decision.worker_id` is its decode worker)."""
+        if self._pd is not None and (decision.prefill_worker_id is not None or decision.reason in _PD_REASONS):
+            self._via_pd.add(feats.request_id)
+            self._pd.on_dispatch(feats, decision.worker_id, now)
+        else:
+            self.policy.on_dispatch(feats, decision.worker_id, now)
+
+    def moved(self, feats: RequestFeatures, old_worker: str, new_worker: str, now: float) -> None:
+        """The request's (decode) worker changed before its first byte (a retry elsewhere)."""
+        owner = self._owner(feats.request_id)
+        owner.on_complete(feats, old_worker, now)
+        owner.on_dispatch(feats, new_worker, now)
+
+    def progress(self, feats: RequestFeatures, tokens: int, now: float) -> None:
+        """`tokens` output tokens exist so far: 1 at the first token; the gateway's learning loop reports more
+        now and then. Only policies that keep a ledger (`report_progress`) listen."""
+        hook = getattr(self._owner(feats.request_id), "report_progress", None)
+        if hook is not None:
+            hook(feats.request_id, tokens, now)
+
+    def finished(self, feats: RequestFeatures, worker_id: str, output_tokens: int, now: float,
+                 slo_met: bool | None = None) -> None:
+        """The request completed on `worker_id` with `output_tokens` tokens (0 when it failed or was aborted);
+        `slo_met`: whether it met its SLO, where the caller judged it (policies that learn from outcomes hear
+        it through `observe_outcome`)."""
+        owner = self._owner(feats.request_id)
+        if slo_met is not None:
+            hook = getattr(owner, "observe_outcome", None)
+            if hook is not None:
+                hook(feats, worker_id, slo_met, now)
+        if output_tokens > 0:
+            if self.observe_length is not None:
+                self.observe_length(feats.model, feats.prompt_tokens, output_tokens)
+            hook = getattr(owner, "observe_completion", None)
+            if hook is not None:
+                hook(feats, output_tokens, now)
+        owner.on_complete(feats, worker_id, now)
+        self._via_pd.discard(feats.request_id)
+
+
+_PD_REASONS = frozenset({DISAGGREGATED, LOCAL_SHORT, LOCAL_CACHED, LOCAL_NO_PREFILL, LOCAL_OVERFLOW})
