@@ -28,6 +28,7 @@ from tests.helpers import (
     ROOT,
     CliProcess,
     free_port_range,
+    loopback_app,
     poll,
     poll_sync,
     running_gateway,
@@ -183,15 +184,8 @@ async def scale_webhook(answer: Callable[[dict], list[dict]]) -> AsyncIterator[t
 
     app = web.Application()
     app.router.add_post("/scale", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}/scale", calls
-    finally:
-        await runner.cleanup()
+    async with loopback_app(app) as base:
+        yield base + "/scale", calls
 
 
 def webhook(fleet_urls: list[str]) -> AbstractAsyncContextManager[tuple[str, list[dict]]]:

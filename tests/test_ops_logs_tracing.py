@@ -14,7 +14,7 @@ from gateway.config import load_config
 from gateway.logs import ACCESS_LOGGER, RateLimitFilter, setup_logging
 from gateway.server import GatewayServer
 from gateway.tracing import Tracing
-from tests.helpers import MODEL, poll, running_gateway, worker_entries
+from tests.helpers import MODEL, loopback_app, poll, running_gateway, worker_entries
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
@@ -153,20 +153,13 @@ async def test_spans_are_exported_over_otlp_http(sim_fleet) -> None:
 
     app = web.Application()
     app.router.add_post("/v1/traces", traces)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
     fleet = sim_fleet(1, time_scale=20)
-    try:
-        tracing = {"enabled": True, "service_name": "fg-test", "otlp_endpoint": f"http://127.0.0.1:{port}/v1/traces"}
+    async with loopback_app(app) as collector:
+        tracing = {"enabled": True, "service_name": "fg-test", "otlp_endpoint": collector + "/v1/traces"}
         async with running_gateway(fleet.urls, tracing=tracing) as gw, httpx.AsyncClient() as c:
             assert (await c.post(gw.url + "/v1/chat/completions", json=CHAT)).status_code == 200
         # leaving the gateway shut the provider down, which flushes the batch processor
         await poll(lambda: received, 10, "an OTLP export")
-    finally:
-        await runner.cleanup()
     spans = [s for m in received for rs in m.resource_spans for ss in rs.scope_spans for s in ss.spans]
     names = {s.name for s in spans}
     assert {"POST /v1/chat/completions", "admission", "placement", "upstream upstream"} <= names
