@@ -76,7 +76,7 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
     if fleet_file is not None:
         cmd += ["--fleet", str(fleet_file)]
     print(f"starting {workers} simulated vLLM worker(s): {shlex.join(cmd[1:])}", flush=True)
-    sim = subprocess.Popen(cmd, cwd=ROOT)
+    sim = subprocess.Popen(cmd, cwd=ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     try:
         _wait_healthy(sim, urls)
         _print_banner(port, model, urls)
@@ -158,6 +158,16 @@ Ctrl-C stops the gateway and its workers.
         pass
     finally:
         print("demo stopped", flush=True)
+
+
+def _die_with_parent() -> None:
+    """In the fleet's child process (Linux): SIGTERM when the demo dies, however it dies (SIGKILL included), so no
+    simulated worker outlives the demo holding its port (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
 def _require_free(ports: list[tuple[int, str]]) -> None:

@@ -6,7 +6,7 @@ import signal
 
 import openai
 
-from tests.helpers import MODEL, CliProcess, free_port_range, refused
+from tests.helpers import MODEL, CliProcess, free_port_range, poll_sync, refused
 
 
 def test_demo_serves_requests_and_ctrl_c_stops_everything() -> None:
@@ -68,3 +68,13 @@ def test_plain_demo_exports_slo_attainment() -> None:
         out = demo.read_to_end(timeout=20)
     assert f'fleetgate_slo_attainment_ratio{{class="interactive",model="{MODEL}"}} 1.0' in text
     assert "fleetgate.access: request request_id=" in out  # the access log is on in the demo
+
+
+def test_killed_demo_takes_its_workers_with_it() -> None:
+    base = free_port_range(3)
+    with CliProcess("demo", "--port", str(base), "--workers", "2", "--time-scale", "20", merge_stderr=True) as demo:
+        demo.wait_for("fleetgate listening on", timeout=60)
+        assert not refused(base + 1)
+        demo.proc.kill()  # SIGKILL: no cleanup code runs in the demo
+        demo.proc.wait(10)
+    poll_sync(lambda: refused(base + 1) and refused(base + 2), 10, "the simulated workers to exit")
