@@ -1,5 +1,6 @@
 # fleetgate developer commands. `make demo` and `make test` work on a fresh machine with python3 (>=3.11).
 PY ?= python3
+PORT ?= 8000
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -15,8 +16,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Gateway in front of 4 simulated vLLM workers, in-memory state: no Redis, Docker or GPU needed.
+# `make demo PORT=9000`: the gateway on 9000, the workers on 9001-9004.
 demo: install
-	$(BIN)/fleetgate demo --workers 4
+	$(BIN)/fleetgate demo --workers 4 --port $(PORT)
 
 # The whole test suite. Needs the Redis server at 127.0.0.1:6379 (db 15 is used); the preflight says how to start one.
 test: install

@@ -36,6 +36,7 @@ from policies.length_predictor import LengthPredictor
 from policies.perf_model import PerfModel
 from simulator.cluster import ClusterSim
 from simulator.profiles import load_profile
+from simulator.progress import stderr_progress
 from simulator.workload import WorkloadRequest, poisson_arrivals, read_lengths, resolve_trace
 
 ROOT = Path(__file__).parents[1]
@@ -222,13 +223,14 @@ def main(argv: list[str] | None = None) -> None:
     args.rates = list(RATES)
     t0 = time.perf_counter()
     results = []
-    for rate in args.rates:
-        for seed in args.seeds:
-            for p in args.policies:
-                r = run_pair(p, rate, args.requests, seed)
-                results.append(r)
-                print(f"{_rate(rate)} seed {seed} {p}: {r.throughput_rps:.2f} req/s, strong {r.strong_done_s:.0f} s, "
-                      f"weak {r.weak_done_s:.0f} s ({r.wall_s:.1f} s)", file=sys.stderr, flush=True)
+    runs = [(rate, seed, p) for rate in args.rates for seed in args.seeds for p in args.policies]
+    with stderr_progress("hetero pair runs") as progress:
+        for i, (rate, seed, p) in enumerate(runs):
+            r = run_pair(p, rate, args.requests, seed)
+            results.append(r)
+            print(f"{_rate(rate)} seed {seed} {p}: {r.throughput_rps:.2f} req/s, strong {r.strong_done_s:.0f} s, "
+                  f"weak {r.weak_done_s:.0f} s ({r.wall_s:.1f} s)", file=sys.stderr, flush=True)
+            progress(i + 1, len(runs))
     args.wall_s = time.perf_counter() - t0
     print(f"total {args.wall_s:.0f} s", file=sys.stderr)
     if args.no_write:

@@ -22,6 +22,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from bench.harness import REPO, free_port, start_process, stop_processes, wait_ready
@@ -32,7 +33,9 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
 def start(cmd: list[str], core: int) -> subprocess.Popen:
-    return start_process(cmd, cpus=core)
+    # stderr to a file, not a pipe nobody reads: the gateway's access log would fill a pipe and block it.
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
+    return start_process(cmd, cpus=core, stderr=log)
 
 
 async def measured(pid: int, coro) -> tuple[RunResult, float]:
@@ -41,8 +44,9 @@ async def measured(pid: int, coro) -> tuple[RunResult, float]:
     return res, process_cpu_seconds(pid) - cpu0
 
 
-async def main_async(quick: bool) -> str:
+async def main_async(quick: bool, config: str | None = None) -> str:
     py = sys.executable
+    gw_config = ["--config", config] if config else []
     n_lat = 300 if quick else 2000
     n_thr = 1500 if quick else 8000
     n_stream = 64 if quick else 256
@@ -58,10 +62,10 @@ async def main_async(quick: bool) -> str:
             await wait_ready(u + "/health")
 
         gw_sim_port, gw_null_port = free_port(), free_port()
-        gw_sim = start([py, "-m", "gateway.cli", "serve", "--port", str(gw_sim_port), "--policy", "round_robin",
-                        *sum((["-w", u] for u in sim_urls), [])], core=0)
-        gw_null = start([py, "-m", "gateway.cli", "serve", "--port", str(gw_null_port), "--policy", "round_robin",
-                         "-w", f"http://127.0.0.1:{null_port}"], core=0)
+        gw_sim = start([py, "-m", "gateway.cli", "serve", *gw_config, "--port", str(gw_sim_port), "--policy",
+                        "round_robin", *sum((["-w", u] for u in sim_urls), [])], core=0)
+        gw_null = start([py, "-m", "gateway.cli", "serve", *gw_config, "--port", str(gw_null_port), "--policy",
+                         "round_robin", "-w", f"http://127.0.0.1:{null_port}"], core=0)
         procs += [gw_sim, gw_null]
         await wait_ready(f"http://127.0.0.1:{gw_sim_port}/ready")
         await wait_ready(f"http://127.0.0.1:{gw_null_port}/ready")
@@ -145,9 +149,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "overhead.md"))
+    ap.add_argument("--config", help="gateway config file for both gateways (e.g. access log or tracing settings)")
     args = ap.parse_args()
-    body = asyncio.run(main_async(args.quick))
-    cmd = "python -m bench.overhead" + (" --quick" if args.quick else "")
+    body = asyncio.run(main_async(args.quick, args.config))
+    cmd = "python -m bench.overhead" + (" --quick" if args.quick else "") + (f" --config {args.config}"
+                                                                            if args.config else "")
     write_report(Path(args.out), "Gateway overhead", cmd, body)
     print(Path(args.out).read_text())
 

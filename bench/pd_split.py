@@ -31,6 +31,7 @@ from bench.report import write_report
 from policies.pd import pd_policy_for_profiles
 from simulator.cluster import ClusterSim, RequestResult
 from simulator.profiles import Profile, load_profile
+from simulator.progress import stderr_progress
 from simulator.workload import WorkloadRequest, load_workload
 
 RESULTS = Path(__file__).parent / "results"
@@ -81,21 +82,25 @@ def equal_count(levels: list[tuple[str, str, float]], prof: Profile, duration: f
     lines = ["| workload | setup | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | SLO 600ms/30ms | SLO 600ms/10ms "
              "| split / local / overflow |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for trace, label, level in levels:
-        wl = (load_workload(trace, rate_scale=level, duration=duration) if trace == "azure_conv"
-              else load_workload(trace, rate=level, duration=duration, seed=1))
-        rate = len(wl) / max(wl[-1].arrival - wl[0].arrival, 1e-9)
-        for setup in SETUPS:
-            t = time.perf_counter()
-            d = run_setup(setup, wl, prof)
-            dec = d.get("pd_decisions", {})
-            mix = (f"{dec.get('disaggregated', 0)} / {dec.get('local_short', 0)} / {dec.get('local_overflow', 0)}"
-                   if dec else "-")
-            lines.append(f"| {label} ({len(wl)} req, {rate:.1f} req/s) | {setup.label} | {_ms(d['ttft_p50'])} | "
-                         f"{_ms(d['ttft_p99'])} | {_ms(d['tpot_p50'], 1)} | {_ms(d['tpot_p99'], 1)} | "
-                         f"{d['att 600ms/30ms']:.1%} | {d['att 600ms/10ms']:.1%} | {mix} |")
-            rows.append({"workload": label, "setup": setup.label, **d})
-            print(f"  {label} {setup.label}: {time.perf_counter() - t:.1f}s", file=sys.stderr, flush=True)
+    done, total = 0, len(levels) * len(SETUPS)
+    with stderr_progress("P/D equal worker count") as progress:
+        for trace, label, level in levels:
+            wl = (load_workload(trace, rate_scale=level, duration=duration) if trace == "azure_conv"
+                  else load_workload(trace, rate=level, duration=duration, seed=1))
+            rate = len(wl) / max(wl[-1].arrival - wl[0].arrival, 1e-9)
+            for setup in SETUPS:
+                t = time.perf_counter()
+                d = run_setup(setup, wl, prof)
+                dec = d.get("pd_decisions", {})
+                mix = (f"{dec.get('disaggregated', 0)} / {dec.get('local_short', 0)} / {dec.get('local_overflow', 0)}"
+                       if dec else "-")
+                lines.append(f"| {label} ({len(wl)} req, {rate:.1f} req/s) | {setup.label} | {_ms(d['ttft_p50'])} | "
+                             f"{_ms(d['ttft_p99'])} | {_ms(d['tpot_p50'], 1)} | {_ms(d['tpot_p99'], 1)} | "
+                             f"{d['att 600ms/30ms']:.1%} | {d['att 600ms/10ms']:.1%} | {mix} |")
+                rows.append({"workload": label, "setup": setup.label, **d})
+                print(f"  {label} {setup.label}: {time.perf_counter() - t:.1f}s", file=sys.stderr, flush=True)
+                done += 1
+                progress(done, total)
     return "\n".join(lines), rows
 
 
@@ -155,25 +160,29 @@ def decode_workers_needed(policy_key: str, wl: list[WorkloadRequest], rate: floa
 def sizing(rates: list[float], prof: Profile, duration: float, hi: int) -> tuple[str, dict]:
     needed: dict[str, dict[str, dict[float, int | None]]] = {}
     lines = []
-    for slo_name, slo in SLOS.items():
-        needed[slo_name] = {k: {} for k in DECODE_POLICIES}
-        lines += [f"\nSLO {slo_name} (TTFT/TPOT), decode workers needed for {TARGET:.0%} attainment "
-                  "(prefill pool in brackets):\n",
-                  "| rate (req/s) | " + " | ".join(DECODE_POLICIES) + " | aladdin vs JSQ | aladdin vs power_of_two |",
-                  "|---" * (len(DECODE_POLICIES) + 3) + "|"]
-        for rate in rates:
-            wl = load_workload("sharegpt", rate=rate, duration=duration, seed=1)
-            cells = []
-            for key in DECODE_POLICIES:
-                t = time.perf_counter()
-                n, seen = decode_workers_needed(key, wl, rate, prof, slo, hi)
-                needed[slo_name][key][rate] = n
-                near = f" ({seen[n - 1]:.1%} at {n - 1})" if n is not None and n - 1 in seen else ""
-                cells.append(f"{n if n is not None else f'>{hi}'}{near}")
-                print(f"  {slo_name} {rate} {key}: {n} ({time.perf_counter() - t:.1f}s)", file=sys.stderr, flush=True)
-            a, j, p = (needed[slo_name][k][rate] for k in ("aladdin", "least_requests (JSQ)", "power_of_two"))
-            lines.append(f"| {rate:g} [{prefill_pool(rate)}] | " + " | ".join(cells) + f" | {_saving(a, j)} | "
-                         f"{_saving(a, p)} |")
+    done, total = 0, len(SLOS) * len(rates) * len(DECODE_POLICIES)
+    with stderr_progress("P/D decode workers needed") as progress:
+        for slo_name, slo in SLOS.items():
+            needed[slo_name] = {k: {} for k in DECODE_POLICIES}
+            lines += [f"\nSLO {slo_name} (TTFT/TPOT), decode workers needed for {TARGET:.0%} attainment "
+                      "(prefill pool in brackets):\n",
+                      "| rate (req/s) | " + " | ".join(DECODE_POLICIES) + " | aladdin vs JSQ | aladdin vs power_of_two |",
+                      "|---" * (len(DECODE_POLICIES) + 3) + "|"]
+            for rate in rates:
+                wl = load_workload("sharegpt", rate=rate, duration=duration, seed=1)
+                cells = []
+                for key in DECODE_POLICIES:
+                    t = time.perf_counter()
+                    n, seen = decode_workers_needed(key, wl, rate, prof, slo, hi)
+                    needed[slo_name][key][rate] = n
+                    near = f" ({seen[n - 1]:.1%} at {n - 1})" if n is not None and n - 1 in seen else ""
+                    cells.append(f"{n if n is not None else f'>{hi}'}{near}")
+                    print(f"  {slo_name} {rate} {key}: {n} ({time.perf_counter() - t:.1f}s)", file=sys.stderr, flush=True)
+                    done += 1
+                    progress(done, total)
+                a, j, p = (needed[slo_name][k][rate] for k in ("aladdin", "least_requests (JSQ)", "power_of_two"))
+                lines.append(f"| {rate:g} [{prefill_pool(rate)}] | " + " | ".join(cells) + f" | {_saving(a, j)} | "
+                             f"{_saving(a, p)} |")
     return "\n".join(lines), needed
 
 

@@ -72,6 +72,10 @@ class EngineAdapter(ABC):
     @abstractmethod
     def parse_metrics(self, text: str, now: float) -> EngineMetrics: ...
 
+    def openai_error(self, status: int, body: bytes) -> bytes:
+        """An engine's error answer (status >= 400) in OpenAI's error shape; the body as is by default."""
+        return body
+
     @abstractmethod
     def parse_models(self, payload: bytes) -> list[dict[str, Any]]:
         """Model cards (each with at least an `id`) from the models endpoint's body."""

@@ -1,7 +1,7 @@
 """Actuators: turn the autoscaler's desired worker counts per pool into workers (`autoscale.actuator.kind`).
 
 - `none`: nothing; the numbers are exported (`fleetgate_desired_workers{pool}`) and KEDA scales the
-  Deployments from Prometheus (deploy/kubernetes/keda-scaledobject.yaml).
+  Deployments from Prometheus (deploy/kubernetes/base/keda-scaledobject.yaml).
 - `sim`: simulated vLLM servers started in this process (simulator/fleet.py, one server per worker,
   on a free port), taking traffic after `cold_start_s`. For `fleetgate demo --autoscale` and tests; the
   workers live in the leader's process, so run one gateway replica with it.
@@ -216,7 +216,6 @@ class SimActuator(ManagedActuator):
         super().__init__(ctx)
         self.cfg = cfg
         self.workers: dict[str, _SimWorker] = {}
-        self._ids = itertools.count()
 
     def owns(self, ws: WorkerState) -> bool:
         return ws.id in self.workers
@@ -240,18 +239,21 @@ class SimActuator(ManagedActuator):
         self._spawn(pool, self.cfg.cold_start_s)
 
     def _spawn(self, pool: str, cold_start_s: float) -> asyncio.Task:
-        n = next(self._ids)
-        wid = f"sim-{pool}-{n}"
+        # sim-<n>, the lowest n free: stable names and ports (base_port + n). No pool in the name: the
+        # autoscaler relabels workers between the interactive and mixed pools as it goes.
+        n = next(i for i in itertools.count() if f"sim-{i}" not in self.workers)
+        wid = f"sim-{n}"
         w = self.workers[wid] = _SimWorker(pool, time.monotonic())
         w.task = asyncio.create_task(self._boot(wid, w, n, cold_start_s), name=f"fg-sim-boot-{wid}")
         log.info("starting simulated worker %s (pool %s, cold start %.1f s)", wid, pool, cold_start_s)
         return w.task
 
     async def _boot(self, wid: str, w: _SimWorker, n: int, cold_start_s: float) -> None:
-        from simulator.fleet import SimFleet
+        from simulator.fleet import SimFleet, specs_from_options
 
         cfg = self.cfg
-        w.fleet = SimFleet.of(1, profile=cfg.profile, model=cfg.model, time_scale=cfg.time_scale, seed=cfg.seed + n)
+        port = cfg.base_port + n if cfg.base_port else 0
+        w.fleet = SimFleet(specs_from_options(1, port, cfg.profile, cfg.model, cfg.time_scale, cfg.seed + n))
         try:
             await asyncio.to_thread(w.fleet.start)
             await asyncio.sleep(cold_start_s)  # a real worker loads weights meanwhile; it is billed already
@@ -259,6 +261,7 @@ class SimActuator(ManagedActuator):
                                                      profile=w.fleet.servers[0].profile.name, cap=cfg.cap,
                                                      source="autoscaler"))
             w.ready = True
+            log.info("simulated worker %s ready at %s (pool %s)", wid, w.fleet.urls[0], w.pool)
         except BaseException:
             self.workers.pop(wid, None)
             await asyncio.to_thread(w.fleet.stop)

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine_adapters.base import EngineAdapter
 from engine_adapters.vllm import VllmAdapter
 from gateway import errors
+from gateway.access_log import AccessLog
 from gateway.admin import admin_router, check_api_key
 from gateway.autoscaler import Autoscaler
 from gateway.batch_api import batch_router
@@ -30,11 +31,15 @@ from gateway.dispatch import ROUTES, Dispatcher
 from gateway.errors import GatewayError
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
+from gateway.observe import RequestObserver
+from gateway.passthrough import passthrough_router
 from gateway.registry import Registry
 from gateway.relay import Relay, make_upstream_pool
 from gateway.slo import SloBook
 from gateway.state.base import StateStore
 from gateway.state.factory import make_store
+from gateway.status_page import status_router
+from gateway.tracing import Tracing
 from gateway.upstream import UpstreamPool
 
 log = logging.getLogger("fleetgate")
@@ -61,6 +66,8 @@ class Gateway:
         self.batch = BatchRunner(config, self.store, self.registry, self.metrics)  # Batch API work
         self.autoscaler = Autoscaler(config, self.store, self.registry, self.metrics, self.batch)
         self.upstream: UpstreamPool | None = None  # the one client to workers (gateway/upstream.py)
+        self.access_log = AccessLog() if config.logging.access_log else None
+        self.tracing: Tracing | None = Tracing(config.tracing) if config.tracing.enabled else None
         self.relay: Relay | None = None
         self.dispatcher: Dispatcher | None = None
 
@@ -72,6 +79,7 @@ class Gateway:
         self.relay = Relay(self.adapter, self.config.timeouts, self.upstream)
         self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,
                                      self.metrics, shared_state=self.shared_state, slo=self.slo, learner=self.learner)
+        self.dispatcher.observer = RequestObserver.make(self.access_log, self.tracing)
         await self.registry.start(self.upstream)
         await self.learner.start()
         await self.batch.start(self.dispatcher)
@@ -88,6 +96,8 @@ class Gateway:
             await upstream.close()  # keep-alive connections to the workers
         self.dispatcher = None
         await self.store.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
 
 class FleetgateApp:
@@ -192,6 +202,7 @@ def build_api(gw: Gateway) -> FastAPI:
     @api.get("/metrics")
     async def metrics() -> Response:
         gw.registry.refresh_gauges()
+        gw.metrics.state_store_up.labels("redis" if gw.shared_state else "memory").set(int(gw.store.reachable()))
         return Response(gw.metrics.render(), media_type=_METRICS_CONTENT_TYPE)
 
     @api.api_route("/v1/chat/completions", methods=["GET", "PUT", "DELETE", "PATCH"], include_in_schema=False)
@@ -201,4 +212,6 @@ def build_api(gw: Gateway) -> FastAPI:
 
     api.include_router(admin_router())
     api.include_router(batch_router())
+    api.include_router(status_router())
+    api.include_router(passthrough_router())
     return api

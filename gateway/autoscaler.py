@@ -71,6 +71,7 @@ MIN_ITL_TOKENS = 16          # fewer inter-token samples in a window say little 
 MIN_OUTPUT_SAMPLES = 20      # batch output length statistics from this many finished requests on
 DEFAULT_ITL_SLO_S = 0.2      # Chiron section 6: interactive ITL SLO 200 ms
 BP_KINDS = ("lbp", "tbp", "ibp", "bbp")
+RECENT_ACTIONS = 50          # scale actions kept for the status page (gateway/status_page.py)
 
 
 class WindowSum:
@@ -133,6 +134,8 @@ class Autoscaler:
         self.leader = False
         self.state: dict[str, Any] = {}
         self.actions: Counter[str] = Counter()           # "pool|direction|reason" -> workers (leader, cumulative)
+        self.recent_actions: deque[dict[str, Any]] = deque(maxlen=RECENT_ACTIONS)  # for the status page
+        self._fleet_shape: tuple = ()
         self._local: dict[str, _LocalState] = {}
         self._peak: dict[str, int] = {}
         self._area: dict[str, list[float]] = {}         # worker -> [interactive, batch] x seconds (this replica)
@@ -398,12 +401,15 @@ class Autoscaler:
             actions.append(ScaleAction(POOL_BATCH, "up", 1, "bootstrap"))
         for a in actions:
             self.actions[f"{a.pool}|{a.direction}|{a.reason}"] += a.count
+            self.recent_actions.append({"t": now, "pool": a.pool, "direction": a.direction, "count": a.count,
+                                        "reason": a.reason, "busy": round(obs.interactive_busy, 3)})
             log.info("scale %s %s %+d (%s)", a.pool, a.direction, a.count if a.direction == "up" else -a.count, a.reason)
         if self.actuator.kind != "none":
             await self.actuator.apply(desired)
             await self._relabel(desired[POOL_INTERACTIVE])
         active = self.ctx.active_by_pool()
         pending = self.actuator.pending()
+        self._log_fleet(active, pending, desired)
         bp = plan.backpressure
         wait_i = extra["waiting"] / obs.interactive_rate if obs.interactive_rate > 0 else 0.0
         return {
@@ -413,9 +419,29 @@ class Autoscaler:
                              "lbp": extra["lbp"], "tbp": extra["tbp"]},
             "wait": {"batch": bp["batch_wait_s"] if math.isfinite(bp["batch_wait_s"]) else 1e9,
                      "interactive": wait_i},
-            "actions": dict(self.actions), "rate": obs.interactive_rate, "busy": obs.interactive_busy,
+            "actions": dict(self.actions), "recent_actions": list(self.recent_actions),
+            "rate": obs.interactive_rate, "busy": obs.interactive_busy,
             "forecast": bp.get("forecast_busy"),
         }
+
+    def _log_fleet(self, active: dict[str, list[WorkerState]], pending: dict[str, int],
+                   desired: dict[str, int]) -> None:
+        """One `fleet:` line whenever the fleet's make-up (workers, pools, starting, draining, desired) changes."""
+        draining = self.actuator.draining()
+        shape = (tuple((p, tuple(sorted(w.id for w in active[p]))) for p in POOLS), tuple(sorted(pending.items())),
+                 tuple(draining), tuple(sorted(desired.items())))
+        if shape == self._fleet_shape:
+            return
+        self._fleet_shape = shape
+        inflight = self.store.inflight()
+        parts = []
+        for p in POOLS:
+            for ws in sorted(active[p], key=lambda w: w.id):
+                f = inflight.get(ws.id)
+                parts.append(f"{ws.id}[{p} {f.requests if f else 0}/{ws.rec.cap or '-'}]")
+        log.info("fleet: %d active (%s), %d starting, %d draining; desired %s", sum(len(v) for v in active.values()),
+                 " ".join(parts) or "none", sum(pending.values()), len(draining),
+                 " ".join(f"{p}={n}" for p, n in desired.items()))
 
     async def _observe_only(self, now: float) -> dict[str, Any]:
         """Autoscaling off: still export what the queues look like (depth, wait estimates, pool sizes)."""

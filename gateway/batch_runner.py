@@ -38,6 +38,7 @@ import orjson
 
 from gateway import errors
 from gateway.batch_api import new_id
+from gateway.batch_progress import BatchProgressLog
 from gateway.request import ROUTES
 from gateway.state.jobs import BatchStats, QueuedRequest, QueueSnapshot, expired_line
 from policies.autoscale.global_ import POOL_INTERACTIVE, POOL_MIXED
@@ -152,6 +153,7 @@ class BatchRunner:
         self._task: asyncio.Task | None = None
         self._backoff_until = 0.0
         self._evicting = 0                 # interactive requests freeing a slot: no new batch work meanwhile
+        self.progress_log = BatchProgressLog()  # progress lines and stall warnings (gateway/batch_progress.py)
 
     # --- lifecycle --------------------------------------------------------------------------------
     async def start(self, dispatcher: Dispatcher) -> None:
@@ -270,6 +272,7 @@ class BatchRunner:
                     await self.finalize(doc["id"])
         self.snapshot = await self.store.queue_snapshot()
         self.metrics.set_batch_queue_depth(self.snapshot.depth)
+        await self.progress_log.sweep(self.store, self.snapshot)
 
     async def _fill(self) -> None:
         assert self.dispatcher is not None

@@ -6,9 +6,36 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="SLO-aware routing gateway for vLLM fleets.")
-config_app = typer.Typer(no_args_is_help=True, help="Configuration files.")
+# Plain click help (rich_markup_mode=None): typer's rich help shows on/off flags as `<bool>`.
+_HELP = {"help_option_names": ["-h", "--help"]}
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, context_settings=_HELP,
+                  help="SLO-aware routing gateway for vLLM fleets.")
+config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, context_settings=_HELP,
+                         help="Configuration files.")
 app.add_typer(config_app, name="config")
+
+LOG_FORMAT_HELP = "Log lines: text, logfmt or json (config logging.format)."
+LOG_LEVEL_HELP = "Log level: debug, info, warning or error (config logging.level)."
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("fleetgate")
+        except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+            v = "unknown (not installed)"
+        typer.echo(f"fleetgate {v}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """SLO-aware routing gateway for vLLM fleets."""
 
 
 @app.command()
@@ -16,14 +43,17 @@ def serve(
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config file."),
     host: str | None = typer.Option(None, help="Address to listen on (default: config listen.host, 127.0.0.1)."),
     port: int | None = typer.Option(None, help="Port to listen on; 0 picks a free one (default: config, 8000)."),
-    worker: list[str] = typer.Option([], "--worker", "-w", help="Worker URL (repeatable); adds to the config."),
+    worker: list[str] = typer.Option([], "--worker", "-w", metavar="URL", help="Worker URL (repeatable); adds to the config."),
     policy: str | None = typer.Option(None, help="Default routing policy (overrides the config)."),
     redis_url: str | None = typer.Option(None, "--redis-url", help="Share state through Redis."),
+    log_format: str | None = typer.Option(None, "--log-format", help=LOG_FORMAT_HELP),
+    log_level: str | None = typer.Option(None, "--log-level", help=LOG_LEVEL_HELP),
 ) -> None:
     """Run the gateway in front of the workers named in the config (and/or --worker)."""
     from gateway.server import run_serve
 
-    run_serve(config=config, host=host, port=port, workers=worker, policy=policy, redis_url=redis_url)
+    run_serve(config=config, host=host, port=port, workers=worker, policy=policy, redis_url=redis_url,
+              log_format=log_format, log_level=log_level)
 
 
 @app.command()
@@ -34,16 +64,21 @@ def demo(
     profile: str = typer.Option("llama3-8b-h100", help="Simulator profile for the workers."),
     model: str = typer.Option("meta-llama/Llama-3.1-8B-Instruct", help="Model name the fleet serves."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="Run the simulated engines K times faster."),
-    base_port: int = typer.Option(0, "--base-port", help="First simulator port (0: gateway port + 1)."),
+    base_port: int = typer.Option(0, "--base-port", help="First simulator port; worker n listens on base + n "
+                                  "(0: gateway port + 1)."),
     pd: str | None = typer.Option(None, "--pd", help="P:D, e.g. 2:2 — prefill and decode workers."),
     autoscale: bool = typer.Option(False, "--autoscale", help="Run the autoscaler with the sim actuator."),
+    log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
+    slo_ttft_ms: float = typer.Option(1000.0, "--slo-ttft-ms", help="The fleet's TTFT SLO (attainment metrics)."),
+    slo_tpot_ms: float = typer.Option(50.0, "--slo-tpot-ms", help="The fleet's time-per-output-token SLO."),
 ) -> None:
     """Gateway plus N simulated vLLM workers in one command; in-memory state, nothing else to start."""
     from gateway.demo import run_demo
 
     run_demo(
         port=port, workers=workers, policy=policy, profile=profile, model=model,
-        time_scale=time_scale, base_port=base_port or port + 1, pd=pd, autoscale=autoscale,
+        time_scale=time_scale, base_port=base_port or port + 1, pd=pd, autoscale=autoscale, log_format=log_format,
+        slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
     )
 
 
@@ -75,7 +110,8 @@ def simulate(
     workers: int = typer.Option(8, help="Number of workers."),
     profile: str = typer.Option("llama3-8b-h100", help="Profile name or YAML file (comma-separated: a mixed fleet)."),
     policy: str = typer.Option("least_requests", help="Routing policy."),
-    policy_param: list[str] = typer.Option([], "--policy-param", help="A policy parameter KEY=VALUE (repeatable)."),
+    policy_param: list[str] = typer.Option([], "--policy-param", metavar="KEY=VALUE",
+                                           help="A policy parameter KEY=VALUE (repeatable)."),
     rate: float | None = typer.Option(None, help="Synthetic arrival rate (req/s); lengths-only traces need one."),
     rate_scale: float = typer.Option(1.0, "--rate-scale", help="Multiply the trace's arrival rate."),
     arrival: str = typer.Option("poisson", help="Synthetic arrivals: poisson or gamma."),

@@ -183,6 +183,26 @@ class HealthConfig(_Strict):
     successes_to_restore: int = Field(2, ge=1)
 
 
+class LoggingConfig(_Strict):
+    """Process logs (gateway/logs.py) and the per-request access log (gateway/access_log.py)."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "logfmt", "json"] = "text"
+    access_log: bool = True
+    rate_limit_window_s: float = Field(10.0, gt=0)   # the same message at most `rate_limit_burst` times per window
+    rate_limit_burst: int = Field(5, ge=1)
+
+
+class TracingConfig(_Strict):
+    """OpenTelemetry spans per request (gateway/tracing.py; needs the `tracing` extra)."""
+
+    enabled: bool = False
+    service_name: str = "fleetgate"
+    otlp_endpoint: str | None = None                  # e.g. http://otel-collector:4318/v1/traces (OTLP/HTTP)
+    headers: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float = Field(10.0, gt=0)
+    sample_ratio: float = Field(1.0, ge=0, le=1)      # of traces the gateway starts (a sampled parent wins)
+
 
 class BatchConfig(_Strict):
     """OpenAI Files + Batches API and the runner that feeds queued batch requests to spare capacity
@@ -207,6 +227,8 @@ class SimActuatorConfig(_Strict):
     initial: dict[Literal["interactive", "mixed", "batch"], int] = Field(default_factory=dict)  # at start, no cold start
     seed: int = 0
     cap: int | None = Field(None, ge=1)               # new workers' cap (None: the local autoscaler's, if on)
+    # Worker n (sim-n, the lowest n not in use) listens on base_port + n; 0: any free port.
+    base_port: int = Field(0, ge=0, le=65535)
 
 
 class WebhookActuatorConfig(_Strict):
@@ -300,6 +322,8 @@ class GatewayConfig(BaseSettings):
     pd: PdConfig = Field(default_factory=PdConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
     scrape_interval_s: float = Field(0.5, gt=0)
     discovery_interval_s: float = Field(10.0, gt=0)  # re-read /v1/models of workers without configured models
 
@@ -371,13 +395,39 @@ def load_config(path: Path | str | None = None, **overrides: Any) -> GatewayConf
     try:
         cfg = GatewayConfig(**overrides)
     except ValidationError as e:
-        raise ConfigError(describe_validation_error(e, GatewayConfig)) from None
+        # Report unknown policy names in the same pass as the schema errors (they need no valid config).
+        raw = {**data, **overrides}
+        raise ConfigError(describe_validation_error(e, GatewayConfig) + unknown_policy_problems(raw)) from None
     finally:
         _FILE_DATA.reset(token)
     problems = semantic_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _policy_refs(raw: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(where, name) of every policy a raw (unvalidated) config names."""
+    refs = [("default_policy", raw.get("default_policy"))]
+    models = raw.get("models")
+    if isinstance(models, dict):
+        refs += [(f"models.{m}.policy", mc.get("policy")) for m, mc in models.items() if isinstance(mc, dict)]
+    pd = raw.get("pd")
+    if isinstance(pd, dict):
+        refs.append(("pd.decode_policy", pd.get("decode_policy")))
+    return [(w, n) for w, n in refs if isinstance(n, str)]
+
+
+def unknown_policy_problems(raw: dict[str, Any]) -> list[str]:
+    """Unknown policy names in a raw config, in semantic_problems' words."""
+    from policies.base import policy_names
+
+    try:
+        known = policy_names()
+    except ImportError:
+        return []
+    return [f"{where}: unknown policy {name!r}; expected one of: {', '.join(known)}"
+            for where, name in _policy_refs(raw) if name not in known]
 
 
 def semantic_problems(cfg: GatewayConfig) -> list[str]:

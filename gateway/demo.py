@@ -19,15 +19,30 @@ from pathlib import Path
 import yaml
 
 from gateway.config import ConfigError, load_config
+from gateway.logs import setup_logging
+from gateway.server import bind_socket
 from policies.pd import parse_pd_split
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 60.0
 
 
+# The demo's SLO (milliseconds): loose enough that an unloaded llama3-8b-h100 worker meets it, so the
+# attainment series (fleetgate_slo_attainment_ratio) have samples and fall when the fleet is overloaded.
+DEMO_SLO_TTFT_MS = 1000.0
+DEMO_SLO_TPOT_MS = 50.0
+DEMO_START_CAP, DEMO_MAX_CAP = 4, 8  # `demo --autoscale`: requests in flight per simulated worker (see below)
+
+
 def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests", profile: str = "llama3-8b-h100",
              model: str = "meta-llama/Llama-3.1-8B-Instruct", time_scale: float = 1.0, base_port: int = 8001,
-             pd: str | None = None, autoscale: bool = False) -> None:
+             pd: str | None = None, autoscale: bool = False, log_format: str = "text",
+             slo_ttft_ms: float = DEMO_SLO_TTFT_MS, slo_tpot_ms: float = DEMO_SLO_TPOT_MS) -> None:
+    try:
+        setup_logging("info", log_format)
+    except ValueError as e:
+        _fail(f"--log-format: {e}")
+    slo = {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms}
     roles = ["mixed"] * workers
     if pd is not None:  # P prefill + D decode workers replace --workers (gateway/pd.py)
         try:
@@ -38,7 +53,7 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
     if autoscale:
         if pd is not None:
             _fail("--autoscale and --pd cannot be combined yet.")
-        _run_autoscale_demo(port, workers, policy, profile, model, time_scale)
+        _run_autoscale_demo(port, workers, policy, profile, model, time_scale, base_port, slo)
         return
     if workers < 1:
         _fail(f"--workers must be at least 1, got {workers}.")
@@ -47,8 +62,10 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
     if port and base_port <= port < base_port + workers:
         _fail(f"the gateway port {port} collides with the simulator ports {base_port}-{base_port + workers - 1}.")
     urls = [f"http://127.0.0.1:{base_port + i}" for i in range(workers)]
+    _require_free([(port, "gateway (--port)")] + [(base_port + i, "simulated worker (--base-port)")
+                                                  for i in range(workers)])
     try:
-        cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy,
+        cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy, slo=slo,
                           workers=[{"id": f"sim-{i}" if pd is None else f"{roles[i]}-{i}", "url": u,
                                     "profile": profile, "role": roles[i]} for i, u in enumerate(urls)])
     except ConfigError as e:
@@ -59,7 +76,7 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
     if fleet_file is not None:
         cmd += ["--fleet", str(fleet_file)]
     print(f"starting {workers} simulated vLLM worker(s): {shlex.join(cmd[1:])}", flush=True)
-    sim = subprocess.Popen(cmd, cwd=ROOT)
+    sim = subprocess.Popen(cmd, cwd=ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     try:
         _wait_healthy(sim, urls)
         _print_banner(port, model, urls)
@@ -75,20 +92,34 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
         print("demo stopped", flush=True)
 
 
-def _run_autoscale_demo(port: int, workers: int, policy: str, profile: str, model: str, time_scale: float) -> None:
+def _run_autoscale_demo(port: int, workers: int, policy: str, profile: str, model: str, time_scale: float,
+                        base_port: int, slo: dict[str, float]) -> None:
     """The gateway with the autoscaler and the `sim` actuator: it starts and stops simulated workers itself
     (gateway/actuators.py), each with a 30 s cold start in model time (Chiron section 6: 30-60 s)."""
     if workers < 1:
         _fail(f"--workers must be at least 1, got {workers}.")
-    cold = 30.0 / time_scale
+    k = time_scale
+    cold = 30.0 / k
+    max_workers = max(8, workers)
+    # Per-worker caps (Chiron Algorithm 1) bounded to what the demo's burst can fill. Unbounded, the cap grows
+    # while the engine meets its ITL SLO, and a llama3-8b-h100 keeps a 256-token answer's ITL near 10 ms even at
+    # 64 in flight: the cap went 16 -> 32 -> 64, interactive backpressure (in flight / cap) fell to ~0.2, below
+    # theta - delta = 0.4, and the scaler scaled in ("ibp_low") in the middle of the burst it should answer.
+    # With at most DEMO_MAX_CAP requests per worker, 32 users are 32 / 8 / theta = 8 workers' worth of load.
+    _require_free([(port, "gateway (--port)")] + [(base_port + i, "simulated worker (--base-port)")
+                                                  for i in range(max_workers)])
     try:
-        cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy, autoscale={
+        cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy, slo=slo, autoscale={
             "enabled": True, "interval_s": 1.0, "local_interval_s": 1.0, "drain_timeout_s": 30.0,
-            "scaler": {"min_interactive": 1, "max_interactive": max(8, workers), "max_batch": 4,
-                       "cooldown_out_s": 2.0, "cooldown_in_s": 10.0, "stabilization_s": 30.0, "cold_start_s": cold,
-                       "batch_settle_s": 10.0, "batch_cooldown_s": 15.0, "deadline_margin_s": 10.0},
+            "itl_slo_ms": slo["tpot_ms"], "local": {"initial_cap": DEMO_START_CAP, "max_cap": DEMO_MAX_CAP},
+            # Like the engines, the scaler's clocks run --time-scale times faster (model seconds / K).
+            "scaler": {"min_interactive": 1, "max_interactive": max_workers, "max_batch": 4, "max_step_in": 2,
+                       "cooldown_out_s": 2.0 / k, "cooldown_in_s": 10.0 / k, "stabilization_s": 30.0 / k,
+                       "cold_start_s": cold, "batch_settle_s": 10.0 / k, "batch_cooldown_s": 15.0 / k,
+                       "deadline_margin_s": 10.0 / k},
             "actuator": {"kind": "sim", "sim": {"profile": profile, "model": model, "time_scale": time_scale,
-                                                "cold_start_s": cold, "initial": {"mixed": workers}}}})
+                                                "cold_start_s": cold, "initial": {"mixed": workers},
+                                                "base_port": base_port}}})
     except ConfigError as e:
         _fail("; ".join(e.problems))
     base = f"http://127.0.0.1:{port}" if port else "http://127.0.0.1:<port printed below>"
@@ -96,8 +127,10 @@ def _run_autoscale_demo(port: int, workers: int, policy: str, profile: str, mode
 fleetgate demo --autoscale: {workers} simulated worker(s) to start with; the autoscaler adds and removes
 workers (cold start {cold:g} s) as load comes and goes. Watch it:
 
+  {base}/        (the status page: workers, pools, caps, scale actions)
   watch -n1 "curl -s {base}/metrics | grep -E '^fleetgate_(desired|current)_workers|^fleetgate_backpressure'"
-  curl -s {base}/admin/workers
+
+The fleet is logged below every time it changes (`fleet: ...`), with each scale action and its reason.
 
 Make a one-minute burst of 32 concurrent users, then watch the fleet drain and shrink after it:
 
@@ -125,6 +158,27 @@ Ctrl-C stops the gateway and its workers.
         pass
     finally:
         print("demo stopped", flush=True)
+
+
+def _die_with_parent() -> None:
+    """In the fleet's child process (Linux): SIGTERM when the demo dies, however it dies (SIGKILL included), so no
+    simulated worker outlives the demo holding its port (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
+def _require_free(ports: list[tuple[int, str]]) -> None:
+    """One line and exit 2 when a port the demo needs is taken, before anything is started."""
+    for p, what in ports:
+        if p == 0:
+            continue
+        try:
+            bind_socket("127.0.0.1", p).close()
+        except OSError as e:
+            _fail(f"port {p} for the {what} is not free ({e.strerror or e}); choose another.")
 
 
 def _pd_fleet_file(roles: list[str]) -> Path:

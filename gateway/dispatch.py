@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapters.base import EngineAdapter
-from gateway import errors
+from gateway import errors, observe
 from gateway.admission import ModelQueue
 from gateway.auth import bearer_key_ok
 from gateway.config import GatewayConfig
@@ -130,6 +130,7 @@ class Dispatcher:
         # Request classes and worker types (gateway/batch_runner.py ClassRouter): per-worker class counts and
         # eviction of batch work; the pool filter itself is part of the placement step.
         self.pools: Any = None
+        self.observer: observe.RequestObserver | None = None  # access log / tracing (gateway/observe.py)
 
     # --- per-model state ------------------------------------------------------------------------
     def runtime(self, model: str) -> ModelRuntime:
@@ -169,6 +170,8 @@ class Dispatcher:
         rid = hdrs.request_id
         client_headers = [(b"x-request-id", rid)]
         feats: RequestFeatures | None = None
+        result: RelayResult | None = None
+        rec = self.observer.begin(rid.decode(), scope["path"], scope["headers"]) if self.observer else None
         try:
             try:
                 if hdrs.content_length == -1:
@@ -220,6 +223,8 @@ class Dispatcher:
             self.metrics.count_request(model_label, policy_label, status)
             if model_label != UNKNOWN_MODEL_LABEL:
                 self.metrics.observe_duration(model_label, time.perf_counter() - t0)
+            if rec is not None:
+                self.observer.end(rec, model_label, policy_label, status, feats, result)
 
     async def _read_body(self, receive, content_length: int | None) -> bytes:  # noqa: ANN001
         if content_length is not None and content_length > self.max_body:
@@ -303,7 +308,8 @@ class Dispatcher:
             out, met = 0, None
             try:
                 result = await self.relay.forward(
-                    ctx.send, getattr(ws, ctx.route.url_attr), ctx.payload, ctx.upstream_headers,
+                    ctx.send, getattr(ws, ctx.route.url_attr), ctx.payload,
+                    observe.leg("upstream", ws.id, ctx.upstream_headers),
                     ctx.client_headers, ctx.stream, ctx.strip_usage, attempt + 1 < self.attempts, ctx.state)
                 if result.midstream_error is not None:
                     self.metrics.upstream_error(ws.id, "midstream")
@@ -314,6 +320,7 @@ class Dispatcher:
                 failure = f
                 ctx.tried.append(ws.id)
                 self.metrics.upstream_error(ws.id, f.kind)
+                observe.leg_failed(f.kind, f.detail)
                 if f.kind == "connect":
                     self.registry.report_failure(ws.id)
                 log.debug("request %s failed on %s (%s); %s", ctx.feats.request_id, ws.id, f.detail,
@@ -332,7 +339,8 @@ class Dispatcher:
             ctx.state.started = ctx.state.ended = True
             await ctx.send({"type": "http.response.start", "status": failure.status,
                             "headers": [(b"content-type", failure.content_type), *ctx.client_headers]})
-            await ctx.send({"type": "http.response.body", "body": failure.body, "more_body": False})
+            await ctx.send({"type": "http.response.body", "more_body": False,
+                            "body": self.adapter.openai_error(failure.status, failure.body)})
             return RelayResult(status=failure.status)
         raise errors.upstream_failed(failure.detail)
 
@@ -353,6 +361,7 @@ class Dispatcher:
         t = time.perf_counter()
         await q.wait(ctx, ctx.feats, retry_at)
         self.metrics.observe_queue_wait(rt.model, time.perf_counter() - t)
+        observe.note_queue(time.perf_counter() - t)
 
     async def _place_queued(self, ctx: RequestContext) -> tuple[bool, float | None]:
         """The admission queue's drain tries a waiting request (gateway/admission.py)."""
@@ -420,6 +429,7 @@ class Dispatcher:
                 if self.pools is not None:
                     self.pools.placed(feats, ws.id)
                 ctx.worker, ctx.prefill = ws, pre
+                observe.note_placement(ws.id, d.reason, time.perf_counter() - t, pre and pre.id)
                 placed = True
                 return True
         finally:

@@ -157,6 +157,9 @@ class GatewayMetrics:
         self.worker_batch_cap = Gauge("fleetgate_worker_batch_cap",
                                       "Per-worker cap on concurrent requests (Chiron Algorithm 1).", ["worker"],
                                       registry=r)
+        self.state_store_up = Gauge("fleetgate_state_store_up",
+                                    "1 while the state store (Redis when shared) answers, else 0 (local accounting).",
+                                    ["store"], registry=r)
         self.autoscaler_leader = Gauge("fleetgate_autoscaler_leader",
                                        "1 on the replica holding the autoscaler lease, else 0.", registry=r)
         self._children: dict[tuple, object] = {}

@@ -42,7 +42,7 @@ from engine_adapters.vllm.kv_transfer import (
     params_expired,
     prefill_body,
 )
-from gateway import errors
+from gateway import errors, observe
 from gateway.config import GatewayConfig
 from gateway.registry import WorkerState
 from gateway.relay import RelayResult, UpstreamFailure
@@ -185,8 +185,10 @@ class PdLegs:
                     self.metrics.decision(rt.model, PREFILL_RETRY)
                 t0 = time.perf_counter()
                 try:
-                    params = await self._prefill_once(ws, ctx.route, leg, ctx.upstream_headers)
+                    params = await self._prefill_once(ws, ctx.route, leg,
+                                                      observe.leg("prefill", ws.id, ctx.upstream_headers))
                 except _PrefillFailed as f:
+                    observe.leg_failed("pd_prefill", str(f))
                     tried.append(ws.id)
                     self.d.metrics.upstream_error(ws.id, "pd_prefill")
                     log.debug("prefill leg of %s failed on %s: %s", feats.request_id, ws.id, f)
@@ -257,9 +259,11 @@ class PdLegs:
             t0 = time.perf_counter()
             try:
                 result = await self.d.relay.forward(ctx.send, getattr(ws, ctx.route.url_attr), leg,
-                                                    ctx.upstream_headers, ctx.client_headers, ctx.stream,
+                                                    observe.leg("decode", ws.id, ctx.upstream_headers),
+                                                    ctx.client_headers, ctx.stream,
                                                     ctx.strip_usage, attempt + 1 < self.d.attempts, ctx.state)
             except UpstreamFailure as f:
+                observe.leg_failed(f.kind, f.detail)
                 failure = f
                 ctx.tried.append(ws.id)
                 self.d.metrics.upstream_error(ws.id, f.kind)

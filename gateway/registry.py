@@ -48,6 +48,7 @@ class WorkerState:
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     discovered_at: float = 0.0
     weight: float = 1.0
+    reported: bool | None = None  # the health last logged (None: nothing yet), so each change is logged once
     # url prefixes, computed once
     chat_url: str = ""
     completions_url: str = ""
@@ -197,7 +198,7 @@ class Registry:
         """Passive health: a refused connection on the data path counts like a failed check."""
         ws = self.workers.get(worker_id)
         if ws is not None:
-            self._note_health(ws, False)
+            self._note_health(ws, False, "connection refused on a request")
 
     def _adopt(self, rec: WorkerRecord) -> WorkerState:
         ws = self.workers.get(rec.id)
@@ -272,15 +273,18 @@ class Registry:
 
     async def probe(self, ws: WorkerState) -> None:
         """One health check, plus model discovery when the worker's models are not configured."""
-        ok = await self._get_ok(ws.rec.url + self.adapter.health_path)
+        why = await self._check(ws.rec.url + self.adapter.health_path)
+        ok = why is None
         if ok and not ws.rec.models and (
             not ws.models or time.monotonic() - ws.discovered_at > self.config.discovery_interval_s
         ):
             await self._discover(ws)
+        if ok and not ws.models:
+            why = f"no models listed at {self.adapter.models_path}"
         if ws.id in self.workers:
-            self._note_health(ws, ok and bool(ws.models))
+            self._note_health(ws, why is None, why)
 
-    def _note_health(self, ws: WorkerState, ok: bool) -> None:
+    def _note_health(self, ws: WorkerState, ok: bool, why: str | None = None) -> None:
         h = self.config.health
         before = ws.healthy
         if ok:
@@ -295,15 +299,19 @@ class Registry:
                 ws.healthy = False
         ws.checked = True
         if ws.healthy != before:
-            log.info("worker %s %s", ws.id, "in rotation" if ws.healthy else "out of rotation")
             self._rebuild()
+        log_health_change(ws, why)
 
-    async def _get_ok(self, url: str) -> bool:
+    async def _check(self, url: str) -> str | None:
+        """None when `url` answers 200, else why not (for the state-change log)."""
         assert self.upstream is not None
         try:
-            return (await self.upstream.fetch(url, self._probe_timeout)).status == 200
-        except (TimeoutError, OSError):
-            return False
+            r = await self.upstream.fetch(url, self._probe_timeout)
+        except TimeoutError:
+            return f"health check timed out after {self.config.health.timeout_s:g}s"
+        except OSError as e:
+            return f"unreachable: {type(e).__name__}: {e}"
+        return None if r.status == 200 else f"health check answered {r.status}"
 
     async def _discover(self, ws: WorkerState) -> None:
         assert self.upstream is not None
@@ -362,6 +370,22 @@ class Registry:
 
     def describe_all(self, ids: Iterable[str] | None = None) -> list[dict[str, Any]]:
         return [self.describe(self.workers[i]) for i in sorted(ids or self.workers) if i in self.workers]
+
+
+def log_health_change(ws: WorkerState, why: str | None) -> None:
+    """One line per change of a worker's health as logged last: joined, left (with why), or never came up."""
+    if ws.reported == ws.healthy or (ws.healthy is False and not ws.checked):
+        return
+    first = ws.reported is None
+    ws.reported = ws.healthy
+    if ws.healthy:
+        log.info("worker %s in rotation (%s)", ws.id, ws.rec.url, extra={"fields": {"worker": ws.id}})
+    elif first:
+        log.warning("worker %s not in rotation yet: %s (%s); retrying every health check quietly", ws.id,
+                    why or "failed its health check", ws.rec.url, extra={"fields": {"worker": ws.id}})
+    else:
+        log.warning("worker %s out of rotation: %s (%s)", ws.id, why or "failed its health checks", ws.rec.url,
+                    extra={"fields": {"worker": ws.id}})
 
 
 def _card(model: str) -> dict[str, Any]:

@@ -10,7 +10,9 @@ webhooks and the P/D prefill leg (gateway/pd_legs.py) use the same pool. Rules:
   cut short);
 - the client has seen the response start -> a failure ends the stream with an SSE error event and
   `data: [DONE]` (docs/reference/vllm-interface.md §2), never a hang;
-- upstream statuses and bodies other than retried 5xx are passed through unchanged.
+- upstream statuses and bodies other than retried 5xx are passed through unchanged, except that an error
+  body is put in OpenAI's shape by the engine adapter (vLLM's `type: BadRequestError, code: 400` ->
+  `type: invalid_request_error`).
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class Relay:
                 result = RelayResult(status=status)
                 if status == 200:
                     result.usage = self.adapter.parse_usage(body)
+                elif status >= 400:
+                    body = self.adapter.openai_error(status, body)
                 state.started = True
                 await send({"type": "http.response.start", "status": status,
                             "headers": [(b"content-type", ctype), (b"content-length", b"%d" % len(body)),

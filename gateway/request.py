@@ -19,6 +19,7 @@ import orjson
 
 from gateway import errors
 from gateway.upstream import encode_headers
+from gateway.validation import check_sampling
 from policies.types import CLASS_BATCH, CLASS_INTERACTIVE
 
 _REQUEST_ID_RE = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
@@ -93,6 +94,7 @@ def parse_request(raw: bytes, route: Route) -> ParsedRequest:
     priority = body.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise errors.bad_request(f"`priority` must be an integer, got {_short_json(priority)}.", "priority")
+    check_sampling(body)
     return ParsedRequest(body, model or None, stream, max_tokens, priority)
 
 

@@ -21,6 +21,7 @@ import uvicorn
 
 from gateway.app import FleetgateApp, Gateway, create_app
 from gateway.config import ConfigError, GatewayConfig, check_worker_url, load_config
+from gateway.logs import setup_logging_from
 from gateway.state.base import StateStore
 
 log = logging.getLogger("fleetgate")
@@ -158,10 +159,14 @@ def run(config: GatewayConfig) -> None:
 
 def build_serve_config(config: Path | None = None, host: str | None = None, port: int | None = None,
                        workers: Sequence[str] = (), policy: str | None = None,
-                       redis_url: str | None = None) -> GatewayConfig:
+                       redis_url: str | None = None, log_format: str | None = None,
+                       log_level: str | None = None) -> GatewayConfig:
     """The config file (and environment), with the command line's values on top."""
     base = load_config(config)
     overrides: dict[str, Any] = {}
+    if log_format is not None or log_level is not None:
+        overrides["logging"] = {**base.logging.model_dump(), **({"format": log_format} if log_format else {}),
+                                **({"level": log_level} if log_level else {})}
     if workers:
         records = [w.model_dump() for w in base.workers]
         taken = {r["id"] for r in records}
@@ -194,16 +199,17 @@ def _worker_id(url: str, taken: set[str]) -> str:
 
 
 def run_serve(config: Path | None = None, host: str | None = None, port: int | None = None,
-              workers: Sequence[str] = (), policy: str | None = None, redis_url: str | None = None) -> None:
+              workers: Sequence[str] = (), policy: str | None = None, redis_url: str | None = None,
+              log_format: str | None = None, log_level: str | None = None) -> None:
     """`fleetgate serve`."""
     try:
-        cfg = build_serve_config(config, host, port, workers, policy, redis_url)
+        cfg = build_serve_config(config, host, port, workers, policy, redis_url, log_format, log_level)
     except ConfigError as e:
         print("fleetgate: invalid configuration:", file=sys.stderr)
         for p in e.problems:
             print(f"  - {p}", file=sys.stderr)
         raise SystemExit(1) from None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging_from(cfg)
     if not cfg.workers:
         log.warning("no workers configured; add some with POST /admin/workers")
     try:

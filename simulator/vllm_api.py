@@ -19,6 +19,7 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
@@ -225,6 +226,7 @@ class SimServer:
         self._inflight = 0
         self._counter = 0
         self._closed = asyncio.Event()
+        self.traceparents: deque[str] = deque(maxlen=64)  # the last W3C traceparent headers received
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": self._chat},
             "/v1/completions": {"POST": self._completions},
@@ -236,6 +238,7 @@ class SimServer:
             "/metrics": {"GET": self._metrics},
             "/tokenize": {"POST": self._tokenize},
             "/detokenize": {"POST": self._detokenize},
+            "/v1/embeddings": {"POST": self._embeddings},
             "/sim/faults": {"GET": self._get_faults, "POST": self._post_faults, "DELETE": self._delete_faults},
             "/sim/state": {"GET": self._state},
         }
@@ -311,6 +314,9 @@ class SimServer:
         if req.stream_options is not None and not req.stream:  # protocol.py validator (0.11)
             raise ApiError(400, "Stream options can only be defined when `stream=True`.", "Bad Request")
         headers = dict(scope["headers"])
+        tp = headers.get(b"traceparent")
+        if tp is not None:  # vLLM continues the caller's trace with it (--otlp-traces-endpoint); kept for /sim/state
+            self.traceparents.append(tp.decode("latin-1"))
         plan = self._plan(req, headers, chat)
         self._counter += 1
         handle = self.driver.submit(
@@ -589,6 +595,13 @@ class SimServer:
         text = tokenizer.synthetic_text(len(req.tokens), key=",".join(map(str, req.tokens[:64])))
         await _respond(send, 200, orjson.dumps({"prompt": text}))
 
+    async def _embeddings(self, scope: dict, receive: Receive, send: Send) -> None:
+        """A generate model's /v1/embeddings in vLLM 0.11: the error object sent with HTTP 200 (ref §1.1, §1.2)."""
+        await _read_body(receive)
+        await _respond(send, 200, orjson.dumps({"error": {
+            "message": "The model does not support Embeddings API", "type": "BadRequestError", "param": None,
+            "code": 400}}))
+
     async def _sleep(self, scope: dict, receive: Receive, send: Send) -> None:
         query = parse_qs(scope.get("query_string", b"").decode())
         try:
@@ -634,7 +647,8 @@ class SimServer:
         state = self.driver.state()
         state.update(name=self.name, model=self.model, profile=self.profile.name, role=self.config.role,
                      scheduling_policy=self.config.scheduling_policy, engine_id=self.engine_id,
-                     inflight_http=self._inflight, faults=self.faults.to_dict())
+                     inflight_http=self._inflight, faults=self.faults.to_dict(),
+                     traceparents=list(self.traceparents))
         await _respond(send, 200, orjson.dumps(state))
 
 

@@ -113,6 +113,22 @@ async def running_gateway(urls: Sequence[str] = (), **settings: Any) -> AsyncIte
         yield gw
 
 
+@contextlib.asynccontextmanager
+async def loopback_app(app: Any) -> AsyncIterator[str]:
+    """An aiohttp `web.Application` served on an ephemeral loopback port; yields its base URL."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
 # --- Prometheus text ------------------------------------------------------------------------------------------
 def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
     """The value of the first sample `name` whose labels include `labels`, or None."""

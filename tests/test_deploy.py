@@ -1,5 +1,5 @@
 """The deployment files stay consistent with the code: the dashboard only plots series the gateway exports,
-compose, Prometheus and Kubernetes files parse, and the compose gateway config passes `config check`."""
+and the shipped gateway configs pass `config check` (the compose and Kubernetes files: test_ops_deploy_files.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,19 @@ from pathlib import Path
 import yaml
 
 from gateway.config import load_config
-from gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def exported_series() -> set[str]:
+    """Every series a gateway can export: its own, the SLO book's and the P/D router's."""
+    from gateway.app import Gateway
+    from gateway.pd_legs import PdMetrics
+
+    gw = Gateway(load_config(None))
+    PdMetrics.for_registry(gw.metrics.registry)
     names: set[str] = set()
-    for family in GatewayMetrics().registry.collect():
+    for family in gw.metrics.registry.collect():
         for sample in family.samples:
             names.add(sample.name)
         names.add(family.name)
@@ -34,6 +39,8 @@ def test_dashboard_is_generated_from_its_script() -> None:
 def test_dashboard_only_uses_exported_gateway_series() -> None:
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/fleetgate.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [r["expr"] for g in yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())["groups"]
+              for r in g["rules"]]
     used = {m for e in exprs for m in re.findall(r"\bfleetgate_[a-z_]+", e)}
     assert used, "the dashboard plots no gateway series"
     exported = exported_series()
@@ -44,25 +51,12 @@ def test_dashboard_only_uses_exported_gateway_series() -> None:
         return m
 
     missing = {m for m in used if m not in exported and base(m) not in exported}
-    assert not missing, f"dashboard uses series the gateway does not export: {sorted(missing)}"
+    assert not missing, f"dashboard or alerts use series the gateway does not export: {sorted(missing)}"
 
 
-def test_compose_prometheus_and_kubernetes_files_parse() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    assert {"gateway", "redis", "sim", "prometheus", "grafana"} <= set(compose["services"])
-    assert any("gpu" in s.get("profiles", []) for s in compose["services"].values())
-    prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
-    assert any("gateway:8000" in t for j in prom["scrape_configs"] for c in j["static_configs"] for t in c["targets"])
-    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/fleetgate.yaml").read_text()))
-    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "ConfigMap"}
-
-
-def test_shipped_configs_are_valid(tmp_path: Path) -> None:
-    for path in (ROOT / "deploy/compose/fleetgate.yaml", ROOT / "examples/fleetgate.yaml"):
+def test_shipped_configs_are_valid() -> None:
+    for path in (ROOT / "deploy/compose/fleetgate.yaml", ROOT / "deploy/compose/fleetgate-gpu.yaml",
+                 ROOT / "examples/fleetgate.yaml"):
         cfg = load_config(path)
         assert cfg.workers, path
-    k8s = next(d for d in yaml.safe_load_all((ROOT / "deploy/kubernetes/fleetgate.yaml").read_text())
-               if d["kind"] == "ConfigMap")
-    config = tmp_path / "fleetgate.yaml"
-    config.write_text(k8s["data"]["fleetgate.yaml"])
-    assert load_config(config).workers
+    # docker-compose.yml and deploy/kubernetes (with its gateway config): tests/test_ops_deploy_files.py

@@ -22,7 +22,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import load_config
 from gateway.server import GatewayServer
 from simulator.profiles import load_profile
-from tests.helpers import MODEL, REDIS_URL, ROOT, CliProcess, free_port, poll, poll_sync, running_gateway
+from tests.helpers import (
+    MODEL,
+    REDIS_URL,
+    ROOT,
+    CliProcess,
+    free_port_range,
+    loopback_app,
+    poll,
+    poll_sync,
+    running_gateway,
+)
 
 
 def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -174,15 +184,8 @@ async def scale_webhook(answer: Callable[[dict], list[dict]]) -> AsyncIterator[t
 
     app = web.Application()
     app.router.add_post("/scale", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}/scale", calls
-    finally:
-        await runner.cleanup()
+    async with loopback_app(app) as base:
+        yield base + "/scale", calls
 
 
 def webhook(fleet_urls: list[str]) -> AbstractAsyncContextManager[tuple[str, list[dict]]]:
@@ -249,34 +252,59 @@ async def _one_leader(flags_coro: Any) -> list[float] | None:
 
 
 # --- fleetgate demo --autoscale ---------------------------------------------------------------------------
-@pytest.mark.slow  # a child process with its own interpreter
-def test_demo_autoscale_starts_workers_through_the_sim_actuator(tmp_path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with CliProcess("demo", "--autoscale", "--port", str(port), "--workers", "2", "--time-scale", "20",
+@pytest.mark.slow  # a child process with its own interpreter, ~30 s
+def test_demo_autoscale_scales_out_under_its_burst_and_back_in_after(tmp_path) -> None:
+    """The demo's own burst (32 users, 256-token answers) at --time-scale 20: the fleet grows while it runs,
+    shrinks back to one worker after it, on stable ports, and prints every change (`fleet: ...`)."""
+    base = free_port_range(10)
+    url = f"http://127.0.0.1:{base}"
+    with CliProcess("demo", "--autoscale", "--port", str(base), "--workers", "2", "--time-scale", "20",
                     merge_stderr=True) as demo:
-        def healthy_workers() -> list[dict]:
+        def status() -> dict:
             if demo.proc.poll() is not None:
                 raise AssertionError(demo.describe())
             try:
-                return [w for w in httpx.get(url + "/admin/workers", timeout=2).json()["data"] if w["healthy"]]
+                return httpx.get(url + "/ui/status.json", timeout=2).json()
             except httpx.HTTPError:
-                return []
+                return {}
 
-        poll_sync(lambda: len(healthy_workers()) == 2, 40, "two healthy workers", every=0.2)
-        r = httpx.post(url + "/v1/chat/completions", timeout=10,
-                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-        assert r.status_code == 200
+        def healthy() -> list[dict]:
+            return [w for w in status().get("fleet", []) if w["healthy"]]
 
-        def current_workers() -> str | None:  # the first autoscaler round exports the numbers
-            text = httpx.get(url + "/metrics", timeout=5).text
-            return text if sum(samples(text, "fleetgate_current_workers").values()) == 2 else None
+        start = poll_sync(lambda: len(healthy()) == 2 and healthy(), 40, "two healthy workers", every=0.2)
+        assert {w["id"]: w["url"] for w in start} == {"sim-0": f"http://127.0.0.1:{base + 1}",
+                                                      "sim-1": f"http://127.0.0.1:{base + 2}"}
+        peak = [0]
 
-        text = poll_sync(current_workers, 10, "fleetgate_current_workers == 2", every=0.1)
-        assert samples(text, "fleetgate_autoscaler_leader")[()] == 1.0
+        async def burst() -> None:
+            client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=5)
+            end = time.monotonic() + 8
+
+            async def user() -> None:
+                while time.monotonic() < end:
+                    await client.chat.completions.create(model=MODEL, max_tokens=256,
+                                                         messages=[{"role": "user", "content": "Hello!"}])
+
+            async def watch() -> None:
+                while time.monotonic() < end:
+                    s = await asyncio.to_thread(status)
+                    peak[0] = max(peak[0], sum(s.get("autoscale", {}).get("current", {}).values()))
+                    await asyncio.sleep(0.2)
+
+            await asyncio.gather(watch(), *(user() for _ in range(32)))
+            await client.close()
+
+        asyncio.run(burst())
+        assert peak[0] > 2, "the fleet did not grow during the burst"
+        poll_sync(lambda: len(status().get("fleet", [])) == 1, 40, "the fleet back to one worker", every=0.2)
+        actions = status()["autoscale"]["recent_actions"]
+        assert any(a["direction"] == "up" and a["reason"] == "ibp_high" for a in actions), actions
+        last_up = max(a["t"] for a in actions if a["direction"] == "up")
+        assert any(a["direction"] == "down" and a["t"] > last_up for a in actions), actions
         demo.proc.send_signal(signal.SIGINT)
         out = demo.read_to_end(timeout=20)
     assert "demo stopped" in out
+    assert "fleet: 1 active" in out and ("scale mixed up" in out or "scale interactive up" in out), out
 
 
 # --- webhook scale-in: drain, then release ---------------------------------------------------------------
@@ -316,7 +344,7 @@ def test_keda_scaled_objects_read_the_exported_desired_workers() -> None:
 
     from gateway.metrics import GatewayMetrics
 
-    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/keda-scaledobject.yaml").read_text()))
+    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/base/keda-scaledobject.yaml").read_text()))
     assert {d["kind"] for d in docs} == {"ScaledObject"}
     exported = {f.name for f in GatewayMetrics().registry.collect()}
     by_pool = {}

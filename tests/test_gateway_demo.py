@@ -6,7 +6,7 @@ import signal
 
 import openai
 
-from tests.helpers import MODEL, CliProcess, free_port_range, refused
+from tests.helpers import MODEL, CliProcess, free_port_range, poll_sync, refused
 
 
 def test_demo_serves_requests_and_ctrl_c_stops_everything() -> None:
@@ -25,3 +25,56 @@ def test_demo_serves_requests_and_ctrl_c_stops_everything() -> None:
         assert refused(gw_port) and refused(sim_port) and refused(sim_port + 1)
 
 # --pd: tests/test_gateway_pd.py; --autoscale: tests/test_gateway_autoscale.py
+
+
+def test_busy_port_is_one_line_before_anything_starts() -> None:
+    import socket
+
+    from tests.helpers import run_cli
+
+    base = free_port_range(4)
+    for taken, what in ((base, "gateway"), (base + 2, "simulated worker")):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", taken))
+            s.listen()
+            r = run_cli("demo", "--port", str(base), "--workers", "2", "--time-scale", "20", timeout=30)
+        assert r.returncode == 2
+        err = r.stderr.strip().splitlines()
+        assert len(err) == 1 and f"port {taken} for the {what}" in err[0] and "not free" in err[0], r.stderr
+        assert "starting" not in r.stdout and "Traceback" not in r.stderr
+        assert refused(base + 1) and refused(base + 3)  # no worker was started
+
+
+def test_make_demo_takes_a_port() -> None:
+    import subprocess
+
+    from tests.helpers import ROOT
+
+    r = subprocess.run(["make", "-n", "demo", "PORT=9123"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "fleetgate demo --workers 4 --port 9123" in r.stdout, r.stdout + r.stderr
+
+
+def test_plain_demo_exports_slo_attainment() -> None:
+    import httpx
+
+    base = free_port_range(2)
+    with CliProcess("demo", "--port", str(base), "--workers", "1", "--time-scale", "20", merge_stderr=True) as demo:
+        demo.wait_for("fleetgate listening on", timeout=60)
+        r = httpx.post(f"http://127.0.0.1:{base}/v1/chat/completions", timeout=20,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200
+        text = httpx.get(f"http://127.0.0.1:{base}/metrics", timeout=5).text
+        demo.proc.send_signal(signal.SIGINT)
+        out = demo.read_to_end(timeout=20)
+    assert f'fleetgate_slo_attainment_ratio{{class="interactive",model="{MODEL}"}} 1.0' in text
+    assert "fleetgate.access: request request_id=" in out  # the access log is on in the demo
+
+
+def test_killed_demo_takes_its_workers_with_it() -> None:
+    base = free_port_range(3)
+    with CliProcess("demo", "--port", str(base), "--workers", "2", "--time-scale", "20", merge_stderr=True) as demo:
+        demo.wait_for("fleetgate listening on", timeout=60)
+        assert not refused(base + 1)
+        demo.proc.kill()  # SIGKILL: no cleanup code runs in the demo
+        demo.proc.wait(10)
+    poll_sync(lambda: refused(base + 1) and refused(base + 2), 10, "the simulated workers to exit")

@@ -1,4 +1,5 @@
-"""Error bodies through the gateway: the gateway's own (unknown model) and vLLM's passed through unchanged."""
+"""Error bodies through the gateway: the gateway's own (unknown model) and vLLM's, same status and message, in
+OpenAI's shape (vLLM's `type: BadRequestError, code: 400` becomes `type: invalid_request_error, code: null`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_unknown_model_is_404_with_an_openai_error_body(gateway) -> None:  # noq
     assert "nope" in err["message"] and err["type"]
 
 
-def test_prompt_too_long_is_vllms_400_passed_through(gateway, plain_server) -> None:  # noqa: ANN001
+def test_prompt_too_long_is_vllms_400_in_openais_shape(gateway, plain_server) -> None:  # noqa: ANN001
     with pytest.raises(openai.BadRequestError) as direct:
         direct_client(plain_server.url).completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=4)
     with pytest.raises(openai.BadRequestError) as via_gateway:
@@ -34,7 +35,9 @@ def test_prompt_too_long_is_vllms_400_passed_through(gateway, plain_server) -> N
     assert via_gateway.value.status_code == 400
     ref, got = _error(direct.value), _error(via_gateway.value)
     assert "maximum context length is 1024 tokens" in ref["message"]
-    assert got == ref
+    assert (ref["type"], ref["code"]) == ("BadRequestError", 400)  # vLLM's own shape, direct
+    assert got == {"message": ref["message"], "type": "invalid_request_error",
+                   "param": ref["param"] if isinstance(ref["param"], str) else None, "code": None}
 
 
 def test_max_tokens_over_the_context_is_400(gateway) -> None:  # noqa: ANN001

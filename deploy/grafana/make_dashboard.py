@@ -5,10 +5,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+
+def vllm(name: str) -> str:
+    """A vLLM series under both of the names it is stored as. prometheus_client 0.26 (vLLM's) writes `vllm:x` in
+    # HELP/# TYPE but `vllm_x` on the sample lines when the scraper negotiates OpenMetrics, as Prometheus does by
+    default (prometheus/client_python issue #1177, open); Prometheus then stores `vllm_x`. Plain-text scrapes
+    (scrape_protocols: [PrometheusText0.0.4], Prometheus >= 2.49) keep `vllm:x`."""
+    return f'{{__name__=~"vllm[:_]{name}"}}'
+
+
 # (title, unit, [(promql, legend)])
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Requests/s by status", "reqps",
      [("sum by (status) (rate(fleetgate_requests_total[1m]))", "{{status}}")]),
+    # SLOs (gateway/slo.py): the ratio is each replica's sliding window, so take the worst replica.
+    ("SLO attainment (sliding window)", "percentunit",
+     [("min by (model, class) (fleetgate_slo_attainment_ratio)", "{{model}} {{class}}")]),
+    ("SLO-judged requests/s: met vs missed", "reqps",
+     [("sum by (model, class, result) (rate(fleetgate_slo_requests_total[1m]))", "{{model}} {{class}} {{result}}")]),
     ("Time to first token (client view)", "s",
      [("histogram_quantile(0.5, sum by (le) (rate(fleetgate_time_to_first_token_seconds_bucket[1m])))", "p50"),
       ("histogram_quantile(0.99, sum by (le) (rate(fleetgate_time_to_first_token_seconds_bucket[1m])))", "p99")]),
@@ -26,13 +40,26 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
      [("fleetgate_worker_healthy", "{{worker}}")]),
     ("Upstream errors/s", "short",
      [("sum by (worker, kind) (rate(fleetgate_upstream_errors_total[1m]))", "{{worker}} {{kind}}")]),
+    ("Retries/s (re-sent to another worker before any byte)", "short",
+     [("sum by (model) (rate(fleetgate_retries_total[1m]))", "{{model}}")]),
+    ("Admission queue wait (requests that waited)", "s",
+     [("histogram_quantile(0.5, sum by (le) (rate(fleetgate_queue_wait_seconds_bucket[1m])))", "p50"),
+      ("histogram_quantile(0.99, sum by (le) (rate(fleetgate_queue_wait_seconds_bucket[1m])))", "p99")]),
+    # Prefill/decode disaggregation (gateway/pd_legs.py).
+    ("P/D decisions/s", "short",
+     [("sum by (model, decision) (rate(fleetgate_pd_decisions_total[1m]))", "{{model}} {{decision}}")]),
+    ("P/D phase time p99", "s",
+     [("histogram_quantile(0.99, sum by (le, phase) (rate(fleetgate_pd_phase_seconds_bucket[1m])))", "{{phase}}")]),
+    ("State store reachable (Redis)", "short",
+     [("min by (store) (fleetgate_state_store_up)", "{{store}}")]),
     ("Engine running / waiting (vLLM /metrics)", "short",
-     [("sum by (instance) (vllm:num_requests_running)", "running {{instance}}"),
-      ("sum by (instance) (vllm:num_requests_waiting)", "waiting {{instance}}")]),
+     [(f"sum by (instance) ({vllm('num_requests_running')})", "running {{instance}}"),
+      (f"sum by (instance) ({vllm('num_requests_waiting')})", "waiting {{instance}}")]),
     ("Engine KV-cache usage", "percentunit",
-     [("max by (instance) (vllm:kv_cache_usage_perc)", "{{instance}}")]),
+     [(f"max by (instance) ({vllm('kv_cache_usage_perc')})", "{{instance}}")]),
     ("Prefix-cache hit rate", "percentunit",
-     [("sum(rate(vllm:prefix_cache_hits_total[1m])) / sum(rate(vllm:prefix_cache_queries_total[1m]))", "hit rate")]),
+     [(f"sum(rate({vllm('prefix_cache_hits_total')}[1m])) / sum(rate({vllm('prefix_cache_queries_total')}[1m]))",
+       "hit rate")]),
     # Backpressure and autoscaling (gateway/autoscaler.py). Every replica exports the leader's numbers: take
     # max over replicas, not sum. The interactive admission queue is per replica: that one is summed.
     ("Workers per pool: desired vs current", "short",

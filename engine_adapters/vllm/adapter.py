@@ -9,6 +9,7 @@ import orjson
 
 from engine_adapters.base import EngineAdapter, ShapedRequest, Usage
 from engine_adapters.types import EngineMetrics
+from engine_adapters.vllm.errors import openai_error_body
 from engine_adapters.vllm.metrics_parser import parse_vllm_metrics
 from engine_adapters.vllm.shaping import shape_for_vllm
 from engine_adapters.vllm.sse import VllmStreamScanner
@@ -22,6 +23,9 @@ class VllmAdapter(EngineAdapter):
 
     def shape_request(self, raw: bytes, body: dict[str, Any], stream: bool, changed: bool) -> ShapedRequest:
         return shape_for_vllm(raw, body, stream, changed)
+
+    def openai_error(self, status: int, body: bytes) -> bytes:
+        return openai_error_body(status, body)
 
     def new_stream_scanner(self, strip_usage: bool) -> VllmStreamScanner:
         return VllmStreamScanner(strip_usage)

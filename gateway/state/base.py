@@ -51,6 +51,10 @@ class StateStore(JobStore, ABC):
     async def start(self) -> None:  # noqa: B027 - optional
         """Open connections and start background loops (leases, refresh)."""
 
+    def reachable(self) -> bool:
+        """False while a networked store cannot be reached (the gateway runs on local accounting then)."""
+        return True
+
     async def close(self) -> None:  # noqa: B027 - optional
         """Stop loops and release this replica's reservations."""
 

@@ -285,6 +285,9 @@ class RedisStore(RedisJobs, StateStore):
         self._ok = False
         await r.aclose()
 
+    def reachable(self) -> bool:
+        return self._ok
+
     def _client(self) -> aioredis.Redis:
         if self._redis is None:
             raise RuntimeError("RedisStore is not started: call `await store.start()` first")
