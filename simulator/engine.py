@@ -54,6 +54,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from policies.kv_index import AllBlocksCleared, BlockRemoved, BlockStored
 from simulator.speed import SpeedDrift
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ class SimRequest:
     kv_ready_at: float = 0.0
     # P/D producer: after the prefill (and the single token), keep the blocks pinned for a remote decode.
     remote_decode: bool = False
+    # The prompt's token ids, when known (the HTTP server): KV events' BlockStored carry them.
+    token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -136,6 +139,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"        # fcfs | priority (vLLM --scheduling-policy)
     enable_prefix_caching: bool = True
     kv_hold_s: float = 120.0               # vLLM 0.11 VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    kv_events: bool = False                # record KV-cache events (take_kv_events), as --kv-events-config
 
 
 _WAITING, _RUNNING, _DONE = 0, 1, 2
@@ -167,13 +171,14 @@ class _Seq:
 class _BlockPool:
     """Paged KV blocks: plain free blocks plus a prefix cache of hashed blocks (ref-counted, LRU)."""
 
-    __slots__ = ("total", "free_plain", "ref", "evictable")
+    __slots__ = ("total", "free_plain", "ref", "evictable", "events")
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, events: list[Any] | None = None) -> None:
         self.total = total
         self.free_plain = total
         self.ref: dict[int, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()   # ref == 0, least recently freed first
+        self.events = events                                     # KV events, when recorded
 
     @property
     def num_free(self) -> int:
@@ -186,6 +191,8 @@ class _BlockPool:
         for _ in range(n - plain):
             h, _ = self.evictable.popitem(last=False)
             del self.ref[h]
+            if self.events is not None:     # vLLM: one BlockRemoved per evicted hash
+                self.events.append(BlockRemoved((h,)))
 
     def lookup(self, hashes: list[int], max_blocks: int) -> tuple[int, int]:
         """Leading cached blocks of `hashes` (at most max_blocks) and how many of them are evictable."""
@@ -259,7 +266,9 @@ class EngineCore:
         self.priority = cfg.scheduling_policy == "priority"
         self.caching = cfg.enable_prefix_caching
         self.stats = EngineStats()
-        self._pool = _BlockPool(self.num_gpu_blocks)
+        # KV-cache events in publication order (simulator/kv_events.py publishes them after each step).
+        self._kv_events: list[Any] | None = [] if cfg.kv_events and cfg.enable_prefix_caching else None
+        self._pool = _BlockPool(self.num_gpu_blocks, self._kv_events)
         self._running: list[_Seq] = []
         self._fifo: deque[_Seq] = deque()                       # fcfs WAITING
         self._heap: list[tuple[int, float, int, _Seq]] = []     # priority WAITING
@@ -685,12 +694,31 @@ class EngineCore:
         hashes = seq.req.block_hashes
         upto = min(computed // self.block_size, len(hashes))
         pool = self._pool
+        start = len(seq.hashes)
         while len(seq.hashes) < upto:
             h = hashes[len(seq.hashes)]
             if not pool.insert(h):
                 seq.promote = False     # a twin block is cached already; keep ours private
-                return
+                break
             seq.hashes.append(h)
+        if self._kv_events is not None and len(seq.hashes) > start:
+            self._kv_events.append(self._stored_event(seq.req, start, len(seq.hashes)))
+
+    def _stored_event(self, req: SimRequest, start: int, end: int) -> BlockStored:
+        """BlockStored for blocks start..end-1 of a request's prompt, as vLLM's cache_full_blocks emits it."""
+        bs = self.block_size
+        hashes = req.block_hashes
+        tokens = tuple(req.token_ids[start * bs:end * bs]) if req.token_ids is not None else ()
+        return BlockStored(tuple(hashes[start:end]), hashes[start - 1] if start else None, tokens, bs)
+
+    def take_kv_events(self) -> list[Any]:
+        """The KV-cache events recorded since the last call (vLLM publishes them once per engine step)."""
+        events = self._kv_events
+        if not events:
+            return []
+        out = list(events)
+        events.clear()
+        return out
 
     def _finish(self, seq: _Seq, reason: str, now: float) -> StepEvent:
         seq.status = _DONE
@@ -710,6 +738,8 @@ class EngineCore:
         pool.ref.clear()
         pool.evictable.clear()
         pool.free_plain = pool.total
+        if self._kv_events is not None:
+            self._kv_events.append(AllBlocksCleared())
         return True
 
     def snapshot(self) -> dict[str, Any]:
