@@ -27,6 +27,7 @@ from gateway.batch_runner import BatchRunner
 from gateway.config import GatewayConfig
 from gateway.dispatch import ROUTES, Dispatcher
 from gateway.errors import GatewayError
+from gateway.kv_events import KvEventsService
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
@@ -58,6 +59,7 @@ class Gateway:
         self.learner = Learner(config, self.store, self.registry, self.metrics.registry)
         self.batch = BatchRunner(config, self.store, self.registry, self.metrics)  # Batch API work
         self.autoscaler = Autoscaler(config, self.store, self.registry, self.metrics, self.batch)
+        self.kv_events = KvEventsService(config, self.registry, self.metrics.registry)  # exact prefix-cache view
         self.session = None
         self.relay: Relay | None = None
         self.dispatcher: Dispatcher | None = None
@@ -70,7 +72,9 @@ class Gateway:
         self.relay = Relay(self.session, self.adapter, self.config.timeouts)
         self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,
                                      self.metrics, shared_state=self.shared_state, slo=self.slo, learner=self.learner)
+        self.dispatcher.kv_events = self.kv_events
         await self.registry.start(self.session)
+        await self.kv_events.start(self.session)
         await self.learner.start()
         await self.batch.start(self.dispatcher)
         await self.autoscaler.start(self.dispatcher)
@@ -79,6 +83,7 @@ class Gateway:
         """Stop loops, close the upstream pool and the store; safe on a partly started gateway."""
         await self.batch.stop()
         await self.autoscaler.stop()
+        await self.kv_events.stop()
         await self.learner.stop()
         await self.registry.stop()
         if self.relay is not None:

@@ -31,6 +31,7 @@ from engine_adapters.base import EngineAdapter
 from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, sse_error_event
+from gateway.kv_events import cached_prefix_for
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.pd import PdRouter
@@ -150,6 +151,7 @@ class Dispatcher:
         # Request classes and worker types (gateway/batch_runner.py ClassRouter): pool-aware candidates,
         # per-worker class counts, eviction of batch work; None: every worker takes every request.
         self.pools: Any = None
+        self.kv_events: Any = None  # gateway/kv_events.py KvEventsService: the exact prefix-cache view
 
     # --- per-model state ------------------------------------------------------------------------
     def runtime(self, model: str) -> ModelRuntime:
@@ -302,6 +304,7 @@ class Dispatcher:
             predicted_output_tokens=self.learner.predict(rt.model, prompt_tokens, max_tokens),
             session_id=hdrs.session_id, prefix_hashes=prefix, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
             priority=req.priority, request_class=rclass, arrival=time.time(),
+            cached_prefix_tokens=cached_prefix_for(self.kv_events, rt.policy, body, route is CHAT),
         )
 
     # --- placement ----------------------------------------------------------------------------------

@@ -125,7 +125,8 @@ class KvIndex:
         if w is None:
             w = self._workers[wid] = _Worker()
         if self.key_on == "block_hash":
-            self._add(wid, w, [as_key(h) for h in ev.block_hashes])
+            hashes = ev.block_hashes
+            self._add(wid, w, hashes if all(type(h) is int for h in hashes) else [as_key(h) for h in hashes])
             return
         # token_ids: recompute the chain from the parent's digest with our own hasher.
         parent = None
@@ -147,7 +148,7 @@ class KvIndex:
             keys.append(k)
         self._add(wid, w, keys)
 
-    def _add(self, wid: str, w: _Worker, keys: list[int]) -> None:
+    def _add(self, wid: str, w: _Worker, keys: Sequence[int]) -> None:
         holders = self._holders
         for k in keys:
             s = holders.get(k)
@@ -168,17 +169,25 @@ class KvIndex:
         w = self._workers.get(wid)
         if w is None:
             return
+        keys, holders = w.keys, self._holders
+        by_tokens = self.key_on == "token_ids"
+        removed = 0
         for h in ev.block_hashes:
-            k = as_key(h)
-            if self.key_on == "token_ids":
+            k = h if type(h) is int else as_key(h)
+            if by_tokens:
                 mapped = w.engine_keys.pop(k, None)
                 if mapped is None:
                     continue
                 k = mapped[0]
-            if k in w.keys:
-                w.keys.discard(k)
-                self._drop_holder(k, wid)
-                self.stats.removed += 1
+            if k in keys:
+                keys.discard(k)
+                s = holders.get(k)
+                if s is not None:
+                    s.discard(wid)
+                    if not s:
+                        del holders[k]
+                removed += 1
+        self.stats.removed += removed
 
     def _drop_holder(self, k: int, wid: str) -> None:
         s = self._holders.get(k)

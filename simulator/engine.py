@@ -188,11 +188,18 @@ class _BlockPool:
         """Allocate n blocks (caller checked n <= num_free): plain ones first, then evict LRU cached ones."""
         plain = min(n, self.free_plain)
         self.free_plain -= plain
+        if n > plain and self.events is not None:
+            # One event for the whole eviction; the wire publisher splits it one hash per event, as vLLM.
+            evicted = []
+            for _ in range(n - plain):
+                h, _ = self.evictable.popitem(last=False)
+                del self.ref[h]
+                evicted.append(h)
+            self.events.append(BlockRemoved(tuple(evicted)))
+            return
         for _ in range(n - plain):
             h, _ = self.evictable.popitem(last=False)
             del self.ref[h]
-            if self.events is not None:     # vLLM: one BlockRemoved per evicted hash
-                self.events.append(BlockRemoved((h,)))
 
     def lookup(self, hashes: list[int], max_blocks: int) -> tuple[int, int]:
         """Leading cached blocks of `hashes` (at most max_blocks) and how many of them are evictable."""

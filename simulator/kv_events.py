@@ -34,7 +34,7 @@ from engine_adapters.vllm.kv_events import (
     offset_endpoint,
     seq_bytes,
 )
-from policies.kv_index import EventBatch, KvEvent
+from policies.kv_index import BlockRemoved, EventBatch, KvEvent
 
 log = logging.getLogger("simulator.kv_events")
 _POLL_S = 0.02
@@ -122,6 +122,7 @@ class KvEventPublisher:
             if item is None:
                 return
             ts, events = item  # type: ignore[misc]
+            events = one_hash_per_removal(events)
             payload = encode_batch(EventBatch(ts, events, self.rank), self.wire_format)
             # A connecting PUB with no peer yet (or at its HWM) loses the batch; it stays replayable.
             with contextlib.suppress(zmq.Again):
@@ -141,3 +142,16 @@ class KvEventPublisher:
             if seq >= first:
                 self._replay.send_multipart((client, b"", self.topic, seq_bytes(seq), payload))  # type: ignore[union-attr]
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))  # type: ignore[union-attr]
+
+
+def one_hash_per_removal(events: list[KvEvent]) -> list[KvEvent]:
+    """vLLM emits one BlockRemoved per evicted hash; the engine records an eviction run as one event."""
+    if not any(isinstance(e, BlockRemoved) and len(e.block_hashes) > 1 for e in events):
+        return events
+    out: list[KvEvent] = []
+    for e in events:
+        if isinstance(e, BlockRemoved) and len(e.block_hashes) > 1:
+            out.extend(BlockRemoved((h,), e.medium) for h in e.block_hashes)
+        else:
+            out.append(e)
+    return out
