@@ -16,7 +16,7 @@ Workloads:
   block prefixes). Requests whose prompt + output exceed the 131,072-token context are dropped (vLLM would
   reject them whatever the routing; the count is in the table's heading).
 - `conversations`: multi-turn chats built from the shipped ShareGPT lengths. Conversations start as a Poisson
-  process; each has 1 + Geometric(mean 3) turns (at most 8) and opens with one of 8 system prompts of 2,048
+  process (4 per second for 600 s); each has 1 + Geometric(mean 3) turns (at most 8) and opens with one of 8 system prompts of 2,048
   tokens (Zipf(1) popularity). Turn k's prompt = turn k-1's prompt + its answer + a new message, so prompts grow;
   each message / answer length pair is a random ShareGPT row (prompt length as the new message, capped at
   1,024 tokens; output length as the answer, capped at 1,024). Turn k+1 arrives 5 s + Exp(mean 25 s) after
@@ -32,7 +32,8 @@ prompt blocks only (vLLM also caches the full blocks of generated tokens, which 
 bounds count prompt blocks only too, so they compare like with like.
 
 Policies: least_requests, prefix_affinity (approximate: what was sent where), precise_prefix (exact view,
-default scorers prefix 3 + queue 2 behind the load guard), aladdin as it is today (its cache pricing is being
+default scorers prefix 3 + queue 1 behind the load guard; the weights were picked on a short grid over
+conversations with seed 0 and the first 2,000 mooncake requests, the conversations here use seed 1), aladdin as it is today (its cache pricing is being
 added separately; its column "aladdin + cache" is left for that). Workers needed: the smallest N with
 attainment >= 99% (grow until it holds, then bisect; a run stops once more than 1% missed).
 """
@@ -349,16 +350,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: short workloads, no files")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=1, help="conversations' seed (seed 0 was used to pick weights)")
     args = ap.parse_args(argv)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     t0 = time.perf_counter()
     if args.quick:
         moon, dropped = mooncake_workload(600)
-        plan = [("mooncake", moon, 4, 24), ("conversations", conversation_workload(0.5, 300, args.seed), 2, 16)]
+        plan = [("mooncake", moon, 4, 24), ("conversations", conversation_workload(2.0, 200, args.seed), 2, 16)]
     else:
         moon, dropped = mooncake_workload(None)
-        plan = [("mooncake", moon, 6, 40), ("conversations", conversation_workload(1.0, 1200, args.seed), 3, 32)]
+        plan = [("mooncake", moon, 8, 40), ("conversations", conversation_workload(4.0, 600, args.seed), 4, 32)]
     results = [run_workload(n, reqs, policies, start, mx) for n, reqs, start, mx in plan]
     results[0].name += f" ({dropped} longer than the context dropped)"
     body = [__doc__.split("Setting:", 1)[1].strip() if __doc__ else "", ""]
