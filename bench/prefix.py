@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.report import write_report
+from bench.report import git_commit, write_report
 from policies.base import make_policy
 from policies.length_predictor import LengthPredictor
 from simulator.cluster import ClusterSim, RequestResult
@@ -354,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     t0 = time.perf_counter()
+    commit = git_commit()   # the code that ran, even if the tree moves on during a long run
     if args.quick:
         moon, dropped = mooncake_workload(600)
         plan = [("mooncake", moon, 4, 24), ("conversations", conversation_workload(2.0, 200, args.seed), 2, 16)]
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     png = RESULTS_MD.with_suffix(".png")
     plot(results, png)
     text += f"\n\n![hit rate vs workers]({png.name})\n"
-    write_report(RESULTS_MD, "Prefix-cache-aware routing (issue 22)", "python -m bench.prefix", text)
+    write_report(RESULTS_MD, "Prefix-cache-aware routing (issue 22)", "python -m bench.prefix", text, commit)
     print(f"wrote {RESULTS_MD} and {png}", file=sys.stderr)
 
 
