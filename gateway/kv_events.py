@@ -177,10 +177,13 @@ class KvEventsService:
         tok = self.tokenizer
         if tok is None:
             return None
-        if chat:
-            ids = tok.chat(body.get("messages") or [], bool(body.get("add_generation_prompt", True)))
-        else:
-            ids = tok.completion(body.get("prompt"))
+        try:
+            if chat:
+                ids = tok.chat(body.get("messages") or [], bool(body.get("add_generation_prompt", True)))
+            else:
+                ids = tok.completion(body.get("prompt"))
+        except (TypeError, AttributeError, ValueError):   # a body the tokenizer cannot read: no view
+            return None
         if not ids:
             return None
         salt = body.get("cache_salt")
