@@ -174,20 +174,24 @@ def _stats(url: str) -> dict:
     return httpx.get(url + "/sim/state", timeout=5).json()["stats"]
 
 
-@pytest.mark.parametrize("mode", ["configured", "discovered"])
+@pytest.mark.parametrize("mode", ["configured", "discovered", "token_ids"])
 async def test_gateway_routes_to_the_cached_prefix_and_predicts_the_hits(sim_fleet, make_client, mode: str) -> None:  # noqa: ANN001
+    """configured: 0.11 engines with sha256_cbor and a shared PYTHONHASHSEED, endpoints in the config;
+    discovered: 0.33-style engines found through GET /kv_event_sources; token_ids: 0.11 engines with their
+    default sha256 and no seed (a random NONE_HASH per engine, irreproducible): keys rebuilt from token ids."""
     base, replay = _ports(2), _ports(2)
-    fmt = "0.11" if mode == "configured" else "0.33"
-    fleet = sim_fleet(2, time_scale=50, kv_events_config=_kv_json(base, replay), kv_events_format=fmt,
-                      prefix_caching_hash_algo="sha256_cbor", hash_seed="11")
+    fmt = "0.33" if mode == "discovered" else "0.11"
+    engine = {"prefix_caching_hash_algo": "sha256_cbor", "hash_seed": "11"} if mode != "token_ids" else {}
+    fleet = sim_fleet(2, time_scale=50, kv_events_config=_kv_json(base, replay), kv_events_format=fmt, **engine)
     workers = []
     for i, url in enumerate(fleet.urls):
         w = {"id": f"w{i}", "url": url}
-        if mode == "configured":
+        if mode != "discovered":
             w["kv_events"] = {"endpoint": f"tcp://*:{base + i}", "replay_endpoint": f"tcp://*:{replay + i}"}
         workers.append(w)
     kv = {"enabled": True, "hash_algo": "sha256_cbor", "hash_seed": "11", "hash_style": "0.11" if fmt == "0.11"
-          else "0.32", "tokenizer": "sim", "reconnect_s": 0.2}
+          else "0.32", "tokenizer": "sim", "reconnect_s": 0.2, "key_on": "token_ids" if mode == "token_ids"
+          else "block_hash"}
     async with running_gateway(workers=workers, default_policy="precise_prefix", kv_events=kv) as gw:
         service = gw.gateway.kv_events
         await poll(lambda: len(service.subscribers) == 2, what="both workers subscribed")
