@@ -110,10 +110,7 @@ class KvEventsService:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await _cancel(task)
         for sub in list(self.subscribers.values()):
             await sub.stop()
         self.subscribers.clear()
@@ -203,6 +200,13 @@ def cached_prefix_for(service: KvEventsService | None, policy: Any, body: Mappin
     return NO_CACHED_PREFIX if view is None else view
 
 
+async def _cancel(task: asyncio.Task | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def source_from_listing(data: Any, host: str) -> Source | None:
     """Rank 0 of a GET /kv_event_sources answer ({rank: KVEventsConfig}), if it publishes over ZMQ."""
     if not isinstance(data, dict) or not data:
@@ -245,10 +249,7 @@ class Subscriber:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await _cancel(task)
 
     async def _run(self) -> None:
         sock = self.ctx.socket(zmq.SUB)
