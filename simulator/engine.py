@@ -10,6 +10,7 @@ simulator/cluster.py both drive this class; keep these names and meanings):
     events = core.finish_step(now)      # call at plan time + dur: apply the iteration, return StepEvents
     core.has_work() -> bool
     core.num_running, core.num_waiting, core.kv_usage  (0..1), core.stats (EngineStats counters)
+    core.take_kv_events()               # KV-cache events since the last call (EngineConfig.kv_events)
 
 Only one step is in flight at a time: plan_step, then finish_step, then plan_step again.
 All times are model seconds; a real-time driver sleeps dur / time_scale between the two calls.
@@ -38,6 +39,13 @@ Details of this implementation (vLLM reference sections 5.2 and 8; vLLM V1 sched
   boundary >= t and returns the new duration from the plan's start; call it before adding a request or
   releasing pinned blocks mid-step. `finish_step` applies the planned iterations; StepEvents then carry
   `new_tokens == k`. With max_iterations=1 (the default) every step is exactly one iteration.
+- KV-cache events (EngineConfig.kv_events, policies/kv_index.py types), at vLLM's moments: BlockStored when a
+  step completes full prompt blocks that enter the prefix cache (one event per request and step, chained to the
+  request's previous block, with the blocks' token ids when SimRequest.token_ids is given; a block whose twin
+  is already cached stays private and is not announced), BlockRemoved when a cached block is evicted (an
+  eviction run is one event here; the wire publisher splits it one hash per event, as vLLM sends them),
+  AllBlocksCleared when reset_prefix_cache succeeds. Only prompt blocks are cached (vLLM also caches the full
+  blocks of generated tokens).
 - P/D: a `remote_decode` request (producer) finishes with "length" after its first token and keeps its
   blocks pinned (not running, not freeable) until `release_remote(request_id, now)` or `config.kv_hold_s`
   elapses (`expire_remote(now)`, also called by `plan_step`). A `remote_prefill` request (consumer) is

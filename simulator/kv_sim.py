@@ -27,7 +27,7 @@ class SimKvView:
     @staticmethod
     def wanted(policy: Any) -> bool:
         """Policies that read RequestFeatures.cached_prefix_tokens declare `needs_kv_blocks = True`."""
-        return bool(getattr(policy, "needs_kv_blocks", False) or getattr(policy, "kv_index_wanted", False))
+        return bool(getattr(policy, "needs_kv_blocks", False))
 
     def engine_config(self, config: EngineConfig | None) -> EngineConfig:
         """The engines must record KV events for the view to exist."""

@@ -3,7 +3,8 @@
 What a router can see is copied from vLLM 0.11 (reference: /work/shared/reference/vllm-interface.md, cited
 below as "ref §N"): routes (§1.1), nested error bodies and messages (§1.2), response shapes and defaults
 (§1.3), SSE framing byte for byte (§2), /metrics (§3, in simulator/vllm_metrics.py), P/D
-`kv_transfer_params` (§4.2) and dev-mode sleep/wake (§6.1). Sim-only extras: `/sim/faults`, `/sim/state`
+`kv_transfer_params` (§4.2), dev-mode sleep/wake (§6.1) and KV-cache events (§5: `kv_events_config`, published by
+simulator/kv_events.py; block hashes as vLLM computes them, policies/kv_hash.py). Sim-only extras: `/sim/faults`, `/sim/state`
 and the request header `x-sim-output-tokens` (how many tokens to generate before "stop").
 
 It is a raw ASGI callable rather than a FastAPI app so the per-token path is a bytes concatenation
