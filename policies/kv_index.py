@@ -2,8 +2,8 @@
 
 An engine publishes `BlockStored` when full blocks enter its prefix cache, `BlockRemoved` when it evicts one and
 `AllBlocksCleared` when the cache is reset (docs/reference/vllm-interface.md §5.1). `KvIndex.apply` folds these
-into one map block hash -> workers holding it, bounded to `max_blocks` hashes (least recently stored or looked-up
-first out; a hash dropped for room is dropped for every worker, so the view errs towards "not cached").
+into one map block hash -> workers holding it, bounded to `max_blocks` hashes (least recently stored first
+out; a hash dropped for room is dropped for every worker, so the view errs towards "not cached").
 `prefix_blocks` answers, for a request's chained block hashes, how many leading blocks each worker holds: the
 prefix vLLM would find (`find_longest_cache_hit` stops at the first miss).
 
@@ -209,7 +209,8 @@ class KvIndex:
     def prefix_blocks(self, block_hashes: Sequence[int], workers: Iterable[str] | None = None) -> dict[str, int]:
         """Leading blocks of `block_hashes` each worker holds (workers holding none are left out).
 
-        One pass over the hashes, narrowing the set of workers still matching: O(longest match)."""
+        One pass over the hashes, narrowing the set of workers still matching; once one is left, its own key
+        set answers the rest. O(longest match), set operations in C."""
         out: dict[str, int] = {}
         if not block_hashes:
             return out
@@ -218,23 +219,26 @@ class KvIndex:
         if not first:
             return out
         alive = set(first) if workers is None else first.intersection(workers)
+        n = len(block_hashes)
         i = 0
-        for i, h in enumerate(block_hashes):  # noqa: B007 - i is the match length when the loop breaks
-            s = holders.get(h)
+        while i < n and len(alive) > 1:
+            s = holders.get(block_hashes[i])
             if s is None:
                 break
-            gone = [w for w in alive if w not in s]
-            for w in gone:
-                out[w] = i
-                alive.discard(w)
-            if not alive:
-                break
-            holders.move_to_end(h)
-        else:
-            i = len(block_hashes)
+            if not alive <= s:
+                gone = alive - s
+                for w in gone:
+                    out[w] = i
+                alive -= gone
+            i += 1
+        if len(alive) == 1:
+            (only,) = alive
+            keys = self._workers[only].keys
+            while i < n and block_hashes[i] in keys:
+                i += 1
         for w in alive:
             out[w] = i
-        return {w: n for w, n in out.items() if n}
+        return {w: k for w, k in out.items() if k}
 
     def cached_tokens(self, worker_id: str, block_hashes: Sequence[int]) -> int:
         """Prompt tokens of a request (given as its block hashes) that `worker_id` holds in its prefix cache."""

@@ -127,10 +127,11 @@ def test_index_store_remove_clear_and_prefix_lengths() -> None:
 def test_index_is_bounded_lru() -> None:
     idx = KvIndex(block_size=4, max_blocks=3)
     idx.apply("a", [_stored([1, 2, 3])])
-    idx.prefix_blocks([1])                                     # a lookup refreshes 1
+    idx.apply("c", [_stored([1])])                             # storing 1 again refreshes it
     idx.apply("b", [_stored([7])])
     assert len(idx) == 3 and idx.stats.evicted == 1
-    assert idx.cached_tokens("a", [1]) == 4 and idx.prefix_blocks([1, 2]) == {"a": 1}   # 2 was the oldest
+    assert idx.prefix_blocks([1, 2]) == {"a": 1, "c": 1}       # 2 was the least recently stored
+    assert idx.prefix_blocks([3]) == {"a": 1} and idx.cached_tokens("a", [1, 2]) == 4
 
 
 def test_index_keyed_on_token_ids_matches_request_hashes() -> None:
