@@ -295,6 +295,7 @@ def table(w: WorkloadResult) -> str:
             lines.append(f"| {p} | {_pct(r.hit_rate)} | {_pct(r.hit_rate / w.best if w.best else None)} | "
                          f"{_s(r.ttft_p50)} | {_s(r.ttft_p99)} | {r.attainment:.4f} | {need} | "
                          f"{'(lead)' if p == 'aladdin' else ''} |")
+    lines += ["", *findings(w)]
     lines.append("")
     lines.append("Search probes (N: attainment, hit rate; 'stopped' = more than 1% missed, the run was cut):")
     lines.append("")
@@ -303,6 +304,22 @@ def table(w: WorkloadResult) -> str:
                            for n, r in sorted(s.runs.items()))
         lines.append(f"- {p}: {probes}")
     return "\n".join(lines)
+
+
+def findings(w: WorkloadResult) -> list[str]:
+    """The issue's target, checked: precise_prefix's hit rate within 10% of the best possible at equal attainment."""
+    pp, lr = w.fixed.get("precise_prefix"), w.fixed.get("least_requests")
+    if pp is None or lr is None or not w.best:
+        return []
+    ratio = pp.hit_rate / w.best
+    verdict = "met" if ratio >= 0.9 and pp.attainment >= lr.attainment else "missed"
+    out = [f"Target (hit rate >= 90% of the best possible at least_requests' attainment): precise_prefix reaches "
+           f"{100 * ratio:.0f}% of the best possible ({_pct(pp.hit_rate)} of {_pct(w.best)}) with attainment "
+           f"{pp.attainment:.4f} vs {lr.attainment:.4f}: **{verdict}**."]
+    if w.pooled_best:
+        out.append(f"Against what {w.at_n} workers' KV memory can hold (pooled-LRU bound {_pct(w.pooled_best)}), "
+                   f"precise_prefix reaches {100 * pp.hit_rate / w.pooled_best:.0f}%.")
+    return out
 
 
 def plot(results: list[WorkloadResult], path: Path) -> None:
