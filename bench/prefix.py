@@ -358,6 +358,9 @@ def run_workload(name: str, reqs: list[WorkloadRequest], policies: tuple[str, ..
         for p in policies:
             r = searches[p].runs.get(at_n)
             fixed[p] = r if r is not None and not r.stopped_early else run_once(p, at_n, reqs, stop_early=False)
+            f = fixed[p]
+            print(f"  {p:16s} N={at_n:3d} (compared) attainment {f.attainment:.4f} hit {f.hit_rate:.3f} "
+                  f"ttft p50/p99 {_s(f.ttft_p50)}/{_s(f.ttft_p99)} [{f.wall_s:.0f} s]", file=sys.stderr, flush=True)
     pooled = best_hit_rate(reqs, at_n * prof.num_gpu_blocks) if at_n else None
     return WorkloadResult(name, len(reqs), sum(r.prompt_tokens for r in reqs) / len(reqs), best_hit_rate(reqs),
                           searches, at_n, fixed, pooled)
