@@ -214,6 +214,11 @@ async def test_gateway_routes_to_the_cached_prefix_and_predicts_the_hits(sim_fle
         assert after[other] == before[other]
         async with httpx.AsyncClient(timeout=5) as http:   # the gateway runs on this loop: no blocking calls
             text = (await http.get(gw.url + "/metrics")).text
+            where = (await http.post(gw.url + "/admin/prefix_cache", json={"messages": messages})).json()
+            bad = await http.post(gw.url + "/admin/prefix_cache", json={"neither": 1})
+        assert where["hashed"] and where["workers"] == {holder: predicted[holder]} and where["block_size"] == 16
+        assert sorted(where["subscribed"]) == ["w0", "w1"]
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
         assert metric(text, "fleetgate_kv_events_subscribers") == 2.0
         assert metric(text, "fleetgate_kv_events_batches_total", {"worker": holder}) >= 1
         # reset_prefix_cache on the holder: AllBlocksCleared reaches the index with the holder's next step's
