@@ -34,6 +34,25 @@ def admin_router() -> APIRouter:
         reg = request.app.state.gateway.registry
         return JSONResponse({"object": "list", "data": reg.describe_all()})
 
+    @r.post("/prefix_cache")
+    async def prefix_cache(request: Request) -> JSONResponse:
+        """Where a request's prompt prefix is cached, from the KV-event index: the body of a chat
+        (`messages`) or completion (`prompt`) request, optionally `cache_salt`; answers every worker
+        holding a prefix with its cached prompt tokens (gateway/kv_events.py)."""
+        check_api_key(request)
+        data = parse_json_object(await request.body())
+        kv = request.app.state.gateway.kv_events
+        if not kv.enabled:
+            raise errors.bad_request("KV events are off (config kv_events.enabled).")
+        chat = "messages" in data
+        if not chat and "prompt" not in data:
+            raise errors.bad_request("Give `messages` or `prompt`.", "messages")
+        view = kv.request_view(data, chat)
+        return JSONResponse({"block_size": kv.kc.block_size, "hashed": view is not None,
+                             "workers": dict(view) if view is not None else {},
+                             "index_blocks": len(kv.index),
+                             "subscribed": sorted(kv.subscribers)})
+
     @r.post("/workers")
     async def add_worker(request: Request) -> JSONResponse:
         """Body: a worker record as in the config file's `workers` list (id, url, role, models, labels,

@@ -29,6 +29,7 @@ from gateway.batch_runner import BatchRunner
 from gateway.config import GatewayConfig
 from gateway.dispatch import ROUTES, Dispatcher
 from gateway.errors import GatewayError
+from gateway.kv_events import KvEventsService
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.observe import RequestObserver
@@ -68,6 +69,7 @@ class Gateway:
         self.upstream: UpstreamPool | None = None  # the one client to workers (gateway/upstream.py)
         self.access_log = AccessLog() if config.logging.access_log else None
         self.tracing: Tracing | None = Tracing(config.tracing) if config.tracing.enabled else None
+        self.kv_events = KvEventsService(config, self.registry, self.metrics.registry)  # exact prefix-cache view
         self.relay: Relay | None = None
         self.dispatcher: Dispatcher | None = None
 
@@ -80,7 +82,9 @@ class Gateway:
         self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,
                                      self.metrics, shared_state=self.shared_state, slo=self.slo, learner=self.learner)
         self.dispatcher.observer = RequestObserver.make(self.access_log, self.tracing)
+        self.dispatcher.kv_events = self.kv_events
         await self.registry.start(self.upstream)
+        await self.kv_events.start(self.upstream)
         await self.learner.start()
         await self.batch.start(self.dispatcher)
         await self.autoscaler.start(self.dispatcher)
@@ -89,6 +93,7 @@ class Gateway:
         """Stop loops, close the upstream pool and the store; safe on a partly started gateway."""
         await self.batch.stop()
         await self.autoscaler.stop()
+        await self.kv_events.stop()
         await self.learner.stop()
         await self.registry.stop()
         upstream, self.upstream = self.upstream, None

@@ -94,6 +94,12 @@ def sim(
     seed: int = typer.Option(0, help="Random seed for output lengths."),
     list_profiles: bool = typer.Option(False, "--list-profiles", help="List built-in profiles and exit."),
     scheduling_policy: str = typer.Option("fcfs", "--scheduling-policy", help="vLLM scheduler: fcfs or priority."),
+    kv_events_config: str | None = typer.Option(
+        None, "--kv-events-config", help="vLLM's KV-events JSON, e.g. '{\"enable_kv_cache_events\": true, "
+        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'; server i publishes on the port + i."),
+    kv_events_format: str = typer.Option("0.11", "--kv-events-format",
+                                         help="KV-event wire format and hashing of vLLM 0.11 or 0.33."),
+    hash_algo: str = typer.Option("sha256", "--prefix-caching-hash-algo", help="sha256 or sha256_cbor."),
 ) -> None:
     """Run simulated vLLM servers (one process, many ports)."""
     from simulator.fleet import run_fleet_cli
@@ -101,6 +107,7 @@ def sim(
     run_fleet_cli(
         workers=workers, base_port=base_port, profile=profile, model=model, time_scale=time_scale,
         fleet=fleet, host=host, seed=seed, list_profiles=list_profiles, scheduling_policy=scheduling_policy,
+        kv_events_config=kv_events_config, kv_events_format=kv_events_format, hash_algo=hash_algo,
     )
 
 

@@ -33,6 +33,21 @@ class ListenConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
 
 
+class KvEventsSource(_Strict):
+    """Where one worker publishes vLLM's KV-cache events (its --kv-events-config, as the gateway reaches it)."""
+
+    endpoint: str                       # tcp://host:port; a * / 0.0.0.0 host means the worker URL's host
+    replay_endpoint: str | None = None  # the publisher's replay ROUTER, for gaps
+    topic: str = ""
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_address(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^(tcp://\S+:\d{1,5}|ipc://\S+|inproc://\S+)$", v):
+            raise ValueError("must be a ZMQ address such as tcp://10.0.0.5:5557")
+        return v
+
+
 class WorkerConfig(_Strict):
     id: str
     url: str
@@ -41,6 +56,7 @@ class WorkerConfig(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     profile: str = ""
     cap: int | None = Field(None, ge=1)  # max concurrent requests the gateway puts on it
+    kv_events: KvEventsSource | None = None  # its KV-event publisher (else discovered, see KvEventsConfig)
 
     @field_validator("id")
     @classmethod
@@ -174,6 +190,28 @@ class PdConfig(_Strict):
     prefill_timeout_s: float = Field(60.0, gt=0)  # a prefill leg that answers nothing this long has failed
     # A prompt the prefill pool's backlog would make miss its TTFT SLO is prefilled by its decode worker.
     prefill_overflow: bool = True
+
+
+class KvEventsConfig(_Strict):
+    """The exact prefix-cache view from the workers' KV-cache events (gateway/kv_events.py, policies/kv_index.py).
+
+    The gateway subscribes to every worker's publisher (its `kv_events:` entry, else GET /kv_event_sources of a
+    vLLM >= 0.33 worker when `discover`), keeps an index block hash -> workers, and hashes each request's prompt
+    the way the engines do, so policies that ask for it (`precise_prefix`) know each worker's cached prefix.
+    The hashing settings must match the engines': block size, --prefix-caching-hash-algo, PYTHONHASHSEED and
+    the vLLM version's cache_salt keys (`hash_style`); or key the index on the events' token ids."""
+
+    enabled: bool = False
+    discover: bool = True                      # ask GET /kv_event_sources of workers without a kv_events entry
+    block_size: int = Field(16, ge=1)          # the engines' --block-size
+    hash_algo: Literal["sha256", "sha256_cbor"] = "sha256_cbor"
+    hash_seed: str | None = None               # the engines' PYTHONHASHSEED; None: vLLM >= 0.32's fixed seed
+    hash_style: Literal["0.11", "0.32"] = "0.11"   # cache_salt untagged (0.11) or tagged (0.32+)
+    key_on: Literal["block_hash", "token_ids"] = "block_hash"
+    tokenizer: str = "sim"                     # sim | a model directory with tokenizer.json | none
+    max_blocks: int = Field(1_000_000, ge=1)   # index bound (distinct block hashes), LRU beyond it
+    replay_timeout_s: float = Field(2.0, gt=0)
+    reconnect_s: float = Field(2.0, gt=0)      # retry discovery / re-subscribe this often
 
 
 class HealthConfig(_Strict):
@@ -324,6 +362,7 @@ class GatewayConfig(BaseSettings):
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+    kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     scrape_interval_s: float = Field(0.5, gt=0)
     discovery_interval_s: float = Field(10.0, gt=0)  # re-read /v1/models of workers without configured models
 

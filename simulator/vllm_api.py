@@ -3,7 +3,8 @@
 What a router can see is copied from vLLM 0.11 (docs/reference/vllm-interface.md, cited
 below as "vllm-interface §N"): routes (§1.1), nested error bodies and messages (§1.2), response shapes and defaults
 (§1.3), SSE framing byte for byte (§2), /metrics (§3, in simulator/vllm_metrics.py), P/D
-`kv_transfer_params` (§4.2) and dev-mode sleep/wake (§6.1). Sim-only extras: `/sim/faults`, `/sim/state`
+`kv_transfer_params` (§4.2), dev-mode sleep/wake (§6.1) and KV-cache events (§5: `kv_events_config`, published by
+simulator/kv_events.py; block hashes as vLLM computes them, policies/kv_hash.py). Sim-only extras: `/sim/faults`, `/sim/state`
 and the request header `x-sim-output-tokens` (how many tokens to generate before "stop").
 
 It is a raw ASGI callable rather than a FastAPI app so the per-token path is a bytes concatenation
@@ -29,6 +30,8 @@ from urllib.parse import parse_qs
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from engine_adapters.vllm.kv_events import WIRE_FORMATS, KvEventsError, parse_kv_events_config
+from policies.kv_hash import HASH_ALGOS, BlockHasher, engine_seed
 from simulator import tokenizer
 from simulator.driver import EngineDriver, RequestHandle, build_engine, claim_remote_kv
 from simulator.faults import FaultConfigError, Faults, parse_faults
@@ -63,6 +66,14 @@ class ServerConfig:
     dev_mode: bool = True                   # VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, /reset_prefix_cache
     side_channel_port: int = 5557           # advertised NIXL side-channel port (0.11 default, vllm-interface §4.1)
     kv_lease_s: float = 120.0               # VLLM_NIXL_ABORT_REQUEST_TIMEOUT: how long P keeps pinned KV
+    # KV-cache events (simulator/kv_events.py): vLLM's --kv-events-config JSON (or a dict); None: off.
+    kv_events_config: str | dict[str, Any] | None = None
+    # Which vLLM the KV-event side imitates: "0.11" (array events, salt untagged in hashes, NONE_HASH random
+    # without PYTHONHASHSEED) or "0.33" (map events, tagged salt, fixed default seed, GET /kv_event_sources).
+    kv_events_format: str = "0.11"
+    kv_events_offset: int | None = None     # publisher port offset; None: the server's index in its fleet
+    prefix_caching_hash_algo: str = "sha256"  # vLLM --prefix-caching-hash-algo: sha256 | sha256_cbor
+    hash_seed: str | None = None            # PYTHONHASHSEED for block hashes; None: the environment's
 
 
 class ConfigError(ValueError):
@@ -219,8 +230,10 @@ class SimServer:
         except FaultConfigError as exc:
             raise ConfigError(f"faults: {exc}") from None
         self.rng = random.Random(config.seed)
-        self.engine_id = str(uuid.uuid4())  # KVTransferConfig.engine_id default (vllm-interface §4.1)
-        self.driver: EngineDriver = build_engine(self.profile, config, self.model, self.faults, self.engine_id)
+        self.engine_id = str(uuid.uuid4())  # KVTransferConfig.engine_id default (docs/reference/vllm-interface.md §4.1)
+        self.kv_events, self.hasher = _kv_setup(config, self.profile)
+        self.driver: EngineDriver = build_engine(self.profile, config, self.model, self.faults, self.engine_id,
+                                                 self.kv_events.active)
         self.created = int(time.time())
         self._model_json = orjson.dumps(self.model)
         self._inflight = 0
@@ -242,6 +255,8 @@ class SimServer:
             "/sim/faults": {"GET": self._get_faults, "POST": self._post_faults, "DELETE": self._delete_faults},
             "/sim/state": {"GET": self._state},
         }
+        if config.kv_events_format == "0.33":   # ref §5.1: 0.33 advertises its publishers
+            self._routes["/kv_event_sources"] = {"GET": self._kv_event_sources}
         if config.dev_mode:
             self._routes.update({
                 "/sleep": {"POST": self._sleep},
@@ -252,11 +267,22 @@ class SimServer:
 
     async def start(self) -> None:
         self._closed.clear()
+        if self.kv_events.active and self.driver.publisher is None:
+            from simulator.kv_events import KvEventPublisher
+
+            try:
+                self.driver.publisher = KvEventPublisher(self.kv_events, self.config.kv_events_format,
+                                                         self.config.kv_events_offset or 0)
+            except KvEventsError as exc:
+                raise ConfigError(str(exc)) from None
         await self.driver.start()
 
     async def stop(self) -> None:
         self._closed.set()
         await self.driver.stop()
+        publisher, self.driver.publisher = self.driver.publisher, None
+        if publisher is not None:
+            publisher.close()
 
     # --- ASGI entry ----------------------------------------------------------------------------
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -323,7 +349,7 @@ class SimServer:
             request_id=f"{plan.response_id}#{self._counter}", prompt_len=plan.prompt_len,
             block_hashes=plan.block_hashes, max_tokens=plan.max_tokens, target_tokens=plan.target_tokens,
             priority=req.priority, arrival=arrival, remote_decode=plan.remote_decode,
-            remote_kv_delay=plan.remote_kv_delay,
+            remote_kv_delay=plan.remote_kv_delay, token_ids=plan.token_ids,
         )
         try:
             if req.stream:
@@ -394,7 +420,8 @@ class SimServer:
         stream_opts = req.stream_options
         return _Plan(
             response_id=response_id, prompt_len=n, max_tokens=max_tokens, target_tokens=target,
-            block_hashes=tokenizer.block_hashes(token_ids, req.cache_salt),
+            block_hashes=self.hasher.hashes(token_ids, req.cache_salt),
+            token_ids=token_ids if self.kv_events.active else None,
             include_usage=bool(req.stream and stream_opts and stream_opts.include_usage),
             continuous_usage=bool(req.stream and stream_opts and stream_opts.include_usage
                                   and stream_opts.continuous_usage_stats),
@@ -620,6 +647,10 @@ class SimServer:
     async def _is_sleeping(self, scope: dict, receive: Receive, send: Send) -> None:
         await _respond(send, 200, orjson.dumps({"is_sleeping": self.driver.is_sleeping}))
 
+    async def _kv_event_sources(self, scope: dict, receive: Receive, send: Send) -> None:
+        publisher = self.driver.publisher
+        await _respond(send, 200, orjson.dumps({"0": publisher.source()} if publisher is not None else {}))
+
     async def _reset_prefix_cache(self, scope: dict, receive: Receive, send: Send) -> None:
         self.driver.reset_prefix_cache()
         await _respond(send, 200, b"", headers=[])
@@ -652,6 +683,22 @@ class SimServer:
         await _respond(send, 200, orjson.dumps(state))
 
 
+def _kv_setup(config: ServerConfig, profile: Profile) -> tuple[Any, BlockHasher]:
+    """The server's KV-events config and the block hasher its engine uses (ref §5.2), or ConfigError."""
+    if config.kv_events_format not in WIRE_FORMATS:
+        raise ConfigError(f"kv_events_format must be one of {WIRE_FORMATS}, got {config.kv_events_format!r}")
+    if config.prefix_caching_hash_algo not in HASH_ALGOS:
+        raise ConfigError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
+                          f"got {config.prefix_caching_hash_algo!r}")
+    try:
+        kv = parse_kv_events_config(config.kv_events_config)
+    except KvEventsError as exc:
+        raise ConfigError(str(exc)) from None
+    seed = config.hash_seed if config.hash_seed is not None else engine_seed(config.kv_events_format)
+    style = "0.11" if config.kv_events_format == "0.11" else "0.32"
+    return kv, BlockHasher(profile.block_size, config.prefix_caching_hash_algo, seed, style)
+
+
 @dataclass(slots=True)
 class _Plan:
     response_id: str
@@ -665,6 +712,7 @@ class _Plan:
     remote_kv_delay: float | None
     word_offset: int
     created: int
+    token_ids: list[int] | None = None
 
 
 def _finish_only(head: bytes, chat: bool, reason: str | None, usage: bytes | None) -> bytes:

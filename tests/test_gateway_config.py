@@ -47,7 +47,7 @@ def test_config_check_explains_every_problem(tmp_path: Path) -> None:
         "workers[1].url: must be an http:// or https:// URL",
         "(got 'ftp://example')",
         "workers[2].id: required field is missing",
-        "workers[2].capp: unknown field (known fields here: id, url, role, models, labels, profile, cap)",
+        "workers[2].capp: unknown field (known fields here: id, url, role, models, labels, profile, cap, kv_events)",
         "models.m1.slo.ttft_ms: Input should be greater than 0 (got -5)",
         "models.m1.slo.tpot: unknown field (known fields here: ttft_ms, tpot_ms)",
         "limits.queue_timeout_s: Input should be a valid number",

@@ -9,6 +9,7 @@ Run with `make test-vllm` (it creates the vLLM venv and the tiny model first, bo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -141,10 +142,26 @@ def step_trace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_fleet(request: pytest.FixtureRequest, step_trace_dir: Path) -> Iterator[VllmFleet]:
+def kv_event_ports() -> dict[str, tuple[int, int]]:
+    """Each server's KV-event publisher and replay ports (tests_vllm/test_kv_events.py subscribes to them)."""
+    return {name: (free_port(), free_port()) for name in ("prio", "plain")}
+
+
+def kv_events_args(ports: tuple[int, int]) -> list[str]:
+    """vLLM's --kv-events-config: ZMQ PUB on the first port, replay ROUTER on the second (block size 128 on CPU)."""
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports[0]}",
+           "replay_endpoint": f"tcp://*:{ports[1]}"}
+    return ["--kv-events-config", json.dumps(cfg)]
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(request: pytest.FixtureRequest, step_trace_dir: Path,
+               kv_event_ports: dict[str, tuple[int, int]]) -> Iterator[VllmFleet]:
     specs = [
-        ServerSpec("prio", cpu=0, priority_scheduling=True, max_num_seqs=1, dev_mode=True),
-        ServerSpec("plain", cpu=1 % (os.cpu_count() or 1), dev_mode=True, env=hook_env(step_trace_dir)),
+        ServerSpec("prio", cpu=0, priority_scheduling=True, max_num_seqs=1, dev_mode=True,
+                   extra_args=kv_events_args(kv_event_ports["prio"])),
+        ServerSpec("plain", cpu=1 % (os.cpu_count() or 1), dev_mode=True, env=hook_env(step_trace_dir),
+                   extra_args=kv_events_args(kv_event_ports["plain"])),
     ]
     fleet = VllmFleet(specs)
     try:
@@ -200,10 +217,13 @@ def _gateway_ready(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def run_gateway(worker_urls: list[str], policy: str | None = None) -> Iterator[Gateway]:
-    """`fleetgate serve` on a free port in front of `worker_urls`; ready once it lists the model."""
+def run_gateway(worker_urls: list[str], policy: str | None = None, config: Path | None = None) -> Iterator[Gateway]:
+    """`fleetgate serve` on a free port in front of `worker_urls` (and/or a config file's workers); ready once
+    it lists the model."""
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    if config is not None:
+        cmd += ["--config", str(config)]
     for url in worker_urls:
         cmd += ["-w", url]
     if policy:
