@@ -205,6 +205,9 @@ class Study:
         return (best[0], best[1]) if best else (None, "")
 
     def run(self, spec: SimSpec, label: str, trace: str, level: float, start: int) -> Search:
+        done = self.find(label, trace, level, spec.seed)
+        if done is not None and done.params == dict(spec.policy_params):   # --resume: kept from an earlier run
+            return done
         cap = max(8 * start, 48)    # bursty arrivals (Gamma CV 8) need many times the mean load's fleet
         s = min_workers(spec, label, trace, level, self.args.target, start, cap)
         self.searches.append(s)
@@ -236,6 +239,12 @@ def estimate_start(spec: SimSpec) -> int:
 
 def run_study(args: argparse.Namespace) -> Study:
     st = Study(args)
+    saved = args.out.with_suffix(".json")
+    if args.resume and saved.is_file():
+        for d in json.loads(saved.read_text())["searches"]:
+            probes = {int(n): Probe(**p) for n, p in d.pop("probes").items()}
+            st.searches.append(Search(**d, probes=probes))
+        print(f"resuming with {len(st.searches)} searches from {saved.name}", file=sys.stderr)
     points = [(t, lv, sd) for t in args.traces for lv in TRACES[t][1] for sd in args.seeds]
     # 1. baselines at every point
     for trace, level, seed in points:
@@ -415,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", type=float, default=TARGET)
     ap.add_argument("--out", type=Path, default=RESULTS_MD)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="keep the searches the last run saved (its .json)")
     args = ap.parse_args(argv)
     if args.quick:
         args.traces, args.seeds, args.duration = "sharegpt,arxiv_cv4,azure_conv", "0", 90.0
