@@ -20,7 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine_adapters.base import EngineAdapter
 from engine_adapters.vllm import VllmAdapter
 from gateway import errors
-from gateway.admin import admin_router, check_api_key
+from gateway.admin import admin_router
+from gateway.auth import Authenticator
 from gateway.autoscaler import Autoscaler
 from gateway.batch_api import batch_router
 from gateway.batch_runner import BatchRunner
@@ -53,6 +54,7 @@ class Gateway:
         self.shared_state = bool(config.redis_url)
         self.adapter = adapter or VllmAdapter()
         self.metrics = GatewayMetrics()
+        self.auth = Authenticator(config, self.store)
         self.registry = Registry(config, self.store, self.adapter, self.metrics)
         self.slo = SloBook(config, self.metrics.registry)
         self.learner = Learner(config, self.store, self.registry, self.metrics.registry)
@@ -66,10 +68,13 @@ class Gateway:
         if self.dispatcher is not None:
             return  # already started (idempotent: lifespan and an embedding server may both call it)
         await self.store.start()
+        self.store.on_restore(self.auth.republish)
+        await self.auth.start()
         self.session = make_session(self.config.timeouts)
         self.relay = Relay(self.session, self.adapter, self.config.timeouts)
         self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,
-                                     self.metrics, shared_state=self.shared_state, slo=self.slo, learner=self.learner)
+                                     self.metrics, shared_state=self.shared_state, slo=self.slo, learner=self.learner,
+                                     auth=self.auth)
         await self.registry.start(self.session)
         await self.learner.start()
         await self.batch.start(self.dispatcher)
@@ -81,6 +86,7 @@ class Gateway:
         await self.autoscaler.stop()
         await self.learner.stop()
         await self.registry.stop()
+        await self.auth.stop()
         if self.relay is not None:
             await self.relay.close()  # upstream keep-alive connections of the hot path
         session, self.session = self.session, None
@@ -204,11 +210,13 @@ def build_api(gw: Gateway) -> FastAPI:
 
     @api.get("/v1/models")
     async def models(request: Request) -> Response:
-        check_api_key(request)
-        return JSONResponse({"object": "list", "data": gw.registry.model_cards()})
+        tenant = gw.auth.authenticate(request.headers.get("authorization"))
+        cards = [c for c in gw.registry.model_cards() if tenant.may_use(c["id"])]
+        return JSONResponse({"object": "list", "data": cards})
 
     @api.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        gw.auth.check_metrics(request.headers.get("authorization"))
         gw.registry.refresh_gauges()
         return Response(gw.metrics.render(), media_type=_METRICS_CONTENT_TYPE)
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway.actuators import Actuator, ActuatorContext, make_actuator, pool_label
+from gateway.outage import LoopErrors
 from gateway.state.base import EngineMetrics
 from policies.autoscale.global_ import (
     POOL_BATCH,
@@ -172,6 +173,7 @@ class Autoscaler:
         cfg = self.cfg
         now = time.monotonic()
         next_lease, next_local, next_global = now, now + cfg.local_interval_s, now + cfg.interval_s
+        errors = LoopErrors(log, "autoscaler round")
         while True:
             await asyncio.sleep(cfg.sample_s)
             try:
@@ -189,8 +191,10 @@ class Autoscaler:
                     await self.global_tick(time.time())
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a control loop must survive anything
-                log.exception("autoscaler round failed")
+            except Exception as e:  # noqa: BLE001 - a control loop must survive anything
+                errors.failed(e)
+            else:
+                errors.ok()
 
     async def _renew_lease(self) -> None:
         was = self.leader

@@ -7,6 +7,8 @@ gateway for the gateway's core); the gateway runs here with in-memory state. Ctr
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import shlex
 import subprocess
 import sys
@@ -23,6 +25,11 @@ from policies.pd import parse_pd_split
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 60.0
+
+
+def demo_admin_key() -> str:
+    """The demo's admin key: FLEETGATE_ADMIN_KEY if set, else a new one (printed in the banner)."""
+    return os.environ.get("FLEETGATE_ADMIN_KEY") or "fg-admin-" + secrets.token_urlsafe(18)
 
 
 def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests", profile: str = "llama3-8b-h100",
@@ -47,8 +54,10 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
     if port and base_port <= port < base_port + workers:
         _fail(f"the gateway port {port} collides with the simulator ports {base_port}-{base_port + workers - 1}.")
     urls = [f"http://127.0.0.1:{base_port + i}" for i in range(workers)]
+    admin_key = demo_admin_key()
     try:
         cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy,
+                          auth={"admin_key": admin_key},
                           workers=[{"id": f"sim-{i}" if pd is None else f"{roles[i]}-{i}", "url": u,
                                     "profile": profile, "role": roles[i]} for i, u in enumerate(urls)])
     except ConfigError as e:
@@ -62,7 +71,7 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
     sim = subprocess.Popen(cmd, cwd=ROOT)
     try:
         _wait_healthy(sim, urls)
-        _print_banner(port, model, urls)
+        _print_banner(port, model, urls, admin_key)
         from gateway.server import run
 
         run(cfg)
@@ -81,8 +90,10 @@ def _run_autoscale_demo(port: int, workers: int, policy: str, profile: str, mode
     if workers < 1:
         _fail(f"--workers must be at least 1, got {workers}.")
     cold = 30.0 / time_scale
+    admin_key = demo_admin_key()
     try:
-        cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy, autoscale={
+        cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy,
+                          auth={"admin_key": admin_key}, autoscale={
             "enabled": True, "interval_s": 1.0, "local_interval_s": 1.0, "drain_timeout_s": 30.0,
             "scaler": {"min_interactive": 1, "max_interactive": max(8, workers), "max_batch": 4,
                        "cooldown_out_s": 2.0, "cooldown_in_s": 10.0, "stabilization_s": 30.0, "cold_start_s": cold,
@@ -97,7 +108,9 @@ fleetgate demo --autoscale: {workers} simulated worker(s) to start with; the aut
 workers (cold start {cold:g} s) as load comes and goes. Watch it:
 
   watch -n1 "curl -s {base}/metrics | grep -E '^fleetgate_(desired|current)_workers|^fleetgate_backpressure'"
-  curl -s {base}/admin/workers
+  curl -s {base}/admin/workers -H 'Authorization: Bearer {admin_key}'
+
+admin key (this run only): {admin_key}
 
 Make a one-minute burst of 32 concurrent users, then watch the fleet drain and shrink after it:
 
@@ -157,11 +170,13 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _print_banner(port: int, model: str, urls: list[str]) -> None:
+def _print_banner(port: int, model: str, urls: list[str], admin_key: str) -> None:
     base = f"http://127.0.0.1:{port}" if port else "http://127.0.0.1:<port printed below>"
     print(f"""
 fleetgate demo: {len(urls)} simulated worker(s) at {urls[0]} .. {urls[-1]}
 gateway: {base}   (metrics: {base}/metrics, workers: {base}/admin/workers)
+admin key (this run only): {admin_key}
+  curl -s {base}/admin/workers -H 'Authorization: Bearer {admin_key}'
 
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'

@@ -4,18 +4,18 @@ validate -> estimate -> candidates -> policy -> reserve -> relay -> release, on 
 the body is parsed once with orjson and forwarded byte for byte unless something must change.
 Requests that find every candidate at its cap wait in a bounded FIFO admission queue per model.
 
-Request headers the gateway reads: `Authorization: Bearer <key>` (when api_keys are set),
+Request headers the gateway reads: `Authorization: Bearer <key>` (when keys are set; gateway/auth.py),
 `X-Request-Id` (kept if 1-128 chars of [A-Za-z0-9._:-], else a uuid4 hex is generated),
 `X-Session-Id` (session affinity), `X-Request-Class: batch` (RequestFeatures.request_class),
 `X-SLO-TTFT-Ms` / `X-SLO-TPOT-Ms` (the request's SLO; gateway/slo.py).
-Other end-to-end headers are forwarded to the worker; hop-by-hop ones and credentials are not.
+Other end-to-end headers are forwarded to the worker; hop-by-hop ones, those the Connection header names and
+credentials are not; X-Forwarded-For gets the client's address (gateway/forwarding.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import re
@@ -29,11 +29,14 @@ import orjson
 
 from engine_adapters.base import EngineAdapter
 from gateway import errors
+from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, sse_error_event
+from gateway.forwarding import ForwardedFor, connection_named
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.pd import PdRouter
+from gateway.ratelimit import RateLimited, close_ticket, open_ticket
 from gateway.registry import Registry, WorkerState
 from gateway.relay import Relay, RelayResult, ResponseState, UpstreamFailure
 from gateway.slo import SloBook
@@ -127,7 +130,8 @@ class ParsedRequest:
 class Dispatcher:
     def __init__(self, config: GatewayConfig, store: StateStore, registry: Registry, relay: Relay,
                  adapter: EngineAdapter, metrics: GatewayMetrics, shared_state: bool = False,
-                 slo: SloBook | None = None, learner: Learner | None = None) -> None:
+                 slo: SloBook | None = None, learner: Learner | None = None,
+                 auth: Authenticator | None = None) -> None:
         self.config = config
         self.store = store
         self.registry = registry
@@ -137,7 +141,8 @@ class Dispatcher:
         self.max_body = config.limits.max_body_bytes
         self.queue_timeout = config.limits.queue_timeout_s
         self.attempts = config.limits.retries + 1
-        self.api_keys = [k.encode() for k in config.api_keys]
+        self.auth = auth if auth is not None else Authenticator(config, store)
+        self.forwarded_for = ForwardedFor(config.server.trusted_proxies)
         # With shared state another replica's release frees a slot without telling us: poll sooner.
         self.poll_s = config.limits.queue_poll_s or (0.05 if shared_state else 0.5)
         self.shield_release = shared_state
@@ -183,12 +188,12 @@ class Dispatcher:
         rid = hdrs.request_id
         client_headers = [(b"x-request-id", rid)]
         feats: RequestFeatures | None = None
+        ticket = result = None
         try:
             try:
                 if hdrs.content_length == -1:
                     raise errors.bad_request("Invalid Content-Length header.")
-                if self.api_keys and not self._authorized(hdrs.auth):
-                    raise errors.unauthorized()
+                tenant = self.auth.tenant_of_scope(scope, hdrs.auth)
                 raw = await self._read_body(receive, hdrs.content_length)
                 watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, state, gone))
                 req = parse_request(raw, route)
@@ -197,8 +202,9 @@ class Dispatcher:
                 model_label, policy_label = model, rt.policy_name
                 shaped = self.adapter.shape_request(raw, req.body, req.stream, changed)
                 feats = self._features(req, route, rt, rid.decode(), hdrs)
+                ticket = open_ticket(self.store, tenant, feats, client_headers)  # limited keys only
                 upstream_headers = b"".join((b"Content-Type: application/json\r\nX-Request-Id: ", rid, b"\r\n",
-                                             hdrs.forward))
+                                             hdrs.forward, self.forwarded_for.line(scope, hdrs.xff)))
                 result = await self._run(rt, feats, route, shaped.body, shaped.strip_usage, req.stream,
                                          upstream_headers, client_headers, send, state)
                 status = result.status
@@ -206,7 +212,7 @@ class Dispatcher:
                 self.slo.record(feats, req.stream, t0, result, time.perf_counter())
             except GatewayError as e:
                 status = e.status
-                if feats is not None and status in (429, 503):
+                if feats is not None and status in (429, 503) and not isinstance(e, RateLimited):
                     self.slo.record_refused(feats)
                 if not state.started:
                     await _send_error(send, e, client_headers)
@@ -230,18 +236,12 @@ class Dispatcher:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            if ticket is not None:
+                close_ticket(self.store, ticket, result.usage if result is not None else None, feats.prompt_tokens,
+                             state.tokens)
             self.metrics.count_request(model_label, policy_label, status)
             if model_label != UNKNOWN_MODEL_LABEL:
                 self.metrics.observe_duration(model_label, time.perf_counter() - t0)
-
-    def _authorized(self, auth: bytes | None) -> bool:
-        if not auth or auth[:7].lower() != b"bearer ":
-            return False
-        key = auth[7:].strip()
-        ok = False
-        for k in self.api_keys:
-            ok |= hmac.compare_digest(k, key)
-        return ok
 
     async def _read_body(self, receive, content_length: int | None) -> bytes:  # noqa: ANN001
         if content_length is not None and content_length > self.max_body:
@@ -589,7 +589,7 @@ def needs_prefix_hashes(policy: Policy) -> bool:
 _NOT_FORWARDED = frozenset({
     b"host", b"content-length", b"content-type", b"connection", b"keep-alive", b"proxy-authorization",
     b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade", b"authorization",
-    b"accept-encoding", b"expect", b"x-request-id", b"cookie",
+    b"accept-encoding", b"expect", b"x-request-id", b"cookie", b"x-api-key", b"x-forwarded-for",
 })
 
 
@@ -603,13 +603,14 @@ class ClientHeaders:
     forward: bytes  # the headers passed on to the worker, encoded `name: value\r\n` lines (Accept: */* if none)
     slo_ttft: bytes | None = None  # raw x-slo-ttft-ms / x-slo-tpot-ms (validated in gateway/slo.py)
     slo_tpot: bytes | None = None
+    xff: bytes | None = None  # the client's X-Forwarded-For (kept only from a trusted proxy)
 
 
 _ACCEPT_ANY = b"Accept: */*\r\n"  # what aiohttp sent upstream when the client gave no Accept
 
 
 def _read_headers(headers: list[tuple[bytes, bytes]]) -> ClientHeaders:
-    content_length = auth = rid = session = slo_ttft = slo_tpot = None
+    content_length = auth = rid = session = slo_ttft = slo_tpot = xff = conn = None
     rclass = CLASS_INTERACTIVE
     forward: list[bytes] = []
     accept = False
@@ -624,6 +625,10 @@ def _read_headers(headers: list[tuple[bytes, bytes]]) -> ClientHeaders:
                 auth = v
             elif k == b"x-request-id":
                 rid = v
+            elif k == b"x-forwarded-for":
+                xff = v if xff is None else xff + b", " + v
+            elif k == b"connection":
+                conn = v
             continue
         if k == b"accept":
             accept = True
@@ -640,14 +645,17 @@ def _read_headers(headers: list[tuple[bytes, bytes]]) -> ClientHeaders:
         forward.append(_ACCEPT_ANY)
     block = b"".join(forward)
     lines = (len(forward) + 3) // 4
-    if block.count(b"\n") != lines or block.count(b"\r") != lines:
+    if conn is not None and (named := connection_named(conn)):
+        block = encode_headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
+                                if k not in _NOT_FORWARDED and k not in named])
+    elif block.count(b"\n") != lines or block.count(b"\r") != lines:
         # A header holds a CR or LF (it could smuggle a header upstream; httptools in front refuses them
         # already, so only a hand-made scope gets here): encode again, dropping those lines.
         block = encode_headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
                                 if k not in _NOT_FORWARDED])
     if rid is None or not _REQUEST_ID_RE.match(rid):
         rid = new_request_id()
-    return ClientHeaders(content_length, auth, rid, session, rclass, block, slo_ttft, slo_tpot)
+    return ClientHeaders(content_length, auth, rid, session, rclass, block, slo_ttft, slo_tpot, xff)
 
 
 def new_request_id() -> bytes:

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from gateway.app import FleetgateApp, Gateway, create_app
+from gateway.client_limits import ClientLimits, protocol_factory
 from gateway.config import ConfigError, GatewayConfig, check_worker_url, load_config
 from gateway.state.base import StateStore
 
@@ -44,9 +45,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def _uvicorn_config(app: FleetgateApp) -> uvicorn.Config:
     # lifespan off: the gateway is started before uvicorn and stopped after it, so start-up errors
     # (Redis unreachable...) come out as one clear message instead of uvicorn's traceback.
-    return uvicorn.Config(app, http="httptools", loop="none", lifespan="off", access_log=False,
+    # http: uvicorn's httptools protocol with bounds on header/body time, header size and connections.
+    sc = app.gateway.config.server
+    limits = ClientLimits(sc.header_timeout_s, sc.body_timeout_s, sc.keepalive_s, sc.max_header_bytes,
+                          sc.max_headers, sc.max_connections)
+    return uvicorn.Config(app, http=protocol_factory(limits), loop="none", lifespan="off", access_log=False,
                           log_level="warning", timeout_graceful_shutdown=5, server_header=False,
-                          date_header=False)
+                          date_header=False, timeout_keep_alive=sc.keepalive_s, limit_concurrency=sc.max_connections)
 
 
 class _EmbeddedServer(uvicorn.Server):
