@@ -159,11 +159,10 @@ def run_gateway(worker_url: str) -> Iterator[str]:
 
     def healthy() -> bool:
         try:
-            workers = _http_json(url + "/admin/workers")["data"]
             models = _http_json(url + "/v1/models")["data"]
         except (OSError, KeyError, ValueError):
             return False
-        return bool(workers) and all(w.get("healthy") for w in workers) and any(m.get("id") == MODEL for m in models)
+        return _http_ok(url + "/ready") and any(m.get("id") == MODEL for m in models)  # /ready: a worker is healthy
 
     with _subprocess(cmd, "gateway", url + "/v1/models", healthy):
         yield url
