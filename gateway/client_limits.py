@@ -31,7 +31,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("fleetgate.clients")
 
-_IDLE, _HEAD, _BODY, _APP = range(4)
+_IDLE, _HEAD, _BODY, _APP, _REJECTED = range(5)
+LINGER_S = 2.0  # after a 4xx the gateway reads (and drops) what the client still sends, then closes
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._phase == _REJECTED:
+            return  # lingering: the rest of the refused request is read and dropped
         self._unset_keepalive_if_required()
         if self._phase == _IDLE:  # the first byte of a request (CRLFs before one count too)
             self._begin_head()
@@ -169,7 +172,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _expired(self) -> None:
         self._timer = None
-        if self.transport is None or self.transport.is_closing():
+        if self.transport is None or self.transport.is_closing() or self._phase == _REJECTED:
             return
         if self._phase == _BODY and self.flow is not None and self.flow.read_paused:
             self._arm(self.limits.body_timeout_s)  # the application is behind, not the client
@@ -181,10 +184,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _reject(self, response: bytes) -> None:
+        """Answer and close without a reset: stop parsing, send the answer, end our side, drop what the client
+        still sends for LINGER_S (closing with unread data would reset the connection and lose the answer)."""
         self._disarm()
-        if not self.transport.is_closing():
-            self.transport.write(response)
-            self.transport.close()
+        if self.transport.is_closing():
+            return
+        self._phase = _REJECTED
+        self.transport.write(response)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._timer = self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def protocol_factory(limits: ClientLimits) -> type[LimitedHttpToolsProtocol]:

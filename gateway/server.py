@@ -51,7 +51,8 @@ def _uvicorn_config(app: FleetgateApp) -> uvicorn.Config:
                           sc.max_headers, sc.max_connections)
     return uvicorn.Config(app, http=protocol_factory(limits), loop="none", lifespan="off", access_log=False,
                           log_level="warning", timeout_graceful_shutdown=5, server_header=False,
-                          date_header=False, timeout_keep_alive=sc.keepalive_s, limit_concurrency=sc.max_connections)
+                          date_header=False, timeout_keep_alive=sc.keepalive_s, limit_concurrency=sc.max_connections,
+                          proxy_headers=False)  # X-Forwarded-For is gateway/forwarding.py's (trusted_proxies)
 
 
 class _EmbeddedServer(uvicorn.Server):
