@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.ratelimit import KeyLimits, LocalBuckets, Ticket, format_reset
+from gateway.ratelimit import KeyLimits, LocalBuckets, RateLimited, Ticket, format_reset
 from tests.helpers import ADMIN, MODEL, running_gateway
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
@@ -38,18 +38,18 @@ def test_local_buckets_refill_at_the_limit_per_minute_and_settle() -> None:
     t = [Ticket(f"r{i}", "tenant", lim, cost=100) for i in range(12)]
     for x in t[:10]:
         b.charge(x, 0.0)  # 10 x 100 tokens: the tokens bucket (1000) is empty, requests 50 left
-    with pytest.raises(Exception) as exc:
+    with pytest.raises(RateLimited) as exc:
         b.charge(t[10], 0.0)
     err = exc.value
     assert err.status == 429 and "tokens per minute" in err.message
     assert math.isclose(err.retry_after, 6.0)  # 100 tokens at 1000/min: 6 s
     b.settle("tenant", 1000, 100 - 40, 0.0)   # a request that used 40 of its 100: 60 back
     b.charge(Ticket("r-a", "tenant", lim, cost=60), 0.0)
-    with pytest.raises(Exception):
+    with pytest.raises(RateLimited):
         b.charge(Ticket("r-b", "tenant", lim, cost=1), 0.0)
     b.charge(t[11], 6000.0)  # 6 s later: 100 tokens refilled
     too_big = Ticket("r-c", "tenant", lim, cost=1001)
-    with pytest.raises(Exception) as exc:
+    with pytest.raises(RateLimited) as exc:
         b.charge(too_big, 60_000.0)
     assert exc.value.code == "request_too_large"
 
