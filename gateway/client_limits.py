@@ -32,7 +32,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 log = logging.getLogger("fleetgate.clients")
 
 _IDLE, _HEAD, _BODY, _APP, _REJECTED = range(5)
-LINGER_S = 2.0  # after a 4xx the gateway reads (and drops) what the client still sends, then closes
+LINGER_S = 2.0
+LATE_S = 0.5  # a timer this late means the event loop was blocked, not that the client was idle  # after a 4xx the gateway reads (and drops) what the client still sends, then closes
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._phase = _IDLE
         self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
         self._head_bytes = 0     # bytes received while the headers were not complete
         self._parsed_bytes = 0   # bytes of the request line and headers the parser handed over
         self._header_count = 0
@@ -144,8 +146,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._phase = _APP
         self._disarm()
+        if self.cycle is not None and self.cycle.response_complete:
+            # answered before the body ended (an early 4xx): idle now; the timer uvicorn armed was cancelled
+            # when the rest of the body arrived
+            self._phase = _IDLE
+            self._arm(self.limits.keepalive_s)
+        else:
+            self._phase = _APP
 
     def on_response_complete(self) -> None:
         self._phase = _IDLE
@@ -163,6 +171,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
+        self._due = self.loop.time() + seconds
         self._timer = self.loop.call_later(seconds, self._expired)
 
     def _disarm(self) -> None:
@@ -173,6 +182,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _expired(self) -> None:
         self._timer = None
         if self.transport is None or self.transport.is_closing() or self._phase == _REJECTED:
+            return
+        if self.loop.time() - self._due > LATE_S:
+            # The loop was blocked and this timer ran late: the client's bytes may be waiting behind it (uvloop
+            # runs due timers before reading sockets). Look again after one round of I/O.
+            self._arm(0.05)
             return
         if self._phase == _BODY and self.flow is not None and self.flow.read_paused:
             self._arm(self.limits.body_timeout_s)  # the application is behind, not the client

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import socket
 import sys
@@ -151,7 +153,26 @@ async def serve(config: GatewayConfig) -> None:
         raise SystemExit(1)
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def fix_malloc_threshold() -> bool:
+    """Keep glibc's mmap threshold at its 128 KiB default. glibc raises it to the size of each large block
+    freed (up to 32 MiB), after which large request bodies come from the heap and their memory is not given
+    back: 10,000 fuzzed requests with bodies up to 3 MB left RSS +48% (86 -> 128 MB); with the threshold
+    fixed, +1% (tests_chaos/test_clients.py). Setting it explicitly turns the adjustment off (mallopt(3))."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt): nothing to fix
+        return False
+
+
 def run(config: GatewayConfig) -> None:
+    fix_malloc_threshold()
     try:
         import uvloop
 

@@ -10,6 +10,7 @@ so a character split between pieces is fine). Anything wrong: the partial file i
 from __future__ import annotations
 
 import codecs
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ from gateway.errors import GatewayError
 from gateway.state.jobs import FILE_CHUNK, Upload
 
 FIELD_LIMIT = 1024  # bytes of a non-file field
+# The parser logs a warning for each malformed body it sees: a client could fill the log. The client gets a 400.
+logging.getLogger("python_multipart.multipart").setLevel(logging.ERROR)
 
 
 @dataclass(slots=True)
