@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.chaos_procs import RedisServer, proc_stats, record
 from tests.helpers import MODEL, poll
-from tests_chaos.procs import RedisServer, proc_stats, record
 
 pytestmark = pytest.mark.timeout(600)
 

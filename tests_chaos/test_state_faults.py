@@ -21,8 +21,8 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from bench.chaos_procs import Load, RedisServer, record
 from tests.helpers import ADMIN, MODEL, poll
-from tests_chaos.procs import Load, RedisServer, record
 
 pytestmark = [pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
               pytest.mark.timeout(300)]

@@ -1,8 +1,8 @@
-"""Shared pieces of the state-store and client scenarios: a redis-server of the test's own, client load that
-counts what failed, a process's RSS and CPU, and the figures each scenario reports.
+"""Processes for failure scenarios and the soak: a redis-server of one's own, client load that counts what
+failed, a process's RSS and CPU, and the figures a scenario reports. Used by tests_chaos/ and bench/soak.py.
 
 A scenario's figures go to the JSON-lines file named by FLEETGATE_CHAOS_RESULTS when it is set
-(bench/chaos_state.py sets it and writes bench/results/chaos.md from them).
+(bench/chaos_state.py sets it and writes its section of bench/results/chaos.md from them).
 """
 
 from __future__ import annotations
@@ -20,7 +20,23 @@ from typing import Any
 import httpx
 import redis
 
-from tests.helpers import MODEL, free_port, poll_sync
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served model
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def poll_sync(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
 
 
 def record(scenario: str, **figures: Any) -> None:
@@ -146,3 +162,39 @@ class Load:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+class ServeProcess:
+    """`fleetgate serve --config CONFIG --port 0 [ARGS]` with its output kept (a thread reads it); `url` once
+    it printed its listening line."""
+
+    def __init__(self, config: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        import sys
+        import threading
+
+        root = Path(__file__).resolve().parent.parent
+        self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port",
+                                      "0", *args], cwd=root, text=True, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(root), **(env or {})})
+        self.lines: list[str] = []
+        self.url = ""
+        threading.Thread(target=self._read, daemon=True).start()
+        poll_sync(lambda: self.url or self.proc.poll() is not None, 60, "the gateway's listening line")
+        if not self.url:
+            raise RuntimeError("fleetgate serve exited: " + "\n".join(self.lines[-20:]))
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("fleetgate listening on "):
+                self.url = line.split()[-1]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
