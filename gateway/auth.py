@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway import errors
+from gateway.outage import quiet_loop, stop_task
 from gateway.ratelimit import KeyLimits
 
 if TYPE_CHECKING:
@@ -245,12 +246,7 @@ class Authenticator:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
 
     async def _loop(self) -> None:
-        from gateway.outage import quiet_loop
-
         await quiet_loop(SYNC_S, self.sync, log, "API key sync")

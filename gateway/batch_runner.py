@@ -39,7 +39,7 @@ from gateway import errors
 from gateway.auth import SCOPE_TENANT, Tenant
 from gateway.batch_api import new_id
 from gateway.dispatch import ROUTES
-from gateway.outage import LoopErrors
+from gateway.outage import LoopErrors, stop_task
 from gateway.state.jobs import BatchStats, QueuedRequest, QueueSnapshot, expired_line
 from policies.autoscale.global_ import POOL_BATCH, POOL_INTERACTIVE, POOL_MIXED
 from policies.autoscale.routing import eviction_victim, pool_of
@@ -174,10 +174,7 @@ class BatchRunner:
     async def stop(self) -> None:
         """Stop claiming; hand running requests back to the queue (a successor replica runs them)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
         runs = list(self.active.values())
         for run in runs:
             run.evicted = True
@@ -258,7 +255,7 @@ class BatchRunner:
                 async with asyncio.timeout(self.cfg.poll_s):
                     await self._wake.wait()
             self._wake.clear()
-            try:
+            with failures.round():  # a control loop must survive anything (Redis away: the next round)
                 now = time.monotonic()
                 if now >= next_renew and self.active:
                     await self.store.renew_claims(list(self.active), lease)
@@ -276,12 +273,7 @@ class BatchRunner:
                     next_purge = now + PURGE_S
                 if now >= self._backoff_until:
                     await self._fill()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a control loop must survive anything (Redis away: next round)
-                failures.failed(e)
-            else:
-                failures.ok()
+
 
     async def _sweep(self) -> None:
         """Expire batches past their window; refresh the queue snapshot and its depth gauges."""

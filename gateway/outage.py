@@ -10,9 +10,10 @@ every `remind_s`, and one line when the loop runs cleanly again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 from gateway.state.jobs import StoreUnavailableError
 
@@ -48,17 +49,30 @@ class LoopErrors:
             self.log.warning("%s works again after %d failed round(s)", self.what, self.failures)
             self.failures = 0
 
+    @contextlib.contextmanager
+    def round(self) -> Iterator[None]:
+        """`with errors.round(): ...` one round of a loop: a failure is reported, never raised (cancellation
+        passes: it is not an Exception)."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - a control loop must survive anything
+            self.failed(e)
+        else:
+            self.ok()
+
+
+async def stop_task(task: asyncio.Task | None) -> None:
+    """Cancel a loop's task and wait for it to end."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
 
 async def quiet_loop(interval: float, fn: Callable[[], Awaitable[object]], log: logging.Logger, what: str) -> None:
     """Run `fn` every `interval` seconds forever, reporting failures through LoopErrors."""
     errors = LoopErrors(log, what)
     while True:
         await asyncio.sleep(interval)
-        try:
+        with errors.round():
             await fn()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a control loop must survive anything
-            errors.failed(e)
-        else:
-            errors.ok()

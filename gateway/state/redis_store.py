@@ -72,6 +72,16 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
+# Taking the slot, once the checks passed (KEYS and ARGV as for _RESERVE; `now` and `ttl` set).
+_TAKE_SLOT = """
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'r:' .. ARGV[4], 1)
+redis.call('HINCRBY', KEYS[2], 't:' .. ARGV[4], ARGV[5])
+redis.call('PEXPIRE', KEYS[2], ttl)
+redis.call('SADD', KEYS[3], ARGV[4])
+redis.call('ZADD', KEYS[4], 'GT', now + ttl, ARGV[6])
+"""
+
 # KEYS: res:<worker>, load:<replica>, resworkers, replicas
 # ARGV: member, cap (-1 = none), ttl_ms, worker, tokens, replica
 _RESERVE = _NOW_MS + """
@@ -79,13 +89,7 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local cap = tonumber(ARGV[2])
 if cap >= 0 and redis.call('ZCARD', KEYS[1]) >= cap then return 0 end
 local ttl = tonumber(ARGV[3])
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-redis.call('HINCRBY', KEYS[2], 'r:' .. ARGV[4], 1)
-redis.call('HINCRBY', KEYS[2], 't:' .. ARGV[4], ARGV[5])
-redis.call('PEXPIRE', KEYS[2], ttl)
-redis.call('SADD', KEYS[3], ARGV[4])
-redis.call('ZADD', KEYS[4], 'GT', now + ttl, ARGV[6])
-return 1
+""" + _TAKE_SLOT + """return 1
 """
 
 # Settle finished requests' token reservations: ARGV[i] = n, then n x (tenant, tpm, tokens to give back).
@@ -148,13 +152,7 @@ if maxcon >= 0 then
   redis.call('ZADD', KEYS[6], now + ttl, ARGV[1])
   redis.call('PEXPIRE', KEYS[6], ttl * 2)
 end
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-redis.call('HINCRBY', KEYS[2], 'r:' .. ARGV[4], 1)
-redis.call('HINCRBY', KEYS[2], 't:' .. ARGV[4], ARGV[5])
-redis.call('PEXPIRE', KEYS[2], ttl)
-redis.call('SADD', KEYS[3], ARGV[4])
-redis.call('ZADD', KEYS[4], 'GT', now + ttl, ARGV[6])
-return {1, 0, tostring(rl), tostring(tl)}
+""" + _TAKE_SLOT + """return {1, 0, tostring(rl), tostring(tl)}
 """
 
 # KEYS: res:<worker>, load:<replica>[, kc:<tenant> when the request's last reservation ends]
