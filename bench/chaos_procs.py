@@ -179,7 +179,7 @@ class ServeProcess:
         self.lines: list[str] = []
         self.url = ""
         threading.Thread(target=self._read, daemon=True).start()
-        poll_sync(lambda: self.url or self.proc.poll() is not None, 60, "the gateway's listening line")
+        poll_sync(lambda: self.url or self.proc.poll() is not None, 120, "the gateway's listening line")
         if not self.url:
             raise RuntimeError("fleetgate serve exited: " + "\n".join(self.lines[-20:]))
 

@@ -114,7 +114,7 @@ async def test_fuzzed_requests_get_no_5xx_and_no_hangs(fleet, gateway_process, t
                                "server": SERVER, "health": {"timeout_s": 5.0, "failures_to_eject": 5},
                                "learning": {"refit_interval_s": 1.0}}))
     gw = gateway_process(cfg)
-    url = gw.listening_url()
+    url = gw.listening_url(timeout=120)
     pid = gw.proc.pid
     rng = random.Random(18)
     limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
@@ -211,7 +211,7 @@ async def _drive(fleet: list[str], gateway_process, tmp_path: Path, rpm: int, rp
                                "auth": {"keys": [{"key": "sk-chaos-limited", "rpm": rpm}]}}))
     extra = ("--redis-url", redis_url) if redis_url else ()
     gws = [gateway_process(cfg, *extra), gateway_process(cfg, *extra)]
-    urls = [g.listening_url() for g in gws]
+    urls = [g.listening_url(timeout=120) for g in gws]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     results: list[tuple[float, int]] = []
     async with httpx.AsyncClient(timeout=30, headers={"authorization": "Bearer sk-chaos-limited"}) as http:

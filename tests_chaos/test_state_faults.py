@@ -61,7 +61,7 @@ async def workers_of(url: str) -> list[dict]:
 async def test_redis_killed_and_restarted_empty(sim_fleet_process, gateway_process, redis_server, tmp_path) -> None:
     urls = fleet_urls(sim_fleet_process, 2, time_scale=5)
     gw = gateway_process(write_config(tmp_path, urls), "--redis-url", redis_server.url)
-    url = gw.listening_url()
+    url = gw.listening_url(timeout=120)
     load = Load([url], clients=8, max_tokens=40)
     task = load.start()
     await asyncio.sleep(3)
@@ -99,7 +99,7 @@ async def test_redis_killed_and_restarted_empty(sim_fleet_process, gateway_proce
 async def test_redis_frozen_30s(sim_fleet_process, gateway_process, redis_server, tmp_path) -> None:
     urls = fleet_urls(sim_fleet_process, 2, time_scale=5)
     gw = gateway_process(write_config(tmp_path, urls, batch={"poll_s": 0.1}), "--redis-url", redis_server.url)
-    url = gw.listening_url()
+    url = gw.listening_url(timeout=120)
     load = Load([url], clients=8, max_tokens=40)
     task = load.start()
     await asyncio.sleep(2)
@@ -133,7 +133,7 @@ async def test_gateway_sigkill_with_a_batch_in_flight(sim_fleet_process, gateway
     urls = fleet_urls(sim_fleet_process, 2, time_scale=10)
     cfg = write_config(tmp_path, urls, batch={"poll_s": 0.05})
     first = gateway_process(cfg, "--redis-url", redis_server.url)
-    url = first.listening_url()
+    url = first.listening_url(timeout=120)
     n = 120
     lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
                          "body": {"model": MODEL, "messages": [{"role": "user", "content": f"line {i}"}],
@@ -152,7 +152,7 @@ async def test_gateway_sigkill_with_a_batch_in_flight(sim_fleet_process, gateway
     await client.close()
     t_kill = time.monotonic()
     second = gateway_process(cfg, "--redis-url", redis_server.url)
-    url2 = second.listening_url()
+    url2 = second.listening_url(timeout=120)
     up_s = time.monotonic() - t_kill
     client = AsyncOpenAI(base_url=url2 + "/v1", api_key="unused", max_retries=3)
     start = await completed(client)
