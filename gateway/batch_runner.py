@@ -40,7 +40,7 @@ from gateway.auth import SCOPE_TENANT, Tenant
 from gateway.batch_api import new_id
 from gateway.dispatch import ROUTES
 from gateway.outage import LoopErrors, stop_task
-from gateway.state.jobs import BatchStats, QueuedRequest, QueueSnapshot, expired_line
+from gateway.state.jobs import BatchStats, QueuedRequest, QueueSnapshot, StoreUnavailableError, expired_line
 from policies.autoscale.global_ import POOL_BATCH, POOL_INTERACTIVE, POOL_MIXED
 from policies.autoscale.routing import eviction_victim, pool_of
 from policies.types import CLASS_BATCH, RequestFeatures, WorkerView
@@ -385,6 +385,8 @@ class BatchRunner:
             self.wake()
         try:
             await self._settle(run, status, b"".join(chunks))
+        except StoreUnavailableError:  # the store logs its outage; the claim lease returns the request to the queue
+            log.debug("batch request %s not recorded: the store is unreachable", item.request_id)
         except Exception:  # the claim lease returns it to the queue
             log.exception("could not record batch request %s", item.request_id)
 
