@@ -432,7 +432,7 @@ def semantic_problems(cfg: GatewayConfig) -> list[str]:
     """Checks that need more than types: policy names and their parameters."""
     from policies.base import make_policy, policy_names
 
-    problems: list[str] = []
+    problems: list[str] = key_problems(cfg)
     try:
         known = policy_names()
     except ImportError as e:  # the policy package is incomplete; report, don't crash
@@ -451,6 +451,24 @@ def semantic_problems(cfg: GatewayConfig) -> list[str]:
             make_policy(name, **params)
         except Exception as e:  # noqa: BLE001 - any constructor complaint is a config problem
             problems.append(f"{where}: policy {name!r} rejects its params {params!r}: {e}")
+    return problems
+
+
+def key_problems(cfg: GatewayConfig) -> list[str]:
+    """The same key twice, or the admin key also an inference key (it would then not be an admin-only key)."""
+    from gateway.auth import digest
+
+    problems, seen = [], {}
+    named = [(f"api_keys[{i}]", k) for i, k in enumerate(cfg.api_keys)]
+    named += [(f"auth.keys[{i}].key", k.key) for i, k in enumerate(cfg.auth.keys)]
+    for where, key in named:
+        d = digest(key)
+        if d in seen:
+            problems.append(f"{where}: the same key as {seen[d]}")
+        seen.setdefault(d, where)
+    admin = cfg.auth.admin_key
+    if admin is not None and digest(admin) in seen:
+        problems.append(f"auth.admin_key: must differ from every inference key (it equals {seen[digest(admin)]})")
     return problems
 
 

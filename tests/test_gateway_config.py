@@ -113,3 +113,24 @@ def test_serve_command_line_on_top_of_the_file() -> None:
     assert [w.id for w in cfg.workers][-2:] == ["10.0.0.9:8000", "10.0.0.9:8000-2"]
     assert cfg.workers[-1].url == "http://10.0.0.9:8000"
     assert cfg.default_policy == "round_robin" and cfg.redis_url.endswith("/15")
+
+
+def test_keys_are_checked_for_repeats_and_for_an_admin_key_that_is_also_an_inference_key() -> None:
+    import hashlib
+
+    from gateway.config import ConfigError, load_config
+
+    hashed = "sha256:" + hashlib.sha256(b"sk-one-key-123").hexdigest()
+    with pytest.raises(ConfigError) as e:
+        load_config(None, api_keys=["sk-one-key-123"], auth={"admin_key": "sk-one-key-123-admin!", "keys": [
+            {"key": hashed}, {"key": "sk-other-key", "rpm": 0}]})
+    text = "\n".join(e.value.problems)
+    assert "auth.keys[1].rpm" in text  # limits are positive
+    with pytest.raises(ConfigError) as e:
+        load_config(None, api_keys=["sk-one-key-123"], auth={"keys": [{"key": hashed}]})
+    assert e.value.problems == ["auth.keys[0].key: the same key as api_keys[0]"]  # a digest of the same key
+    with pytest.raises(ConfigError) as e:
+        load_config(None, api_keys=["sk-admin-too-1234567"], auth={"admin_key": "sk-admin-too-1234567"})
+    assert "auth.admin_key" in e.value.problems[0]
+    with pytest.raises(ConfigError):
+        load_config(None, server={"trusted_proxies": ["not-an-ip"]})
