@@ -196,6 +196,7 @@ async def test_wrong_method_and_unknown_route_get_error_bodies(sim_fleet) -> Non
         assert_error(await http.get(gw.url + "/v1/chat/completions"), 405)
         assert_error(await http.get(gw.url + "/v1/nope"), 404)
         assert_error(await http.post(gw.url + "/admin/workers/w0/explode"), 404)
+    async with gateway(fleet.urls, auth={}) as gw, httpx.AsyncClient(timeout=20) as http:
         # no admin key configured: the admin API is off, whatever is sent
         r = await http.get(gw.url + "/admin/workers", headers={"authorization": "Bearer anything-at-all"})
         assert assert_error(r, 404)["code"] == "admin_disabled"
