@@ -24,6 +24,7 @@ from gateway.server import GatewayServer
 from simulator.profiles import load_profile
 from tests.helpers import (
     ADMIN,
+    ADMIN_KEY,
     MODEL,
     REDIS_URL,
     ROOT,
@@ -264,7 +265,7 @@ def test_demo_autoscale_starts_workers_through_the_sim_actuator(tmp_path) -> Non
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with CliProcess("demo", "--autoscale", "--port", str(port), "--workers", "2", "--time-scale", "20",
-                    merge_stderr=True) as demo:
+                    merge_stderr=True, env={"FLEETGATE_ADMIN_KEY": ADMIN_KEY}) as demo:  # the demo's admin key
         def healthy_workers() -> list[dict]:
             if demo.proc.poll() is not None:
                 raise AssertionError(demo.describe())
