@@ -95,8 +95,17 @@ def section(runs: dict[str, dict], soak: dict | None, commit: str, passed: bool)
                 f"| RSS per replica over time | {rss}; end {soak['rss_mb_last'][0]}/{soak['rss_mb_last'][1]} MB |",
                 f"| CPU per replica | {soak['cpu_s_total'][0]} / {soak['cpu_s_total'][1]} s over the run |",
                 f"| gateway log | {soak['gateway_warnings']} warning/error lines, {soak['gateway_tracebacks']} "
-                "tracebacks |"]
+                "tracebacks |",
+                f"| failed streams, kinds (first {len(soak['failures'])} recorded) | {failure_kinds(soak['failures'])} |"]
     return "\n".join(out) + "\n"
+
+
+def failure_kinds(failures: list[str]) -> str:
+    kinds: dict[str, int] = {}
+    for f in failures:
+        k = "503 no_healthy_worker" if "no_healthy_worker" in f else f.split(":")[0].split(" b'")[0]
+        kinds[k] = kinds.get(k, 0) + 1
+    return ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items(), key=lambda x: -x[1])) or "none"
 
 
 def soak_date() -> str:
@@ -117,8 +126,9 @@ def write_section(text: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--commit", help="with --report-only: the commit the scenarios ran at")
     args = ap.parse_args()
-    commit = git_commit()
+    commit = args.commit or git_commit()
     code = 0 if args.report_only else run_scenarios()
     runs = {}
     if RUN.exists():
