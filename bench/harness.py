@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -45,10 +47,10 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def http_json(url: str, timeout: float = 10.0) -> Any:
+def http_json(url: str, timeout: float = 10.0, headers: dict[str, str] | None = None) -> Any:
     import urllib.request
 
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -96,14 +98,16 @@ def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 10.0) -> 
 
 
 @contextlib.contextmanager
-def running_process(cmd: list[str], name: str, ready_url: str, ready: Any = None) -> Iterator[subprocess.Popen]:
+def running_process(cmd: list[str], name: str, ready_url: str, ready: Any = None,
+                    env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     """Run `cmd` in its own process group with its log in a temp file; yield once `ready_url` answers 200 (and
     `ready()`, if given, is true). A process that exits or is not ready in time raises with its log's tail."""
     with tempfile.TemporaryDirectory(prefix=f"fleetgate-{name}-") as tmp:
         log_path = Path(tmp) / f"{name}.log"
         with open(log_path, "wb") as log_file:
             proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log_file,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, **env} if env else None)
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
             while not (http_ok(ready_url) and (ready is None or ready())):
@@ -127,16 +131,19 @@ def run_gateway(worker_urls: str | Sequence[str], model: str | None = None, cpus
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args,
            *(a for u in urls for a in ("-w", u))]
 
+    admin_key = "fg-bench-" + secrets.token_urlsafe(12)   # the admin API (worker health) needs one
+
     def healthy() -> bool:
         try:
-            workers = http_json(url + "/admin/workers")["data"]
+            workers = http_json(url + "/admin/workers", headers={"Authorization": f"Bearer {admin_key}"})["data"]
             models = http_json(url + "/v1/models")["data"]
         except (OSError, KeyError, ValueError):
             return False
         return (bool(workers) and all(w.get("healthy") for w in workers)
                 and (model is None or any(m.get("id") == model for m in models)))
 
-    with running_process(pinned(cmd, cpus), "gateway", url + "/v1/models", healthy):
+    with running_process(pinned(cmd, cpus), "gateway", url + "/v1/models", healthy,
+                         env={"FLEETGATE_ADMIN_KEY": admin_key}):
         yield url
 
 

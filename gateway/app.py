@@ -22,7 +22,8 @@ from engine_adapters.base import EngineAdapter
 from engine_adapters.vllm import VllmAdapter
 from gateway import errors
 from gateway.access_log import AccessLog
-from gateway.admin import admin_router, check_api_key
+from gateway.admin import admin_router
+from gateway.auth import Authenticator
 from gateway.autoscaler import Autoscaler
 from gateway.batch_api import batch_router
 from gateway.batch_runner import BatchRunner
@@ -61,6 +62,7 @@ class Gateway:
         self.shared_state = bool(config.redis_url)
         self.adapter = adapter or VllmAdapter()
         self.metrics = GatewayMetrics()
+        self.auth = Authenticator(config, self.store)
         self.registry = Registry(config, self.store, self.adapter, self.metrics)
         self.slo = SloBook(config, self.metrics.registry)
         self.learner = Learner(config, self.store, self.registry, self.metrics.registry)
@@ -77,10 +79,13 @@ class Gateway:
         if self.dispatcher is not None:
             return  # already started (idempotent: lifespan and an embedding server may both call it)
         await self.store.start()
+        self.store.on_restore(self.auth.republish)
+        await self.auth.start()
         self.upstream = make_upstream_pool(self.config)
         self.relay = Relay(self.adapter, self.config.timeouts, self.upstream)
         self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,
-                                     self.metrics, shared_state=self.shared_state, slo=self.slo, learner=self.learner)
+                                     self.metrics, shared_state=self.shared_state, slo=self.slo, learner=self.learner,
+                                     auth=self.auth)
         self.dispatcher.observer = RequestObserver.make(self.access_log, self.tracing)
         self.dispatcher.kv_events = self.kv_events
         await self.registry.start(self.upstream)
@@ -96,6 +101,7 @@ class Gateway:
         await self.kv_events.stop()
         await self.learner.stop()
         await self.registry.stop()
+        await self.auth.stop()
         upstream, self.upstream = self.upstream, None
         if upstream is not None:
             await upstream.close()  # keep-alive connections to the workers
@@ -201,11 +207,13 @@ def build_api(gw: Gateway) -> FastAPI:
 
     @api.get("/v1/models")
     async def models(request: Request) -> Response:
-        check_api_key(request)
-        return JSONResponse({"object": "list", "data": gw.registry.model_cards()})
+        tenant = gw.auth.authenticate(request.headers.get("authorization"))
+        cards = [c for c in gw.registry.model_cards() if tenant.may_use(c["id"])]
+        return JSONResponse({"object": "list", "data": cards})
 
     @api.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        gw.auth.check_metrics(request.headers.get("authorization"))
         gw.registry.refresh_gauges()
         gw.metrics.state_store_up.labels("redis" if gw.shared_state else "memory").set(int(gw.store.reachable()))
         return Response(gw.metrics.render(), media_type=_METRICS_CONTENT_TYPE)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway.actuators import Actuator, ActuatorContext, make_actuator, pool_label
+from gateway.outage import LoopErrors, stop_task
 from gateway.state.base import EngineMetrics
 from policies.autoscale.global_ import (
     POOL_BATCH,
@@ -160,10 +161,7 @@ class Autoscaler:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
         with contextlib.suppress(Exception):
             await self.actuator.stop()
         if self.leader:
@@ -175,9 +173,10 @@ class Autoscaler:
         cfg = self.cfg
         now = time.monotonic()
         next_lease, next_local, next_global = now, now + cfg.local_interval_s, now + cfg.interval_s
+        errors = LoopErrors(log, "autoscaler round")
         while True:
             await asyncio.sleep(cfg.sample_s)
-            try:
+            with errors.round():
                 now = time.monotonic()
                 self._sample(now)
                 if cfg.enabled and now >= next_lease:
@@ -190,10 +189,6 @@ class Autoscaler:
                 if now >= next_global:
                     next_global = now + cfg.interval_s
                     await self.global_tick(time.time())
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a control loop must survive anything
-                log.exception("autoscaler round failed")
 
     async def _renew_lease(self) -> None:
         was = self.leader

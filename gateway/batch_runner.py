@@ -37,10 +37,12 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway import errors
+from gateway.auth import SCOPE_TENANT, Tenant
 from gateway.batch_api import new_id
 from gateway.batch_progress import BatchProgressLog
+from gateway.outage import LoopErrors, stop_task
 from gateway.request import ROUTES
-from gateway.state.jobs import BatchStats, QueuedRequest, QueueSnapshot, expired_line
+from gateway.state.jobs import BatchStats, QueuedRequest, QueueSnapshot, StoreUnavailableError, expired_line
 from policies.autoscale.global_ import POOL_INTERACTIVE, POOL_MIXED
 from policies.autoscale.routing import eviction_victim
 from policies.types import CLASS_BATCH, RequestFeatures
@@ -59,6 +61,7 @@ _REQUEUE_CODES = ("capacity_exceeded", "no_healthy_worker")
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 EVICT_WAIT_S = 5.0
 SWEEP_S = 1.0
+PURGE_S = 60.0
 
 
 def worker_pool(labels: dict[str, str]) -> str:
@@ -166,10 +169,7 @@ class BatchRunner:
     async def stop(self) -> None:
         """Stop claiming; hand running requests back to the queue (a successor replica runs them)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
         runs = list(self.active.values())
         for run in runs:
             run.evicted = True
@@ -182,11 +182,17 @@ class BatchRunner:
         self._wake.set()
 
     # --- submission and lifecycle of batch objects (called by gateway/batch_api.py) ---------------------
-    async def submit(self, doc: dict[str, Any], items: list[QueuedRequest]) -> dict[str, Any]:
+    async def submit(self, doc: dict[str, Any], items: list[QueuedRequest],
+                     failed: dict[int, str] | None = None) -> dict[str, Any]:
+        """Queue a checked batch; `failed`: error lines of input lines that cannot run (already failed)."""
         doc.update(status="in_progress", in_progress_at=int(time.time()),
-                   request_counts={"total": len(items), "completed": 0, "failed": 0})
+                   request_counts={"total": len(items) + len(failed or {}), "completed": 0,
+                                   "failed": len(failed or {})})
         await self.store.put_batch(doc)
-        await self.store.enqueue_batch(doc["id"], items)
+        await self.store.enqueue_batch(doc["id"], items, failed)
+        if not items:  # nothing to run: done now
+            await self.finalize(doc["id"])
+            return await self.store.get_batch(doc["id"]) or doc
         self.wake()
         return doc
 
@@ -217,14 +223,16 @@ class BatchRunner:
         doc.update(status="finalizing", finalizing_at=int(time.time()))
         await self.store.put_batch(doc)
         out, err = await self.store.batch_results(batch_id)
+        ttl = doc.get("_fg_output_ttl_s") or self.cfg.file_ttl_s
         for lines, key, purpose in ((out, "output_file_id", "batch_output"), (err, "error_file_id", "batch_output")):
             if lines:
                 text = "".join(lines[i] + "\n" for i in sorted(lines))
                 fid = new_id("file-")
+                now = int(time.time())
                 await self.store.put_file({"id": fid, "object": "file", "bytes": len(text.encode()),
-                                           "created_at": int(time.time()), "filename": f"{batch_id}_{key[:-8]}.jsonl",
-                                           "purpose": purpose, "status": "processed", "expires_at": None,
-                                           "status_details": None}, text)
+                                           "created_at": now, "filename": f"{batch_id}_{key[:-8]}.jsonl",
+                                           "purpose": purpose, "status": "processed", "expires_at": now + int(ttl),
+                                           "status_details": None, "_fg_owner": doc.get("_fg_owner", "")}, text)
                 doc[key] = fid
         _set_counts(doc, await self.store.batch_stats(batch_id))
         doc["status"] = final
@@ -235,13 +243,14 @@ class BatchRunner:
     # --- the loop ---------------------------------------------------------------------------------
     async def _loop(self) -> None:
         lease = self.cfg.lease_s
-        next_renew = next_reap = next_sweep = 0.0
+        next_renew = next_reap = next_sweep = next_purge = 0.0
+        failures = LoopErrors(log, "batch runner round")
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.cfg.poll_s):
                     await self._wake.wait()
             self._wake.clear()
-            try:
+            with failures.round():  # a control loop must survive anything (Redis away: the next round)
                 now = time.monotonic()
                 if now >= next_renew and self.active:
                     await self.store.renew_claims(list(self.active), lease)
@@ -253,12 +262,13 @@ class BatchRunner:
                 if now >= next_sweep:
                     await self._sweep()
                     next_sweep = now + SWEEP_S
+                if now >= next_purge:
+                    if n := await self.store.purge_expired_files():
+                        log.info("deleted %d expired file(s)", n)
+                    next_purge = now + PURGE_S
                 if now >= self._backoff_until:
                     await self._fill()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a control loop must survive anything (Redis away: retried next round)
-                log.exception("batch runner round failed")
+
 
     async def _sweep(self) -> None:
         """Expire batches past their window; refresh the queue snapshot and its depth gauges."""
@@ -275,9 +285,12 @@ class BatchRunner:
         await self.progress_log.sweep(self.store, self.snapshot)
 
     async def _fill(self) -> None:
+        """Start queued requests while there is room. A request whose model has no room now goes back to its
+        place and later claims pass over that model: no request blocks the ones behind it."""
         assert self.dispatcher is not None
+        full: set[str] = set()
         while len(self.active) < self.cfg.max_inflight and self.room(None) > 0:
-            item = await self.store.claim_next(self.store.replica_id, self.cfg.lease_s)
+            item = await self.store.claim_next(self.store.replica_id, self.cfg.lease_s, full)
             if item is None:
                 return
             if item.deadline <= time.time():
@@ -287,7 +300,8 @@ class BatchRunner:
                 continue
             if self.room(item.model) <= 0:
                 await self.store.requeue(item)
-                return
+                full.add(item.model)
+                continue
             run = _Run(item, time.monotonic())
             self.active[item.request_id] = run
             run.task = asyncio.create_task(self._execute(run), name=f"fg-batch-{item.request_id}")
@@ -352,9 +366,11 @@ class BatchRunner:
 
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
                        (b"x-request-id", item.request_id.encode()), (b"x-request-class", b"batch")]
-            if self.config.api_keys:  # the batch's creator was authenticated by the Batch API
-                headers.append((b"authorization", b"Bearer " + self.config.api_keys[0].encode()))
-            scope = {"type": "http", "method": "POST", "path": item.url, "query_string": b"", "headers": headers}
+            # The batch's owner was authenticated by the Batch API; its key's rate limits are for interactive
+            # traffic (batch work runs on spare capacity), so the request carries the owner without limits.
+            owner = Tenant(item.owner, f"batch owner {item.owner[:8]}", source="batch")
+            scope = {"type": "http", "method": "POST", "path": item.url, "query_string": b"", "headers": headers,
+                     SCOPE_TENANT: owner}
             assert self.dispatcher is not None
             await self.dispatcher.handle(scope, receive, send, ROUTES[item.url])
         except Exception:
@@ -365,6 +381,8 @@ class BatchRunner:
             self.wake()
         try:
             await self._settle(run, status, b"".join(chunks))
+        except StoreUnavailableError:  # the store logs its outage; the claim lease returns the request to the queue
+            log.debug("batch request %s not recorded: the store is unreachable", item.request_id)
         except Exception:  # the claim lease returns it to the queue
             log.exception("could not record batch request %s", item.request_id)
 

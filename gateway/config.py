@@ -8,6 +8,7 @@ Precedence (highest first): explicit keyword arguments, environment (prefix FLEE
 from __future__ import annotations
 
 import contextvars
+import os
 import re
 import sys
 from pathlib import Path
@@ -242,6 +243,76 @@ class TracingConfig(_Strict):
     sample_ratio: float = Field(1.0, ge=0, le=1)      # of traces the gateway starts (a sampled parent wins)
 
 
+class ApiKeyConfig(_Strict):
+    """One inference key and its limits (gateway/auth.py, gateway/ratelimit.py). `key` is the secret itself or
+    `sha256:<64 hex digits>` of it (the config then holds no secret). Limits left out are not enforced."""
+
+    key: str = Field(min_length=8)
+    name: str = ""
+    rpm: int | None = Field(None, ge=1)               # requests per minute
+    tpm: int | None = Field(None, ge=1)               # tokens per minute: prompt + max_tokens reserved, settled
+    max_concurrency: int | None = Field(None, ge=1)   # requests in flight at once (all replicas)
+    models: list[str] = Field(default_factory=list)   # empty: every model
+
+    @field_validator("key")
+    @classmethod
+    def _key_form(cls, v: str) -> str:
+        if v.startswith("sha256:") and not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", v):
+            raise ValueError("a hashed key is `sha256:` and 64 hex digits")
+        return v
+
+
+class AuthConfig(_Strict):
+    """Who may call what. `admin_key` (or env FLEETGATE_ADMIN_KEY) guards /admin/*; without it the admin API is
+    off. Inference keys: `keys` (with limits) and the top-level `api_keys` (no limits); none at all: open."""
+
+    admin_key: str | None = Field(None, min_length=16)
+    keys: list[ApiKeyConfig] = Field(default_factory=list)
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_form(cls, v: str | None) -> str | None:
+        if v is not None and v.startswith("sha256:") and not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", v):
+            raise ValueError("a hashed key is `sha256:` and 64 hex digits")
+        return v
+
+
+class AdminConfig(_Strict):
+    # Hosts a worker added through the admin API may be on: names (`gpu-1.internal`), wildcards (`*.svc`),
+    # addresses and networks (`10.0.0.0/8`). Always allowed too: loopback and the configured workers' hosts.
+    worker_hosts: list[str] = Field(default_factory=list)
+
+
+class MetricsConfig(_Strict):
+    auth: bool = False                 # /metrics requires `Authorization: Bearer <metrics.key or the admin key>`
+    key: str | None = Field(None, min_length=16)
+
+
+class ServerConfig(_Strict):
+    """Limits on what clients can make the gateway hold (gateway/client_limits.py)."""
+
+    header_timeout_s: float = Field(10.0, gt=0)    # from a request's first byte to the end of its headers
+    body_timeout_s: float = Field(30.0, gt=0)      # the longest gap between two pieces of a request body
+    keepalive_s: float = Field(5.0, gt=0)          # an idle connection (new, or between requests) is closed
+    max_header_bytes: int = Field(64 * 1024, ge=1024)   # request line plus headers; beyond: 431
+    max_headers: int = Field(100, ge=8)            # header lines; beyond: 431
+    max_connections: int = Field(4096, ge=1)       # open client connections; beyond: closed at once
+    # Peers whose X-Forwarded-For is kept (the client address is appended to it); others' is replaced.
+    trusted_proxies: list[str] = Field(default_factory=list)
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        import ipaddress
+
+        for item in v:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network") from None
+        return v
+
+
 class BatchConfig(_Strict):
     """OpenAI Files + Batches API and the runner that feeds queued batch requests to spare capacity
     (gateway/batch_api.py, gateway/batch_runner.py)."""
@@ -250,9 +321,11 @@ class BatchConfig(_Strict):
     max_file_bytes: int = Field(100 * MiB, ge=1024)   # one uploaded JSONL file
     max_requests: int = Field(50_000, ge=1)           # lines in one batch input file
     poll_s: float = Field(0.1, gt=0)                  # the runner looks for spare capacity this often
-    lease_s: float = Field(30.0, gt=0)                # a claimed request returns to the queue if not renewed
+    lease_s: float = Field(10.0, gt=0)                # a claimed request returns to the queue if not renewed
     slots_per_worker: int = Field(8, ge=1)            # batch requests per worker that has no cap
     max_inflight: int = Field(256, ge=1)              # batch requests this replica runs at once
+    file_ttl_s: float = Field(30 * 86_400.0, gt=0)    # files expire this long after upload unless expires_after
+    storage_per_key_bytes: int = Field(1024 * MiB, ge=1024)  # files one key may keep (uploads beyond: refused)
 
 
 class SimActuatorConfig(_Strict):
@@ -337,6 +410,18 @@ class _FileSource(PydanticBaseSettingsSource):
         return dict(_FILE_DATA.get() or {})
 
 
+class _AliasSource(PydanticBaseSettingsSource):
+    """Short environment names for nested settings, between the environment and the file in precedence:
+    FLEETGATE_ADMIN_KEY is auth.admin_key."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        admin = os.environ.get("FLEETGATE_ADMIN_KEY")
+        return {"auth": {"admin_key": admin}} if admin else {}
+
+
 class GatewayConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLEETGATE_", env_nested_delimiter="__", extra="forbid")
 
@@ -352,7 +437,11 @@ class GatewayConfig(BaseSettings):
     redis_url: str | None = None
     redis_key_prefix: str = Field("fg:", min_length=1)  # several fleets (or tests) can share one Redis
     replica_id: str | None = None
-    api_keys: list[str] = Field(default_factory=list)
+    api_keys: list[str] = Field(default_factory=list)  # inference keys without limits (see auth.keys)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
@@ -375,7 +464,7 @@ class GatewayConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _FileSource(settings_cls)
+        return init_settings, env_settings, _AliasSource(settings_cls), _FileSource(settings_cls)
 
     @model_validator(mode="after")
     def _unique_worker_ids(self) -> GatewayConfig:
@@ -473,7 +562,7 @@ def semantic_problems(cfg: GatewayConfig) -> list[str]:
     """Checks that need more than types: policy names and their parameters."""
     from policies.base import make_policy, policy_names
 
-    problems: list[str] = []
+    problems: list[str] = key_problems(cfg)
     try:
         known = policy_names()
     except ImportError as e:  # the policy package is incomplete; report, don't crash
@@ -510,6 +599,22 @@ def unmodelled_workers(cfg: GatewayConfig, where: str, policy: str) -> list[str]
                        f"{w.profile or '(none)'!r} is no built-in profile, profile file or learning.priors entry "
                        "(fleetgate sim --list-profiles lists the built-in ones)")
     return out
+def key_problems(cfg: GatewayConfig) -> list[str]:
+    """The same key twice, or the admin key also an inference key (it would then not be an admin-only key)."""
+    from gateway.auth import digest
+
+    problems, seen = [], {}
+    named = [(f"api_keys[{i}]", k) for i, k in enumerate(cfg.api_keys)]
+    named += [(f"auth.keys[{i}].key", k.key) for i, k in enumerate(cfg.auth.keys)]
+    for where, key in named:
+        d = digest(key)
+        if d in seen:
+            problems.append(f"{where}: the same key as {seen[d]}")
+        seen.setdefault(d, where)
+    admin = cfg.auth.admin_key
+    if admin is not None and digest(admin) in seen:
+        problems.append(f"auth.admin_key: must differ from every inference key (it equals {seen[digest(admin)]})")
+    return problems
 
 
 def describe_validation_error(err: ValidationError, model: type[BaseModel]) -> list[str]:
@@ -591,7 +696,8 @@ def summarize(cfg: GatewayConfig) -> str:
         f"default policy {cfg.default_policy}"
         + "".join(f"; {name}: {mc.policy or cfg.default_policy}" for name, mc in cfg.models.items()),
         f"state: {'redis ' + cfg.redis_url if cfg.redis_url else 'in-memory'}; "
-        f"api keys: {len(cfg.api_keys) or 'none (open)'}",
+        f"api keys: {len(cfg.api_keys) + len(cfg.auth.keys) or 'none (open)'}; "
+        f"admin API: {'on' if cfg.auth.admin_key else 'off (no auth.admin_key)'}",
     ]
     return "\n".join(lines)
 

@@ -7,6 +7,8 @@ gateway for the gateway's core); the gateway runs here with in-memory state. Ctr
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import shlex
 import subprocess
 import sys
@@ -32,6 +34,9 @@ READY_TIMEOUT_S = 60.0
 DEMO_SLO_TTFT_MS = 1000.0
 DEMO_SLO_TPOT_MS = 50.0
 DEMO_START_CAP, DEMO_MAX_CAP = 4, 8  # `demo --autoscale`: requests in flight per simulated worker (see below)
+def demo_admin_key() -> str:
+    """The demo's admin key: FLEETGATE_ADMIN_KEY if set, else a new one (printed in the banner)."""
+    return os.environ.get("FLEETGATE_ADMIN_KEY") or "fg-admin-" + secrets.token_urlsafe(18)
 
 
 def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests", profile: str = "llama3-8b-h100",
@@ -64,8 +69,10 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
     urls = [f"http://127.0.0.1:{base_port + i}" for i in range(workers)]
     _require_free([(port, "gateway (--port)")] + [(base_port + i, "simulated worker (--base-port)")
                                                   for i in range(workers)])
+    admin_key = demo_admin_key()
     try:
         cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy, slo=slo,
+                          auth={"admin_key": admin_key},
                           workers=[{"id": f"sim-{i}" if pd is None else f"{roles[i]}-{i}", "url": u,
                                     "profile": profile, "role": roles[i]} for i, u in enumerate(urls)])
     except ConfigError as e:
@@ -79,7 +86,7 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
     sim = subprocess.Popen(cmd, cwd=ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     try:
         _wait_healthy(sim, urls)
-        _print_banner(port, model, urls)
+        _print_banner(port, model, urls, admin_key)
         from gateway.server import run
 
         run(cfg)
@@ -108,8 +115,10 @@ def _run_autoscale_demo(port: int, workers: int, policy: str, profile: str, mode
     # With at most DEMO_MAX_CAP requests per worker, 32 users are 32 / 8 / theta = 8 workers' worth of load.
     _require_free([(port, "gateway (--port)")] + [(base_port + i, "simulated worker (--base-port)")
                                                   for i in range(max_workers)])
+    admin_key = demo_admin_key()
     try:
-        cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy, slo=slo, autoscale={
+        cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy, slo=slo,
+                          auth={"admin_key": admin_key}, autoscale={
             "enabled": True, "interval_s": 1.0, "local_interval_s": 1.0, "drain_timeout_s": 30.0,
             "itl_slo_ms": slo["tpot_ms"], "local": {"initial_cap": DEMO_START_CAP, "max_cap": DEMO_MAX_CAP},
             # Like the engines, the scaler's clocks run --time-scale times faster (model seconds / K).
@@ -131,6 +140,9 @@ workers (cold start {cold:g} s) as load comes and goes. Watch it:
   watch -n1 "curl -s {base}/metrics | grep -E '^fleetgate_(desired|current)_workers|^fleetgate_backpressure'"
 
 The fleet is logged below every time it changes (`fleet: ...`), with each scale action and its reason.
+The workers through the admin API (admin key of this run only: {admin_key}):
+
+  curl -s {base}/admin/workers -H 'Authorization: Bearer {admin_key}'
 
 Make a one-minute burst of 32 concurrent users, then watch the fleet drain and shrink after it:
 
@@ -211,11 +223,13 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _print_banner(port: int, model: str, urls: list[str]) -> None:
+def _print_banner(port: int, model: str, urls: list[str], admin_key: str) -> None:
     base = f"http://127.0.0.1:{port}" if port else "http://127.0.0.1:<port printed below>"
     print(f"""
 fleetgate demo: {len(urls)} simulated worker(s) at {urls[0]} .. {urls[-1]}
 gateway: {base}   (metrics: {base}/metrics, workers: {base}/admin/workers)
+admin key (this run only): {admin_key}
+  curl -s {base}/admin/workers -H 'Authorization: Bearer {admin_key}'
 
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'

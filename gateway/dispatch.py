@@ -26,13 +26,15 @@ from typing import Any
 from engine_adapters.base import EngineAdapter
 from gateway import errors, observe
 from gateway.admission import ModelQueue
-from gateway.auth import bearer_key_ok
+from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, sse_error_event
+from gateway.forwarding import ForwardedFor
 from gateway.kv_events import cached_prefix_for
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.pd_legs import PdLegs, pd_policy_factory
+from gateway.ratelimit import RateLimited, close_ticket, open_ticket
 from gateway.registry import Registry, WorkerState
 from gateway.relay import Relay, RelayResult, ResponseState, UpstreamFailure
 from gateway.request import (
@@ -109,7 +111,8 @@ class RequestContext:
 class Dispatcher:
     def __init__(self, config: GatewayConfig, store: StateStore, registry: Registry, relay: Relay,
                  adapter: EngineAdapter, metrics: GatewayMetrics, shared_state: bool = False,
-                 slo: SloBook | None = None, learner: Learner | None = None) -> None:
+                 slo: SloBook | None = None, learner: Learner | None = None,
+                 auth: Authenticator | None = None) -> None:
         self.config = config
         self.store = store
         self.registry = registry
@@ -118,7 +121,8 @@ class Dispatcher:
         self.metrics = metrics
         self.max_body = config.limits.max_body_bytes
         self.attempts = config.limits.retries + 1
-        self.api_keys = [k.encode() for k in config.api_keys]
+        self.auth = auth if auth is not None else Authenticator(config, store)
+        self.forwarded_for = ForwardedFor(config.server.trusted_proxies)
         # With shared state another replica's release frees a slot without telling us: poll sooner.
         self.poll_s = config.limits.queue_poll_s or (0.05 if shared_state else 0.5)
         self.shield_release = shared_state
@@ -173,13 +177,13 @@ class Dispatcher:
         client_headers = [(b"x-request-id", rid)]
         feats: RequestFeatures | None = None
         result: RelayResult | None = None
+        ticket = None
         rec = self.observer.begin(rid.decode(), scope["path"], scope["headers"]) if self.observer else None
         try:
             try:
                 if hdrs.content_length == -1:
                     raise errors.bad_request("Invalid Content-Length header.")
-                if self.api_keys and not bearer_key_ok(hdrs.auth, self.api_keys):
-                    raise errors.unauthorized()
+                tenant = self.auth.tenant_of_scope(scope, hdrs.auth)
                 raw = await self._read_body(receive, hdrs.content_length)
                 watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, state, gone))
                 req = parse_request(raw, route)
@@ -188,9 +192,11 @@ class Dispatcher:
                 model_label, policy_label = model, rt.policy_name
                 shaped = self.adapter.shape_request(raw, req.body, req.stream, changed)
                 feats = self._features(req, route, rt, rid.decode(), hdrs)
+                ticket = open_ticket(self.store, tenant, feats, client_headers)  # limited keys only
                 ctx = RequestContext(
                     rid, route, req, rt, feats, shaped.body, shaped.strip_usage,
-                    b"".join((b"Content-Type: application/json\r\nX-Request-Id: ", rid, b"\r\n", hdrs.forward)),
+                    b"".join((b"Content-Type: application/json\r\nX-Request-Id: ", rid, b"\r\n", hdrs.forward,
+                              self.forwarded_for.line(scope, hdrs.xff))),
                     client_headers, send, state, t0)
                 result = await self._run(ctx)
                 status = result.status
@@ -198,7 +204,7 @@ class Dispatcher:
                 self.slo.record(feats, req.stream, t0, result, time.perf_counter())
             except GatewayError as e:
                 status = e.status
-                if feats is not None and status in (429, 503):
+                if feats is not None and status in (429, 503) and not isinstance(e, RateLimited):
                     self.slo.record_refused(feats)
                 if not state.started:
                     await _send_error(send, e, client_headers)
@@ -222,6 +228,9 @@ class Dispatcher:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            if ticket is not None:
+                close_ticket(self.store, ticket, result.usage if result is not None else None, feats.prompt_tokens,
+                             state.tokens)
             self.metrics.count_request(model_label, policy_label, status)
             if model_label != UNKNOWN_MODEL_LABEL:
                 self.metrics.observe_duration(model_label, time.perf_counter() - t0)

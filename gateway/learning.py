@@ -52,6 +52,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from gateway.outage import quiet_loop
+from gateway.state.jobs import StoreUnavailableError
 from policies.base import Policy
 from policies.length_predictor import DEFAULT_OUTPUT_TOKENS, LengthPredictor, length_bucket
 from policies.perf_model import COMPONENTS, PerfModel, PerfModelFitter
@@ -324,6 +326,8 @@ class Learner:
         self._note_profiles()
         try:
             await self._sync(load_models=True)
+        except StoreUnavailableError:
+            log.warning("shared models not loaded at start: the state store is unreachable")
         except Exception:  # noqa: BLE001 - shared state is an optimisation: start without it
             log.exception("could not load shared models at start")
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="fg-learning")
@@ -400,14 +404,7 @@ class Learner:
 
     # --- the control loop --------------------------------------------------------------------------
     async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.interval_s)
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a control loop must survive anything
-                log.exception("learning loop failed")
+        await quiet_loop(self.cfg.interval_s, self.tick, log, "learning loop")
 
     async def tick(self) -> None:
         """One round of the control loop (also callable directly, e.g. by tests)."""

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from gateway import errors
-from gateway.admin import check_api_key
+from gateway.auth import tenant_of_request
 from gateway.request import new_request_id, parse_json_object
 
 if TYPE_CHECKING:
@@ -71,12 +71,14 @@ def _unwrap_quirk(status: int, payload: bytes) -> int:
 
 
 async def forward(gw: Gateway, request: Request, path: str) -> Response:
-    check_api_key(request)
+    tenant = tenant_of_request(request)
     raw = await request.body()
     if len(raw) > gw.config.limits.max_body_bytes:
         raise errors.body_too_large(gw.config.limits.max_body_bytes)
     body = parse_json_object(raw)
     model, filled = _resolve_model(gw, body)
+    if not tenant.may_use(model):      # the key's model allow-list (gateway/auth.py)
+        raise errors.model_not_found(model, sorted(tenant.models))
     if filled:
         body["model"] = model
         raw = orjson.dumps(body)
@@ -117,8 +119,10 @@ def passthrough_router() -> APIRouter:
 
     @r.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str, request: Request) -> Response:
-        check_api_key(request)
+        tenant = tenant_of_request(request)
         gw = request.app.state.gateway
+        if not tenant.may_use(model_id):
+            raise errors.model_not_found(model_id, sorted(tenant.models))
         for card in gw.registry.model_cards():
             if card.get("id") == model_id:
                 return JSONResponse(card)

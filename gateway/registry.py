@@ -27,6 +27,7 @@ from typing import Any
 from engine_adapters.base import EngineAdapter
 from gateway.config import GatewayConfig, WorkerConfig
 from gateway.metrics import GatewayMetrics
+from gateway.outage import quiet_loop
 from gateway.state.base import WORKER_ACTIVE, WORKER_DRAINING, EngineMetrics, StateStore, WorkerRecord
 from gateway.upstream import UpstreamPool
 from policies.types import ROLE_MIXED, WorkerView
@@ -92,6 +93,7 @@ class Registry:
         self._listeners: list[Callable[[], None]] = []
         self._probe_timeout = config.health.timeout_s
         self._scrape_timeout = max(0.2, min(2.0, config.scrape_interval_s * 2))
+        store.on_restore(self.republish)
 
     # --- lifecycle --------------------------------------------------------------------------------
     async def start(self, upstream: UpstreamPool) -> None:
@@ -120,14 +122,13 @@ class Registry:
         self._listeners.append(fn)
 
     async def _every(self, interval: float, fn: Callable[[], Any]) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await fn()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a control loop must survive anything
-                log.exception("control loop %s failed", getattr(fn, "__name__", fn))
+        await quiet_loop(interval, fn, log, f"registry loop {getattr(fn, '__name__', fn)}")
+
+    async def republish(self) -> None:
+        """The shared store lost its data: write back every worker this gateway knows (config, admin
+        additions, discovered models), as they are now."""
+        for ws in list(self.workers.values()):
+            await self.store.upsert_worker(self._shared_record(ws))
 
     # --- hot-path reads (no I/O) ----------------------------------------------------------------
     def rotation(self, model: str) -> tuple[WorkerState, ...]:

@@ -1,11 +1,12 @@
 """What the gateway reads from a client's request before placing it: the route, the parsed and checked body,
 token estimates, the headers it acts on (and the ones it forwards), and the request id. Pure functions.
 
-Request headers the gateway reads: `Authorization: Bearer <key>` (when api_keys are set),
+Request headers the gateway reads: `Authorization: Bearer <key>` (when keys are set; gateway/auth.py),
 `X-Request-Id` (kept if 1-128 chars of [A-Za-z0-9._:-], else a uuid4 hex is generated),
 `X-Session-Id` (session affinity), `X-Request-Class: batch` (RequestFeatures.request_class),
 `X-SLO-TTFT-Ms` / `X-SLO-TPOT-Ms` (the request's SLO; gateway/slo.py).
-Other end-to-end headers are forwarded to the worker; hop-by-hop ones and credentials are not.
+Other end-to-end headers are forwarded to the worker; hop-by-hop ones, those the Connection header names and
+credentials are not; X-Forwarded-For gets the client's address (gateway/forwarding.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import orjson
 
 from gateway import errors
+from gateway.forwarding import connection_named
 from gateway.upstream import encode_headers
 from gateway.validation import check_sampling
 from policies.types import CLASS_BATCH, CLASS_INTERACTIVE
@@ -167,7 +169,7 @@ def chat_text(messages: list[dict[str, Any]]) -> str:
 _NOT_FORWARDED = frozenset({
     b"host", b"content-length", b"content-type", b"connection", b"keep-alive", b"proxy-authorization",
     b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade", b"authorization",
-    b"accept-encoding", b"expect", b"x-request-id", b"cookie",
+    b"accept-encoding", b"expect", b"x-request-id", b"cookie", b"x-api-key", b"x-forwarded-for",
 })
 
 
@@ -181,13 +183,14 @@ class ClientHeaders:
     forward: bytes  # the headers passed on to the worker, encoded `name: value\r\n` lines (Accept: */* if none)
     slo_ttft: bytes | None = None  # raw x-slo-ttft-ms / x-slo-tpot-ms (validated in gateway/slo.py)
     slo_tpot: bytes | None = None
+    xff: bytes | None = None  # the client's X-Forwarded-For (kept only from a trusted proxy)
 
 
 _ACCEPT_ANY = b"Accept: */*\r\n"  # what aiohttp sent upstream when the client gave no Accept
 
 
 def read_headers(headers: list[tuple[bytes, bytes]]) -> ClientHeaders:
-    content_length = auth = rid = session = slo_ttft = slo_tpot = None
+    content_length = auth = rid = session = slo_ttft = slo_tpot = xff = conn = None
     rclass = CLASS_INTERACTIVE
     forward: list[bytes] = []
     accept = False
@@ -202,6 +205,10 @@ def read_headers(headers: list[tuple[bytes, bytes]]) -> ClientHeaders:
                 auth = v
             elif k == b"x-request-id":
                 rid = v
+            elif k == b"x-forwarded-for":
+                xff = v if xff is None else xff + b", " + v
+            elif k == b"connection":
+                conn = v
             continue
         if k == b"accept":
             accept = True
@@ -218,14 +225,17 @@ def read_headers(headers: list[tuple[bytes, bytes]]) -> ClientHeaders:
         forward.append(_ACCEPT_ANY)
     block = b"".join(forward)
     lines = (len(forward) + 3) // 4
-    if block.count(b"\n") != lines or block.count(b"\r") != lines:
+    if conn is not None and (named := connection_named(conn)):
+        block = encode_headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
+                                if k not in _NOT_FORWARDED and k not in named])
+    elif block.count(b"\n") != lines or block.count(b"\r") != lines:
         # A header holds a CR or LF (it could smuggle a header upstream; httptools in front refuses them
         # already, so only a hand-made scope gets here): encode again, dropping those lines.
         block = encode_headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
                                 if k not in _NOT_FORWARDED])
     if rid is None or not _REQUEST_ID_RE.match(rid):
         rid = new_request_id()
-    return ClientHeaders(content_length, auth, rid, session, rclass, block, slo_ttft, slo_tpot)
+    return ClientHeaders(content_length, auth, rid, session, rclass, block, slo_ttft, slo_tpot, xff)
 
 
 def new_request_id() -> bytes:

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from gateway.actuators import pool_label
-from gateway.admin import check_api_key
+from gateway.auth import tenant_of_request
 from policies.types import CLASS_BATCH, CLASS_INTERACTIVE
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def status_router() -> APIRouter:
 
     @r.get("/ui/status.json")
     async def status_json(request: Request) -> Response:
-        check_api_key(request)
+        tenant_of_request(request)
         return JSONResponse(await status(request.app.state.gateway))
 
     return r

@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 REDIS_URL = os.environ.get("FLEETGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 LISTENING = "fleetgate listening on "
+# The admin key of the tests' gateways (running_gateway, GatewayProcess); ADMIN is the header that carries it.
+ADMIN_KEY = "fg-test-admin-key-0123456789"
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 
 # --- waiting on a condition ------------------------------------------------------------------------------
@@ -106,8 +109,9 @@ def worker_entries(urls: Sequence[str], **fields: Any) -> list[dict[str, Any]]:
 @contextlib.asynccontextmanager
 async def running_gateway(urls: Sequence[str] = (), **settings: Any) -> AsyncIterator[GatewayServer]:
     """A GatewayServer on an ephemeral loopback port over `urls` (workers w0, w1, ...) or `workers=[...]`;
-    `settings` are config keys, as in the YAML file."""
+    `settings` are config keys, as in the YAML file. Its admin key is ADMIN_KEY unless `auth` says otherwise."""
     settings.setdefault("workers", worker_entries(urls))
+    settings.setdefault("auth", {"admin_key": ADMIN_KEY})
     config = load_config(None, listen={"host": "127.0.0.1", "port": 0}, **settings)
     async with GatewayServer(config) as gw:
         yield gw
@@ -254,7 +258,8 @@ class GatewayProcess(CliProcess):
     """`fleetgate serve --config CONFIG --port 0 [ARGS]`; listening_url() waits (bounded) for its listening line."""
 
     def __init__(self, config: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        super().__init__("serve", "--config", str(config), "--port", "0", *args, env=env)
+        super().__init__("serve", "--config", str(config), "--port", "0", *args,
+                         env={"FLEETGATE_ADMIN_KEY": ADMIN_KEY, **(env or {})})
         self._url: str | None = None
 
     def listening_url(self, timeout: float = 30.0) -> str:

@@ -23,6 +23,7 @@ from gateway.config import load_config
 from gateway.server import GatewayServer
 from simulator.profiles import load_profile
 from tests.helpers import (
+    ADMIN,
     MODEL,
     REDIS_URL,
     ROOT,
@@ -86,7 +87,7 @@ async def test_local_caps_converge_under_a_fixed_load(sim_fleet, make_client) ->
             if time.monotonic() - t0 >= 6.0 and cut_at is not None and time.monotonic() - cut_at >= 3.0:
                 break
         await client.batches.cancel(batch.id)
-        async with httpx.AsyncClient() as http:  # the gateway exports the cap it enforces
+        async with httpx.AsyncClient(headers=ADMIN, ) as http:  # the gateway exports the cap it enforces
             async def exported() -> bool:
                 text = (await http.get(gw.url + "/metrics")).text
                 return samples(text, "fleetgate_worker_batch_cap") == {(("worker", "w0"),): worker.rec.cap}
@@ -111,7 +112,7 @@ async def test_desired_workers_rise_under_a_burst_and_fall_after_it_without_fail
            "scaler": scaler, "actuator": {"kind": "sim", "sim": {"time_scale": 10, "cold_start_s": 0.3, "cap": 4,
                                                                  "initial": {"mixed": 2}}}}
     async with gateway(autoscale=cfg, batch={"poll_s": 0.02}) as gw, \
-            httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+            httpx.AsyncClient(headers=ADMIN, base_url=gw.url, timeout=30) as http:
         client = make_client(gw.url, "unused", max_retries=0)
         outcomes: list[bool] = []
         drained_busy: set[str] = set()      # workers seen draining with requests still in flight
@@ -199,7 +200,7 @@ def webhook(fleet_urls: list[str]) -> AbstractAsyncContextManager[tuple[str, lis
 async def test_only_the_leader_acts_and_every_replica_exports_the_same_numbers(sim_fleet, redis_prefix, tmp_path,
                                                                               gateway_process) -> None:
     fleet = sim_fleet(2, time_scale=20)
-    async with webhook(fleet.urls) as (hook_url, calls), httpx.AsyncClient(timeout=10) as http:
+    async with webhook(fleet.urls) as (hook_url, calls), httpx.AsyncClient(headers=ADMIN, timeout=10) as http:
         cfg = tmp_path / "gw.yaml"
         cfg.write_text(json.dumps({
             "redis_url": REDIS_URL, "redis_key_prefix": redis_prefix, "scrape_interval_s": 0.2,
@@ -366,7 +367,7 @@ async def test_requests_prefer_their_own_worker_type_and_spill_to_mixed(sim_flee
     pools = ["interactive", "mixed", "batch"]
     workers = [{"id": p, "url": u, "cap": 1, "labels": {"pool": p}} for p, u in zip(pools, fleet.urls, strict=True)]
     async with gateway(workers=workers, limits={"queue_timeout_s": 0.3}) as gw, \
-            httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+            httpx.AsyncClient(headers=ADMIN, base_url=gw.url, timeout=30) as http:
         await poll(lambda: len(gw.gateway.registry.rotation(MODEL)) == 3, 10, "workers healthy")
 
         def long(cls: str) -> asyncio.Task:   # ~2.2 s at 10x: outlasts the polls and the third's 0.3 s queue wait
@@ -397,7 +398,7 @@ async def test_batch_pool_starts_from_zero_for_queued_work_and_returns_to_zero(m
            "actuator": {"kind": "sim", "sim": {"time_scale": 20, "cold_start_s": 0.3, "cap": 4,
                                                "initial": {"interactive": 1}}}}
     async with gateway(autoscale=cfg, batch={"poll_s": 0.02}) as gw, \
-            httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+            httpx.AsyncClient(headers=ADMIN, base_url=gw.url, timeout=30) as http:
         client = make_client(gw.url, "unused")
         await poll(lambda: gw.gateway.registry.rotation(MODEL), 10, "the interactive worker")
         upload = await client.files.create(file=("b.jsonl", batch_file(60, 300)), purpose="batch")

@@ -118,11 +118,21 @@ async def test_bad_input_gives_clear_errors(sim_fleet, make_client) -> None:
         mixed = "\n".join([chat_line("a", 4), "not json", chat_line("a", 4),
                            json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {}})])
         upload = await client.files.create(file=("bad.jsonl", mixed.encode()), purpose="batch")
-        failed = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+        mixed_batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                                  completion_window="24h")
+        # bad lines fail into the error file, the good one runs (issue 18 item 6)
+        assert mixed_batch.status == "in_progress" and mixed_batch.request_counts.total == 4
+        done = await finished(client, mixed_batch.id)
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 3)
+        err = lines_of((await client.files.content(done.error_file_id)).text)
+        assert [(x["custom_id"], x["error"]["code"]) for x in err] == [
+            (None, "invalid_json_line"), (None, "duplicate_custom_id"), ("b", "mismatched_endpoint")]
+        assert all(x["error"]["message"].startswith(f"Line {n}:") for x, n in zip(err, (2, 3, 4), strict=True))
+        empty = await client.files.create(file=("empty.jsonl", b"\n\n"), purpose="batch")
+        failed = await client.batches.create(input_file_id=empty.id, endpoint="/v1/chat/completions",
                                              completion_window="24h")
         assert failed.status == "failed" and failed.failed_at is not None
-        assert [(e.code, e.line) for e in failed.errors.data] == [
-            ("invalid_json_line", 2), ("duplicate_custom_id", 3), ("mismatched_endpoint", 4)]
+        assert [e.code for e in failed.errors.data] == ["empty_file"]
         with pytest.raises(openai.BadRequestError, match="completion_window"):
             await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                         completion_window="forever")  # type: ignore[arg-type]

@@ -133,3 +133,22 @@ def test_slo_aware_policies_refuse_workers_without_a_model(tmp_path) -> None:
     assert load_config(cfg).default_policy == "aladdin"          # declared coefficients: accepted
     cfg.write_text("workers:\n  - {id: a, url: 'http://127.0.0.1:9', profile: mystery-gpu}\n")
     assert load_config(cfg).default_policy == "least_requests"   # a plain policy needs no model
+def test_keys_are_checked_for_repeats_and_for_an_admin_key_that_is_also_an_inference_key() -> None:
+    import hashlib
+
+    from gateway.config import ConfigError, load_config
+
+    hashed = "sha256:" + hashlib.sha256(b"sk-one-key-123").hexdigest()
+    with pytest.raises(ConfigError) as e:
+        load_config(None, api_keys=["sk-one-key-123"], auth={"admin_key": "sk-one-key-123-admin!", "keys": [
+            {"key": hashed}, {"key": "sk-other-key", "rpm": 0}]})
+    text = "\n".join(e.value.problems)
+    assert "auth.keys[1].rpm" in text  # limits are positive
+    with pytest.raises(ConfigError) as e:
+        load_config(None, api_keys=["sk-one-key-123"], auth={"keys": [{"key": hashed}]})
+    assert e.value.problems == ["auth.keys[0].key: the same key as api_keys[0]"]  # a digest of the same key
+    with pytest.raises(ConfigError) as e:
+        load_config(None, api_keys=["sk-admin-too-1234567"], auth={"admin_key": "sk-admin-too-1234567"})
+    assert "auth.admin_key" in e.value.problems[0]
+    with pytest.raises(ConfigError):
+        load_config(None, server={"trusted_proxies": ["not-an-ip"]})

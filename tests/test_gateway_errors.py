@@ -119,12 +119,18 @@ async def test_body_over_the_limit_is_413_by_header_and_by_streamed_size(sim_fle
 
 async def test_api_keys_guard_proxy_models_and_admin(sim_fleet) -> None:
     fleet = sim_fleet(1, time_scale=20)
-    async with gateway(fleet.urls, api_keys=["k-1", "k-2"]) as gw, httpx.AsyncClient(timeout=20) as http:
-        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "k-1"}):
-            assert_error(await http.post(gw.url + "/v1/chat/completions", json=CHAT, headers=headers), 401,
-                         "authentication_error")
-            assert_error(await http.get(gw.url + "/v1/models", headers=headers), 401)
+    admin = "admin-key-0123456789abcdef"
+    async with gateway(fleet.urls, api_keys=["k-1", "k-2"], auth={"admin_key": admin}) as gw, \
+            httpx.AsyncClient(timeout=20) as http:
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "k-1"},
+                        {"authorization": "Bearer k-1"}):  # an inference key is not an admin key
+            if headers.get("authorization") != "Bearer k-1":
+                assert_error(await http.post(gw.url + "/v1/chat/completions", json=CHAT, headers=headers), 401,
+                             "authentication_error")
+                assert_error(await http.get(gw.url + "/v1/models", headers=headers), 401)
             assert_error(await http.get(gw.url + "/admin/workers", headers=headers), 401)
+        ok = await http.get(gw.url + "/admin/workers", headers={"authorization": f"Bearer {admin}"})
+        assert ok.status_code == 200 and [w["id"] for w in ok.json()["data"]] == ["w0"]
         oa = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k-2", max_retries=0)
         assert (await oa.chat.completions.create(**CHAT)).usage.completion_tokens >= 1
         bad = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k-3", max_retries=0)
@@ -190,6 +196,10 @@ async def test_wrong_method_and_unknown_route_get_error_bodies(sim_fleet) -> Non
         assert_error(await http.get(gw.url + "/v1/chat/completions"), 405)
         assert_error(await http.get(gw.url + "/v1/nope"), 404)
         assert_error(await http.post(gw.url + "/admin/workers/w0/explode"), 404)
+    async with gateway(fleet.urls, auth={}) as gw, httpx.AsyncClient(timeout=20) as http:
+        # no admin key configured: the admin API is off, whatever is sent
+        r = await http.get(gw.url + "/admin/workers", headers={"authorization": "Bearer anything-at-all"})
+        assert assert_error(r, 404)["code"] == "admin_disabled"
 
 
 def _junk(rng: random.Random, depth: int = 0):  # noqa: ANN202

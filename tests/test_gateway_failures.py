@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from gateway.server import GatewayServer
-from tests.helpers import MODEL, poll, running_gateway
+from tests.helpers import ADMIN, MODEL, poll, running_gateway
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 20}
 
@@ -47,7 +47,7 @@ async def test_client_disconnect_aborts_the_upstream_request(sim_fleet, stream: 
     url = fleet.urls[0]
     body = {**CHAT, "max_tokens": 100_000, "stream": stream}
     long = {"x-sim-output-tokens": "100000"}
-    async with gateway(fleet.urls) as gw, httpx.AsyncClient(timeout=20) as http:
+    async with gateway(fleet.urls) as gw, httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         assert await worker_metric(http, url, "vllm:request_success_total", finished_reason="abort") == 0
         if stream:
             async with http.stream("POST", gw.url + "/v1/chat/completions", json=body, headers=long) as r:
@@ -76,7 +76,7 @@ async def test_client_disconnect_aborts_the_upstream_request(sim_fleet, stream: 
 async def test_worker_failing_health_checks_leaves_and_rejoins_rotation(sim_fleet) -> None:
     fleet = sim_fleet(2, time_scale=20)
     w0, w1 = fleet.urls
-    async with gateway(fleet.urls) as gw, httpx.AsyncClient(timeout=20) as http:
+    async with gateway(fleet.urls) as gw, httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         async def healthy(wid: str) -> bool:
             workers = (await http.get(gw.url + "/admin/workers")).json()["data"]
             return next(w for w in workers if w["id"] == wid)["healthy"]
@@ -119,7 +119,7 @@ async def test_dead_worker_before_first_byte_is_retried_elsewhere(sim_fleet) -> 
             else:
                 r = await oa.chat.completions.create(**CHAT)
                 assert r.usage.completion_tokens >= 1
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(headers=ADMIN, ) as http:
             text = (await http.get(gw.url + "/metrics")).text
         assert metric(text, "fleetgate_upstream_errors_total", worker="w1", kind="connect") >= 1
         assert metric(text, "fleetgate_retries_total") >= 1
@@ -129,7 +129,7 @@ async def test_dead_worker_before_first_byte_is_retried_elsewhere(sim_fleet) -> 
 
 async def test_5xx_before_any_byte_is_retried_and_the_last_answer_passed_through(sim_fleet) -> None:
     fleet = sim_fleet(2, time_scale=20)
-    async with gateway(fleet.urls, default_policy="round_robin") as gw, httpx.AsyncClient(timeout=20) as http:
+    async with gateway(fleet.urls, default_policy="round_robin") as gw, httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         await http.post(fleet.urls[1] + "/sim/faults", json={"error_status": 503})
         for _ in range(4):
             r = await http.post(gw.url + "/v1/chat/completions", json=CHAT)
@@ -150,7 +150,7 @@ async def test_hung_worker_times_out_before_headers_and_is_retried(sim_fleet, st
     fleet = sim_fleet(2, time_scale=20)
     timeouts = {"connect_s": 1, "first_byte_s": 0.3, "idle_s": 5}
     async with gateway(fleet.urls, default_policy="round_robin", timeouts=timeouts) as gw, \
-            httpx.AsyncClient(timeout=20) as http:
+            httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         await http.post(fleet.urls[0] + "/sim/faults", json={"hang": True})
         for _ in range(2):
             t = time.monotonic()
@@ -163,7 +163,7 @@ async def test_hung_worker_times_out_before_headers_and_is_retried(sim_fleet, st
 
 async def test_worker_dying_mid_stream_ends_with_an_error_event(sim_fleet) -> None:
     fleet = sim_fleet(1, time_scale=20)
-    async with gateway(fleet.urls) as gw, httpx.AsyncClient(timeout=20) as http:
+    async with gateway(fleet.urls) as gw, httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         await http.post(fleet.urls[0] + "/sim/faults", json={"drop_after_tokens": 3})
         r = await http.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True},
                             headers={"x-sim-output-tokens": "10"})

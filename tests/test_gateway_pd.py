@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_adapters.vllm.kv_transfer import PREFILL_LEG_PARAMS
 from gateway.server import GatewayServer
 from simulator.tokenizer import count_tokens, render_chat, synthetic_text
-from tests.helpers import MODEL, CliProcess, free_port_range, poll, run_cli, running_gateway
+from tests.helpers import ADMIN, MODEL, CliProcess, free_port_range, poll, run_cli, running_gateway
 
 PRODUCER = {"role": "kv_producer"}
 CONSUMER = {"role": "kv_consumer"}
@@ -98,7 +98,7 @@ async def test_prompt_runs_on_the_prefill_worker_and_the_answer_on_the_decode_wo
     fleet = sim_fleet(fleet={"servers": [PRODUCER, CONSUMER]}, time_scale=20)
     p, d = fleet.urls
     messages, n = long_chat(f"split-{stream}")
-    async with gateway([("p0", p, "prefill"), ("d0", d, "decode")]) as gw, httpx.AsyncClient(timeout=20) as http:
+    async with gateway([("p0", p, "prefill"), ("d0", d, "decode")]) as gw, httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         text, out, finish, rid = await chat(gw, messages, stream, max_tokens=12, request_id=f"pd-{stream}")
         assert (out, finish, rid) == (12, "length", f"chatcmpl-pd-{stream}")  # D answered under the same id
         assert len(text.split()) == 12
@@ -154,7 +154,7 @@ async def test_the_legs_on_the_wire(sim_fleet, stream: bool) -> None:
     d_run, d_url = await _recorder(fleet.urls[1], d_log)
     try:
         async with gateway([("p0", p_url, "prefill"), ("d0", d_url, "decode")]) as gw, \
-                httpx.AsyncClient(timeout=20) as http:
+                httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
             body = {"model": MODEL, "prompt": synthetic_text(600, "wire"), "max_tokens": 7, "min_tokens": 3,
                     "ignore_eos": True, "temperature": 0.5, "stream": stream}
             r = await http.post(gw.url + "/v1/completions", json=body, headers={"X-Request-Id": "wire-1"})
@@ -186,7 +186,7 @@ async def test_short_or_cached_prompts_skip_the_prefill_pool(sim_fleet) -> None:
     fleet = sim_fleet(fleet={"servers": [PRODUCER, CONSUMER]}, time_scale=20)
     p, d = fleet.urls
     async with gateway([("p0", p, "prefill"), ("d0", d, "decode")], pd={"local_prefill_tokens": 256}) as gw, \
-            httpx.AsyncClient(timeout=20) as http:
+            httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         short = [{"role": "user", "content": "What is the capital of France?"}]
         await chat(gw, short, stream=False, max_tokens=4)
         assert await tokens(http, p) == (0, 0)
@@ -209,7 +209,7 @@ async def test_aladdin_places_the_decode_legs_in_split_phase_mode(sim_fleet) -> 
     keys = [f"aladdin-{i}" for i in range(4)]
     async with gateway([("p0", p, "prefill"), ("d0", d0, "decode"), ("d1", d1, "decode")], "llama3-8b-h100",
                        pd={"decode_policy": "aladdin", "prefill_overflow": False}) as gw, \
-            httpx.AsyncClient(timeout=20) as http:
+            httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         results = await asyncio.gather(*(chat(gw, long_chat(k)[0], stream=True, max_tokens=8) for k in keys))
         assert [r[1] for r in results] == [8] * len(keys)
         assert (await tokens(http, p))[0] == sum(long_chat(k)[1] for k in keys)
@@ -223,7 +223,7 @@ async def test_pools_follow_registration(sim_fleet) -> None:
     fleet = sim_fleet(fleet={"servers": [PRODUCER, CONSUMER, {}]}, time_scale=20)
     p, d, m = fleet.urls
     messages, n = long_chat("registered")
-    async with gateway([("m0", m, "mixed")]) as gw, httpx.AsyncClient(timeout=20) as http:
+    async with gateway([("m0", m, "mixed")]) as gw, httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         await chat(gw, messages, stream=False)                       # only a mixed worker: the plain path
         assert (await tokens(http, m))[0] == n
         for wid, url, role in (("p0", p, "prefill"), ("d0", d, "decode")):
@@ -244,7 +244,7 @@ async def test_pools_follow_registration(sim_fleet) -> None:
 
 async def test_no_decode_capable_worker_is_a_clear_503(sim_fleet) -> None:
     fleet = sim_fleet(fleet={"servers": [PRODUCER]}, time_scale=20)
-    async with gateway([("p0", fleet.urls[0], "prefill")]) as gw, httpx.AsyncClient(timeout=20) as http:
+    async with gateway([("p0", fleet.urls[0], "prefill")]) as gw, httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         r = await http.post(gw.url + "/v1/chat/completions",
                             json={"model": MODEL, "messages": long_chat("none")[0], "max_tokens": 4})
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_worker"
@@ -258,7 +258,7 @@ async def test_prefill_failure_retries_another_prefill_worker(sim_fleet) -> None
     p0, p1, d = fleet.urls
     messages, n = long_chat("retry-p")
     async with gateway([("p0", p0, "prefill"), ("p1", p1, "prefill"), ("d0", d, "decode")]) as gw, \
-            httpx.AsyncClient(timeout=20) as http:
+            httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         await http.post(p0 + "/sim/faults", json={"error_status": 503})   # p0 is the first choice (ties by id)
         _, out, finish, _ = await chat(gw, messages, stream=True)
         assert (out, finish) == (12, "length")
@@ -277,7 +277,7 @@ async def test_prefill_failure_everywhere_falls_back_to_local_prefill(sim_fleet,
     p, d = fleet.urls
     messages, n = long_chat("fallback")
     async with gateway([("p0", p, "prefill"), ("d0", d, "decode")], pd={"prefill_timeout_s": 0.5}) as gw, \
-            httpx.AsyncClient(timeout=20) as http:
+            httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         await http.post(p + "/sim/faults", json=fault)
         text, out, finish, _ = await chat(gw, messages, stream=False)
         assert (out, finish) == (12, "length") and len(text.split()) == 12
@@ -296,7 +296,7 @@ async def test_decode_failure_before_first_byte_moves_to_a_decode_worker_that_pr
     p, d0, d1 = fleet.urls
     messages, n = long_chat(f"retry-d-{stream}")
     async with gateway([("p0", p, "prefill"), ("d0", d0, "decode"), ("d1", d1, "decode")]) as gw, \
-            httpx.AsyncClient(timeout=20) as http:
+            httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         await http.post(d0 + "/sim/faults", json=fault)   # d0 is least_requests' first choice (ties by id)
         _, out, finish, _ = await chat(gw, messages, stream=stream)
         assert (out, finish) == (12, "length")
@@ -313,7 +313,7 @@ async def test_params_expired_at_the_producer_fall_back_to_local_prefill(sim_fle
     fleet = sim_fleet(fleet={"servers": [{**PRODUCER, "kv_lease_s": 0.001}, CONSUMER]}, time_scale=20)
     p, d = fleet.urls
     messages, n = long_chat("expired-p")
-    async with gateway([("p0", p, "prefill"), ("d0", d, "decode")]) as gw, httpx.AsyncClient(timeout=20) as http:
+    async with gateway([("p0", p, "prefill"), ("d0", d, "decode")]) as gw, httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         _, out, _, _ = await chat(gw, messages, stream=True)
         assert out == 12
         assert (await tokens(http, p))[0] == n and await tokens(http, d) == (n, 12)
@@ -324,7 +324,7 @@ async def test_params_the_gateway_knows_are_stale_are_not_sent(sim_fleet) -> Non
     p, d = fleet.urls
     messages, n = long_chat("expired-g")
     async with gateway([("p0", p, "prefill"), ("d0", d, "decode")], pd={"kv_hold_s": 1e-6}) as gw, \
-            httpx.AsyncClient(timeout=20) as http:
+            httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         _, out, _, _ = await chat(gw, messages, stream=False)
         assert out == 12
         assert (await tokens(http, p))[0] == n and await tokens(http, d) == (n, 12)
@@ -338,7 +338,7 @@ async def test_each_worker_is_reserved_while_its_leg_runs(sim_fleet) -> None:
     fleet = sim_fleet(fleet={"servers": [PRODUCER, CONSUMER]}, time_scale=20)
     p, d = fleet.urls
     messages, n = long_chat("reserve", 4000)
-    async with gateway([("p0", p, "prefill"), ("d0", d, "decode")]) as gw, httpx.AsyncClient(timeout=30) as http:
+    async with gateway([("p0", p, "prefill"), ("d0", d, "decode")]) as gw, httpx.AsyncClient(headers=ADMIN, timeout=30) as http:
         await http.post(p + "/sim/faults", json={"slowdown": 200.0})    # a slow prefill leg
         task = asyncio.create_task(chat(gw, messages, stream=True, max_tokens=400))
         await poll(lambda: held(gw, "p0") == 1 and held(gw, "d0") == 1, what="both reservations during prefill")
@@ -353,7 +353,7 @@ async def test_each_worker_is_reserved_while_its_leg_runs(sim_fleet) -> None:
 async def test_client_leaving_during_prefill_releases_everything(sim_fleet) -> None:
     fleet = sim_fleet(fleet={"servers": [PRODUCER, CONSUMER]}, time_scale=20)
     p, d = fleet.urls
-    async with gateway([("p0", p, "prefill"), ("d0", d, "decode")]) as gw, httpx.AsyncClient(timeout=20) as http:
+    async with gateway([("p0", p, "prefill"), ("d0", d, "decode")]) as gw, httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         await http.post(p + "/sim/faults", json={"slowdown": 500.0})
         body = {"model": MODEL, "messages": long_chat("leave", 4000)[0], "max_tokens": 10}
         with pytest.raises(httpx.ReadTimeout):
@@ -384,7 +384,9 @@ def test_demo_pd_serves_split_requests_and_stops_cleanly() -> None:
         prefill = samples(httpx.get(f"http://127.0.0.1:{sim_port}/metrics").text, "vllm:prompt_tokens_total")
         decode = samples(httpx.get(f"http://127.0.0.1:{sim_port + 1}/metrics").text, "vllm:prompt_tokens_total")
         assert (prefill, decode) == (n, 0)
-        workers = httpx.get(f"http://127.0.0.1:{gw_port}/admin/workers").json()["data"]
+        admin_key = next(x for x in demo.stdout if x.startswith("admin key")).split()[-1]  # the demo prints it
+        workers = httpx.get(f"http://127.0.0.1:{gw_port}/admin/workers",
+                            headers={"authorization": f"Bearer {admin_key}"}).json()["data"]
         assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
         assert demo.send_signal(signal.SIGINT, timeout=20) == 0
 

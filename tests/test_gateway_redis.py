@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import MODEL, REDIS_URL, poll
+from tests.helpers import ADMIN, MODEL, REDIS_URL, poll
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -43,7 +43,7 @@ async def test_two_gateways_on_one_redis_never_exceed_the_worker_cap(sim_fleet, 
     samples = 0
     done = asyncio.Event()
 
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(headers=ADMIN, timeout=60) as http:
         async def sample() -> None:
             nonlocal peak, samples
             while not done.is_set():

@@ -7,7 +7,6 @@ import json
 import httpx
 import pytest
 import zmq
-from simulator.vllm_api import ConfigError, ServerConfig, SimServer
 
 from engine_adapters.vllm.kv_events import END_SEQ, decode_batch, seq_bytes, seq_of
 from policies.kv_hash import BlockHasher
@@ -15,6 +14,7 @@ from policies.kv_index import AllBlocksCleared, BlockRemoved, BlockStored
 from simulator import tokenizer
 from simulator.cluster import ClusterSim
 from simulator.engine import EngineConfig, EngineCore, SimRequest
+from simulator.vllm_api import ConfigError, ServerConfig, SimServer
 from simulator.workload import WorkloadRequest
 from tests.helpers import free_port, poll_sync
 

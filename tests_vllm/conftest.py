@@ -185,6 +185,8 @@ def vllm_fleet(request: pytest.FixtureRequest, step_trace_dir: Path,
 
 
 # --- fleetgate gateways (real subprocesses) ---------------------------------------------------------------
+ADMIN_KEY = "fg-vllm-test-admin-key-01234"  # the gateways' admin key (the admin API is off without one)
+
 
 @dataclass
 class Gateway:
@@ -199,7 +201,8 @@ class Gateway:
         return httpx.get(self.url + "/metrics", timeout=5).text
 
     def workers(self) -> list[dict]:
-        return httpx.get(self.url + "/admin/workers", timeout=5).json()["data"]
+        return httpx.get(self.url + "/admin/workers", timeout=5,
+                         headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()["data"]
 
     def worker_for(self, server_url: str) -> dict:
         return next(w for w in self.workers() if w["url"].rstrip("/") == server_url)
@@ -231,6 +234,7 @@ def run_gateway(worker_urls: list[str], policy: str | None = None, config: Path 
     with tempfile.TemporaryDirectory(prefix="fleetgate-gw-") as tmp:
         log_path = Path(tmp) / "gateway.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETGATE_")}
+        env["FLEETGATE_ADMIN_KEY"] = ADMIN_KEY  # the admin API is off without one
         with open(log_path, "wb") as log_file:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
                                     stderr=subprocess.STDOUT, start_new_session=True)

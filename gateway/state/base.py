@@ -9,10 +9,17 @@ path: `try_reserve` is called once per request at dispatch and `release` once at
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_adapters.types import EngineMetrics
-from gateway.state.jobs import JobStore
+from gateway.state.jobs import JobStore, StoreUnavailableError
+
+if TYPE_CHECKING:
+    from gateway.ratelimit import Ticket
+
+__all__ = ["EngineMetrics", "Inflight", "StateStore", "StoreUnavailableError", "WorkerRecord"]
 
 WORKER_ACTIVE = "active"
 WORKER_DRAINING = "draining"
@@ -86,6 +93,27 @@ class StateStore(JobStore, ABC):
     @abstractmethod
     def inflight(self) -> dict[str, Inflight]:
         """Cached in-flight reservations per worker, summed over replicas (no I/O)."""
+
+    # --- per-key limits (gateway/ratelimit.py) -----------------------------------------------------
+    # A request of a limited key has an open ticket from dispatch to its end: its first successful
+    # try_reserve also takes the key's request and tokens (atomically with the reservation, or raises
+    # RateLimited and reserves nothing); its reservations count against the key's concurrency.
+    @abstractmethod
+    def open_ticket(self, ticket: Ticket) -> None: ...
+
+    @abstractmethod
+    def close_ticket(self, ticket: Ticket, used_tokens: int) -> None:
+        """The request ended having used `used_tokens`: return the rest of its reservation (no I/O here;
+        a networked store sends it with its next call)."""
+
+    # --- recovery ----------------------------------------------------------------------------------
+    def on_restore(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Call `fn` when the shared store is found empty (restarted without its data): the gateway's
+        parts write back what they hold (workers, keys). A store that cannot lose its data never calls it."""
+        self.__dict__.setdefault("_restore_hooks", []).append(fn)
+
+    def restore_hooks(self) -> list[Callable[[], Awaitable[None]]]:
+        return list(self.__dict__.get("_restore_hooks", ()))
 
     # --- shared documents (control loops only: fitted models, predictor state) -------------------
     # Small JSON-able dicts under string keys; last writer wins. Not for the hot path.

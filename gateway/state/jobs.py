@@ -5,8 +5,13 @@ and named leases (the autoscaler's leader lease).
 implementations, mixed into MemoryStore and RedisStore. With Redis everything here survives a gateway
 restart: a request a dead replica had claimed returns to the queue once its claim lease runs out.
 
+Uploads are streamed into the store a piece at a time (`open_upload`): in Redis a string APPENDed to, in
+memory a file in a private temporary directory, never the whole file in the gateway's memory. A file
+expires at its `expires_at` (Redis expires its keys; the runner's sweep deletes expired files from both).
+
 Redis keys (after the store's prefix):
-  file:<id>         hash  meta (JSON), data (the file's text)
+  file:<id>         hash  meta (JSON)
+  fdata:<id>        str   the file's bytes
   files             zset  file id scored by created_at
   batch:<id>        str   the batch object (JSON, OpenAI's shape)
   batches           zset  batch id scored by created_at
@@ -21,11 +26,21 @@ Redis keys (after the store's prefix):
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
 import time
+from collections.abc import AsyncIterator, Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from policies.batch_queue import BatchQueue, QueuedItem
 
@@ -43,6 +58,7 @@ class QueuedRequest:
     deadline: float          # unix seconds (batch created_at + completion_window)
     model: str = ""
     prompt_tokens: int = 0
+    owner: str = ""          # the tenant id of the key that made the batch (gateway/auth.py)
 
     @property
     def dl_key(self) -> str:
@@ -60,6 +76,11 @@ class QueuedRequest:
         d.pop("dl_key", None)
         d.pop("score", None)
         return cls(**d)
+
+
+class StoreUnavailableError(ConnectionError):
+    """The shared store cannot be reached right now (Redis down or frozen); callers retry later. The store
+    logs the outage itself (one line when it starts, reminders, one when it ends)."""
 
 
 def request_id_for(batch_id: str, index: int) -> str:
@@ -94,21 +115,73 @@ def expired_line(req: QueuedRequest, message: str) -> str:
                          "error": {"code": "batch_expired", "message": message}}).decode()
 
 
+FILE_CHUNK = 1 << 20  # bytes per store write and read of a file's content
+CLAIM_SCAN = 1000     # queued requests a claim looks through for one whose model has room
+
+
+class Upload:
+    """A file being written: `write` its bytes in order, then `commit(meta)`, or `abort()`."""
+
+    async def write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    async def commit(self, meta: dict) -> None:
+        raise NotImplementedError
+
+    async def abort(self) -> None:
+        raise NotImplementedError
+
+
+def expired(meta: dict, now: float | None = None) -> bool:
+    at = meta.get("expires_at")
+    return at is not None and at <= (time.time() if now is None else now)
+
+
 class JobStore:
     """Interface. Defaults raise NotImplementedError so stores without batch support still construct."""
 
     # --- files ------------------------------------------------------------------------------------
     async def put_file(self, meta: dict, content: str) -> None:
+        """A whole (gateway-made) file at once: batch outputs."""
+        up = await self.open_upload(meta["id"])
+        data = content.encode("utf-8")
+        for i in range(0, len(data), FILE_CHUNK):
+            await up.write(data[i:i + FILE_CHUNK])
+        await up.commit(meta)
+
+    async def open_upload(self, file_id: str) -> Upload:
         raise NotImplementedError
 
     async def get_file(self, file_id: str) -> dict | None:
+        """The file's meta; None when unknown or expired."""
+        raise NotImplementedError
+
+    def read_file(self, file_id: str) -> AsyncIterator[bytes]:
+        """The file's bytes, FILE_CHUNK at a time (nothing for an unknown file)."""
         raise NotImplementedError
 
     async def get_file_content(self, file_id: str) -> str | None:
+        if await self.get_file(file_id) is None:
+            return None
+        return b"".join([c async for c in self.read_file(file_id)]).decode("utf-8")
+
+    async def delete_file(self, file_id: str) -> bool:
         raise NotImplementedError
 
     async def list_files(self) -> list[dict]:
-        """Newest first."""
+        """Newest first, expired ones left out."""
+        raise NotImplementedError
+
+    async def purge_expired_files(self) -> int:
+        """Delete files past their expires_at; returns how many."""
+        n = 0
+        for meta in await self.list_files_all():
+            if expired(meta):
+                n += await self.delete_file(meta["id"])
+        return n
+
+    async def list_files_all(self) -> list[dict]:
+        """Every stored file's meta, expired ones too."""
         raise NotImplementedError
 
     # --- batch objects and results -------------------------------------------------------------------
@@ -134,12 +207,17 @@ class JobStore:
         raise NotImplementedError
 
     # --- the queue ---------------------------------------------------------------------------------
-    async def enqueue_batch(self, batch_id: str, items: list[QueuedRequest]) -> None:
-        """Queue every request of a new batch and set its pending count."""
+    async def enqueue_batch(self, batch_id: str, items: list[QueuedRequest],
+                            failed: dict[int, str] | None = None) -> None:
+        """Queue every request of a new batch and set its pending count; `failed`: error-file lines of input
+        lines that could not run (by line index), recorded as failed at once."""
         raise NotImplementedError
 
-    async def claim_next(self, holder: str, lease_s: float) -> QueuedRequest | None:
-        """Take the earliest-deadline request; it returns to the queue unless renewed within lease_s."""
+    async def claim_next(self, holder: str, lease_s: float, skip_models: Collection[str] = ()
+                         ) -> QueuedRequest | None:
+        """Take the earliest-deadline request whose model is not in `skip_models` (those have no room now and
+        stay queued, looking at most CLAIM_SCAN requests deep); it returns to the queue unless renewed within
+        lease_s."""
         raise NotImplementedError
 
     async def renew_claims(self, request_ids: list[str], lease_s: float) -> None:
@@ -177,9 +255,29 @@ class JobStore:
 
 
 # ---- in-process implementation -------------------------------------------------------------------
+class _DiskUpload(Upload):
+    def __init__(self, jobs: _MemJobs, file_id: str) -> None:
+        self.jobs, self.file_id = jobs, file_id
+        self.path = os.path.join(jobs.directory(), file_id)
+        self.f = open(self.path, "wb")  # noqa: SIM115 - closed in commit/abort
+
+    async def write(self, data: bytes) -> None:
+        self.f.write(data)
+
+    async def commit(self, meta: dict) -> None:
+        self.f.close()
+        self.jobs.files[self.file_id] = dict(meta)
+
+    async def abort(self) -> None:
+        self.f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
 @dataclass
 class _MemJobs:
-    files: dict[str, tuple[dict, str]] = field(default_factory=dict)
+    files: dict[str, dict] = field(default_factory=dict)   # id -> meta; the bytes are on disk
+    dir: str | None = None
     batches: dict[str, dict] = field(default_factory=dict)
     stats: dict[str, BatchStats] = field(default_factory=dict)
     final: dict[str, str] = field(default_factory=dict)
@@ -188,6 +286,11 @@ class _MemJobs:
     queue: BatchQueue = field(default_factory=BatchQueue)
     running: dict[str, tuple[QueuedItem, float]] = field(default_factory=dict)  # id -> (item, claim expiry)
     leases: dict[str, tuple[str, float]] = field(default_factory=dict)
+
+    def directory(self) -> str:
+        if self.dir is None:
+            self.dir = tempfile.mkdtemp(prefix="fleetgate-files-")
+        return self.dir
 
 
 class MemoryJobs(JobStore):
@@ -200,19 +303,47 @@ class MemoryJobs(JobStore):
             j = self.__dict__["_jobs_state"] = _MemJobs()
         return j
 
-    async def put_file(self, meta: dict, content: str) -> None:
-        self._jobs.files[meta["id"]] = (dict(meta), content)
+    def close_files(self) -> None:
+        """Remove the files' directory (the store is closing; its state goes with the process)."""
+        j = self._jobs
+        if j.dir is not None:
+            shutil.rmtree(j.dir, ignore_errors=True)
+            j.dir = None
+        j.files.clear()
+
+    async def open_upload(self, file_id: str) -> Upload:
+        return _DiskUpload(self._jobs, file_id)
 
     async def get_file(self, file_id: str) -> dict | None:
-        hit = self._jobs.files.get(file_id)
-        return dict(hit[0]) if hit is not None else None
+        meta = self._jobs.files.get(file_id)
+        return dict(meta) if meta is not None and not expired(meta) else None
 
-    async def get_file_content(self, file_id: str) -> str | None:
-        hit = self._jobs.files.get(file_id)
-        return hit[1] if hit is not None else None
+    async def read_file(self, file_id: str) -> AsyncIterator[bytes]:
+        if file_id not in self._jobs.files:
+            return
+        try:
+            f = open(os.path.join(self._jobs.directory(), file_id), "rb")  # noqa: SIM115
+        except OSError:
+            return
+        with f:
+            while chunk := f.read(FILE_CHUNK):
+                yield chunk
+                await asyncio.sleep(0)
+
+    async def delete_file(self, file_id: str) -> bool:
+        if self._jobs.files.pop(file_id, None) is None:
+            return False
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self._jobs.directory(), file_id))
+        return True
 
     async def list_files(self) -> list[dict]:
-        return sorted((dict(m) for m, _ in self._jobs.files.values()), key=lambda m: -m["created_at"])
+        now = time.time()
+        return sorted((dict(m) for m in self._jobs.files.values() if not expired(m, now)),
+                      key=lambda m: -m["created_at"])
+
+    async def list_files_all(self) -> list[dict]:
+        return [dict(m) for m in self._jobs.files.values()]
 
     async def put_batch(self, doc: dict) -> None:
         self._jobs.batches[doc["id"]] = orjson.loads(orjson.dumps(doc))
@@ -236,19 +367,33 @@ class MemoryJobs(JobStore):
     async def claim_final(self, batch_id: str, holder: str) -> bool:
         return self._jobs.final.setdefault(batch_id, holder) == holder
 
-    async def enqueue_batch(self, batch_id: str, items: list[QueuedRequest]) -> None:
+    async def enqueue_batch(self, batch_id: str, items: list[QueuedRequest],
+                            failed: dict[int, str] | None = None) -> None:
         j = self._jobs
-        j.stats[batch_id] = BatchStats(pending=len(items))
+        j.stats[batch_id] = BatchStats(pending=len(items), failed=len(failed or {}))
+        if failed:
+            j.err.setdefault(batch_id, {}).update(failed)
         for it in items:
             j.queue.push(it.request_id, it.deadline, it, it.prompt_tokens)
 
-    async def claim_next(self, holder: str, lease_s: float) -> QueuedRequest | None:
+    async def claim_next(self, holder: str, lease_s: float, skip_models: Collection[str] = ()
+                         ) -> QueuedRequest | None:
         j = self._jobs
-        if not j.queue:
+        passed: list[QueuedItem] = []
+        found = None
+        while j.queue and len(passed) < CLAIM_SCAN:
+            item = j.queue.pop()
+            if item.payload.model in skip_models:
+                passed.append(item)
+                continue
+            found = item
+            break
+        for item in passed:
+            j.queue.requeue(item)
+        if found is None:
             return None
-        item = j.queue.pop()
-        j.running[item.request_id] = (item, time.monotonic() + lease_s)
-        return item.payload
+        j.running[found.request_id] = (found, time.monotonic() + lease_s)
+        return found.payload
 
     async def renew_claims(self, request_ids: list[str], lease_s: float) -> None:
         until = time.monotonic() + lease_s
@@ -334,21 +479,34 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: bq, items, run, dl. ARGV: ttl_ms. Returns the claimed item's JSON or false.
+# KEYS: bq, items, run, dl. ARGV: ttl_ms, scan depth, then models to skip. Returns the claimed item's JSON or
+# false. Members without an item (left by a cancel) are dropped on the way.
 _CLAIM = _NOW_MS + """
-while true do
-  local m = redis.call('ZRANGE', KEYS[1], 0, 0)
-  if #m == 0 then return false end
-  m = m[1]
-  redis.call('ZREM', KEYS[1], m)
-  local raw = redis.call('HGET', KEYS[2], m)
-  if raw then
-    local it = cjson.decode(raw)
-    if redis.call('HINCRBY', KEYS[4], it.dl_key, -1) <= 0 then redis.call('HDEL', KEYS[4], it.dl_key) end
-    redis.call('ZADD', KEYS[3], now + tonumber(ARGV[1]), m)
-    return raw
+local skip = {}
+for i = 3, #ARGV do skip[ARGV[i]] = true end
+local depth, start, stale = tonumber(ARGV[2]), 0, {}
+local found = nil
+while start < depth and not found do
+  local ms = redis.call('ZRANGE', KEYS[1], start, start + 99)
+  if #ms == 0 then break end
+  for _, m in ipairs(ms) do
+    local raw = redis.call('HGET', KEYS[2], m)
+    if not raw then
+      stale[#stale + 1] = m
+    else
+      local it = cjson.decode(raw)
+      if not skip[it.model] then found = {m, raw, it}; break end
+    end
   end
+  start = start + 100
 end
+for _, m in ipairs(stale) do redis.call('ZREM', KEYS[1], m) end
+if not found then return false end
+local m, raw, it = found[1], found[2], found[3]
+redis.call('ZREM', KEYS[1], m)
+if redis.call('HINCRBY', KEYS[4], it.dl_key, -1) <= 0 then redis.call('HDEL', KEYS[4], it.dl_key) end
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[1]), m)
+return raw
 """
 
 # KEYS: run. ARGV: ttl_ms, ids...
@@ -450,9 +608,49 @@ return 1
 _ENQUEUE_CHUNK = 1000
 
 
+# Redis unreachable, slow or still loading: a StoreUnavailableError for the caller (a script error is a bug and
+# propagates as itself).
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError, asyncio.TimeoutError)
+_UPLOAD_TTL_MS = 3_600_000  # a half-written upload (its writer died) disappears after an hour
+
+
+def _guard(fn: Any) -> Any:
+    """Redis away -> StoreUnavailableError, at once while the store knows it is away (no call, no wait)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self._ok:
+            raise StoreUnavailableError("the state store (Redis) is unreachable")
+        try:
+            return await fn(self, *args, **kwargs)
+        except UNREACHABLE as exc:
+            self._mark_down(exc)
+            raise StoreUnavailableError(f"the state store (Redis) is unreachable ({type(exc).__name__})") from None
+    return wrapper
+
+
+class _RedisUpload(Upload):
+    def __init__(self, store: RedisJobs, file_id: str) -> None:
+        self.store, self.file_id = store, file_id
+        self.key = store._k(f"fdata:{file_id}")  # type: ignore[attr-defined]
+        self.started = False
+
+    async def write(self, data: bytes) -> None:
+        await self.store._upload_write(self.key, data, not self.started)
+        self.started = True
+
+    async def commit(self, meta: dict) -> None:
+        await self.store._upload_commit(self.key, meta, self.started)
+
+    async def abort(self) -> None:
+        with contextlib.suppress(StoreUnavailableError):
+            await self.store._upload_abort(self.key)
+
+
 class RedisJobs(JobStore):
-    """Uses the host RedisStore's client (`_client()`) and key prefix (`_k()`). Redis errors propagate:
-    the Batch API answers 503 while Redis is away, and the runner retries on its next round."""
+    """Uses the host RedisStore's client (`_client()`), key prefix (`_k()`) and outage state (`_ok`,
+    `_mark_down`). While Redis is away every call raises StoreUnavailableError: the Batch API answers 503,
+    and the runner retries on its next round."""
 
     def _script(self, name: str, source: str) -> Any:
         cache = self.__dict__.setdefault("_job_scripts", {})
@@ -467,21 +665,67 @@ class RedisJobs(JobStore):
         return [k("bq"), k("bq:items"), k("bq:run"), k("bq:dl")]
 
     # --- files ------------------------------------------------------------------------------------
-    async def put_file(self, meta: dict, content: str) -> None:
+    async def open_upload(self, file_id: str) -> Upload:
+        return _RedisUpload(self, file_id)
+
+    async def _upload_write(self, key: str, data: bytes, first: bool) -> None:
+        pipe = self._binary().pipeline(transaction=False)  # type: ignore[attr-defined]
+        if first:
+            pipe.delete(key)
+        pipe.append(key, data)
+        pipe.pexpire(key, _UPLOAD_TTL_MS)
+        await pipe.execute()
+
+    async def _upload_commit(self, key: str, meta: dict, has_data: bool) -> None:
         k = self._k  # type: ignore[attr-defined]
         pipe = self._client().pipeline(transaction=True)  # type: ignore[attr-defined]
-        pipe.hset(k(f"file:{meta['id']}"), mapping={"meta": orjson.dumps(meta), "data": content})
+        if not has_data:
+            pipe.set(key, "")
+        pipe.hset(k(f"file:{meta['id']}"), "meta", orjson.dumps(meta))
         pipe.zadd(k("files"), {meta["id"]: meta["created_at"]})
+        if meta.get("expires_at") is not None:
+            pipe.pexpireat(k(f"file:{meta['id']}"), int(meta["expires_at"] * 1000))
+            pipe.pexpireat(key, int(meta["expires_at"] * 1000))
+        else:
+            pipe.persist(key)
         await pipe.execute()
+
+    async def _upload_abort(self, key: str) -> None:
+        await self._client().delete(key)  # type: ignore[attr-defined]
 
     async def get_file(self, file_id: str) -> dict | None:
         raw = await self._client().hget(self._k(f"file:{file_id}"), "meta")  # type: ignore[attr-defined]
-        return orjson.loads(raw) if raw is not None else None
+        meta = orjson.loads(raw) if raw is not None else None
+        return meta if meta is not None and not expired(meta) else None
 
-    async def get_file_content(self, file_id: str) -> str | None:
-        return await self._client().hget(self._k(f"file:{file_id}"), "data")  # type: ignore[attr-defined]
+    async def read_file(self, file_id: str) -> AsyncIterator[bytes]:
+        key = self._k(f"fdata:{file_id}")  # type: ignore[attr-defined]
+        start = 0
+        while True:
+            chunk = await self._read_range(key, start)
+            if chunk:
+                yield chunk
+            if len(chunk) < FILE_CHUNK:
+                return
+            start += len(chunk)
+
+    async def _read_range(self, key: str, start: int) -> bytes:
+        return await self._binary().getrange(key, start, start + FILE_CHUNK - 1)  # type: ignore[attr-defined]
+
+    async def delete_file(self, file_id: str) -> bool:
+        k = self._k  # type: ignore[attr-defined]
+        pipe = self._client().pipeline(transaction=True)  # type: ignore[attr-defined]
+        pipe.delete(k(f"file:{file_id}"))
+        pipe.delete(k(f"fdata:{file_id}"))
+        pipe.zrem(k("files"), file_id)
+        existed, _, _ = await pipe.execute()
+        return bool(existed)
 
     async def list_files(self) -> list[dict]:
+        now = time.time()
+        return [m for m in await self.list_files_all() if not expired(m, now)]
+
+    async def list_files_all(self) -> list[dict]:
         r, k = self._client(), self._k  # type: ignore[attr-defined]
         ids = await r.zrevrange(k("files"), 0, -1)
         if not ids:
@@ -489,7 +733,15 @@ class RedisJobs(JobStore):
         pipe = r.pipeline(transaction=False)
         for fid in ids:
             pipe.hget(k(f"file:{fid}"), "meta")
-        return [orjson.loads(m) for m in await pipe.execute() if m is not None]
+        metas, gone = [], []
+        for fid, m in zip(ids, await pipe.execute(), strict=True):
+            if m is None:
+                gone.append(fid)  # expired by Redis
+            else:
+                metas.append(orjson.loads(m))
+        if gone:
+            await r.zrem(k("files"), *gone)
+        return metas
 
     # --- batches ----------------------------------------------------------------------------------
     async def put_batch(self, doc: dict) -> None:
@@ -526,15 +778,18 @@ class RedisJobs(JobStore):
         return bool(await self._client().hsetnx(self._k(f"bstat:{batch_id}"), "final", holder))  # type: ignore[attr-defined]
 
     # --- queue ------------------------------------------------------------------------------------
-    async def enqueue_batch(self, batch_id: str, items: list[QueuedRequest]) -> None:
+    async def enqueue_batch(self, batch_id: str, items: list[QueuedRequest],
+                            failed: dict[int, str] | None = None) -> None:
         r, k = self._client(), self._k  # type: ignore[attr-defined]
         bq, items_key, _, dl = self._qkeys()
         counts: dict[str, int] = {}
         for it in items:
             counts[it.dl_key] = counts.get(it.dl_key, 0) + 1
         pipe = r.pipeline(transaction=True)
-        pipe.hset(k(f"bstat:{batch_id}"), mapping={"pending": len(items), "completed": 0, "failed": 0,
+        pipe.hset(k(f"bstat:{batch_id}"), mapping={"pending": len(items), "completed": 0, "failed": len(failed or {}),
                                                    "in_tok": 0, "out_tok": 0})
+        if failed:
+            pipe.hset(k(f"berr:{batch_id}"), mapping={str(i): line for i, line in failed.items()})
         for i in range(0, len(items), _ENQUEUE_CHUNK):
             chunk = items[i:i + _ENQUEUE_CHUNK]
             pipe.hset(items_key, mapping={it.request_id: it.to_json() for it in chunk})
@@ -543,8 +798,10 @@ class RedisJobs(JobStore):
             pipe.hincrby(dl, key, n)
         await pipe.execute()
 
-    async def claim_next(self, holder: str, lease_s: float) -> QueuedRequest | None:
-        raw = await self._script("claim", _CLAIM)(keys=self._qkeys(), args=[max(1, int(lease_s * 1000))])
+    async def claim_next(self, holder: str, lease_s: float, skip_models: Collection[str] = ()
+                         ) -> QueuedRequest | None:
+        raw = await self._script("claim", _CLAIM)(keys=self._qkeys(),
+                                                  args=[max(1, int(lease_s * 1000)), CLAIM_SCAN, *skip_models])
         return QueuedRequest.from_json(raw) if raw else None
 
     async def renew_claims(self, request_ids: list[str], lease_s: float) -> None:
@@ -598,3 +855,10 @@ class RedisJobs(JobStore):
 
     async def release_lease(self, name: str, holder: str) -> None:
         await self._script("unlease", _UNLEASE)(keys=[self._k(f"lease:{name}")], args=[holder])  # type: ignore[attr-defined]
+
+
+for _name, _fn in list(vars(RedisJobs).items()):
+    if asyncio.iscoroutinefunction(_fn) and _name != "open_upload":
+        setattr(RedisJobs, _name, _guard(_fn))
+del _name, _fn
+

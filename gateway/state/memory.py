@@ -9,9 +9,11 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import time
 
 import orjson
 
+from gateway.ratelimit import LocalBuckets, Ticket
 from gateway.state.base import EngineMetrics, Inflight, StateStore, WorkerRecord
 from gateway.state.jobs import MemoryJobs
 
@@ -34,6 +36,11 @@ class MemoryStore(MemoryJobs, StateStore):
         # inflight() is a true snapshot.
         self._inflight: dict[str, Inflight] = {}
         self._docs: dict[str, bytes] = {}
+        self._tickets: dict[str, Ticket] = {}  # request id -> ticket of a limited key (gateway/ratelimit.py)
+        self._buckets = LocalBuckets()
+
+    async def close(self) -> None:
+        self.close_files()
 
     # --- registry -------------------------------------------------------------------------------
     async def upsert_worker(self, rec: WorkerRecord) -> None:
@@ -63,6 +70,13 @@ class MemoryStore(MemoryJobs, StateStore):
             return True  # idempotent: the same request already holds a slot here
         if cap is not None and len(held) >= cap:
             return False
+        t = self._tickets.get(request_id) if self._tickets else None
+        if t is not None:
+            if not t.charged:
+                self._buckets.charge(t, time.monotonic() * 1000)  # raises RateLimited: nothing reserved
+                t.charged = True
+            t.holds += 1
+            self._buckets.hold(t)
         held[request_id] = tokens
         cur = self._inflight.get(worker_id)
         self._inflight[worker_id] = (
@@ -77,6 +91,23 @@ class MemoryStore(MemoryJobs, StateStore):
         tokens = held.pop(request_id)
         cur = self._inflight[worker_id]
         self._inflight[worker_id] = Inflight(cur.requests - 1, cur.tokens - tokens)
+        t = self._tickets.get(request_id) if self._tickets else None
+        if t is not None:
+            t.holds -= 1
+            if t.holds <= 0:
+                self._buckets.unhold(t)
+
+    # --- per-key limits --------------------------------------------------------------------------------
+    def open_ticket(self, ticket: Ticket) -> None:
+        self._tickets[ticket.request_id] = ticket
+
+    def close_ticket(self, ticket: Ticket, used_tokens: int) -> None:
+        if self._tickets.get(ticket.request_id) is ticket:
+            del self._tickets[ticket.request_id]
+        self._buckets.unhold(ticket)
+        if ticket.charged and ticket.limits.tpm is not None:
+            self._buckets.settle(ticket.tenant_id, ticket.limits.tpm, ticket.cost - used_tokens,
+                                 time.monotonic() * 1000)
 
     def inflight(self) -> dict[str, Inflight]:
         return dict(self._inflight)

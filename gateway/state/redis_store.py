@@ -8,7 +8,10 @@ Keys (prefix `fg:` by default; docs/design.md "Shared state"):
   fg:load:<replica>     hash  "r:<worker>" -> requests, "t:<worker>" -> tokens this replica holds;
                               PEXPIRE'd with the lease and rewritten from local truth by each heartbeat
   fg:replicas           zset  replica id scored by lease expiry (ms)
-  fg:docs               hash  document key -> JSON (fitted models, predictor state; control loops only)
+  fg:docs               hash  document key -> JSON (fitted models, predictor state, admin-made API keys)
+  fg:alive              str   this store's epoch: a random id written once; gone means Redis lost its data
+  fg:kb:<tenant>        hash  a limited key's buckets: r, rt (requests, ms), t, tt (tokens, ms)
+  fg:kc:<tenant>        zset  the key's requests in flight, "<replica>|<request_id>" scored like res:<worker>
 
 Admission is one Lua script (DESIGN principle 3): drop expired members, compare ZCARD with the cap,
 ZADD. Each replica re-scores its own members every lease_ttl/3, so a SIGKILLed replica's reservations
@@ -20,9 +23,17 @@ ZCARD, other replicas' tokens and this replica's own counts; the cache is
 (total - own at that instant) + own now, so this replica's reserve/release show up at once and a
 refresh racing a reserve never double-counts or loses it.
 
+Per-key limits (gateway/ratelimit.py) ride on the reservation: a request with an open ticket reserves with
+a second script that also checks and takes from its key's buckets and concurrency set, in the same call;
+settlements of finished requests go with this replica's next script call (reservation or refresh).
+
 Losing Redis after start fails open (DESIGN principle 6): reservations fall back to local accounting
-against the last cached view, one warning is logged, and when Redis answers again the next heartbeat
-re-adds the reservations made meanwhile. The scripts build key names from the prefix inside Lua, so
+against the last cached view and key limits to this replica's own buckets; one line is logged when Redis
+goes, a reminder every 30 s while it stays away, one when it is back; when Redis answers again the next
+heartbeat re-adds the reservations made meanwhile. A Redis that comes back empty (restarted without
+persistence, flushed) is told by its epoch key: reads then serve the last known state instead of the empty
+one, the gateway's parts write back what they hold (`on_restore`: workers, API keys), the heartbeat
+re-adds this replica's reservations and key concurrency, and a new epoch is written. The scripts build key names from the prefix inside Lua, so
 this targets a standalone Redis (or one shard), not Redis Cluster.
 """
 
@@ -35,6 +46,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
@@ -45,6 +57,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.ratelimit import LocalBuckets, Ticket, refused
 from gateway.state.base import EngineMetrics, Inflight, StateStore, WorkerRecord
 from gateway.state.jobs import RedisJobs
 
@@ -59,6 +72,16 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
+# Taking the slot, once the checks passed (KEYS and ARGV as for _RESERVE; `now` and `ttl` set).
+_TAKE_SLOT = """
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'r:' .. ARGV[4], 1)
+redis.call('HINCRBY', KEYS[2], 't:' .. ARGV[4], ARGV[5])
+redis.call('PEXPIRE', KEYS[2], ttl)
+redis.call('SADD', KEYS[3], ARGV[4])
+redis.call('ZADD', KEYS[4], 'GT', now + ttl, ARGV[6])
+"""
+
 # KEYS: res:<worker>, load:<replica>, resworkers, replicas
 # ARGV: member, cap (-1 = none), ttl_ms, worker, tokens, replica
 _RESERVE = _NOW_MS + """
@@ -66,18 +89,77 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local cap = tonumber(ARGV[2])
 if cap >= 0 and redis.call('ZCARD', KEYS[1]) >= cap then return 0 end
 local ttl = tonumber(ARGV[3])
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-redis.call('HINCRBY', KEYS[2], 'r:' .. ARGV[4], 1)
-redis.call('HINCRBY', KEYS[2], 't:' .. ARGV[4], ARGV[5])
-redis.call('PEXPIRE', KEYS[2], ttl)
-redis.call('SADD', KEYS[3], ARGV[4])
-redis.call('ZADD', KEYS[4], 'GT', now + ttl, ARGV[6])
-return 1
+""" + _TAKE_SLOT + """return 1
 """
 
-# KEYS: res:<worker>, load:<replica>; ARGV: member, worker, tokens
+# Settle finished requests' token reservations: ARGV[i] = n, then n x (tenant, tpm, tokens to give back).
+_SETTLE = """
+local function settle_all(P, now, i)
+  local n = tonumber(ARGV[i])
+  i = i + 1
+  for _ = 1, n do
+    local key, tpm, delta = P .. 'kb:' .. ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+    local h = redis.call('HMGET', key, 't', 'tt')
+    if h[1] then
+      local t = math.min(tpm, tonumber(h[1]) + math.max(0, now - tonumber(h[2])) * tpm / 60000)
+      redis.call('HSET', key, 't', math.min(tpm, t + delta), 'tt', now)
+    end
+    i = i + 3
+  end
+  return i
+end
+"""
+
+# The reservation of a request whose key has limits: the cap check of _RESERVE, then the key's concurrency and
+# buckets (charged once per request: ARGV[7] == '1'), all or nothing.
+# KEYS: res:<worker>, load:<replica>, resworkers, replicas, kb:<tenant>, kc:<tenant>
+# ARGV: member, cap, ttl_ms, worker, tokens, replica, charge, rpm, tpm, max_concurrency (-1 = none), cost,
+#       prefix, then the settlements
+# Returns {status, wait_ms, requests left, tokens left}; status 1 reserved, 0 worker full, -1 out of requests,
+# -2 out of tokens, -3 at max concurrency, -4 the request needs more tokens than a minute's limit.
+_KEYED_RESERVE = _NOW_MS + _SETTLE + """
+settle_all(ARGV[12], now, 13)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local cap = tonumber(ARGV[2])
+if cap >= 0 and redis.call('ZCARD', KEYS[1]) >= cap then return {0, 0, '-1', '-1'} end
+local ttl, maxcon = tonumber(ARGV[3]), tonumber(ARGV[10])
+local rl, tl = -1, -1
+if ARGV[7] == '1' then
+  local rpm, tpm, cost = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[11])
+  local h = redis.call('HMGET', KEYS[5], 'r', 'rt', 't', 'tt')
+  if rpm >= 0 then
+    rl = rpm
+    if h[1] then rl = math.min(rpm, tonumber(h[1]) + math.max(0, now - tonumber(h[2])) * rpm / 60000) end
+  end
+  if tpm >= 0 then
+    tl = tpm
+    if h[3] then tl = math.min(tpm, tonumber(h[3]) + math.max(0, now - tonumber(h[4])) * tpm / 60000) end
+  end
+  if maxcon >= 0 then
+    redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+    if redis.call('ZCARD', KEYS[6]) >= maxcon then return {-3, 1000, tostring(rl), tostring(tl)} end
+  end
+  if tpm >= 0 and cost > tpm then return {-4, 0, tostring(rl), tostring(tl)} end
+  local wait, why = 0, 0
+  if rpm >= 0 and rl < 1 then wait = (1 - rl) * 60000 / rpm; why = -1 end
+  if tpm >= 0 and tl < cost and (cost - tl) * 60000 / tpm > wait then wait = (cost - tl) * 60000 / tpm; why = -2 end
+  if why ~= 0 then return {why, math.ceil(wait), tostring(rl), tostring(tl)} end
+  if rpm >= 0 then rl = rl - 1; redis.call('HSET', KEYS[5], 'r', rl, 'rt', now) end
+  if tpm >= 0 then tl = tl - cost; redis.call('HSET', KEYS[5], 't', tl, 'tt', now) end
+  redis.call('PEXPIRE', KEYS[5], 180000)
+end
+if maxcon >= 0 then
+  redis.call('ZADD', KEYS[6], now + ttl, ARGV[1])
+  redis.call('PEXPIRE', KEYS[6], ttl * 2)
+end
+""" + _TAKE_SLOT + """return {1, 0, tostring(rl), tostring(tl)}
+"""
+
+# KEYS: res:<worker>, load:<replica>[, kc:<tenant> when the request's last reservation ends]
+# ARGV: member, worker, tokens
 # Counts drop only if the member was there, so replaying a release that raced a heartbeat is safe.
 _RELEASE = """
+if KEYS[3] then redis.call('ZREM', KEYS[3], ARGV[1]) end
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 and redis.call('EXISTS', KEYS[2]) == 1 then
   local r = redis.call('HINCRBY', KEYS[2], 'r:' .. ARGV[2], -1)
   redis.call('HINCRBY', KEYS[2], 't:' .. ARGV[2], -tonumber(ARGV[3]))
@@ -87,7 +169,8 @@ return 1
 """
 
 # KEYS: replicas, load:<replica>, resworkers
-# ARGV: prefix, replica, ttl_ms, n, then n x (worker, member), then (field, value) pairs for the load hash
+# ARGV: prefix, replica, ttl_ms, n, then n x (worker, member), m, then m x (tenant, member) for key concurrency,
+# then (field, value) pairs for the load hash
 _HEARTBEAT = _NOW_MS + """
 local P, ttl = ARGV[1], tonumber(ARGV[3])
 local exp = now + ttl
@@ -99,6 +182,13 @@ for _ = 1, n do
   redis.call('SADD', KEYS[3], ARGV[i])
   i = i + 2
 end
+local m = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, m do
+  redis.call('ZADD', P .. 'kc:' .. ARGV[i], exp, ARGV[i + 1])
+  redis.call('PEXPIRE', P .. 'kc:' .. ARGV[i], ttl * 2)
+  i = i + 2
+end
 redis.call('DEL', KEYS[2])
 while i < #ARGV do
   redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
@@ -108,9 +198,11 @@ if n > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
 return n
 """
 
-# ARGV: prefix, replica. Returns flat [worker, zcard, other replicas' tokens, own requests] per worker.
-_REFRESH = _NOW_MS + """
+# ARGV: prefix, replica, then settlements. Returns the epoch (false: none), then flat
+# [worker, zcard, other replicas' tokens, own requests] per worker.
+_REFRESH = _NOW_MS + _SETTLE + """
 local P, me = ARGV[1], ARGV[2]
+settle_all(P, now, 3)
 redis.call('ZREMRANGEBYSCORE', P .. 'replicas', '-inf', now)
 local tok = {}
 for _, rep in ipairs(redis.call('ZRANGE', P .. 'replicas', 0, -1)) do
@@ -129,7 +221,7 @@ local h = redis.call('HGETALL', P .. 'load:' .. me)
 for j = 1, #h, 2 do
   if string.sub(h[j], 1, 2) == 'r:' then own[string.sub(h[j], 3)] = tonumber(h[j + 1]) end
 end
-local out = {}
+local out = {redis.call('GET', P .. 'alive')}
 for _, w in ipairs(redis.call('SMEMBERS', P .. 'resworkers')) do
   local key = P .. 'res:' .. w
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
@@ -142,6 +234,21 @@ for _, w in ipairs(redis.call('SMEMBERS', P .. 'resworkers')) do
 end
 return out
 """
+
+
+# KEYS: docs, alive; ARGV: glob. The epoch, then the matching (key, value) pairs, read in one step.
+_GET_DOCS = """
+local out = {redis.call('GET', KEYS[2])}
+local cur = '0'
+repeat
+  local r = redis.call('HSCAN', KEYS[1], cur, 'MATCH', ARGV[1], 'COUNT', 500)
+  cur = r[1]
+  for _, v in ipairs(r[2]) do out[#out + 1] = v end
+until cur == '0'
+return out
+"""
+
+REMIND_S = 30.0  # while Redis stays away, a reminder this often (one line)
 
 
 class RedisUnavailableError(RuntimeError):
@@ -210,6 +317,17 @@ class RedisStore(RedisJobs, StateStore):
         self._pending_registry: dict[str, WorkerRecord | None] = {}
         # Last known shared documents (key -> JSON), served while Redis is down; writers re-put them.
         self._docs_cache: dict[str, str | bytes] = {}
+        # Per-key limits: open tickets by request id, settlements not sent yet, this replica's own buckets
+        # (used while Redis is away).
+        self._tickets: dict[str, Ticket] = {}
+        self._settle_q: list[tuple[str, int, int]] = []
+        self._local_buckets = LocalBuckets()
+        # The store's epoch as last seen (None: not read yet); a different or missing one: Redis lost its data.
+        self._epoch: str | None = None
+        self._restoring: asyncio.Task | None = None
+        self._down_since = 0.0
+        self._reminded = 0.0
+        self._bin: aioredis.Redis | None = None  # undecoded replies (file contents)
 
     # --- keys -----------------------------------------------------------------------------------
     def _k(self, name: str) -> str:
@@ -242,11 +360,18 @@ class RedisStore(RedisJobs, StateStore):
                 "or run without --redis-url to keep state in this process."
             ) from exc
         self._redis = client
+        self._bin = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            self.url, max_connections=8, timeout=self._socket_timeout_s, socket_timeout=self._socket_timeout_s,
+            socket_connect_timeout=self._socket_timeout_s, retry=Retry(NoBackoff(), 1)))
         self._reserve_script = client.register_script(_RESERVE)
+        self._keyed_reserve_script = client.register_script(_KEYED_RESERVE)
         self._release_script = client.register_script(_RELEASE)
         self._heartbeat_script = client.register_script(_HEARTBEAT)
         self._refresh_script = client.register_script(_REFRESH)
+        self._get_docs_script = client.register_script(_GET_DOCS)
         self._ok = True
+        await client.set(self._k("alive"), secrets.token_hex(8), nx=True)
+        self._epoch = await client.get(self._k("alive"))
         await self._heartbeat()
         await self._refresh()
         self._tasks = [
@@ -266,10 +391,18 @@ class RedisStore(RedisJobs, StateStore):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks = []
+        if self._restoring is not None:
+            self._restoring.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._restoring
+            self._restoring = None
         r = self._redis
         if r is None:
             return
         self._redis = None
+        if self._bin is not None:
+            await self._bin.aclose()
+            self._bin = None
         if self._ok:
             try:
                 pipe = r.pipeline(transaction=False)
@@ -293,18 +426,37 @@ class RedisStore(RedisJobs, StateStore):
             raise RuntimeError("RedisStore is not started: call `await store.start()` first")
         return self._redis
 
+    def _binary(self) -> aioredis.Redis:
+        if self._bin is None:
+            raise RuntimeError("RedisStore is not started: call `await store.start()` first")
+        return self._bin
+
+    @property
+    def available(self) -> bool:
+        """Redis answered the last call (False from the first failure until a probe succeeds)."""
+        return self._ok
+
     def _mark_down(self, exc: BaseException) -> None:
         if self._ok:
             self._ok = False
+            self._down_since = self._reminded = time.monotonic()
             log.warning(
-                "Redis at %s unreachable (%s); falling back to local accounting until it answers again",
-                _redact(self.url), exc,
+                "Redis at %s unreachable (%s: %s); falling back to local accounting until it answers again",
+                _redact(self.url), type(exc).__name__, exc,
             )
+
+    def _remind(self) -> None:
+        now = time.monotonic()
+        if now - self._reminded >= REMIND_S:
+            self._reminded = now
+            log.warning("Redis at %s still unreachable (%.0f s); serving from local state", _redact(self.url),
+                        now - self._down_since)
 
     async def _mark_up(self) -> None:
         """Redis answers again: re-add reservations made meanwhile, replay releases and registry writes."""
         self._ok = True
-        log.warning("Redis at %s reachable again; shared state resumed", _redact(self.url))
+        log.warning("Redis at %s reachable again after %.1f s; shared state resumed", _redact(self.url),
+                    time.monotonic() - self._down_since)
         r = self._client()
         pipe = r.pipeline(transaction=False)
         for wid, rid, _tokens in self._pending_release:
@@ -334,22 +486,116 @@ class RedisStore(RedisJobs, StateStore):
                 log.exception("lease heartbeat failed")
 
     async def _refresh_loop(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self.refresh_interval_s if self._ok else max(self.refresh_interval_s, 0.5))
             try:
                 if not self._ok:
+                    self._remind()
                     await self._client().ping()
                     await self._mark_up()
                 await self._refresh()
+                failing = False
             except _DOWN_ERRORS as exc:
                 self._mark_down(exc)
             except Exception:
-                log.exception("in-flight refresh failed")
+                if not failing:  # once per run of failures, not every 0.1 s
+                    log.exception("in-flight refresh failed")
+                failing = True
+
+    # --- a Redis that lost its data ---------------------------------------------------------------
+    def _check_epoch(self, seen: str | None) -> bool:
+        """True when `seen` is this store's epoch; otherwise start the restore (once) and return False."""
+        if seen is not None and seen == self._epoch:
+            return True
+        if self._restoring is None or self._restoring.done():
+            self._restoring = asyncio.get_running_loop().create_task(self._restore(), name="fg-redis-restore")
+        return False
+
+    async def _restore(self) -> None:
+        log.warning("Redis at %s answered without this fleet's state (restarted empty or flushed); writing back "
+                    "the workers, keys and reservations this replica holds", _redact(self.url))
+        for fn in self.restore_hooks():
+            try:
+                await fn()
+            except _DOWN_ERRORS as exc:
+                self._mark_down(exc)
+                return  # the next answer from Redis starts over
+            except Exception:
+                log.exception("writing back %s after a Redis restart failed", getattr(fn, "__qualname__", fn))
+        try:
+            await self._heartbeat()
+            r = self._client()
+            await r.set(self._k("alive"), secrets.token_hex(8), nx=True)
+            self._epoch = await r.get(self._k("alive"))
+        except _DOWN_ERRORS as exc:
+            self._mark_down(exc)
+            return
+        log.warning("Redis state restored from this replica (%d worker(s) known, %d reservation(s))",
+                    len(self._workers_cache), len(self._own))
+
+    # --- per-key limits ---------------------------------------------------------------------------
+    def open_ticket(self, ticket: Ticket) -> None:
+        self._tickets[ticket.request_id] = ticket
+
+    def close_ticket(self, ticket: Ticket, used_tokens: int) -> None:
+        if self._tickets.get(ticket.request_id) is ticket:
+            del self._tickets[ticket.request_id]
+        self._local_buckets.unhold(ticket)
+        tpm = ticket.limits.tpm
+        if ticket.charged and tpm is not None and ticket.cost != used_tokens:
+            if len(self._settle_q) < 100_000:  # bounded while Redis is away
+                self._settle_q.append((ticket.tenant_id, tpm, ticket.cost - used_tokens))
+            self._local_buckets.settle(ticket.tenant_id, tpm, ticket.cost - used_tokens, time.monotonic() * 1000)
+
+    def _take_settlements(self) -> tuple[list[tuple[str, int, int]], list[str | int]]:
+        q, self._settle_q = self._settle_q, []
+        args: list[str | int] = [len(q)]
+        for tid, tpm, delta in q:
+            args += (tid, tpm, delta)
+        return q, args
+
+    def _keyed_args(self, t: Ticket, worker_id: str, cap: int | None, tokens: int) -> tuple[list[str], list]:
+        lim = t.limits
+        keys = [self._k(f"res:{worker_id}"), self._k(f"load:{self.replica_id}"), self._k("resworkers"),
+                self._k("replicas"), self._k(f"kb:{t.tenant_id}"), self._k(f"kc:{t.tenant_id}")]
+        args = [self._member(t.request_id), -1 if cap is None else cap, self._ttl_ms, worker_id, tokens,
+                self.replica_id, "0" if t.charged else "1", _or_none(lim.rpm), _or_none(lim.tpm),
+                _or_none(lim.max_concurrency), t.cost, self.prefix]
+        return keys, args
+
+    async def _reserve_keyed(self, t: Ticket, worker_id: str, cap: int | None, tokens: int) -> bool:
+        keys, args = self._keyed_args(t, worker_id, cap, tokens)
+        q, settle = self._take_settlements()
+        try:
+            status, wait, rl, tl = await self._keyed_reserve_script(keys=keys, args=args + settle,
+                                                                    client=self._client())
+        except BaseException:
+            self._settle_q[:0] = q  # not applied: send them with the next call
+            raise
+        status = int(status)
+        if status == 0:
+            return False
+        if status < 0:
+            reason = {-1: "requests", -2: "tokens", -3: "concurrency", -4: "too_large"}[status]
+            raise refused(t, reason, float(wait), float(rl), float(tl))
+        if not t.charged:
+            t.charged = True
+            t.note(float(rl), float(tl))
+        return True
+
+    def _hold(self, t: Ticket) -> None:
+        t.holds += 1
+        self._local_buckets.hold(t)
 
     async def _heartbeat(self) -> None:
         args: list[str | int] = [self.prefix, self.replica_id, self._ttl_ms, len(self._own)]
         for wid, rid in self._own:
             args += (wid, self._member(rid))
+        held = [t for t in self._tickets.values() if t.holds > 0 and t.limits.max_concurrency is not None]
+        args.append(len(held))
+        for t in held:
+            args += (t.tenant_id, self._member(t.request_id))
         for wid, cur in self._own_by_worker.items():
             if cur.requests:
                 args += (f"r:{wid}", cur.requests, f"t:{wid}", cur.tokens)
@@ -367,9 +613,15 @@ class RedisStore(RedisJobs, StateStore):
             )
 
     async def _refresh(self) -> None:
-        flat = await self._refresh_script(args=[self.prefix, self.replica_id])
+        q, settle = self._take_settlements()
+        try:
+            flat = await self._refresh_script(args=[self.prefix, self.replica_id, *settle])
+        except BaseException:
+            self._settle_q[:0] = q
+            raise
+        self._check_epoch(flat[0])
         others: dict[str, Inflight] = {}
-        for i in range(0, len(flat), 4):
+        for i in range(1, len(flat), 4):
             wid, total, other_tokens, own_then = flat[i], int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3])
             others[wid] = Inflight(max(0, total - own_then), max(0, other_tokens))
         self._others = others
@@ -405,6 +657,9 @@ class RedisStore(RedisJobs, StateStore):
         if (worker_id, request_id) in self._own:
             return True  # idempotent
         tokens = int(tokens)
+        ticket = self._tickets.get(request_id) if self._tickets else None
+        if ticket is not None:
+            return await self._try_reserve_keyed(ticket, worker_id, request_id, cap, tokens)
         if self._ok:
             try:
                 got = await self._reserve_script(
@@ -429,23 +684,50 @@ class RedisStore(RedisJobs, StateStore):
         self._add_local(worker_id, request_id, tokens)
         return True
 
+    async def _try_reserve_keyed(self, t: Ticket, worker_id: str, request_id: str, cap: int | None,
+                                 tokens: int) -> bool:
+        """try_reserve for a request of a limited key (one call: cap, buckets, concurrency, reservation)."""
+        if self._ok:
+            try:
+                got = await self._reserve_keyed(t, worker_id, cap, tokens)
+            except _DOWN_ERRORS as exc:
+                self._mark_down(exc)
+            else:
+                if got:
+                    self._add_local(worker_id, request_id, tokens)
+                    self._hold(t)
+                return got
+        cur = self._view.get(worker_id)
+        if cap is not None and cur is not None and cur.requests >= cap:
+            return False
+        if not t.charged:  # Redis away: this replica's own buckets
+            self._local_buckets.charge(t, time.monotonic() * 1000)
+            t.charged = True
+        self._add_local(worker_id, request_id, tokens)
+        self._hold(t)
+        return True
+
     async def release(self, worker_id: str, request_id: str) -> None:
         r = self._client()
         tokens = self._own.pop((worker_id, request_id), None)
         if tokens is None:
             return  # unknown or already released
         self._remove_local(worker_id, tokens)
+        keys = [self._k(f"res:{worker_id}"), self._k(f"load:{self.replica_id}")]
+        t = self._tickets.get(request_id) if self._tickets else None
+        if t is not None:
+            t.holds -= 1
+            if t.holds <= 0:
+                self._local_buckets.unhold(t)
+                if t.limits.max_concurrency is not None:
+                    keys.append(self._k(f"kc:{t.tenant_id}"))
         if self._hb_running:
             self._released_during_hb.append((worker_id, request_id, tokens))
         if not self._ok:
             self._pending_release.append((worker_id, request_id, tokens))
             return
         try:
-            await self._release_script(
-                keys=[self._k(f"res:{worker_id}"), self._k(f"load:{self.replica_id}")],
-                args=[self._member(request_id), worker_id, tokens],
-                client=r,
-            )
+            await self._release_script(keys=keys, args=[self._member(request_id), worker_id, tokens], client=r)
         except _DOWN_ERRORS as exc:
             self._mark_down(exc)
             self._pending_release.append((worker_id, request_id, tokens))
@@ -482,10 +764,15 @@ class RedisStore(RedisJobs, StateStore):
     async def list_workers(self) -> list[WorkerRecord]:
         if self._ok:
             try:
-                raw = await self._client().hgetall(self._k("workers"))
-                self._workers_cache = {wid: _record_from(v) for wid, v in raw.items()}
+                pipe = self._client().pipeline(transaction=True)
+                pipe.get(self._k("alive"))
+                pipe.hgetall(self._k("workers"))
+                epoch, raw = await pipe.execute()
             except _DOWN_ERRORS as exc:
                 self._mark_down(exc)
+            else:
+                if self._check_epoch(epoch):  # else: Redis lost its data; serve what we knew, write it back
+                    self._workers_cache = {wid: _record_from(v) for wid, v in raw.items()}
         return [dataclasses.replace(r, models=list(r.models), labels=dict(r.labels))
                 for r in self._workers_cache.values()]
 
@@ -534,13 +821,15 @@ class RedisStore(RedisJobs, StateStore):
     async def get_docs(self, prefix: str) -> dict[str, dict]:
         if self._ok:
             try:
-                found = {k: v async for k, v in self._client().hscan_iter(
-                    self._k("docs"), match=_glob_escape(prefix) + "*", count=200)}
+                flat = await self._get_docs_script(keys=[self._k("docs"), self._k("alive")],
+                                                   args=[_glob_escape(prefix) + "*"])
             except _DOWN_ERRORS as exc:
                 self._mark_down(exc)
             else:
-                kept = {k: v for k, v in self._docs_cache.items() if not k.startswith(prefix)}
-                self._docs_cache = {**kept, **found}
+                if self._check_epoch(flat[0]):
+                    found = {flat[i]: flat[i + 1] for i in range(1, len(flat) - 1, 2)}
+                    kept = {k: v for k, v in self._docs_cache.items() if not k.startswith(prefix)}
+                    self._docs_cache = {**kept, **found}
         return {k: orjson.loads(v) for k, v in self._docs_cache.items() if k.startswith(prefix)}
 
     async def delete_doc(self, key: str) -> None:
@@ -550,6 +839,10 @@ class RedisStore(RedisJobs, StateStore):
                 await self._client().hdel(self._k("docs"), key)
             except _DOWN_ERRORS as exc:
                 self._mark_down(exc)
+
+
+def _or_none(limit: int | None) -> int:
+    return -1 if limit is None else limit
 
 
 def _glob_escape(text: str) -> str:
