@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -21,6 +20,7 @@ from fastapi.responses import JSONResponse
 from gateway import errors
 from gateway.auth import tenant_of_request
 from gateway.request import new_request_id, parse_json_object
+from gateway.upstream import ClientConnectorError, encode_headers
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -91,12 +91,13 @@ async def forward(gw: Gateway, request: Request, path: str) -> Response:
     answer: tuple[int, bytes, str] | None = None
     last_error = ""
     for i, ws in enumerate(candidates):
-        try:
-            async with gw.session.post(ws.rec.url + path, data=raw, headers=headers) as r:
-                answer = (r.status, await r.read(), r.headers.get("content-type", "application/json"))
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        try:  # the one client to workers (gateway/upstream.py)
+            r = await gw.upstream.fetch(ws.rec.url + path, gw.config.timeouts.first_byte_s, method=b"POST",
+                                        body=raw, headers=encode_headers(list(headers.items())))
+            answer = (r.status, r.body, r.content_type.decode("latin-1"))
+        except (TimeoutError, OSError) as e:
             gw.metrics.upstream_error(ws.id, "connect")
-            if isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError)):
+            if isinstance(e, (ClientConnectorError, ConnectionRefusedError)):
                 gw.registry.report_failure(ws.id)
             last_error = f"{type(e).__name__}: {e}"
             continue

@@ -22,7 +22,7 @@ from engine_adapters.vllm.kv_events import END_SEQ, encode_batch, seq_bytes
 from gateway.kv_events import KvEventsMetrics, Source, Subscriber, source_from_listing
 from policies.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvIndex
 from simulator import tokenizer
-from tests.helpers import free_port, metric, poll, running_gateway
+from tests.helpers import ADMIN, free_port, metric, poll, running_gateway
 
 
 class ScriptedPublisher:
@@ -214,8 +214,8 @@ async def test_gateway_routes_to_the_cached_prefix_and_predicts_the_hits(sim_fle
         assert after[other] == before[other]
         async with httpx.AsyncClient(timeout=5) as http:   # the gateway runs on this loop: no blocking calls
             text = (await http.get(gw.url + "/metrics")).text
-            where = (await http.post(gw.url + "/admin/prefix_cache", json={"messages": messages})).json()
-            bad = await http.post(gw.url + "/admin/prefix_cache", json={"neither": 1})
+            where = (await http.post(gw.url + "/admin/prefix_cache", json={"messages": messages}, headers=ADMIN)).json()
+            bad = await http.post(gw.url + "/admin/prefix_cache", json={"neither": 1}, headers=ADMIN)
         assert where["hashed"] and where["workers"] == {holder: predicted[holder]} and where["block_size"] == 16
         assert sorted(where["subscribed"]) == ["w0", "w1"]
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"

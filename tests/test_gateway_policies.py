@@ -14,7 +14,9 @@ from tests.helpers import MODEL, running_gateway
 
 
 def gateway(urls: list[str], policy: str) -> AbstractAsyncContextManager[GatewayServer]:
-    return running_gateway(urls, default_policy=policy)
+    # The simulated workers' profile: SLO-aware policies place by each worker's own performance model.
+    workers = [{"id": f"w{i}", "url": u, "profile": "llama3-8b-h100"} for i, u in enumerate(urls)]
+    return running_gateway(workers=workers, default_policy=policy)
 
 
 async def served(http: httpx.AsyncClient, urls: list[str]) -> list[int]:
