@@ -7,7 +7,8 @@ virtual-time simulator (`simulator.cluster.ClusterSim`), one load point per expe
 Experiments (the issue's, one load point each):
 - workers needed (Aladdin fig. 10): `llama2-13b-a100`, 4 workers, ShareGPT lengths with Poisson arrivals at
   3 req/s (bench/placement.py's workload, seed 0), TTFT 600 ms / ATGT 30 ms; round_robin, least_requests,
-  power_of_two, aladdin. Simulator side: bench.placement.run_once (that experiment's exact settings).
+  power_of_two, aladdin (with the parameters bench/placement.py's protocol chose for ShareGPT). Simulator side:
+  bench.placement.probe of the same SimSpec (what `fleetgate simulate` runs).
 - heterogeneous pair (hetero paper fig. 5): one `llama3-8b-h100` (strong) and one `llama3-8b-a100` (weak)
   serving the same model, ShareGPT at 16 req/s; round_robin, memory-only (hetero memory_only) and hetero;
   throughput (completed requests per second from the first arrival to the last completion) and attainment.
@@ -21,14 +22,12 @@ streamed /v1/completions with a prompt of exactly the trace's token count (simul
 as with `ignore_eos` and max_tokens = that length), and max_tokens = the context left, so the length is
 not revealed to the gateway's predictor (`ignore_eos` itself is not sent: it would run to max_tokens). Both sides warm the output-length
 predictor with the same 2000 history samples (the gateway loads them as a shared-state document at start).
-Requests are sent as `X-Request-Class: batch` so the gateway keeps a request queued until it is placed,
-as the simulator's unbounded admission queue does (an interactive request is refused with 429 once its
-TTFT target passed: the same SLO miss, but its freed capacity would flatter the requests after it).
-SLO attainment on the live side is the gateway's own `fleetgate_slo_requests_total` (met / judged);
-times are wall seconds x K. Known differences: the gateway reports a request's progress to aladdin once
-per learning tick (20 ms wall) instead of at the exact first token; its admission queue is strict FIFO
-(the simulator lets 16 waiting requests try past a head that does not fit) and is retried on every
-completion and every 0.5 s instead of every 20 ms; engine metrics are scraped every 0.5 s / K.
+Both run the same admission queue (policies/admission.py: look-ahead, deadlines from the TTFT budget, 429 when
+it passes) with the same settings, time-scaled on the live side. SLO attainment on the live side is the
+gateway's own `fleetgate_slo_requests_total` (met / judged: a worker's 400 for a too-long prompt is not judged,
+as the simulator leaves it out of its denominator); times are wall seconds x K. Known differences: the gateway
+reports a request's progress to aladdin once per learning tick (20 ms wall) instead of at the exact first token;
+engine metrics are scraped every 0.5 s / K; the live fleet shares the machine with the gateway.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shutil
 import sys
@@ -50,18 +50,16 @@ import orjson
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.placement import QUEUE_POLL_S, history, run_once, sharegpt_workload
+from bench.placement import CANDIDATES, point_spec, probe, with_policy
 from bench.report import write_report
 from gateway.config import load_config
 from gateway.learning import DOC_PREDICTOR
 from gateway.server import GatewayServer
 from gateway.state.memory import MemoryStore
-from policies.base import make_policy
 from policies.length_predictor import LengthPredictor
-from policies.perf_model import PerfModel
-from simulator.cluster import ClusterSim
 from simulator.fleet import FleetProcess
 from simulator.profiles import load_profile
+from simulator.simulate import SimSpec, build_sim, build_workload, history
 from simulator.tokenizer import synthetic_text
 from simulator.workload import WorkloadRequest
 
@@ -69,7 +67,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS_MD = ROOT / "bench" / "results" / "live_check.md"
 SLO_TTFT_S, SLO_ATGT_S = 0.600, 0.030      # Aladdin table 3
 SEED = 0
-TOLERANCE_PP = 10.0
+TOLERANCE_PP = 5.0
+# aladdin's parameters: what bench/placement.py's leave-one-trace-out chose for ShareGPT (read from its .json when
+# the study has run, else the candidate it chose on every trace of its quick run).
+PLACEMENT_JSON = ROOT / "bench" / "results" / "placement.json"
 
 
 @dataclass
@@ -120,7 +121,7 @@ async def replay(url: str, model: str, workload: list[WorkloadRequest], k: float
             if delay > 0:
                 await asyncio.sleep(delay)
             headers = {"content-type": "application/json", "x-sim-output-tokens": str(r.output_tokens),
-                       "x-request-class": "batch", "x-request-id": r.request_id}
+                       "x-request-id": r.request_id}
             try:
                 async with s.post(url + "/v1/completions", data=body, headers=headers) as resp:
                     tail = b""
@@ -140,7 +141,8 @@ async def replay(url: str, model: str, workload: list[WorkloadRequest], k: float
 
 
 async def live_run(profiles: list[str], model: str, policy: str, params: dict[str, Any],
-                   workload: list[WorkloadRequest], k: float, warm: list[tuple[int, int]], refit: bool) -> Side:
+                   workload: list[WorkloadRequest], k: float, warm: list[tuple[int, int]], refit: bool,
+                   lookahead: int = 1) -> Side:
     fleet_file = Path(tempfile.mkstemp(suffix=".yaml")[1])
     fleet_file.write_text(yaml.safe_dump({"servers": [{"profile": p, "model": model} for p in profiles]}))
     wrapper = ["taskset", "-c", "1"] if shutil.which("taskset") and os.cpu_count() and os.cpu_count() > 1 else []
@@ -158,7 +160,7 @@ async def live_run(profiles: list[str], model: str, policy: str, params: dict[st
                          for i, (u, p) in enumerate(zip(fleet.urls, profiles, strict=True))],
                 models={model: {"policy": policy, "params": params}},
                 slo={"ttft_ms": SLO_TTFT_S * 1000 / k, "tpot_ms": SLO_ATGT_S * 1000 / k},
-                limits={"queue_size": 100_000, "queue_timeout_s": 3600, "queue_poll_s": QUEUE_POLL_S / k},
+                limits={"queue_timeout_s": 5.0 / k, "queue_lookahead": lookahead},
                 health={"interval_s": 1.0},
                 learning={"time_scale": k, "interval_s": 0.02,
                           **({"refit_interval_s": 2.0} if refit else {"refit_min_new": 10**9})},
@@ -169,7 +171,7 @@ async def live_run(profiles: list[str], model: str, policy: str, params: dict[st
                     text = await r.text()
     finally:
         fleet_file.unlink(missing_ok=True)
-    lab = {"model": model, "class": "batch"}
+    lab = {"model": model, "class": "interactive"}
     met = metric(text, "fleetgate_slo_requests_total", {**lab, "result": "met"}) or 0.0
     missed = metric(text, "fleetgate_slo_requests_total", {**lab, "result": "missed"}) or 0.0
     note = f"{len(failures)} failed ({sorted(set(failures))})" if failures else ""
@@ -179,21 +181,23 @@ async def live_run(profiles: list[str], model: str, policy: str, params: dict[st
 
 
 # --- the simulator side ------------------------------------------------------------------------------
-def sim_placement(policy: str, workers: int, workload: list[WorkloadRequest]) -> Side:
-    r = run_once(policy, workers, workload, "sharegpt", SEED, stop_early=False)
-    return Side(r.attainment, float("nan"), r.requests, r.requests)
+def sim_placement(spec: SimSpec) -> Side:
+    r = probe(spec, stop_early=False)
+    return Side(r.attainment, float("nan"), r.servable, r.servable)
 
 
-def sim_hetero(profiles: list[str], policy: str, params: dict[str, Any], workload: list[WorkloadRequest],
-               warm: list[tuple[int, int]]) -> Side:
-    predictor = LengthPredictor()
-    model = load_profile(profiles[0]).model
-    for p, o in warm:
-        predictor.observe(model, p, o)
-    sim = ClusterSim(profiles, len(profiles), make_policy(policy, **params), slo_ttft_s=SLO_TTFT_S,
-                     slo_tpot_s=SLO_ATGT_S, predicted_output_tokens=predictor)
-    d = sim.run(workload).to_dict()
-    return Side(d["slo_attainment"], d["throughput_rps"], d["completed"], d["requests"])
+def chosen_aladdin(trace: str = "sharegpt") -> dict[str, Any]:
+    """aladdin's parameter set the placement study chose for `trace` (leave-one-trace-out)."""
+    try:
+        name = orjson.loads(PLACEMENT_JSON.read_bytes())["chosen"][trace]
+    except (OSError, KeyError, ValueError):
+        name = "spread_lookahead"
+    return dict(CANDIDATES[name])
+
+
+def sim_hetero(spec: SimSpec, workload: list[WorkloadRequest]) -> Side:
+    d = build_sim(spec, workload).run([dataclasses.replace(r) for r in workload]).to_dict()
+    return Side(d["slo_attainment"], d["throughput_rps"], d["completed"], d["servable"])
 
 
 # --- experiments -------------------------------------------------------------------------------------
@@ -215,10 +219,11 @@ def pairs_agree(sim: dict[str, float], live: dict[str, float], min_gap: float) -
 async def workers_needed(k: float, duration: float, refit: bool) -> tuple[list[str], bool]:
     profile, workers, rate = "llama2-13b-a100", 4, 3.0
     prof = load_profile(profile)
-    workload = sharegpt_workload(rate, duration, SEED, prof.max_model_len)
-    warm = history("sharegpt", SEED, prof.max_model_len)
+    base = point_spec("sharegpt", rate, SEED, duration)
+    workload = build_workload(base)
+    warm = history(base, workload)
     scaled = {"slo_ttft_s": SLO_TTFT_S / k, "slo_atgt_s": SLO_ATGT_S / k, "deadline_margin_s": 0.05 / k}
-    runs = {"round_robin": {}, "least_requests": {}, "power_of_two": {"seed": SEED}, "aladdin": scaled}
+    runs = {"round_robin": {}, "least_requests": {}, "power_of_two": {}, "aladdin": chosen_aladdin()}
     sim, live = {}, {}
     lines = [f"### Workers needed: `{profile}` x {workers}, ShareGPT, Poisson {rate:g} req/s, {len(workload)} requests "
              f"over {duration:g} s, TTFT 600 ms / ATGT 30 ms", "",
@@ -226,8 +231,15 @@ async def workers_needed(k: float, duration: float, refit: bool) -> tuple[list[s
              "|---|---|---|---|---|---|"]
     ok = True
     for name, params in runs.items():
-        s = sim_placement(name, workers, workload)
-        lv = await live_run([profile] * workers, prof.model, name, params, workload, k, warm, refit)
+        spec = with_policy(base, name, params, workers=workers)
+        s = sim_placement(spec)
+        live_params = dict(spec.policy_params)
+        if name == "aladdin":
+            live_params.update(scaled)      # the gateway's clock is K times faster than model time
+        elif name == "power_of_two":
+            live_params["seed"] = SEED
+        lv = await live_run([profile] * workers, prof.model, name, live_params, workload, k, warm, refit,
+                            spec.queue_lookahead)
         sim[name], live[name] = s.attainment, lv.attainment
         diff = (lv.attainment - s.attainment) * 100
         ok &= abs(diff) <= TOLERANCE_PP
@@ -245,11 +257,10 @@ async def workers_needed(k: float, duration: float, refit: bool) -> tuple[list[s
 async def hetero_pair(k: float, duration: float, refit: bool) -> tuple[list[str], bool]:
     profiles, rate = ["llama3-8b-h100", "llama3-8b-a100"], 16.0
     model = load_profile(profiles[0]).model
-    mml = 4096  # both profiles serve Llama-3.1-8B; the workload keeps Llama-2's 4096 context like placement.py
-    workload = sharegpt_workload(rate, duration, SEED, mml)
-    warm = history("sharegpt", SEED, mml)
-    models = {p: PerfModel.from_step_profile(yaml.safe_load((ROOT / "simulator" / "profiles" / f"{p}.yaml").read_text()))
-              for p in profiles}
+    base = SimSpec(trace="sharegpt", rate=rate, duration=duration, seed=SEED, profile=",".join(profiles),
+                   workers=len(profiles), slo_ttft_s=SLO_TTFT_S, slo_tpot_s=SLO_ATGT_S)
+    workload = build_workload(base)
+    warm = history(base, workload)
     runs = {"round_robin": ("round_robin", {}), "memory-only": ("hetero", {"memory_only": True}),
             "hetero": ("hetero", {})}
     sim_thr, live_thr, sim_att, live_att = {}, {}, {}, {}
@@ -259,8 +270,7 @@ async def hetero_pair(k: float, duration: float, refit: bool) -> tuple[list[str]
              "difference (pp) | live notes |", "|---|---|---|---|---|---|---|---|"]
     ok = True
     for label, (name, params) in runs.items():
-        sim_params = {**params, "perf_models": models} if name == "hetero" else params
-        s = sim_hetero(profiles, name, sim_params, workload, warm)
+        s = sim_hetero(dataclasses.replace(base, policy=name, policy_params=params), workload)
         lv = await live_run(profiles, model, name, params, workload, k, warm, refit)
         sim_thr[label], live_thr[label] = s.throughput, lv.throughput
         sim_att[label], live_att[label] = s.attainment, lv.attainment

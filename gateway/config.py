@@ -131,8 +131,8 @@ class LimitsConfig(_Strict):
     # A drain tries waiting requests until this many found no worker (1: head-of-line FIFO); a new request
     # tries at once while fewer than this many wait.
     queue_lookahead: int = Field(DEFAULT_QUEUE_LOOKAHEAD, ge=1)
-    # How often the queue retries besides on every local release, on a registry change and when a policy
-    # asked (None: 0.05 s with shared state: other replicas free capacity silently; 0.5 s without).
+    # How often the queue retries besides on every release (this replica's, and other replicas' announced
+    # through Redis while requests wait), on a registry change and when a policy asked (None: 0.5 s).
     queue_poll_s: float | None = Field(None, gt=0)
     retries: int = Field(2, ge=0, le=10)  # extra workers tried when one fails before any byte was sent
 

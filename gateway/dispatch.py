@@ -123,8 +123,9 @@ class Dispatcher:
         self.attempts = config.limits.retries + 1
         self.auth = auth if auth is not None else Authenticator(config, store)
         self.forwarded_for = ForwardedFor(config.server.trusted_proxies)
-        # With shared state another replica's release frees a slot without telling us: poll sooner.
-        self.poll_s = config.limits.queue_poll_s or (0.05 if shared_state else 0.5)
+        # The admission queue's safety-net poll: releases here and on other replicas (announced through the
+        # shared store while requests wait) wake it anyway.
+        self.poll_s = config.limits.queue_poll_s or 0.5
         self.shield_release = shared_state
         self.retry_after_s = max(1.0, config.health.interval_s)
         self.runtimes: dict[str, ModelRuntime] = {}
@@ -132,6 +133,7 @@ class Dispatcher:
         self.learner = learner if learner is not None else Learner(config, store, registry, metrics.registry)
         self.pd = PdLegs(self)
         registry.on_change(self._wake_all)
+        store.on_remote_release(self._wake_for)   # another replica freed a slot (a networked store tells)
         # Request classes and worker types (gateway/batch_runner.py ClassRouter): per-worker class counts and
         # eviction of batch work; the pool filter itself is part of the placement step.
         self.pools: Any = None
@@ -155,7 +157,7 @@ class Dispatcher:
             lim = self.config.limits
             queue = ModelQueue(model, AdmissionQueue(lim.queue_size, lim.queue_lookahead, lim.queue_timeout_s),
                                self._place_queued, self.poll_s, self.retry_after_s,
-                               lambda n, m=model: self.metrics.set_queue_depth(m, n))
+                               lambda n, m=model: self._queue_depth(m, n))
             rt = ModelRuntime(model, policy, name, policy.needs_prefix_hashes, placement, queue)
             self.runtimes[model] = rt
         return rt
@@ -163,6 +165,21 @@ class Dispatcher:
     def _wake_all(self) -> None:
         for rt in self.runtimes.values():
             rt.queue.kick()
+
+    def _wake_for(self, worker_id: str | None) -> None:
+        """A slot freed on `worker_id` (None: maybe anywhere): the queues of the models it serves try again."""
+        if worker_id is None:
+            self._wake_all()
+            return
+        ws = self.registry.workers.get(worker_id)
+        for m in ws.models if ws is not None else ():
+            rt = self.runtimes.get(m)
+            if rt is not None:
+                rt.queue.kick()
+
+    def _queue_depth(self, model: str, depth: int) -> None:
+        self.metrics.set_queue_depth(model, depth)
+        self.store.set_waiting(sum(len(rt.queue) for rt in self.runtimes.values()))
 
     # --- ASGI entry -------------------------------------------------------------------------------
     async def handle(self, scope: dict, receive, send, route: Route) -> None:  # noqa: ANN001

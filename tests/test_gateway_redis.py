@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import ADMIN, MODEL, REDIS_URL, poll
+from tests.helpers import ADMIN, MODEL, REDIS_URL, poll, running_gateway
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -99,3 +99,27 @@ async def test_two_gateways_on_one_redis_never_exceed_the_worker_cap(sim_fleet, 
                 return [(w["id"], w["inflight"]) for w in listed] == [("only", 0)]
 
             await poll(idle, what=f"{u} to see the worker idle")
+
+
+async def test_a_release_on_another_replica_wakes_this_replicas_queue(sim_fleet, redis_prefix) -> None:
+    """Two replicas, one worker with one slot, polling every 5 s: replica B's queued request goes as soon as
+    replica A's request ends (announced through Redis while B has waiters), not at B's next poll."""
+    fleet = sim_fleet(1, time_scale=10)
+    settings = {"workers": [{"id": "only", "url": fleet.urls[0], "cap": 1}], "redis_url": REDIS_URL,
+                "redis_key_prefix": redis_prefix, "limits": {"queue_poll_s": 5.0, "queue_timeout_s": 30}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}
+    async with running_gateway(**settings) as a, running_gateway(**settings) as b, \
+            httpx.AsyncClient(timeout=60) as http:
+        holder = asyncio.create_task(http.post(a.url + "/v1/chat/completions", json=body,    # ~0.4 s of decoding
+                                               headers={"x-sim-output-tokens": "500"}))
+        await poll(lambda: a.gateway.store.inflight().get("only") is not None
+                   and a.gateway.store.inflight()["only"].requests == 1, what="A holds the slot")
+        waiter = asyncio.create_task(http.post(b.url + "/v1/chat/completions", json=body,
+                                               headers={"x-sim-output-tokens": "4"}))
+        await poll(lambda: (rt := b.gateway.dispatcher.runtimes.get(MODEL)) is not None and len(rt.queue) == 1,
+                   what="B's request queued")
+        assert (await holder).status_code == 200
+        t_released = time.monotonic()
+        r = await waiter
+        assert r.status_code == 200
+        assert time.monotonic() - t_released < 2.0     # well before B's 5 s poll

@@ -106,6 +106,20 @@ class StateStore(JobStore, ABC):
         """The request ended having used `used_tokens`: return the rest of its reservation (no I/O here;
         a networked store sends it with its next call)."""
 
+    # --- releases elsewhere (the admission queue's wake-up) -------------------------------------------
+    def on_remote_release(self, fn: Callable[[str | None], None]) -> None:
+        """Call `fn(worker_id)` when another gateway replica frees a slot on a worker while requests wait here
+        (`set_waiting`); `fn(None)`: any worker may have room. A store only this process uses never calls it:
+        its releases are local."""
+        self.__dict__.setdefault("_release_hooks", []).append(fn)
+
+    def remote_release_hooks(self) -> list[Callable[[str | None], None]]:
+        return list(self.__dict__.get("_release_hooks", ()))
+
+    def set_waiting(self, waiting: int) -> None:  # noqa: B027 - optional
+        """How many requests wait in this replica's admission queues (a networked store tells the others,
+        so their releases are announced only while somebody waits)."""
+
     # --- recovery ----------------------------------------------------------------------------------
     def on_restore(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Call `fn` when the shared store is found empty (restarted without its data): the gateway's

@@ -155,16 +155,19 @@ end
 """ + _TAKE_SLOT + """return {1, 0, tostring(rl), tostring(tl)}
 """
 
-# KEYS: res:<worker>, load:<replica>[, kc:<tenant> when the request's last reservation ends]
-# ARGV: member, worker, tokens
-# Counts drop only if the member was there, so replaying a release that raced a heartbeat is safe.
+# KEYS: res:<worker>, load:<replica>, waiters[, kc:<tenant> when the request's last reservation ends]
+# ARGV: member, worker, tokens, channel, replica
+# Counts drop only if the member was there, so replaying a release that raced a heartbeat is safe. While any
+# replica has requests waiting (the `waiters` set), the release is announced on the channel ("replica|worker"):
+# their admission queues retry at once instead of at their next poll.
 _RELEASE = """
-if KEYS[3] then redis.call('ZREM', KEYS[3], ARGV[1]) end
+if KEYS[4] then redis.call('ZREM', KEYS[4], ARGV[1]) end
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 and redis.call('EXISTS', KEYS[2]) == 1 then
   local r = redis.call('HINCRBY', KEYS[2], 'r:' .. ARGV[2], -1)
   redis.call('HINCRBY', KEYS[2], 't:' .. ARGV[2], -tonumber(ARGV[3]))
   if r <= 0 then redis.call('HDEL', KEYS[2], 'r:' .. ARGV[2], 't:' .. ARGV[2]) end
 end
+if redis.call('SCARD', KEYS[3]) > 0 then redis.call('PUBLISH', ARGV[4], ARGV[5] .. '|' .. ARGV[2]) end
 return 1
 """
 
@@ -325,6 +328,7 @@ class RedisStore(RedisJobs, StateStore):
         # The store's epoch as last seen (None: not read yet); a different or missing one: Redis lost its data.
         self._epoch: str | None = None
         self._restoring: asyncio.Task | None = None
+        self._waiting = False     # requests wait in this replica's admission queues (we are in `waiters`)
         self._down_since = 0.0
         self._reminded = 0.0
         self._bin: aioredis.Redis | None = None  # undecoded replies (file contents)
@@ -377,6 +381,7 @@ class RedisStore(RedisJobs, StateStore):
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name=f"fg-redis-heartbeat-{self.replica_id}"),
             asyncio.create_task(self._refresh_loop(), name=f"fg-redis-refresh-{self.replica_id}"),
+            asyncio.create_task(self._release_listener(), name=f"fg-redis-released-{self.replica_id}"),
         ]
 
     async def close(self) -> None:
@@ -485,6 +490,50 @@ class RedisStore(RedisJobs, StateStore):
             except Exception:
                 log.exception("lease heartbeat failed")
 
+    # --- other replicas' releases -------------------------------------------------------------------
+    def set_waiting(self, waiting: int) -> None:
+        """Join the `waiters` set while requests wait here, leave it when none do (one call per change)."""
+        now_waiting = waiting > 0
+        if now_waiting == self._waiting or self._redis is None:
+            return
+        self._waiting = now_waiting
+        task = asyncio.get_running_loop().create_task(self._announce_waiting(now_waiting))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())   # a lost update costs a poll, no more
+
+    async def _announce_waiting(self, waiting: bool) -> None:
+        r = self._client()
+        if not waiting:
+            await r.srem(self._k("waiters"), self.replica_id)
+            return
+        await r.sadd(self._k("waiters"), self.replica_id)
+        # A release between this replica's enqueue and the SADD was not announced: look once more now.
+        await self._refresh()
+        for fn in self.remote_release_hooks():
+            fn(None)
+
+    async def _release_listener(self) -> None:
+        """Another replica freed a slot while requests wait here: refresh the view of every replica's load (the
+        placement filters on it) and tell the hooks (the dispatcher kicks the queues of that worker's models)."""
+        while True:
+            pubsub = self._client().pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._k("released"))
+                async for msg in pubsub.listen():
+                    replica, _, worker = str(msg.get("data", "")).partition("|")
+                    if replica == self.replica_id or not self._waiting:
+                        continue
+                    with contextlib.suppress(*_DOWN_ERRORS):
+                        await self._refresh()
+                    for fn in self.remote_release_hooks():
+                        fn(worker or None)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - Redis down or a bad message: the queues still poll; try again
+                await asyncio.sleep(max(self.refresh_interval_s, 0.5))
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
     async def _refresh_loop(self) -> None:
         failing = False
         while True:
@@ -526,6 +575,8 @@ class RedisStore(RedisJobs, StateStore):
         try:
             await self._heartbeat()
             r = self._client()
+            if self._waiting:
+                await r.sadd(self._k("waiters"), self.replica_id)
             await r.set(self._k("alive"), secrets.token_hex(8), nx=True)
             self._epoch = await r.get(self._k("alive"))
         except _DOWN_ERRORS as exc:
@@ -713,7 +764,7 @@ class RedisStore(RedisJobs, StateStore):
         if tokens is None:
             return  # unknown or already released
         self._remove_local(worker_id, tokens)
-        keys = [self._k(f"res:{worker_id}"), self._k(f"load:{self.replica_id}")]
+        keys = [self._k(f"res:{worker_id}"), self._k(f"load:{self.replica_id}"), self._k("waiters")]
         t = self._tickets.get(request_id) if self._tickets else None
         if t is not None:
             t.holds -= 1
@@ -727,7 +778,8 @@ class RedisStore(RedisJobs, StateStore):
             self._pending_release.append((worker_id, request_id, tokens))
             return
         try:
-            await self._release_script(keys=keys, args=[self._member(request_id), worker_id, tokens], client=r)
+            await self._release_script(keys=keys, args=[self._member(request_id), worker_id, tokens,
+                                                         self._k("released"), self.replica_id], client=r)
         except _DOWN_ERRORS as exc:
             self._mark_down(exc)
             self._pending_release.append((worker_id, request_id, tokens))
