@@ -145,6 +145,12 @@ class TimeoutsConfig(_Strict):
     idle_s: float = Field(60.0, gt=0)  # between two chunks of a stream
 
 
+class ResumeConfig(_Strict):
+    """Streams that survive their worker (gateway/resume.py) and hung-worker detection (policies/pace.py)."""
+
+    max_attempts: int = Field(2, ge=0, le=10)  # continuations per stream after mid-stream failures; 0: off
+
+
 class UpstreamTlsConfig(_Strict):
     """TLS to `https://` workers (gateway/upstream.py TlsSettings)."""
 
@@ -444,6 +450,7 @@ class GatewayConfig(BaseSettings):
     server: ServerConfig = Field(default_factory=ServerConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    resume: ResumeConfig = Field(default_factory=ResumeConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     pd: PdConfig = Field(default_factory=PdConfig)

@@ -9,7 +9,11 @@ webhooks and the P/D prefill leg (gateway/pd_legs.py) use the same pool. Rules:
   may retry on another worker (connection refused/reset, timeout to headers, a 5xx status, a body
   cut short);
 - the client has seen the response start -> a failure ends the stream with an SSE error event and
-  `data: [DONE]` (docs/reference/vllm-interface.md §2), never a hang;
+  `data: [DONE]` (docs/reference/vllm-interface.md §2), never a hang; except for a resumable stream
+  (`StreamResume`, gateway/resume.py): the relay forwards whole events only, keeps the bytes it forwarded,
+  and leaves the stream open for the dispatcher to continue on another worker (or end with `end_stream`);
+- a continuation leg (`resume.legs > 0`) sends no response start: its events are rewritten into the first
+  answer's identity; an answer that is not a 200 stream is an `UpstreamFailure` of kind "continuation";
 - upstream statuses and bodies other than retried 5xx are passed through unchanged, except that an error
   body is put in OpenAI's shape by the engine adapter (vLLM's `type: BadRequestError, code: 400` ->
   `type: invalid_request_error`).
@@ -21,7 +25,9 @@ import time
 from dataclasses import dataclass
 
 from engine_adapters.base import EngineAdapter, Usage
+from engine_adapters.openai_errors import sse_error_event
 from gateway.config import GatewayConfig, TimeoutsConfig
+from gateway.resume import StreamResume
 from gateway.upstream import TlsSettings, UpstreamConnection, UpstreamPool
 
 _BODY_END = {"type": "http.response.body", "body": b"", "more_body": False}
@@ -88,8 +94,10 @@ class Relay:
         strip_usage: bool,
         retry_5xx: bool,
         state: ResponseState,
+        resume: StreamResume | None = None,
     ) -> RelayResult:
-        """`upstream_headers`: extra request headers, as encoded lines (gateway/upstream.py encode_headers)."""
+        """`upstream_headers`: extra request headers, as encoded lines (gateway/upstream.py encode_headers).
+        `resume`: the stream may be continued elsewhere should this worker fail (gateway/resume.py)."""
         resp = await self._open(url, payload, upstream_headers, stream)
         clean = False
         try:
@@ -98,6 +106,10 @@ class Relay:
             if status >= 500 and retry_5xx:
                 body = await self._read_all(resp, "status_5xx")
                 raise UpstreamFailure("status_5xx", f"worker answered {status}", status, body, ctype)
+            if resume is not None and resume.legs and (status != 200 or not ctype.startswith(b"text/event-stream")):
+                body = await self._read_all(resp, "continuation")
+                raise UpstreamFailure("continuation", f"worker answered {status} to a continuation", status, body,
+                                      ctype)
             if not (stream and ctype.startswith(b"text/event-stream")):
                 body = await self._read_all(resp, "body")
                 clean = True
@@ -113,7 +125,7 @@ class Relay:
                 state.ended = True
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 return result
-            result = await self._relay_stream(resp, send, ctype, client_headers, strip_usage, state)
+            result = await self._relay_stream(resp, send, ctype, client_headers, strip_usage, state, resume)
             clean = result.midstream_error is None
             return result
         finally:
@@ -142,15 +154,21 @@ class Relay:
 
     async def _relay_stream(self, resp: UpstreamConnection, send, ctype: bytes,  # noqa: ANN001
                             client_headers: list[tuple[bytes, bytes]], strip_usage: bool,
-                            state: ResponseState) -> RelayResult:
+                            state: ResponseState, resume: StreamResume | None) -> RelayResult:
         result = RelayResult(status=resp.status)
-        scanner = self.adapter.new_stream_scanner(strip_usage)
-        state.started = True
-        await send({"type": "http.response.start", "status": resp.status,
-                    "headers": [(b"content-type", ctype), *client_headers]})
+        continuation = resume is not None and resume.legs > 0
+        # a continuation's usage is rewritten (StreamResume.rewrite), not stripped here
+        scanner = self.adapter.new_stream_scanner(strip_usage and not continuation, resume is not None)
+        if not continuation:
+            state.started = True
+            await send({"type": "http.response.start", "status": resp.status,
+                        "headers": [(b"content-type", ctype), *client_headers]})
         tokens = 0
+        before = resume.tokens_before if continuation else 0
         feed = scanner.feed
         read_some = resp.read_some
+        note = resume.sent.append if resume is not None else None
+        rewrite = resume.rewrite if continuation else None
         try:
             while chunk := await read_some():
                 out = feed(chunk)
@@ -159,8 +177,13 @@ class Relay:
                     if tokens == 0:
                         result.first_token_at = now
                     result.last_token_at = now
-                    tokens = state.tokens = scanner.tokens
+                    tokens = scanner.tokens
+                    state.tokens = before + tokens
                 if out:
+                    if rewrite is not None:
+                        out = rewrite(out)
+                    if note is not None:
+                        note(out)
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             if not scanner.done:
                 result.midstream_error = "the worker closed the stream before [DONE]"
@@ -169,8 +192,17 @@ class Relay:
         result.tokens = scanner.tokens
         result.usage = scanner.usage
         if result.midstream_error is not None:
+            if resume is not None:
+                return result  # the dispatcher continues the stream elsewhere, or ends it (end_stream)
             await send({"type": "http.response.body", "body": scanner.error_event(result.midstream_error),
                         "more_body": True})
         state.ended = True
         await send(_BODY_END)
         return result
+
+    async def end_stream(self, send, state: ResponseState, body: bytes | None = None,  # noqa: ANN001
+                         error: str | None = None) -> None:
+        """End a stream the relay left open: with `body` (closing events), or an error event and [DONE]."""
+        state.ended = True
+        await send({"type": "http.response.body", "more_body": False,
+                    "body": body if body is not None else sse_error_event(error or "the worker failed")})

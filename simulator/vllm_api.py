@@ -49,6 +49,7 @@ _WORDS = ("the", "and", "for", "was", "not", "but", "all", "can", "one", "its", 
 _FIRST = tuple(w.encode() for w in _WORDS)
 _NEXT = tuple(b" " + w for w in _FIRST)
 _WORD_INDEX = {w: i for i, w in enumerate(_WORDS)}
+FILLER_WORDS = _WORDS  # the output's word cycle: a test can check that a text continues without a gap
 
 
 # --- configuration -------------------------------------------------------------------------------
