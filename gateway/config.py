@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from policies.admission import DEFAULT_QUEUE_LOOKAHEAD, DEFAULT_QUEUE_SIZE, DEFAULT_QUEUE_TIMEOUT_S
+from policies.pace import PaceSettings
 
 WORKER_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MiB = 1024 * 1024
@@ -149,6 +150,20 @@ class ResumeConfig(_Strict):
     """Streams that survive their worker (gateway/resume.py) and hung-worker detection (policies/pace.py)."""
 
     max_attempts: int = Field(2, ge=0, le=10)  # continuations per stream after mid-stream failures; 0: off
+    # A worker is suspect (out of rotation, its exchanges resumed elsewhere) when a stream's first token or next
+    # token is later than stall_factor x its recent p99, at least the floors; cold_*: before it has a pace.
+    hung_detection: bool = True
+    stall_factor: float = Field(4.0, gt=1)
+    gap_floor_s: float = Field(2.0, gt=0)
+    first_token_floor_s: float = Field(5.0, gt=0)
+    cold_gap_s: float = Field(30.0, gt=0)
+    cold_first_token_s: float = Field(60.0, gt=0)
+    suspect_hold_s: float = Field(10.0, ge=0)  # a suspect worker stays out of rotation at least this long
+
+    def pace(self) -> PaceSettings:
+        return PaceSettings(factor=self.stall_factor, gap_floor_s=self.gap_floor_s,
+                            first_floor_s=self.first_token_floor_s, cold_gap_s=self.cold_gap_s,
+                            cold_first_s=self.cold_first_token_s)
 
 
 class UpstreamTlsConfig(_Strict):

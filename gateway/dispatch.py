@@ -343,7 +343,10 @@ class Dispatcher:
                 result = await self.relay.forward(
                     ctx.send, getattr(ws, ctx.route.url_attr), ctx.payload,
                     observe.leg("upstream", ws.id, ctx.upstream_headers),
-                    ctx.client_headers, ctx.stream, ctx.strip_usage, retries + 1 < self.attempts, ctx.state, resume)
+                    ctx.client_headers, ctx.stream, ctx.strip_usage, retries + 1 < self.attempts, ctx.state, resume,
+                    ws.id)
+                if result.stalled:
+                    self.registry.suspect(ws.id, f"stalled mid-stream: {result.midstream_error}")
                 if result.midstream_error is not None:
                     self.metrics.upstream_error(ws.id, "midstream")
                     if resume is None:  # the relay ended the stream with an error event
@@ -365,6 +368,8 @@ class Dispatcher:
                 observe.leg_failed(f.kind, f.detail)
                 if f.kind == "connect":
                     self.registry.report_failure(ws.id)
+                elif f.kind == "timeout" and ctx.stream:  # no first token within the worker's pace
+                    self.registry.suspect(ws.id, f"stalled before its first token: {f.detail}")
                 if ctx.state.started:  # a continuation leg failed before its first byte
                     broken = f.detail
                 else:

@@ -50,6 +50,7 @@ class WorkerState:
     discovered_at: float = 0.0
     weight: float = 1.0
     reported: bool | None = None  # the health last logged (None: nothing yet), so each change is logged once
+    held_until: float = 0.0  # suspected hung: no health check restores it before this (time.monotonic())
     # url prefixes, computed once
     chat_url: str = ""
     completions_url: str = ""
@@ -91,6 +92,7 @@ class Registry:
         self._background: set[asyncio.Task] = set()  # one-off probes of workers adopted by sync
         self.upstream: UpstreamPool | None = None  # the gateway's one client to workers (set by start)
         self._listeners: list[Callable[[], None]] = []
+        self._eject_listeners: list[Callable[[str], object]] = []
         self._probe_timeout = config.health.timeout_s
         self._scrape_timeout = max(0.2, min(2.0, config.scrape_interval_s * 2))
         store.on_restore(self.republish)
@@ -195,6 +197,30 @@ class Registry:
         self._rebuild()  # listeners wake waiting requests: a cap may have grown
         return ws
 
+    def on_eject(self, fn: Callable[[str], object]) -> None:
+        """Call `fn(worker_id)` whenever a worker leaves rotation for failing (its exchanges can be given up)."""
+        self._eject_listeners.append(fn)
+
+    def suspect(self, worker_id: str, why: str) -> None:
+        """A worker stalled against its own pace (policies/pace.py): out of rotation at once; the health
+        checks bring it back after `successes_to_restore` good answers, not before `resume.suspect_hold_s`
+        (Envoy's ejection time: a worker whose /health answers while its engine hangs stays out a while)."""
+        ws = self.workers.get(worker_id)
+        if ws is None or not ws.healthy:
+            return
+        ws.healthy = False
+        ws.oks = 0
+        ws.fails = max(ws.fails, self.config.health.failures_to_eject)
+        ws.checked = True
+        ws.held_until = time.monotonic() + self.config.resume.suspect_hold_s
+        self._rebuild()
+        log_health_change(ws, why)
+        self._ejected(worker_id)
+
+    def _ejected(self, worker_id: str) -> None:
+        for fn in self._eject_listeners:
+            fn(worker_id)
+
     def report_failure(self, worker_id: str) -> None:
         """Passive health: a refused connection on the data path counts like a failed check."""
         ws = self.workers.get(worker_id)
@@ -291,7 +317,8 @@ class Registry:
         if ok:
             ws.oks += 1
             ws.fails = 0
-            if not ws.healthy and (not ws.checked or ws.oks >= h.successes_to_restore):
+            if not ws.healthy and (not ws.checked or ws.oks >= h.successes_to_restore) \
+                    and time.monotonic() >= ws.held_until:
                 ws.healthy = True
         else:
             ws.fails += 1
@@ -302,6 +329,8 @@ class Registry:
         if ws.healthy != before:
             self._rebuild()
         log_health_change(ws, why)
+        if before and not ws.healthy:
+            self._ejected(ws.id)
 
     async def _check(self, url: str) -> str | None:
         """None when `url` answers 200, else why not (for the state-change log)."""

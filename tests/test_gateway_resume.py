@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import orjson
@@ -91,3 +93,43 @@ async def test_out_of_workers_ends_with_an_error_event_counted_as_502(sim_fleet)
         assert metric(text, "fleetgate_stream_breaks_total", outcome="not_resumable") == 1
         assert metric(text, "fleetgate_requests_total", status="502") == 2
         assert metric(text, "fleetgate_requests_total", status="200") == 0
+
+
+async def test_stalled_worker_is_suspected_and_its_stream_finishes_elsewhere(sim_fleet) -> None:
+    fleet = sim_fleet(2, time_scale=20)
+    resume = {"gap_floor_s": 0.5, "first_token_floor_s": 1.0, "cold_gap_s": 1.0, "cold_first_token_s": 2.0,
+              "suspect_hold_s": 2.0}
+    async with running_gateway(fleet.urls, health=HEALTH, resume=resume) as gw, \
+            httpx.AsyncClient(timeout=30) as http:
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        for _ in range(20):  # both workers get a pace
+            await client.completions.create(model=MODEL, prompt="warm", max_tokens=4)
+        t0 = asyncio.get_running_loop().time()
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=400, stream=True, extra_body={"ignore_eos": True},
+            extra_headers={"x-request-id": "stall-1"})
+        parts: list[str] = []
+        async for c in stream:
+            if c.choices and c.choices[0].delta.content:
+                parts.append(c.choices[0].delta.content)
+                if len(parts) == 5:  # the worker serving it hangs (every engine step takes 10^5 x longer)
+                    served = [u for u in fleet.urls
+                              if (await http.get(u + "/sim/state")).json()["inflight_http"] == 1]
+                    assert len(served) == 1
+                    await http.post(served[0] + "/sim/faults", json={"slowdown": 100000.0})
+        took = asyncio.get_running_loop().time() - t0
+        assert_continuous("".join(parts), 400)
+        assert took < 8.0  # the 60 s idle timeout never came into it
+        text = (await http.get(gw.url + "/metrics", headers=ADMIN)).text
+        assert metric(text, "fleetgate_stream_breaks_total", outcome="resumed") == 1
+        sick = gw.gateway.registry.workers["w0" if served[0] == fleet.urls[0] else "w1"]
+        assert not sick.healthy  # left rotation at once, and stays out its hold time though /health answers
+        await http.delete(served[0] + "/sim/faults")  # it recovers: the health checks bring it back
+        await poll_until(lambda: sick.healthy, 10.0)
+
+
+async def poll_until(cond, timeout_s: float) -> None:  # noqa: ANN001
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
