@@ -51,7 +51,7 @@ from gateway.request import (
     parse_request,
     read_headers,
 )
-from gateway.resume import StreamResume, continuation_body, resumable, tokenize_body
+from gateway.resume import StreamResume, continuation_body, resumable, text_tokenize_body, tokenize_body
 from gateway.slo import SloBook
 from gateway.state.base import StateStore
 from policies.admission import AdmissionQueue
@@ -409,33 +409,49 @@ class Dispatcher:
             await self.relay.end_stream(ctx.send, ctx.state, error=why)
             return RelayResult(status=200, midstream_error=why)
         chat = ctx.route is CHAT
-        body = None if delivered.finish_reason is not None else continuation_body(
-            ctx.req.body, chat, delivered.text, ctx.state.tokens)
-        if body is None:  # everything was delivered but the end
-            self.metrics.count_stream_break(model, "completed")
-            await self.relay.end_stream(ctx.send, ctx.state, resume.closing_events())
-            return RelayResult(status=200, tokens=ctx.state.tokens, first_token_at=resume.first_token_at,
-                               usage=Usage(resume.prompt_tokens or ctx.feats.prompt_tokens, ctx.state.tokens))
+        if delivered.finish_reason is not None or continuation_body(ctx.req.body, chat, "", ctx.state.tokens) is None:
+            return await self._close_locally(ctx, resume)
         if resume.legs >= self.max_resumes or not await self._place(ctx, ctx.tried):
             self.metrics.count_stream_break(model, "ended")
             log.info("request %s: stream broke (%s); not resumed (%s)", ctx.feats.request_id, why,
                      "no other worker" if resume.legs < self.max_resumes else "out of resume attempts")
             await self.relay.end_stream(ctx.send, ctx.state, error=why)
             return RelayResult(status=200, midstream_error=why)
+        # Exact counts from the new worker's tokenizer: an event may carry several tokens (vLLM merges the
+        # outputs of a slow consumer), so the events relayed only bound the tokens sent from below.
+        ws = ctx.worker
+        want_prompt = resume.client_usage and resume.prompt_tokens is None
+        sent, prompt = await asyncio.gather(
+            self._count_tokens(ws, text_tokenize_body(delivered.text, ctx.req.body.get("model")))
+            if delivered.text else _none(),
+            self._count_tokens(ws, tokenize_body(ctx.req.body, chat)) if want_prompt else _none())
+        if prompt is not None:
+            resume.prompt_tokens = prompt
+        if sent is not None and sent > ctx.state.tokens:
+            resume.tokens_before = ctx.state.tokens = sent
+        body = continuation_body(ctx.req.body, chat, delivered.text, resume.tokens_before)
+        if body is None:  # the exact count says nothing remains
+            ctx.worker = None
+            await self.release(ctx.rt, ctx.feats, ws)
+            return await self._close_locally(ctx, resume)
         self.metrics.count_stream_break(model, "resumed")
         resume.legs += 1
-        if resume.client_usage and resume.prompt_tokens is None:
-            resume.prompt_tokens = await self._prompt_tokens(ctx.worker, ctx.req.body, chat)
         ctx.payload = orjson.dumps(body)
         log.info("request %s: stream broke after %d tokens (%s); resuming on %s", ctx.feats.request_id,
-                 ctx.state.tokens, why, ctx.worker.id)
+                 ctx.state.tokens, why, ws.id)
         return None
 
-    async def _prompt_tokens(self, ws: WorkerState, body: dict[str, Any], chat: bool) -> int | None:
-        """The original prompt's token count, from the worker's POST /tokenize (None if it cannot tell)."""
+    async def _close_locally(self, ctx: RequestContext, resume: StreamResume) -> RelayResult:
+        """Everything was delivered but the end: the usage (if asked) and [DONE] from here."""
+        self.metrics.count_stream_break(ctx.rt.model, "completed")
+        await self.relay.end_stream(ctx.send, ctx.state, resume.closing_events())
+        return RelayResult(status=200, tokens=ctx.state.tokens, first_token_at=resume.first_token_at,
+                           usage=Usage(resume.prompt_tokens or ctx.feats.prompt_tokens, ctx.state.tokens))
+
+    async def _count_tokens(self, ws: WorkerState, body: bytes) -> int | None:
+        """A token count from the worker's POST /tokenize (None if it cannot tell)."""
         try:
-            r = await self.relay.upstream.fetch(ws.rec.url + "/tokenize", TOKENIZE_TIMEOUT_S, b"POST",
-                                                tokenize_body(body, chat),
+            r = await self.relay.upstream.fetch(ws.rec.url + "/tokenize", TOKENIZE_TIMEOUT_S, b"POST", body,
                                                 b"Content-Type: application/json\r\nAccept: */*\r\n")
             count = orjson.loads(r.body).get("count") if r.status == 200 else None
         except (OSError, TimeoutError, orjson.JSONDecodeError, AttributeError):
@@ -577,6 +593,10 @@ class Dispatcher:
         n = result.usage.completion_tokens if result.usage is not None else result.tokens
         if n > 1 and result.last_token_at is not None:
             self.metrics.observe_tpot(model, (result.last_token_at - result.first_token_at) / (n - 1))
+
+
+async def _none() -> None:
+    return None
 
 
 def _join_legs(result: RelayResult, resume: StreamResume, tokens: int) -> None:

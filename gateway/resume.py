@@ -148,6 +148,14 @@ def tokenize_body(body: dict[str, Any], chat: bool) -> bytes:
     return orjson.dumps(req)
 
 
+def text_tokenize_body(text: str, model: str | None) -> bytes:
+    """A POST /tokenize body counting the tokens of text already generated (no special tokens added)."""
+    req: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
+    if model:
+        req["model"] = model
+    return orjson.dumps(req)
+
+
 class StreamResume:
     """One resumable stream: the bytes delivered to the client, and the rewriting of continuation legs.
 
