@@ -114,11 +114,12 @@ def soak_date() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def write_section(text: str) -> None:
+def write_section(text: str, title: str = TITLE) -> None:
+    """Replace the section of chaos.md headed `title` (or add it at the end); the other sections stay."""
     old = CHAOS_MD.read_text() if CHAOS_MD.exists() else "# Chaos suite results\n\n"
-    if TITLE in old:
-        start = old.index(TITLE)
-        nxt = old.find("\n## ", start + len(TITLE))
+    if title in old:
+        start = old.index(title)
+        nxt = old.find("\n## ", start + len(title))
         old = old[:start] + old[nxt + 1:] if nxt != -1 else old[:start]
     CHAOS_MD.write_text(old.rstrip("\n") + "\n\n" + text)
 
