@@ -435,6 +435,7 @@ class Dispatcher:
             await self.release(ctx.rt, ctx.feats, ws)
             return await self._close_locally(ctx, resume)
         self.metrics.count_stream_break(model, "resumed")
+        observe.note_resume()
         resume.legs += 1
         ctx.payload = orjson.dumps(body)
         log.info("request %s: stream broke after %d tokens (%s); resuming on %s", ctx.feats.request_id,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import openai
@@ -31,7 +32,8 @@ async def drop_after(http: httpx.AsyncClient, urls: list[str], tokens: int) -> N
         await http.post(url + "/sim/faults", json={"drop_after_tokens": tokens})
 
 
-async def test_chat_stream_resumes_twice_and_reads_as_one(sim_fleet) -> None:
+async def test_chat_stream_resumes_twice_and_reads_as_one(sim_fleet, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="fleetgate.access")
     fleet = sim_fleet(3, time_scale=20)
     async with running_gateway(fleet.urls, health=HEALTH) as gw, httpx.AsyncClient(timeout=20) as http:
         await drop_after(http, fleet.urls, 4)  # every worker breaks after 4 tokens: 4 + 4 + 2, two resumes
@@ -55,6 +57,9 @@ async def test_chat_stream_resumes_twice_and_reads_as_one(sim_fleet) -> None:
         assert metric(text, "fleetgate_requests_total", status="200") == 1
         assert metric(text, "fleetgate_requests_total", status="502") == 0
         assert all(f.requests == 0 for f in gw.gateway.store.inflight().values())
+    access = [r.fields for r in caplog.records if r.name == "fleetgate.access"]
+    assert len(access) == 1 and access[0]["resumes"] == 2 and access[0]["status"] == 200
+    assert access[0]["completion_tokens"] == 10 and access[0]["prompt_tokens"] == usage[0].prompt_tokens
 
 
 async def test_completion_stream_resumes_without_usage_when_not_asked(sim_fleet) -> None:
