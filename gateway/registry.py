@@ -92,7 +92,7 @@ class Registry:
         self._background: set[asyncio.Task] = set()  # one-off probes of workers adopted by sync
         self.upstream: UpstreamPool | None = None  # the gateway's one client to workers (set by start)
         self._listeners: list[Callable[[], None]] = []
-        self._eject_listeners: list[Callable[[str], object]] = []
+        self._eject_listeners: list[Callable[[str, bool], object]] = []
         self._probe_timeout = config.health.timeout_s
         self._scrape_timeout = max(0.2, min(2.0, config.scrape_interval_s * 2))
         store.on_restore(self.republish)
@@ -197,8 +197,9 @@ class Registry:
         self._rebuild()  # listeners wake waiting requests: a cap may have grown
         return ws
 
-    def on_eject(self, fn: Callable[[str], object]) -> None:
-        """Call `fn(worker_id)` whenever a worker leaves rotation for failing (its exchanges can be given up)."""
+    def on_eject(self, fn: Callable[[str, bool], object]) -> None:
+        """Call `fn(worker_id, suspected)` whenever a worker leaves rotation for failing (its exchanges can be
+        given up): `suspected` when its own pace said it hung (suspect), not when health checks failed."""
         self._eject_listeners.append(fn)
 
     def suspect(self, worker_id: str, why: str) -> None:
@@ -215,11 +216,11 @@ class Registry:
         ws.held_until = time.monotonic() + self.config.resume.suspect_hold_s
         self._rebuild()
         log_health_change(ws, why)
-        self._ejected(worker_id)
+        self._ejected(worker_id, True)
 
-    def _ejected(self, worker_id: str) -> None:
+    def _ejected(self, worker_id: str, suspected: bool) -> None:
         for fn in self._eject_listeners:
-            fn(worker_id)
+            fn(worker_id, suspected)
 
     def report_failure(self, worker_id: str) -> None:
         """Passive health: a refused connection on the data path counts like a failed check."""
@@ -330,7 +331,7 @@ class Registry:
             self._rebuild()
         log_health_change(ws, why)
         if before and not ws.healthy:
-            self._ejected(ws.id)
+            self._ejected(ws.id, False)
 
     async def _check(self, url: str) -> str | None:
         """None when `url` answers 200, else why not (for the state-change log)."""

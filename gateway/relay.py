@@ -93,11 +93,19 @@ class Relay:
         self.pace = pace  # None: fixed timeouts only
         self.legs: dict[str, set[UpstreamConnection]] = {}  # worker id -> exchanges in flight on it
 
-    def abort_worker(self, worker_id: str, reason: str = "the worker is suspected hung") -> int:
-        """Fail every exchange in flight on `worker_id` (their requests are resumed or retried elsewhere)."""
-        legs = self.legs.get(worker_id, ())
-        for conn in list(legs):
-            conn.abort(reason)
+    def abort_worker(self, worker_id: str, suspected: bool = True) -> int:
+        """A worker left rotation: its exchanges in flight are given up (their requests resumed or retried
+        elsewhere). Suspected hung (its pace said so): all of them at once. Ejected by failed health checks:
+        those silent for the gap floor, now or later (each wait for the worker's next bytes is cut to the floor),
+        so a worker slow to answer probes on a crowded host keeps the streams it still feeds; without hung
+        detection, none. Returns how many exchanges were touched."""
+        legs = list(self.legs.get(worker_id, ()))
+        if suspected:
+            for conn in legs:
+                conn.abort("the worker is suspected hung")
+        elif self.pace is not None:
+            for conn in legs:
+                conn.set_read_timeout(self.pace.settings.gap_floor_s)
         return len(legs)
 
     async def forward(
