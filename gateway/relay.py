@@ -211,7 +211,7 @@ class Relay:
         before = resume.tokens_before if continuation else 0
         feed = scanner.feed
         read_some = resp.read_some
-        note = resume.sent.append if resume is not None else None
+        note = resume.note if resume is not None else None
         rewrite = resume.rewrite if continuation else None
         max_gap = 0.0
         try:

@@ -14,7 +14,8 @@ request again (the same placement step, without the failed worker) as a continua
 The client sees one stream: the continuation's chunks carry the first chunk's id, created and model, its role
 chunk is dropped, and its usage (when the client asked for usage) reports the original prompt's tokens and the
 completion tokens delivered over all legs. The relay keeps the bytes it forwarded (one list append per chunk:
-no parsing on the hot path); they are parsed only when a stream breaks.
+no parsing on the hot path); they are parsed when a stream breaks, or folded into the text once they pass
+FOLD_BYTES (so a long stream holds its text, not ~200 bytes of event framing per token).
 
 Requests that cannot be continued this way end with the OpenAI-shaped error event as before: n > 1, logprobs,
 an echoed prompt, prompts given as token ids or several prompts, structured output (a grammar would restart),
@@ -23,7 +24,7 @@ and tool calls already streaming.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -31,6 +32,7 @@ import orjson
 from engine_adapters.base import Usage
 
 EVENT_END = b"\n\n"
+FOLD_BYTES = 256 * 1024  # relayed bytes kept unparsed per stream
 DONE = b"data: [DONE]\n\n"
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
@@ -58,7 +60,7 @@ def resumable(body: dict[str, Any], chat: bool) -> bool:
 class Delivered:
     """What the client has of the stream so far, read from the bytes relayed to it."""
 
-    text: str = ""
+    parts: list[str] = field(default_factory=list)  # the text, in pieces
     id: str | None = None
     created: int | None = None
     model: str | None = None
@@ -66,11 +68,17 @@ class Delivered:
     finish_reason: str | None = None
     tool_calls: bool = False
 
+    @property
+    def text(self) -> str:
+        if len(self.parts) > 1:
+            self.parts[:] = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
 
-def read_delivered(data: bytes) -> Delivered:
-    """Parse the events relayed so far (complete events only: the relay forwards nothing else)."""
-    d = Delivered()
-    parts: list[str] = []
+
+def read_delivered(data: bytes, d: Delivered | None = None) -> Delivered:
+    """Parse relayed events (complete events only: the relay forwards nothing else) into `d` (or a new one)."""
+    d = d if d is not None else Delivered()
+    parts = d.parts
     for ev in data.split(EVENT_END):
         if not ev.startswith(b"data: {"):
             continue
@@ -94,7 +102,6 @@ def read_delivered(data: bytes) -> Delivered:
                 parts.append(content)
             if choice.get("finish_reason") is not None:
                 d.finish_reason = choice["finish_reason"]
-    d.text = "".join(parts)
     return d
 
 
@@ -163,7 +170,7 @@ class StreamResume:
     answer). `tokens_before` is what the client had when the current leg started."""
 
     __slots__ = ("chat", "client_usage", "continuous_usage", "sent", "legs", "delivered", "tokens_before",
-                 "prompt_tokens", "first_token_at", "_leg_usage")
+                 "prompt_tokens", "first_token_at", "_leg_usage", "_size")
 
     def __init__(self, chat: bool, client_usage: bool, continuous_usage: bool) -> None:
         self.chat = chat
@@ -176,13 +183,23 @@ class StreamResume:
         self.prompt_tokens: int | None = None  # the original prompt's tokens (POST /tokenize), once known
         self.first_token_at: float | None = None
         self._leg_usage: Usage | None = None
+        self._size = 0
 
     def note(self, out: bytes) -> None:
+        """The relay forwarded `out` to the client."""
         self.sent.append(out)
+        self._size += len(out)
+        if self._size > FOLD_BYTES:
+            self._fold()
+
+    def _fold(self) -> None:
+        read_delivered(b"".join(self.sent), self.delivered)
+        self.sent.clear()
+        self._size = 0
 
     def broke(self, tokens_delivered: int) -> Delivered:
         """The current leg broke: read what the client has."""
-        self.delivered = read_delivered(b"".join(self.sent))
+        self._fold()
         self.tokens_before = tokens_delivered
         return self.delivered
 

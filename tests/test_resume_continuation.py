@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.resume import StreamResume, continuation_body, read_delivered, resumable
+from gateway.resume import FOLD_BYTES, StreamResume, continuation_body, read_delivered, resumable
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "seed": 3,
         "temperature": 0.7, "stream": True}
@@ -90,3 +90,14 @@ def test_rewrite_strips_usage_the_client_did_not_ask_for() -> None:
     out = r.rewrite(text + usage + b"data: [DONE]\n\n")
     assert b'"usage":{' not in out and out.endswith(b"data: [DONE]\n\n") and b"cmpl-b" in out
     assert r.total_usage().completion_tokens == 1
+
+
+def test_a_long_stream_is_folded_into_its_text() -> None:
+    r = StreamResume(chat=True, client_usage=False, continuous_usage=False)
+    r.note(chunk(role=True))
+    words = [f" w{i}" for i in range(5000)]
+    for w in words:
+        r.note(chunk(w))
+    assert sum(len(b) for b in r.sent) <= FOLD_BYTES  # the framing does not pile up
+    d = r.broke(5000)
+    assert d.text == "".join(words) and d.role_sent and d.id == "chatcmpl-a"
