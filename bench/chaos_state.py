@@ -37,10 +37,25 @@ def run_scenarios() -> int:
                            env=env)
 
 
+def section_head(title: str, command: str, commit: str, passed: bool) -> list[str]:
+    """A chaos.md section's title, run facts and the head of its scenario table."""
+    return [title, "", f"- command: {command}", f"- commit: `{commit}`", f"- machine: {machine_info()}",
+            f"- date: {soak_date()}", f"- all scenarios passed: {passed}", "",
+            "| scenario | must hold | measured |", "|---|---|---|"]
+
+
+def read_runs(path: Path) -> dict[str, dict]:
+    """The scenarios' figures from a FLEETGATE_CHAOS_RESULTS file, by scenario (the last run of each)."""
+    runs = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            d = json.loads(line)
+            runs[d["scenario"]] = d
+    return runs
+
+
 def section(runs: dict[str, dict], soak: dict | None, commit: str, passed: bool) -> str:
-    out = [TITLE, "", f"- command: `{COMMAND}` (pytest {' '.join(TESTS)} at full size)", f"- commit: `{commit}`",
-           f"- machine: {machine_info()}", f"- date: {soak_date()}", f"- all scenarios passed: {passed}", "",
-           "| scenario | must hold | measured |", "|---|---|---|"]
+    out = section_head(TITLE, f"`{COMMAND}` (pytest {' '.join(TESTS)} at full size)", commit, passed)
     r = runs.get("redis_restarted_empty")
     if r:
         out.append(f"| Redis SIGKILLed, a new empty one on the same port after {r['restart_s']} s, 8 streaming "
@@ -131,11 +146,7 @@ def main() -> None:
     args = ap.parse_args()
     commit = args.commit or git_commit()
     code = 0 if args.report_only else run_scenarios()
-    runs = {}
-    if RUN.exists():
-        for line in RUN.read_text().splitlines():
-            d = json.loads(line)
-            runs[d["scenario"]] = d
+    runs = read_runs(RUN)
     soak = json.loads(SOAK.read_text()) if SOAK.exists() else None
     write_section(section(runs, soak, commit, code == 0))
     print(f"wrote the section of {CHAOS_MD} ({len(runs)} scenario(s), soak: {'yes' if soak else 'no'})")

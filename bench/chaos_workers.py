@@ -7,13 +7,12 @@ bench/results/chaos.md ("Workers killed and frozen"); the other sections are kep
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
-from bench.chaos_state import RESULTS, ROOT, soak_date, write_section
-from bench.report import git_commit, machine_info
+from bench.chaos_state import RESULTS, ROOT, read_runs, section_head, write_section
+from bench.report import git_commit
 
 RUN = RESULTS / "chaos_workers.jsonl"
 TITLE = "## Workers killed and frozen"
@@ -21,9 +20,7 @@ TEST = "tests_chaos/test_workers.py"
 
 
 def section(runs: dict[str, dict], commit: str, passed: bool) -> str:
-    out = [TITLE, "", f"- command: `python -m bench.chaos_workers` (pytest {TEST})", f"- commit: `{commit}`",
-           f"- machine: {machine_info()}", f"- date: {soak_date()}", f"- all scenarios passed: {passed}", "",
-           "| scenario | must hold | measured |", "|---|---|---|"]
+    out = section_head(TITLE, f"`python -m bench.chaos_workers` (pytest {TEST})", commit, passed)
     r = runs.get("worker_kill_9")
     if r:
         out.append(f"| `kill -9` of one of 4 workers (`fleetgate sim --workers 1` each) under {r['streams']} "
@@ -48,11 +45,7 @@ def main() -> None:
     commit = git_commit()
     code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TEST], cwd=ROOT,
                            env={**os.environ, "FLEETGATE_CHAOS_RESULTS": str(RUN)})
-    runs = {}
-    if RUN.exists():
-        for line in RUN.read_text().splitlines():
-            d = json.loads(line)
-            runs[d["scenario"]] = d
+    runs = read_runs(RUN)
     write_section(section(runs, commit, code == 0), TITLE)
     print(f"wrote the section {TITLE!r} of bench/results/chaos.md ({len(runs)} scenario(s))")
     raise SystemExit(code)
