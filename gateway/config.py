@@ -159,6 +159,7 @@ class ResumeConfig(_Strict):
     cold_gap_s: float = Field(30.0, gt=0)
     cold_first_token_s: float = Field(60.0, gt=0)
     suspect_hold_s: float = Field(10.0, ge=0)  # a suspect worker stays out of rotation at least this long
+    eject_after_errors: int = Field(5, ge=0)  # this many failed requests in a row eject a worker (0: never)
 
     def pace(self) -> PaceSettings:
         return PaceSettings(factor=self.stall_factor, gap_floor_s=self.gap_floor_s,

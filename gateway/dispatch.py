@@ -347,6 +347,7 @@ class Dispatcher:
                     ws.id)
                 if result.stalled:
                     self.registry.suspect(ws.id, f"stalled mid-stream: {result.midstream_error}")
+                self.registry.note_outcome(ws.id, result.midstream_error is None and result.status < 500)
                 if result.midstream_error is not None:
                     self.metrics.upstream_error(ws.id, "midstream")
                     if resume is None:  # the relay ended the stream with an error event
@@ -364,6 +365,7 @@ class Dispatcher:
             except UpstreamFailure as f:
                 failure = f
                 ctx.tried.append(ws.id)
+                self.registry.note_outcome(ws.id, False)
                 self.metrics.upstream_error(ws.id, f.kind)
                 observe.leg_failed(f.kind, f.detail)
                 if f.kind == "connect":

@@ -51,6 +51,7 @@ class WorkerState:
     weight: float = 1.0
     reported: bool | None = None  # the health last logged (None: nothing yet), so each change is logged once
     held_until: float = 0.0  # suspected hung: no health check restores it before this (time.monotonic())
+    errors_in_row: int = 0  # requests that failed on it since its last success (outlier ejection)
     # url prefixes, computed once
     chat_url: str = ""
     completions_url: str = ""
@@ -206,6 +207,24 @@ class Registry:
         """A worker stalled against its own pace (policies/pace.py): out of rotation at once; the health
         checks bring it back after `successes_to_restore` good answers, not before `resume.suspect_hold_s`
         (Envoy's ejection time: a worker whose /health answers while its engine hangs stays out a while)."""
+        self._hold_out(worker_id, why, True)
+
+    def note_outcome(self, worker_id: str, ok: bool) -> None:
+        """Outlier ejection (Envoy's consecutive_5xx): a worker whose last `resume.eject_after_errors` requests
+        all failed (refused, 5xx, cut short) leaves rotation as a suspect does, its exchanges left to time out."""
+        ws = self.workers.get(worker_id)
+        if ws is None:
+            return
+        if ok:
+            ws.errors_in_row = 0
+            return
+        ws.errors_in_row += 1
+        limit = self.config.resume.eject_after_errors
+        if limit and ws.errors_in_row >= limit:
+            ws.errors_in_row = 0
+            self._hold_out(worker_id, f"{limit} requests in a row failed", False)
+
+    def _hold_out(self, worker_id: str, why: str, suspected: bool) -> None:
         ws = self.workers.get(worker_id)
         if ws is None or not ws.healthy:
             return
@@ -216,7 +235,7 @@ class Registry:
         ws.held_until = time.monotonic() + self.config.resume.suspect_hold_s
         self._rebuild()
         log_health_change(ws, why)
-        self._ejected(worker_id, True)
+        self._ejected(worker_id, suspected)
 
     def _ejected(self, worker_id: str, suspected: bool) -> None:
         for fn in self._eject_listeners:

@@ -138,3 +138,20 @@ async def poll_until(cond, timeout_s: float) -> None:  # noqa: ANN001
     while not cond():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
+
+
+async def test_a_worker_failing_every_request_is_ejected_though_its_health_answers(sim_fleet) -> None:
+    fleet = sim_fleet(2, time_scale=20)
+    resume = {"eject_after_errors": 3, "suspect_hold_s": 1.0}
+    async with running_gateway(fleet.urls, health=HEALTH, resume=resume, default_policy="round_robin") as gw, \
+            httpx.AsyncClient(timeout=20) as http:
+        await http.post(fleet.urls[0] + "/sim/faults", json={"error_status": 500})
+        bad = gw.gateway.registry.workers["w0"]
+        for _ in range(8):  # w0's failures are retried on w1: the clients see none
+            r = await http.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200
+        assert not bad.healthy  # out after 3 in a row, though /health answers 200
+        text = (await http.get(gw.url + "/metrics", headers=ADMIN)).text
+        assert metric(text, "fleetgate_upstream_errors_total", worker="w0", kind="status_5xx") == 3
+        await http.delete(fleet.urls[0] + "/sim/faults")
+        await poll_until(lambda: bad.healthy, 10.0)  # back after its hold, by the health checks

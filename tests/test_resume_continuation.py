@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.resume import FOLD_BYTES, StreamResume, continuation_body, read_delivered, resumable
+from gateway.resume import (
+    FOLD_BYTES,
+    Delivered,
+    StreamResume,
+    continuation_body,
+    fold_delivered,
+    read_delivered,
+    resumable,
+)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "seed": 3,
         "temperature": 0.7, "stream": True}
@@ -95,9 +103,24 @@ def test_rewrite_strips_usage_the_client_did_not_ask_for() -> None:
 def test_a_long_stream_is_folded_into_its_text() -> None:
     r = StreamResume(chat=True, client_usage=False, continuous_usage=False)
     r.note(chunk(role=True))
-    words = [f" w{i}" for i in range(5000)]
+    words = [f" w{i}" for i in range(20000)]
     for w in words:
         r.note(chunk(w))
-    assert sum(len(b) for b in r.sent) <= FOLD_BYTES  # the framing does not pile up
-    d = r.broke(5000)
+    assert 20000 * len(chunk(" w1")) > 2 * FOLD_BYTES >= 2 * sum(len(b) for b in r.sent)  # folded, not piled up
+    d = r.broke(20000)
     assert d.text == "".join(words) and d.role_sent and d.id == "chatcmpl-a"
+
+
+def test_the_fast_fold_reads_what_the_json_parse_reads() -> None:
+    texts = ["the", ' "quoted"', " back\\slash", " \u00e9\u4e2d\U0001f600", "\nnew line", " content\":\"x", ""]
+    data = chunk(role=True) + b"".join(chunk(t) for t in texts) + chunk(" end", finish="length") + ev(
+        {"id": "chatcmpl-a", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 8}})
+    fast = Delivered()
+    fold_delivered(data, fast)
+    slow = read_delivered(data)
+    assert fast.text == slow.text == "".join(texts) + " end"
+    assert (fast.id, fast.role_sent, fast.finish_reason, fast.tool_calls) == (slow.id, True, "length", False)
+    completion = ev({"id": "cmpl-1", "created": 1, "model": "m", "choices": [{"index": 0, "text": " a\\b"}]})
+    d = Delivered()
+    fold_delivered(completion * 3, d)
+    assert d.text == " a\\b" * 3 and d.id == "cmpl-1"
