@@ -133,6 +133,8 @@ def simulate(
                                         help="Tell policies every request's true output length (an oracle)."),
     warmup: int = typer.Option(2000, help="Past (prompt, output) pairs of the trace the length predictor starts from."),
     queue_lookahead: int = typer.Option(1, "--queue-lookahead", help="Admission queue look-ahead (gateway default 1)."),
+    rebalance_s: float | None = typer.Option(None, "--rebalance-s", help="Run Aladdin's Algorithm 2 (moves of "
+                                             "requests not started) every this many seconds; off by default."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     pd: str | None = typer.Option(None, "--pd", help="P:D prefill and decode workers (replaces --workers); "
                                      "--policy then places the decode legs."),
@@ -147,7 +149,7 @@ def simulate(
                        policy_params=parse_params(policy_param), slo_ttft_s=slo_ttft_ms / 1000.0,
                        slo_tpot_s=slo_tpot_ms / 1000.0, ttft_slowdown=ttft_slowdown, pd=pd,
                        lengths="oracle" if oracle_lengths else "predicted", warmup=warmup,
-                       queue_lookahead=queue_lookahead)
+                       queue_lookahead=queue_lookahead, rebalance_s=rebalance_s)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -81,7 +81,7 @@ from policies.length_predictor import LengthPredictor
 from policies.perf_model import DECODE, PREFILL, PerfModel
 from policies.slo_targets import DEFAULT_ATGT_S, DEFAULT_TTFT_S, SloTarget, target_for
 from policies.tail import split_budget, tail_factor
-from policies.types import Decision, RequestFeatures, WorkerView
+from policies.types import Decision, Move, RequestFeatures, WorkerView
 
 _PENDING, _DECODING = 0, 1
 _MAX_SLO_GROUPS = 8
@@ -141,15 +141,6 @@ class _Row:
         self.tcount: dict[float, int] = {}                # ATGT target -> requests holding it
         self.early: deque[tuple[float, float]] = deque(maxlen=1024)  # (expiry step, l_real − l_pred)
         self.young: list[str | None] = [None] * _YOUNG                # risk mode: rids in the young slots
-
-
-@dataclass(frozen=True, slots=True)
-class Move:
-    """Rebalancing proposal: place `request_id` on `dst` instead of `src` (Algorithm 2)."""
-
-    request_id: str
-    src: str
-    dst: str
 
 
 @dataclass(slots=True)
