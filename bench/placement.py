@@ -61,9 +61,9 @@ TRACES: dict[str, tuple[dict[str, Any], tuple[float, float]]] = {
 BASELINES = ("round_robin", "least_requests", "power_of_two", "least_kv", "hetero")
 # aladdin's candidate parameter sets: policy parameters, plus the admission queue's look-ahead.
 CANDIDATES: dict[str, dict[str, Any]] = {
-    "paper": {},                                        # Algorithm 1 as printed: fullest feasible bin
-    "margin": {"margin": 0.25},                         # fullest bin keeping 25% headroom on every constraint
-    "spread": {"fit": "worst"},                         # most headroom: the constraints as admission control
+    "paper": {"fit": "best", "queue_lookahead": 1},     # Algorithm 1 as printed: fullest feasible bin
+    "margin": {"fit": "best", "margin": 0.25, "queue_lookahead": 1},   # fullest bin keeping 25% headroom
+    "spread": {"fit": "worst", "queue_lookahead": 1},   # most headroom: the constraints as admission control
     "spread_lookahead": {"fit": "worst", "queue_lookahead": 16},
 }
 ORACLE = "aladdin (oracle lengths)"

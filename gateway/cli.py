@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from policies.admission import DEFAULT_QUEUE_LOOKAHEAD
+
 # Plain click help (rich_markup_mode=None): typer's rich help shows on/off flags as `<bool>`.
 _HELP = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, context_settings=_HELP,
@@ -132,7 +134,8 @@ def simulate(
     oracle_lengths: bool = typer.Option(False, "--oracle-lengths",
                                         help="Tell policies every request's true output length (an oracle)."),
     warmup: int = typer.Option(2000, help="Past (prompt, output) pairs of the trace the length predictor starts from."),
-    queue_lookahead: int = typer.Option(1, "--queue-lookahead", help="Admission queue look-ahead (gateway default 1)."),
+    queue_lookahead: int = typer.Option(DEFAULT_QUEUE_LOOKAHEAD, "--queue-lookahead",
+                                        help="Admission queue look-ahead (the gateway's limits.queue_lookahead)."),
     rebalance_s: float | None = typer.Option(None, "--rebalance-s", help="Run Aladdin's Algorithm 2 (moves of "
                                              "requests not started) every this many seconds; off by default."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),

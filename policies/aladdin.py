@@ -47,8 +47,9 @@ Choices beyond the paper (each a parameter):
     those that keep at least m relative headroom on every constraint, else the one with the most); `fit=
     "worst"` takes the one with the most headroom (the constraints then act as admission control and a fleet
     larger than needed spreads its load instead of idling). Best fit minimises the workers in use, which pays
-    when idle workers can be released; on a fixed fleet it leaves the model's errors no room (the
-    placement study, bench/results/placement.md, chooses between them by leave-one-trace-out).
+    when idle workers can be released; on a fixed fleet it leaves the model's errors no room. The default is
+    "worst": the placement study's leave-one-trace-out protocol chose it, with a 16-deep admission queue
+    look-ahead, in every fold (bench/results/placement.md).
   * Trust: `observe_outcome` keeps each worker's recent SLO miss rate (EWMA over `miss_window` requests). Where
     the model is right, requests it placed hardly ever miss; a worker above `max_miss_rate` is not trusted
     and, when every worker the model would place on is untrusted, the `fallback` baseline places the request
@@ -238,7 +239,7 @@ class AladdinPolicy(Policy):
         count_wait: bool = True,
         stall_risk: float = 0.005,
         deadline_margin_s: float = 0.05,
-        fit: str = "best",
+        fit: str = "worst",       # chosen by the placement study's protocol (bench/results/placement.md)
         margin: float = 0.0,
         fallback: str | None = "least_requests",
         max_miss_rate: float = 0.1,
