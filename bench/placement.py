@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench.harness import bisect_smallest
 from bench.report import git_commit, write_report
 from simulator.cluster import ClusterSim, RequestResult
 from simulator.profiles import load_profile
@@ -172,13 +173,7 @@ def min_workers(spec: SimSpec, label: str, trace: str, level: float, target: flo
                 hi = m
             else:
                 lo = m
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
-    s.needed = hi
+    s.needed = bisect_smallest(ok, lo, hi)
     return s
 
 
