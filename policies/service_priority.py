@@ -14,7 +14,7 @@ SeaLLM (Service-aware and latency-optimized LLM sharing; docs/reference/seallm.m
 - Each service has a starvation threshold; requests of a starved service are served first (section 4.2;
   Algorithm 2, GetHighestPriorityOrStarvedRequest). Here a request is starved when it has made no progress for
   its service's threshold (seconds on the caller's clock): it then goes ahead of all not-starved requests,
-  oldest first.
+  oldest first, until it finishes.
 
 "Execution cost" is in decode-iteration equivalents, the same unit for the profile and the budget, so the order
 does not depend on how loaded the engines were when the profile was learned: `execution_cost(prompt, generated)`
@@ -91,6 +91,7 @@ class _Tracked:
     base_budget: float = 0.0      # seallm: Q = L̂_s + Var_s at arrival
     level: int = 0                # seallm: how many times the budget doubled
     level_start: float = 0.0      # seallm: `executed` when the current budget began
+    starved: bool = False         # seallm: it went without progress for its service's threshold (sticky)
 
 
 class ServiceScheduler:
@@ -153,6 +154,10 @@ class ServiceScheduler:
     def engine_priority(self, request_id: str, now: float) -> int:
         """vLLM's `priority` for the request (smaller first; ties by arrival in the engine)."""
         return 0
+
+    def preemptible(self, request_id: str, now: float) -> bool:
+        """May a running request be preempted for a better one? (Only a preemptive engine asks: simulator only.)"""
+        return True
 
     def profile(self, service: str) -> ServiceProfile:
         p = self.profiles.get(service)
@@ -252,7 +257,18 @@ class DoublingBudgetScheduler(ServiceScheduler):
         return t is not None and self._starved(t, now)
 
     def _starved(self, t: _Tracked, now: float) -> bool:
-        return now - t.last_progress >= self.starvation_s.get(t.service, self.default_starvation_s)
+        # Sticky: a starved request keeps the lead until it finishes, else it would lose it (and, in a preemptive
+        # engine, its KV) at its first step and starve again.
+        if not t.starved:
+            t.starved = now - t.last_progress >= self.starvation_s.get(t.service, self.default_starvation_s)
+        return t.starved
+
+    def preemptible(self, request_id: str, now: float) -> bool:
+        """Only a request that outran its first budget, i.e. deviates from its service's profile (the case the
+        doubling budget is for, section 4.2), and is not starved: preempting in-profile requests would cost their
+        KV for priorities that the profile already ordered at admission."""
+        t = self._reqs.get(request_id)
+        return t is not None and t.level > 0 and not self._starved(t, now)
 
     def _key(self, t: _Tracked, now: float) -> tuple[float, ...]:
         if self._starved(t, now):

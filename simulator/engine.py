@@ -59,6 +59,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -298,6 +299,10 @@ class EngineCore:
         self._c_admit = p.c_admit_s
         self._speed = SpeedDrift(p.speed_quantiles, p.speed_tau_s, seed) if p.speed_quantiles else None
         self._f = 1.0                                           # speed factor of the step being planned
+        # Simulator only (vLLM fixes a request's priority at arrival): `reprioritize(req, generated, now)` gives
+        # every live request's current priority and whether it may be preempted for a better one, before each
+        # step; see `_preempt_for_priority`.
+        self.reprioritize: Callable[[SimRequest, int, float], tuple[float, bool]] | None = None
 
     # ---- queries ----------------------------------------------------------------------------------
     @property
@@ -450,6 +455,10 @@ class EngineCore:
         budget = self.max_num_batched_tokens
         sched: dict[_Seq, int] = {}
         preempted: list[_Seq] = []
+        swapped_out: list[_Seq] = []
+        if self.reprioritize is not None and self.num_waiting:
+            swapped_out = self._preempt_for_priority(now)
+            max_iterations = 1          # budgets run out at iteration boundaries: look again after each one
         running = self._running
         # 1) running requests: decodes first, then partial prefills (vLLM V1 schedules RUNNING first).
         order = [s for s in running if s.num_tokens - s.num_computed == 1]
@@ -497,11 +506,42 @@ class EngineCore:
         if self._speed is not None:
             self._f = self._speed.factor(now)
             dur *= self._f
-        plan = _Plan(now, list(sched.items()), preempted, dur)
+        plan = _Plan(now, list(sched.items()), swapped_out + preempted, dur)
         if max_iterations > 1 and P == 0 and not preempted and not admitted and len(sched) == len(running):
             self._extend(plan, max_iterations, now)
         self._plan = plan
         return plan.dur
+
+    def _preempt_for_priority(self, now: float) -> list[_Seq]:
+        """Simulator only: re-prioritise every live request (`reprioritize`), then, while the best waiting request
+        outranks the worst preemptible running one and cannot start beside it (the batch is at max_num_seqs or its
+        prompt's blocks are not free), preempt that one (recompute, as vLLM's preemption). Returns them."""
+        fn = self.reprioritize
+        if fn is None or not self.priority:
+            raise RuntimeError("re-prioritising needs scheduling_policy 'priority' and a reprioritize function")
+        victims: list[_Seq] = []
+        for seq in self._running:
+            seq.req.priority, preemptible = fn(seq.req, seq.num_output, now)
+            if preemptible:
+                victims.append(seq)
+        for seq in self._waiting_seqs():
+            seq.req.priority = fn(seq.req, seq.num_output, now)[0]
+        self._heap = [(s.req.priority, s.req.arrival, s.seq_no, s) for s in self._waiting_seqs()]
+        heapq.heapify(self._heap)
+        out: list[_Seq] = []
+        bs = self.block_size
+        while self._heap and victims:
+            best = self._heap[0][3]
+            worst = max(victims, key=lambda s: (s.req.priority, s.req.arrival, s.seq_no))
+            if best.req.priority >= worst.req.priority:
+                break
+            need = -(-(best.num_tokens + 1) // bs)
+            if len(self._running) < self.max_num_seqs and need <= self._pool.num_free:
+                break
+            self._preempt(worst)
+            victims.remove(worst)
+            out.append(worst)
+        return out
 
     def _admit(self, now: float, budget: int, sched: dict[_Seq, int]) -> tuple[int, int]:
         bs = self.block_size

@@ -107,10 +107,14 @@ def test_starved_request_goes_first_per_service_threshold():
     assert not s.starved("e", 4.9) and s.starved("e", 5.0)
     assert order(s, ["e", "c"], 5.0) == ["e", "c"]
     assert s.engine_priority("e", 5.0) == 0
-    s.progressed("e", 0, 1, 5.0)         # it ran: the starvation clock starts again
-    assert order(s, ["e", "c"], 6.0) == ["c", "e"]
+    s.progressed("e", 0, 1, 5.0)         # it ran, and keeps the lead until it finishes
+    assert order(s, ["e", "c"], 6.0) == ["e", "c"]
     # code's threshold is the default (60 s): after 60 s without progress c is starved too, and the older goes first.
-    assert order(s, ["e", "c"], 63.0) == ["e", "c"] and s.starved("c", 63.0)
+    assert not s.starved("c", 62.9)
+    assert order(s, ["c", "e"], 63.0) == ["e", "c"] and s.starved("c", 63.0)
+    s.arrived("c2", "code", 63.0)
+    s.progressed("c2", 0, 1, 100.0)      # progress restarts the clock of a request not yet starved
+    assert not s.starved("c2", 159.0) and s.starved("c2", 160.0)
 
 
 def test_finished_requests_teach_the_profile_and_budgets_freeze_at_arrival():
