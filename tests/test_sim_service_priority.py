@@ -4,6 +4,7 @@ simulator-only re-prioritising preemption (EngineCore.reprioritize) and a servic
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -14,6 +15,7 @@ from simulator.cluster import ClusterSim
 from simulator.engine import EngineConfig, EngineCore, SimRequest
 from simulator.services import ServiceSpec, parse_services, service_workload
 from simulator.workload import WorkloadRequest
+from tests.helpers import run_cli as fleetgate
 from tests.test_sim_engine import drive
 
 PROFILE = "llama3-8b-h100"
@@ -159,3 +161,28 @@ def test_preempting_sim_reprioritises_running_requests():
     assert ClusterSim(PROFILE, 1, service_priority="seallm", service_preempt=True).services.name == "seallm+preempt"
     with pytest.raises(ValueError, match="P/D"):
         ClusterSim(PROFILE, 2, prefill_workers=1, service_priority="seallm")
+
+
+def test_cli_services_and_service_priority():
+    args = ("simulate", "--services", "sharegpt,code", "--rate", "4", "--duration", "30", "--workers", "1",
+            "--max-num-seqs", "16", "--json")
+    runs = {}
+    for prio in ("fcfs", "seallm"):
+        p = fleetgate(*args, "--service-priority", prio)
+        assert p.returncode == 0, p.stderr
+        runs[prio] = json.loads(p.stdout)
+    out = runs["seallm"]
+    assert out["service_priority"] == "seallm" and out["trace"] == "sharegpt,code"
+    assert set(out["services"]) == {"sharegpt", "code"}
+    assert out["requests"] == runs["fcfs"]["requests"] == sum(s["requests"] for s in out["services"].values())
+    assert 0 < out["norm_latency_mean"] <= out["norm_latency_p99"]
+    p = fleetgate(*args, "--service-priority", "seallm", "--service-preempt")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["service_priority"] == "seallm+preempt"
+    for bad, msg in [(("--service-priority", "lottery"), "service priority must be one of"),
+                     (("--service-preempt",), "needs a service priority"),
+                     (("--services", "nope"), "unknown lengths")]:
+        p = fleetgate("simulate", "--rate", "4", "--duration", "5", *bad)
+        assert p.returncode == 2 and msg in p.stderr, p.stderr
+    p = fleetgate("simulate", "--services", "code", "--duration", "5")
+    assert p.returncode == 2 and "need an arrival rate" in p.stderr
