@@ -158,7 +158,7 @@ class _Seq:
     """Engine-side state of one request (vLLM's Request): tokens = prompt + generated so far."""
 
     __slots__ = ("req", "rec", "num_computed", "num_tokens", "num_output", "limit", "hashes", "num_blocks",
-                 "status", "seq_no", "promote", "no_count_below", "loaded", "reported_cache")
+                 "status", "seq_no", "promote", "no_count_below", "loaded", "reported_cache", "paused")
 
     def __init__(self, req: SimRequest, limit: int, seq_no: int) -> None:
         self.req = req
@@ -175,6 +175,7 @@ class _Seq:
         self.no_count_below = 0         # prompt positions below this are not counted as computed
         self.loaded = False             # P/D consumer: remote KV already placed
         self.reported_cache = False
+        self.paused = False             # set aside for a better request with its KV kept (reprioritize only)
 
 
 class _BlockPool:
@@ -477,6 +478,8 @@ class EngineCore:
                     sched[seq] = n_new
                     budget -= n_new
                     break
+                if self._drop_paused_kv():
+                    continue            # a paused request's KV went first (it recomputes when it resumes)
                 victim = self._victim()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -515,7 +518,7 @@ class EngineCore:
     def _preempt_for_priority(self, now: float) -> list[_Seq]:
         """Simulator only: re-prioritise every live request (`reprioritize`), then, while the best waiting request
         outranks the worst preemptible running one and cannot start beside it (the batch is at max_num_seqs or its
-        prompt's blocks are not free), preempt that one (recompute, as vLLM's preemption). Returns them."""
+        prompt's blocks are not free), set that one aside with its KV kept (`_pause`). Returns them."""
         fn = self.reprioritize
         if fn is None or not self.priority:
             raise RuntimeError("re-prioritising needs scheduling_policy 'priority' and a reprioritize function")
@@ -538,10 +541,33 @@ class EngineCore:
             need = -(-(best.num_tokens + 1) // bs)
             if len(self._running) < self.max_num_seqs and need <= self._pool.num_free:
                 break
-            self._preempt(worst)
+            self._pause(worst)
             victims.remove(worst)
             out.append(worst)
         return out
+
+    def _pause(self, seq: _Seq) -> None:
+        """Set a running request aside with its KV kept (SeaLLM's preemption over its unified KV cache): back to
+        WAITING by its priority; it resumes where it was, unless its blocks are needed meanwhile (then it
+        recomputes, as after vLLM's preemption)."""
+        self._running.remove(seq)
+        seq.paused = True
+        seq.rec.num_preemptions += 1
+        self.stats.preemptions += 1
+        self._push_waiting(seq, front=True)
+
+    def _drop_paused_kv(self) -> bool:
+        """KV is short: free the blocks of the lowest-priority paused request, if any holds some."""
+        held = [e[3] for e in self._heap if e[3].paused and e[3].num_blocks] if self.reprioritize else []
+        if not held:
+            return False
+        seq = max(held, key=lambda s: (s.req.priority, s.req.arrival, s.seq_no))
+        self._free(seq)
+        seq.paused = False
+        seq.num_computed = 0
+        seq.no_count_below = 0
+        seq.promote = True
+        return True
 
     def _admit(self, now: float, budget: int, sched: dict[_Seq, int]) -> tuple[int, int]:
         bs = self.block_size
@@ -554,7 +580,16 @@ class EngineCore:
             if seq is None:
                 break
             req = seq.req
-            if req.remote_prefill and not seq.loaded:
+            if seq.paused:          # resumes with its KV (reprioritize only)
+                n_new = min(seq.num_tokens - seq.num_computed, budget)
+                need = -(-(seq.num_computed + n_new) // bs) - seq.num_blocks
+                if need > pool.num_free:
+                    break
+                if need > 0:
+                    pool.take(need)
+                    seq.num_blocks += need
+                seq.paused = False
+            elif req.remote_prefill and not seq.loaded:
                 if req.kv_ready_at > now:
                     skipped.append(self._pop_waiting())   # vLLM skips requests waiting for remote KV
                     continue
@@ -576,6 +611,8 @@ class EngineCore:
                 n_new = min(seq.num_tokens - cached, budget)
                 need = -(-(cached + n_new) // bs) - hits
                 if need + evictable > pool.num_free:
+                    if self._drop_paused_kv():
+                        continue    # a paused request's KV made room; look again
                     break
                 if hits:
                     hit_hashes = req.block_hashes[:hits]

@@ -8,7 +8,9 @@ the way the gateway drives it, plus one thing only the simulator can do.
 - `preempt=True` (SIMULATOR ONLY, vLLM fixes a request's priority at arrival): before every engine step each live
   request's priority is recomputed from the tokens it has generated (SeaLLM's budget shrinks and doubles as it
   runs), and the worst running request the scheduler lets go (`preemptible`: for SeaLLM one that outran its first
-  budget) is preempted (recompute) whenever a better waiting one cannot start beside it (EngineCore.reprioritize).
+  budget) is set aside whenever a better waiting one cannot start beside it (EngineCore.reprioritize). It keeps its
+  KV, as over SeaLLM's unified KV cache (section 4.4), and resumes where it was; only when blocks run short is a
+  paused request's KV dropped (it then recomputes, as after vLLM's preemption).
 """
 
 from __future__ import annotations

@@ -58,11 +58,13 @@ def req(rid: str, prompt: int, out: int, arrival: float = 0.0, priority: int = 0
 
 def test_engine_reprioritize_preempts_a_running_request_that_fell_behind():
     """One batch slot. A long request runs; a better one arrives. vLLM (fixed priorities) lets the newcomer wait;
-    with `reprioritize` (simulator only) the running one, once it may be preempted, gives way."""
-    def run(reprioritize):
-        core = EngineCore(PROFILE, EngineConfig(scheduling_policy="priority", max_num_seqs=1))
+    with `reprioritize` (simulator only) the running one, once it may be preempted, gives way, keeping its KV
+    unless the blocks are needed."""
+    def run(reprioritize, short_prompt=200, **config):
+        core = EngineCore(PROFILE, EngineConfig(scheduling_policy="priority", max_num_seqs=1, **config))
         core.reprioritize = reprioritize
-        return core, drive(core, [req("long", 200, 400, 0.0, priority=5), req("short", 200, 10, 0.5, priority=1)])
+        return core, drive(core, [req("long", 200, 400, 0.0, priority=5),
+                                  req("short", short_prompt, 10, 0.5, priority=1)])
 
     fixed_core, fixed = run(None)
     assert fixed["short"].first_scheduled >= fixed["long"].finished
@@ -72,6 +74,14 @@ def test_engine_reprioritize_preempts_a_running_request_that_fell_behind():
     assert pre["short"].finished < pre["long"].finished
     assert pre["short"].finished < 0.5 * fixed["short"].finished
     assert pre["long"].num_output == 400
+    # It kept its KV while set aside: both prompts were computed once.
+    assert core.stats.prompt_tokens == 400
+    # 40 blocks: the long one holds ~17 when the short one (400 prompt tokens: 26 blocks) arrives, so its KV goes
+    # and it recomputes its prompt and what it had generated.
+    core, short_kv = run(lambda r, generated, now: (r.priority, r.request_id == "long" and generated >= 20),
+                         short_prompt=400, num_gpu_blocks=40)
+    assert short_kv["short"].finished < short_kv["long"].finished and short_kv["long"].num_output == 400
+    assert core.stats.prompt_tokens == 200 + 400 + 200     # the long prompt twice (vLLM counts prompt tokens only)
     # Not preemptible: nothing happens however bad its priority.
     core, kept = run(lambda r, generated, now: (r.priority, False))
     assert core.stats.preemptions == 0 and kept["short"].first_scheduled >= kept["long"].finished
