@@ -2,7 +2,8 @@
 the two baselines it is measured against, FCFS and round robin over services. Pure: the caller passes its clock;
 the gateway (admission-queue order and vLLM's `priority` field) and the simulator run this same code.
 
-SeaLLM (Service-aware and latency-optimized LLM sharing; docs/reference/seallm.md §3 has the rules in our words):
+SeaLLM (Service-aware and latency-optimized LLM sharing; docs/reference/seallm-scheduling.md §3 has the rules in our
+words):
 
 - Each service s keeps a profile of its requests' execution cost, learned online: the mean L̂_s and the spread
   Var_s (the paper's "standard variance": the standard deviation) (section 4.2).

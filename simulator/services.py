@@ -1,6 +1,6 @@
-"""Workloads of several services sharing the same engines (SeaLLM's setting, docs/reference/seallm.md §1): each
-service is its own Poisson stream with its own length distribution, and every request carries its service's
-name (WorkloadRequest.service).
+"""Workloads of several services sharing the same engines (SeaLLM's setting, docs/reference/seallm-scheduling.md
+§1): each service is its own Poisson stream with its own length distribution, and every request carries its
+service's name (WorkloadRequest.service).
 
     wl = service_workload(parse_services("sharegpt,arxiv,azure_conv,code"), rate=20, duration=300, seed=1)
 
