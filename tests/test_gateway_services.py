@@ -148,3 +148,22 @@ async def test_admission_queue_serves_short_services_first_with_seallm(sim_fleet
     assert await finish_order(make_client, fleet.urls, "seallm") == ["short-a", "short-b", "long-a", "long-b"]
     # Round robin: turns alternate between the services (long had the blocker's turn, so short goes first).
     assert await finish_order(make_client, fleet.urls, "round_robin") == ["short-a", "long-a", "short-b", "long-b"]
+
+
+async def test_service_from_tenant_and_model_over_http(sim_fleet, make_client):
+    """Without X-Service the tenant of the key names the service; an open gateway falls back to the model."""
+    fleet = sim_fleet(1, time_scale=FAST)
+    keys = [{"key": "sk-team-a-0001", "name": "team-a"}, {"key": "sk-team-b-0001", "name": "team-b"}]
+    async with running_gateway(fleet.urls, auth={"keys": keys}, service_priority={"order": "seallm"}) as gw:
+        for key, tokens in [("sk-team-a-0001", 30), ("sk-team-b-0001", 3), ("sk-team-b-0001", 5)]:
+            r = await make_client(gw.url, key).chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=tokens, extra_body={"ignore_eos": True})
+            assert r.usage.completion_tokens == tokens
+        sched = gw.gateway.dispatcher.services.scheduler(MODEL)
+        assert {name: p.n for name, p in sched.profiles.items()} == {"tenant:team-a": 1, "tenant:team-b": 2}
+        prompt = estimate_chat_tokens(MESSAGES) / 256
+        assert sched.profile("tenant:team-b").expected == pytest.approx(4 + prompt)
+        assert len(sched) == 0          # every finished request left the scheduler
+    async with running_gateway(fleet.urls, service_priority={"order": "round_robin"}) as gw:
+        await make_client(gw.url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert set(gw.gateway.dispatcher.services.scheduler(MODEL).profiles) == {f"model:{MODEL}"}
