@@ -71,6 +71,7 @@ class SimSpec:
     service_priority: str | None = None  # fcfs | round_robin | seallm (policies/service_priority.py)
     service_preempt: bool = False        # re-prioritise running requests by preemption (simulator only)
     max_num_seqs: int | None = None      # the engines' --max-num-seqs (None: the profile's)
+    rebalance_s: float | None = None     # Aladdin's Algorithm 2 every this many seconds (None: off)
 
     def __post_init__(self) -> None:
         if self.lengths not in LENGTHS:
@@ -143,7 +144,8 @@ def build_sim(spec: SimSpec, workload: list[WorkloadRequest]) -> ClusterSim:
     sim = ClusterSim(profiles, workers, spec.policy, slo_ttft_s=spec.slo_ttft_s, slo_tpot_s=spec.slo_tpot_s,
                      predicted_output_tokens=predictor, policy_params=spec.policy_params or None,
                      prefill_workers=prefill, queue_lookahead=spec.queue_lookahead, queue_poll_s=spec.queue_poll_s,
-                     seed=spec.seed, service_priority=spec.service_priority, service_preempt=spec.service_preempt,
+                     seed=spec.seed, rebalance_s=spec.rebalance_s, service_priority=spec.service_priority,
+                     service_preempt=spec.service_preempt,
                      engine_config=EngineConfig(max_num_seqs=spec.max_num_seqs) if spec.max_num_seqs else None)
     if spec.lengths == "oracle":
         sim.predicted_output_tokens = lambda r: r.output_tokens   # told by name; the predictor still learns
