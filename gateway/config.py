@@ -237,6 +237,31 @@ class KvEventsConfig(_Strict):
     reconnect_s: float = Field(2.0, gt=0)      # retry discovery / re-subscribe this often
 
 
+ServiceSource = Literal["header", "tenant", "model"]
+
+
+class ServicePriorityConfig(_Strict):
+    """Service-aware priority across the services sharing a model's workers (gateway/services.py,
+    policies/service_priority.py)."""
+
+    order: Literal["off", "fcfs", "round_robin", "seallm"] = "off"
+    # Also set vLLM's `priority` field (workers must run `--scheduling-policy priority`, else vLLM answers 400).
+    engine_priority: bool = False
+    # Where a request's service comes from, first match wins: the X-Service header, the tenant (API key), the model.
+    service_from: list[ServiceSource] = Field(default_factory=lambda: ["header", "tenant", "model"], min_length=1)
+    starvation_s: dict[str, float] = Field(default_factory=dict)   # per service; others: default_starvation_s
+    default_starvation_s: float = Field(10.0, gt=0)
+    prompt_token_cost: float = Field(1.0 / 256.0, ge=0)             # decode iterations per prompt token
+
+    @field_validator("starvation_s")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, x in v.items() if not x > 0]
+        if bad:
+            raise ValueError(f"starvation thresholds must be > 0 seconds (services {', '.join(bad)})")
+        return v
+
+
 class HealthConfig(_Strict):
     interval_s: float = Field(2.0, gt=0)
     timeout_s: float = Field(1.0, gt=0)
@@ -475,6 +500,7 @@ class GatewayConfig(BaseSettings):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
+    service_priority: ServicePriorityConfig = Field(default_factory=ServicePriorityConfig)
     scrape_interval_s: float = Field(0.5, gt=0)
     discovery_interval_s: float = Field(10.0, gt=0)  # re-read /v1/models of workers without configured models
 

@@ -52,6 +52,7 @@ from gateway.request import (
     read_headers,
 )
 from gateway.resume import StreamResume, continuation_body, resumable, text_tokenize_body, tokenize_body
+from gateway.services import ServiceOrder
 from gateway.slo import SloBook
 from gateway.state.base import StateStore
 from policies.admission import AdmissionQueue
@@ -145,6 +146,7 @@ class Dispatcher:
         self.pools: Any = None
         self.observer: observe.RequestObserver | None = None  # access log / tracing (gateway/observe.py)
         self.kv_events: Any = None  # gateway/kv_events.py KvEventsService: the exact prefix-cache view
+        self.services = ServiceOrder(config.service_priority)   # service-aware priority (gateway/services.py)
 
     # --- per-model state ------------------------------------------------------------------------
     def runtime(self, model: str) -> ModelRuntime:
@@ -163,7 +165,8 @@ class Dispatcher:
             lim = self.config.limits
             queue = ModelQueue(model, AdmissionQueue(lim.queue_size, lim.queue_lookahead, lim.queue_timeout_s),
                                self._place_queued, self.poll_s, self.retry_after_s,
-                               lambda n, m=model: self._queue_depth(m, n))
+                               lambda n, m=model: self._queue_depth(m, n),
+                               self.services.queue_order(model) if self.services.enabled else None)
             rt = ModelRuntime(model, policy, name, policy.needs_prefix_hashes, placement, queue)
             self.runtimes[model] = rt
         return rt
@@ -201,6 +204,7 @@ class Dispatcher:
         feats: RequestFeatures | None = None
         result: RelayResult | None = None
         ticket = None
+        tracked = False     # the service order knows the request (it must hear its end)
         rec = self.observer.begin(rid.decode(), scope["path"], scope["headers"]) if self.observer else None
         try:
             try:
@@ -215,6 +219,9 @@ class Dispatcher:
                 model_label, policy_label = model, rt.policy_name
                 shaped = self.adapter.shape_request(raw, req.body, req.stream, changed)
                 feats = self._features(req, route, rt, rid.decode(), hdrs)
+                if self.services.enabled:
+                    self.services.arrived(feats, self.services.service_of(scope["headers"], tenant, model))
+                    tracked = True
                 ticket = open_ticket(self.store, tenant, feats, client_headers)  # limited keys only
                 ctx = RequestContext(
                     rid, route, req, rt, feats, shaped.body, shaped.strip_usage,
@@ -251,6 +258,9 @@ class Dispatcher:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            if tracked:
+                done = result is not None and status == 200 and result.midstream_error is None
+                self.services.finished(feats, done, _output_tokens(result) if done else 0)
             if ticket is not None:
                 close_ticket(self.store, ticket, result.usage if result is not None else None, feats.prompt_tokens,
                              state.tokens)
@@ -339,9 +349,10 @@ class Dispatcher:
             ws = ctx.worker
             t_sent = self.learner.dispatched(ctx.rt.placement, ctx.feats, ws.id, ctx.state)
             out, met, broken = 0, None, None
+            payload = self.services.dispatched(ctx.feats, ctx.payload) if self.services.enabled else ctx.payload
             try:
                 result = await self.relay.forward(
-                    ctx.send, getattr(ws, ctx.route.url_attr), ctx.payload,
+                    ctx.send, getattr(ws, ctx.route.url_attr), payload,
                     observe.leg("upstream", ws.id, ctx.upstream_headers),
                     ctx.client_headers, ctx.stream, ctx.strip_usage, retries + 1 < self.attempts, ctx.state, resume,
                     ws.id)
@@ -593,7 +604,7 @@ class Dispatcher:
         if result.first_token_at is None:
             return
         self.metrics.observe_ttft(model, result.first_token_at - t0)
-        n = result.usage.completion_tokens if result.usage is not None else result.tokens
+        n = _output_tokens(result)
         if n > 1 and result.last_token_at is not None:
             self.metrics.observe_tpot(model, (result.last_token_at - result.first_token_at) / (n - 1))
 
@@ -607,6 +618,11 @@ def _join_legs(result: RelayResult, resume: StreamResume, tokens: int) -> None:
     result.first_token_at = resume.first_token_at or result.first_token_at
     result.tokens = tokens
     result.usage = resume.total_usage() or result.usage
+
+
+def _output_tokens(result: RelayResult) -> int:
+    """Generated tokens of a finished request: the usage block's count, else the stream's token events."""
+    return result.usage.completion_tokens if result.usage is not None else result.tokens
 
 
 def _tokens(feats: RequestFeatures) -> int:

@@ -64,12 +64,14 @@ from policies.types import (
     ROLE_MIXED,
     ROLE_PREFILL,
     Decision,
+    Move,
     RequestFeatures,
     WorkerView,
 )
 from simulator.engine import BLOCK_SIZE, EngineConfig, EngineCore, SimRequest
 from simulator.kv_sim import SimKvView
 from simulator.profiles import Profile, load_profile
+from simulator.service_sim import ServicePriority, ServiceScheduler, service_summary
 from simulator.workload import WorkloadRequest
 
 REFUSED = "refused"                      # finish_reason: 429 from the admission queue (full, or out of budget)
@@ -101,6 +103,12 @@ class RequestResult:
     prefill_scheduled: float | None = None
     prefill_done: float | None = None
     pd_decision: str | None = None          # the policy's Decision.reason for P/D policies
+    service: str = ""                       # its service (runs with a service priority)
+
+    @property
+    def normalized_latency(self) -> float | None:
+        """End-to-end latency per output token (SeaLLM's normalized latency in its per-token form)."""
+        return None if self.finished is None or not self.output_tokens else self.e2e / self.output_tokens
 
     @property
     def completed(self) -> bool:
@@ -226,6 +234,7 @@ class SimResult:
             "duration_s": span,
             "wall_s": self.wall_s,
             **_pd_summary(rs),
+            **service_summary(rs),
         }
 
     def to_json(self) -> str:
@@ -298,6 +307,9 @@ class ClusterSim:
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
         prefill_workers: int = 0,
         seed: int | None = None,
+        rebalance_s: float | None = None,
+        service_priority: str | ServiceScheduler | None = None,
+        service_preempt: bool = False,
     ) -> None:
         if workers < 0:
             raise ValueError("workers must be >= 0")
@@ -313,6 +325,8 @@ class ClusterSim:
             raise ValueError("queue_poll_s must be > 0 (or None)")
         if queue_lookahead < 1:
             raise ValueError("queue_lookahead must be >= 1")
+        if rebalance_s is not None and not rebalance_s > 0:
+            raise ValueError("rebalance_s must be > 0 (or None)")
         plist = [profiles] if isinstance(profiles, str | Profile) else list(profiles)
         if not plist:
             raise ValueError("at least one profile is needed")
@@ -350,6 +364,14 @@ class ClusterSim:
         self.max_iterations = max_iterations
         self.queue_poll_s = queue_poll_s
         self.queue = AdmissionQueue(queue_size, queue_lookahead, queue_timeout_s)
+        self.services = ServicePriority.build(service_priority, service_preempt) if service_priority else None
+        if self.services is not None:
+            if prefill_workers:
+                raise ValueError("a service priority is not supported with P/D workers")
+            self.engine_config = self.services.engine_config(engine_config)
+        self.rebalance_s = rebalance_s     # Algorithm 2 over requests waiting, not started, in engine queues
+        self.moves = 0
+        self._last_arrival = 0.0
         self._wake_at = math.inf
         self.cap = cap
         self.now = 0.0
@@ -369,7 +391,7 @@ class ClusterSim:
         self.on_kv_events: list[Callable[..., Any]] = []
         self.kv_view = SimKvView(self.profiles[0].block_size) if SimKvView.wanted(self.policy) else None
         if self.kv_view is not None:
-            self.engine_config = self.kv_view.engine_config(engine_config)
+            self.engine_config = self.kv_view.engine_config(self.engine_config)
             self.on_kv_events.append(self.kv_view.on_events)
         for i in range(workers):
             role = ROLE_MIXED if not prefill_workers else ROLE_PREFILL if i < prefill_workers else ROLE_DECODE
@@ -386,7 +408,10 @@ class ClusterSim:
         if not weight > 0:
             raise ValueError("weight must be > 0")
         t = self.now if now is None else now
-        self.workers[wid] = SimWorker(wid, prof, EngineCore(prof, self.engine_config), t, role,
+        engine = EngineCore(prof, self.engine_config)
+        if self.services is not None:
+            self.services.attach(engine)
+        self.workers[wid] = SimWorker(wid, prof, engine, t, role,
                                       cap if cap is not None else self.cap, dict(labels or {}), weight=weight)
         if self.queue:
             self._drain_queue(t)
@@ -474,6 +499,8 @@ class ClusterSim:
         """The request is answered with an error and never reaches an engine (a 400 or a 429)."""
         res = self.results[r.request_id]
         res.finish_reason, res.status, res.error, res.finished = reason, status, error, now
+        if self.services is not None:
+            self.services.scheduler.forget(r.request_id)
         for hook in self.on_finish:
             hook(self, res)
 
@@ -485,6 +512,9 @@ class ClusterSim:
                                                    slo_tpot_s=r.slo_tpot_s or self.slo_tpot_s)
         for hook in self.on_arrival:
             hook(self, r, now)
+        if self.services is not None:
+            self.services.arrived(r, now)
+            self.results[r.request_id].service = r.service
         feats = self.features(r)
         q = self.queue
         retry_at = math.inf
@@ -503,7 +533,8 @@ class ClusterSim:
         q = self.queue
         for w in q.expired(now):
             self._reject(w.handle, REFUSED, 429, w.reason, now)
-        for w in q.candidates():
+        order = self.services.queue_order(now) if self.services is not None else None
+        for w in q.candidates(order):
             d = self._try_dispatch(w.handle, w.features, now)
             if d is None:
                 q.remove(w)
@@ -523,11 +554,49 @@ class ClusterSim:
             self._wake_at = t
             self.schedule(t, _wake_queue)
 
+    # ---- Aladdin's Algorithm 2: requests placed but not started move to cancel prediction errors ---------
+    def _rebalance(self, now: float) -> None:
+        """Every `rebalance_s`: the policy's moves of requests that wait, not started, in an engine's queue;
+        each is aborted there (it computed nothing) and sent to its new worker (ModelPlacement.rebalance)."""
+        queued: dict[str, tuple[str, RequestFeatures]] = {}
+        for rid, (_, feats) in self._pending.items():
+            w = self.workers.get(self.results[rid].worker_id or "")
+            if w is not None and rid not in self._pd_legs and w.engine.not_started(rid):
+                queued[rid] = (w.id, feats)
+        if queued:
+            views = [self._view(w, now) for w in self.workers.values() if not w.draining]
+            for m in self.placement.rebalance(queued, views, now):
+                self._move(m, now)
+        if self._pending or self.queue or now < self._last_arrival:
+            self.schedule(now + self.rebalance_s, lambda sim, t: sim._rebalance(t))
+
+    def _move(self, m: Move, now: float) -> None:
+        src, dst = self.workers.get(m.src), self.workers.get(m.dst)
+        if src is None or dst is None or dst.draining or not src.engine.not_started(m.request_id):
+            return
+        r, feats = self._pending[m.request_id]
+        if src.step_end is not None and src.step_end > now:
+            self._truncate(src, now)
+        src.engine.abort(m.request_id, now)
+        tokens = r.prompt_tokens + int(feats.predicted_output_tokens)
+        src.inflight -= 1
+        src.inflight_tokens -= tokens
+        dst.inflight += 1
+        dst.inflight_tokens += tokens
+        self.results[m.request_id].worker_id = dst.id
+        self.placement.moved(feats, src.id, dst.id, now)
+        self.moves += 1
+        heapq.heappush(self._heap, (now + dst.profile.pre_engine_delay(dst.engine.num_running), next(self._seq),
+                                     _ADD, (dst.id, m.request_id)))
+        self._maybe_retire(src, now)
+
     def _complete(self, w: SimWorker, r: WorkloadRequest, feats: RequestFeatures, now: float) -> None:
         w.inflight -= 1
         w.inflight_tokens -= r.prompt_tokens + int(feats.predicted_output_tokens)
         res = self.results[r.request_id]
         self._decisions.pop(r.request_id, None)
+        if self.services is not None:
+            self.services.finished(r, res, now)
         self.placement.finished(feats, w.id, res.output_tokens if res.completed else 0, now,
                                 slo_met=res.slo_met if res.completed else False)
         for hook in self.on_finish:
@@ -541,8 +610,9 @@ class ClusterSim:
         if w is None:   # cannot happen: a worker with inflight requests is never retired
             raise RuntimeError(f"worker {wid} vanished with requests in flight")
         max_tokens = r.max_tokens or max(1, w.engine.max_model_len - r.prompt_tokens)
+        priority = r.priority if self.services is None else self.services.engine_priority(r, now)
         sreq = SimRequest(rid, r.prompt_tokens, list(r.prefix_blocks), max_tokens,
-                          min(r.output_tokens, max_tokens), priority=r.priority, arrival=now)
+                          min(r.output_tokens, max_tokens), priority=priority, arrival=now)
         try:
             w.engine.add(sreq, now)
         except ValueError as exc:   # what vLLM answers with HTTP 400
@@ -719,6 +789,9 @@ class ClusterSim:
         wall0 = time.perf_counter()
         arrivals = sorted(workload, key=lambda r: r.arrival)
         start = arrivals[0].arrival if arrivals else 0.0
+        self._last_arrival = arrivals[-1].arrival if arrivals else 0.0
+        if self.rebalance_s is not None:
+            self.schedule(start + self.rebalance_s, lambda sim, t: sim._rebalance(t))
         for w in self.workers.values():   # the fleet present before the run counts from the first arrival
             w.added_at = max(w.added_at, start)
         heap = self._heap
