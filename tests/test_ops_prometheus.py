@@ -81,6 +81,9 @@ async def test_every_panel_and_alert_returns_data_from_a_real_prometheus(tmp_pat
             "pd": {"local_prefill_tokens": 0},
             "limits": {"queue_timeout_s": 60, "queue_poll_s": 0.02},
             "health": {"interval_s": 0.5, "timeout_s": 0.3},
+            # w1 fails half its requests on purpose: keep it in rotation (5 failures in a row would eject it)
+            # so requests keep being retried and streams resumed on w0.
+            "resume": {"eject_after_errors": 0},
             "autoscale": {"enabled": True, "interval_s": 0.5, "sample_s": 0.1, "local_interval_s": 0.5,
                           "lease_ttl_s": 3, "local_caps": False,
                           "scaler": {"stabilization_s": 1, "cooldown_in_s": 1, "cooldown_out_s": 0}},
@@ -101,9 +104,11 @@ async def test_every_panel_and_alert_returns_data_from_a_real_prometheus(tmp_pat
         poll_sync(lambda: _ready(api), 30, "Prometheus ready", every=0.2)
 
         async with httpx.AsyncClient(timeout=10) as http:
-            # w0 runs 30x slower (its answers miss the TPOT target), w1 fails half its requests (retries).
+            # w0 runs 30x slower (its answers miss the TPOT target), w1 fails half its requests (retries) and
+            # drops the others after 5 tokens (broken streams, resumed elsewhere).
             await http.post(urls[0] + "/sim/faults", json={"slowdown": 30})
-            await http.post(urls[1] + "/sim/faults", json={"error_status": 500, "error_rate": 0.5})
+            await http.post(urls[1] + "/sim/faults", json={"error_status": 500, "error_rate": 0.5,
+                                                           "drop_after_tokens": 5})   # its streams break: resumed
             fired: set[str] = set()  # alert expressions that returned samples at some point of the run
 
             async def watch_alerts() -> None:
@@ -179,7 +184,7 @@ async def _traffic(url: str) -> None:
     lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
                                 "body": {"model": MODEL, "max_tokens": 20,
                                          "messages": [{"role": "user", "content": f"batch {i}"}]}}) + "\n"
-                    for i in range(40))
+                    for i in range(120))  # more than the run can finish: the batch queue stays non-empty
     upload = await client.files.create(file=("b.jsonl", lines.encode()), purpose="batch")
     await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
     stop = asyncio.Event()

@@ -42,6 +42,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
      [("sum by (worker, kind) (rate(fleetgate_upstream_errors_total[1m]))", "{{worker}} {{kind}}")]),
     ("Retries/s (re-sent to another worker before any byte)", "short",
      [("sum by (model) (rate(fleetgate_retries_total[1m]))", "{{model}}")]),
+    ("Broken streams/s by outcome (resumed on another worker, or not)", "short",
+     [("sum by (model, outcome) (rate(fleetgate_stream_breaks_total[1m]))", "{{model}} {{outcome}}")]),
     ("Admission queue wait (requests that waited)", "s",
      [("histogram_quantile(0.5, sum by (le) (rate(fleetgate_queue_wait_seconds_bucket[1m])))", "p50"),
       ("histogram_quantile(0.99, sum by (le) (rate(fleetgate_queue_wait_seconds_bucket[1m])))", "p99")]),
