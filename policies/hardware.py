@@ -12,10 +12,12 @@ planner exactly like a calibrated one. The derivation generalises the calibrated
 - Compute (prefill tokens, decode sequences): 2 · params FLOP per token / (tp · effective TFLOP/s · e(tp)), with
   e(tp) = 1 − 0.05 · log2(tp) for the smaller GEMM shards (an assumption; Aladdin section 4.1, eq. 5, writes the
   compute time as k4 / N_g + c4).
-- Communication: two all-reduces of hidden · 2 B per token per layer (after attention and after the MLP). A ring
-  all-reduce of S bytes over tp GPUs takes 2(tp−1) · α + 2(tp−1)/tp · S / β (α: per-hop latency including the
-  kernel launch, β: effective one-direction link bandwidth). The bandwidth term is paid per token (added to the
-  per-token compute), the latency term once per step (added to c_step). NVLink vs PCIe differ in α and β.
+- Communication: two all-reduces of hidden · 2 B per token per layer (after attention and after the MLP). An
+  all-reduce of S bytes over tp GPUs takes 2·log2(tp) · α + 2(tp−1)/tp · S / β: the latency of a tree (what NCCL
+  uses for the small messages of a decode step; α per hop including the kernel launch, 7.5 µs on NVLink so that
+  TP2 pays the calibrated ~15 µs) and the bandwidth term of a ring (β: effective one-direction link bandwidth).
+  The bandwidth term is paid per token (added to the per-token compute), the latency term once per step (added to
+  c_step). NVLink vs PCIe differ in α and β.
 
 Sources of the table's numbers (public datasheets; prices are on-demand list prices per GPU-hour, rounded, and are
 meant to be overridden): NVIDIA A100 / A800 / H100 / L4 / V100 datasheets for memory, HBM bandwidth, dense BF16/FP16
@@ -136,11 +138,11 @@ def gpu_spec(name: str, price_per_hour: float | None = None) -> GpuSpec:
 
 
 def allreduce_s(gpu: GpuSpec, tp: int, nbytes: float) -> tuple[float, float]:
-    """(latency, bandwidth) parts of one ring all-reduce of `nbytes` over `tp` GPUs (0, 0 for tp 1)."""
+    """(latency, bandwidth) parts of one all-reduce of `nbytes` over `tp` GPUs (0, 0 for tp 1)."""
     if tp <= 1:
         return 0.0, 0.0
-    hops = 2 * (tp - 1)
-    return hops * gpu.link_latency_us * 1e-6, hops / tp * nbytes / (gpu.link_gbs * 1e9)
+    latency = 2 * math.log2(tp) * gpu.link_latency_us * 1e-6
+    return latency, 2 * (tp - 1) / tp * nbytes / (gpu.link_gbs * 1e9)
 
 
 def tp_efficiency(tp: int) -> float:

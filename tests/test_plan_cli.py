@@ -1,0 +1,110 @@
+"""`fleetgate plan` and `fleetgate simulate --deployment` as real processes: the plan's JSON is a deployment file
+that simulates to the attainment the plan predicted, runner-ups say why they lost, bad input exits 2 with a reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from policies.hardware import GPUS
+from tests.helpers import run_cli
+
+QUIET = {"FLEETGATE_PROGRESS": "0"}
+SMALL = ["--trace", "sharegpt", "--rate", "12", "--duration", "30", "--slo-ttft-ms", "800", "--slo-tpot-ms", "40"]
+
+
+@pytest.fixture(scope="module")
+def cost_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    res = run_cli("plan", "--model", "llama3-8b", "--gpus", "a100:8", "--gpus", "l4:8:0.5", *SMALL,
+                  "--json", "--out", str(out), env=QUIET, timeout=180)
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    assert json.loads(out.read_text()) == plan
+    return plan, out
+
+
+def test_cost_plan_meets_its_target_within_the_stock(cost_plan: tuple[dict, Path]) -> None:
+    plan, _ = cost_plan
+    pred = plan["predicted"]
+    assert plan["meets_target"] is True and pred["slo_attainment"] >= 0.95
+    groups = plan["deployment"]["groups"]
+    assert groups and all(g["role"] == "mixed" and g["count"] >= 1 for g in groups)
+    for gpu, stock in (("a100", 8), ("l4", 8)):
+        assert sum(g["gpus"] for g in groups if g["gpu"] == gpu) <= stock
+    prices = {"a100": GPUS["a100"].price_per_hour, "l4": 0.5}
+    assert pred["cost_per_hour"] == pytest.approx(sum(g["gpus"] * prices[g["gpu"]] for g in groups), abs=1e-3)
+    assert pred["gpus"] == sum(g["gpus"] for g in groups)
+    # Every scored runner-up that costs less than the winner missed the target.
+    for r in plan["runner_ups"]:
+        assert r["why_lost"]
+        if "slo_attainment" in r and r["cost_per_hour"] < pred["cost_per_hour"]:
+            assert r["slo_attainment"] < 0.95
+    assert plan["search"]["simulations"] >= 1
+
+
+def test_the_plan_file_simulates_to_its_prediction(cost_plan: tuple[dict, Path]) -> None:
+    plan, path = cost_plan
+    res = run_cli("simulate", "--deployment", str(path), "--trace", "sharegpt", "--rate", "12", "--duration", "30",
+                  "--json", env=QUIET, timeout=120)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["slo_attainment"] == pytest.approx(plan["predicted"]["slo_attainment"], abs=1e-3)
+    assert got["gpus"] == plan["predicted"]["gpus"] and got["policy"] == "hetero"
+
+
+def test_the_deployment_section_alone_in_yaml_runs_too(cost_plan: tuple[dict, Path], tmp_path: Path) -> None:
+    import yaml
+
+    plan, _ = cost_plan
+    path = tmp_path / "deployment.yaml"
+    path.write_text(yaml.safe_dump({"deployment": plan["deployment"]}))
+    res = run_cli("simulate", "--deployment", str(path), "--rate", "12", "--duration", "30", "--json",
+                  env=QUIET, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["slo_attainment"] == pytest.approx(plan["predicted"]["slo_attainment"], abs=1e-3)
+
+
+def test_two_models_share_the_gpus_and_throughput_uses_the_budget() -> None:
+    res = run_cli("plan", "--model", "llama3-8b:3", "--model", "llama2-13b:1", "--gpus", "a100:8", "--gpus", "h100:4",
+                  *SMALL, "--objective", "throughput", "--budget", "12", "--score-top", "2", "--json",
+                  env=QUIET, timeout=180)
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    models = {g["model"] for g in plan["deployment"]["groups"]}
+    assert models == {"llama3-8b", "llama2-13b"}
+    assert plan["predicted"]["cost_per_hour"] <= 12 + 1e-6
+    shares = {s["model"]: s["share"] for s in plan["deployment"]["services"]}
+    assert shares == pytest.approx({"llama3-8b": 0.75, "llama2-13b": 0.25})
+    assert plan["predicted"]["offered_rps"] >= 12
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "gpt-5", "--gpus", "a100:1"], "unknown model"),
+    (["--model", "llama3-8b", "--gpus", "tpu:4"], "unknown GPU type"),
+    (["--model", "llama3-8b", "--gpus", "a100"], "TYPE:COUNT"),
+    (["--model", "llama3-8b", "--gpus", "a100:0"], "COUNT must be"),
+    (["--model", "llama3-8b:-1", "--gpus", "a100:2"], "share must be"),
+    (["--model", "llama3-8b", "--gpus", "a100:2", "--target", "1.5"], "--target"),
+    (["--model", "llama3-8b", "--gpus", "a100:2", "--objective", "speed"], "--objective"),
+    (["--model", "llama2-70b", "--gpus", "l4:1"], "none of the GPU types"),
+    (["--gpus", "a100:2"], "at least one --model"),
+])
+def test_bad_input_is_refused_with_a_reason(args: list[str], message: str) -> None:
+    res = run_cli("plan", *args, "--rate", "5", "--duration", "5", env=QUIET)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_broken_deployment_file_is_refused_with_a_reason(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    for content, message in (("{", "not valid JSON"), ('{"deployment": {"groups": []}}', "non-empty `groups`"),
+                             ('{"groups": [{"model": "llama2-70b", "gpu": "a100", "tp": 1, "count": 1}]}',
+                              "does not fit"),
+                             ('{"groups": [{"model": "llama3-8b", "gpu": "a100", "tp": 1, "count": 1, '
+                              '"role": "pooled"}]}', "role must be")):
+        bad.write_text(content)
+        res = run_cli("simulate", "--deployment", str(bad), "--rate", "2", "--duration", "5", env=QUIET)
+        assert res.returncode == 2 and message in res.stderr, res.stderr
