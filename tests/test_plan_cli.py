@@ -108,3 +108,26 @@ def test_a_broken_deployment_file_is_refused_with_a_reason(tmp_path: Path) -> No
         bad.write_text(content)
         res = run_cli("simulate", "--deployment", str(bad), "--rate", "2", "--duration", "5", env=QUIET)
         assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+def test_the_plan_is_a_valid_gateway_config_section(cost_plan: tuple[dict, Path], tmp_path: Path) -> None:
+    import yaml
+
+    plan, _ = cost_plan
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text(yaml.safe_dump({"workers": [{"id": "w0", "url": "http://127.0.0.1:9"}],
+                                   "deployment": plan["deployment"]}))
+    res = run_cli("config", "check", str(cfg))
+    assert res.returncode == 0, res.stderr
+    g = plan["deployment"]["groups"][0]
+    assert f"{g['count']}x {g['model']} on {g['tp']}x {g['gpu']}" in res.stdout
+    # The same file drives the simulator.
+    sim = run_cli("simulate", "--deployment", str(cfg), "--rate", "12", "--duration", "30", "--json", env=QUIET,
+                  timeout=120)
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["slo_attainment"] == pytest.approx(plan["predicted"]["slo_attainment"], abs=1e-3)
+    # A group that cannot run is a config problem, named.
+    bad = dict(plan["deployment"], groups=[dict(g, model="llama2-70b", gpu="l4", tp=1)])
+    cfg.write_text(yaml.safe_dump({"deployment": bad}))
+    res = run_cli("config", "check", str(cfg))
+    assert res.returncode == 1 and "deployment.groups[0]" in res.stderr and "does not fit" in res.stderr
