@@ -71,8 +71,18 @@ def demo(
     log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
     slo_ttft_ms: float = typer.Option(1000.0, "--slo-ttft-ms", help="The fleet's TTFT SLO (attainment metrics)."),
     slo_tpot_ms: float = typer.Option(50.0, "--slo-tpot-ms", help="The fleet's time-per-output-token SLO."),
+    deployment: Path | None = typer.Option(None, "--deployment", help="Start a plan's instances (`fleetgate plan "
+                                           "--out` JSON or YAML) with their derived profiles; the plan's policy "
+                                           "and SLO unless --policy is given."),
 ) -> None:
     """Gateway plus N simulated vLLM workers in one command; in-memory state, nothing else to start."""
+    if deployment is not None:
+        from gateway.demo import run_deployment_demo
+
+        chosen = policy if policy != "least_requests" else None
+        run_deployment_demo(deployment, port=port, base_port=base_port or port + 1, time_scale=time_scale,
+                            policy=chosen, log_format=log_format)
+        return
     from gateway.demo import run_demo
 
     run_demo(

@@ -131,3 +131,33 @@ def test_the_plan_is_a_valid_gateway_config_section(cost_plan: tuple[dict, Path]
     cfg.write_text(yaml.safe_dump({"deployment": bad}))
     res = run_cli("config", "check", str(cfg))
     assert res.returncode == 1 and "deployment.groups[0]" in res.stderr and "does not fit" in res.stderr
+
+
+def test_demo_runs_a_two_model_deployment_behind_the_gateway(tmp_path: Path) -> None:
+    import signal
+
+    import httpx
+    import openai
+
+    from tests.helpers import ADMIN, ADMIN_KEY, CliProcess, free_port_range, refused
+
+    plan = {"deployment": {"groups": [
+        {"model": "llama3-8b", "gpu": "h100", "tp": 1, "role": "mixed", "count": 2},
+        {"model": "llama2-13b", "gpu": "a100", "tp": 2, "role": "mixed", "count": 1}],
+        "services": [{"model": "llama3-8b", "share": 0.7}, {"model": "llama2-13b", "share": 0.3}],
+        "policy": "hetero", "slo": {"ttft_ms": 1000, "tpot_ms": 50}}}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    base = free_port_range(4)
+    with CliProcess("demo", "--deployment", str(path), "--port", str(base), "--base-port", str(base + 1),
+                    "--time-scale", "20", env={"FLEETGATE_ADMIN_KEY": ADMIN_KEY}, merge_stderr=True) as demo:
+        demo.wait_for("fleetgate listening on", timeout=90)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{base}/v1", api_key="x", max_retries=0, timeout=20)
+        for hf in ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-2-13b-chat-hf"):
+            r = client.chat.completions.create(model=hf, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            assert r.usage.completion_tokens >= 1
+        workers = httpx.get(f"http://127.0.0.1:{base}/admin/workers", headers=ADMIN, timeout=5).json()
+        text = json.dumps(workers)
+        assert "llama3-8b-h100-0" in text and "llama3-8b-h100-1" in text and "llama2-13b-tp2-a100-2" in text
+        assert demo.send_signal(signal.SIGINT, timeout=20) == 0
+    assert all(refused(base + k) for k in range(4))
