@@ -265,13 +265,15 @@ def report(a: list[TpRow], b: list[CostRow], c: list[SizingRow], d: tuple[float,
     lines += ["", f"Targets: within {GPU_TARGET:.0%} of the exhaustive optimum in GPUs: worst gap **{worst_gap:+.0%}, "
               f"{'met' if worst_gap <= GPU_TARGET else 'missed'}**; predicted attainment within "
               f"{ATTAINMENT_PP * 100:g} pp on another seed: worst **{worst_pp:.1f} pp, "
-              f"{'met' if worst_pp <= ATTAINMENT_PP * 100 else 'missed'}**.", ""]
+              f"{'met' if worst_pp <= ATTAINMENT_PP * 100 else 'missed'}**. The plan's prediction pools seeds "
+              f"{args.seed} and {args.seed + 1000} of {args.duration:g} s each (`--score-seeds 2`).", ""]
     wall, plan = d
     lines += ["## (d) Planner speed", "",
               f"8 models (shares 4:2:2:1:2:1:1:1 of {plan['workload']['rate_rps']:g} req/s) over 64 GPUs "
               f"(32 A100, 16 H100, 16 L4), objective cost: **{wall:.0f} s** wall "
               f"({plan['search']['closed_form_candidates']} closed-form candidates, {plan['search']['simulations']} "
-              f"simulations of {args.duration:g} s of traffic); plan: "
+              f"scores of {plan['workload']['duration_s']:g} s of traffic x {len(plan['search']['seeds_per_score'])} "
+              "seeds); plan: "
               + ", ".join(f"{g['count']}x {g['model']} TP{g['tp']} {g['gpu']}" for g in plan["deployment"]["groups"])
               + f"; ${plan['predicted']['cost_per_hour']:.2f}/h, predicted attainment "
               f"{plan['predicted']['slo_attainment']:.3f}.", ""]
@@ -355,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         progress(2, 4)
         c = sizing(args.sizing_model, rates, run, 32)
         progress(3, 4)
-        d = speed(replace(run, rate=40.0, duration=min(args.duration, 60.0)))
+        d = speed(replace(run, rate=100.0, duration=min(args.duration, 60.0)))
         progress(4, 4)
     args.wall_s = time.perf_counter() - t0
     if args.no_write:

@@ -197,6 +197,8 @@ def plan(
     seed: int = typer.Option(0, help="Seed of the simulated traffic."),
     policy: str = typer.Option("hetero", help="Routing policy the simulated fleets run."),
     score_top: int = typer.Option(3, "--score-top", help="Closed-form candidates the simulator scores."),
+    score_seeds: int = typer.Option(2, "--score-seeds", help="Traffic draws pooled in each score (seed, seed+1000, "
+                                    "...)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Also write the plan JSON (a deployment file) here."),
 ) -> None:
@@ -217,7 +219,8 @@ def plan(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    run_plan_cli(model, gpus, run, objective, budget, target, score_top, as_json, str(out) if out else None)
+    run_plan_cli(model, gpus, run, objective, budget, target, score_top, as_json, str(out) if out else None,
+                 score_seeds)
 
 
 @config_app.command("check")

@@ -31,6 +31,7 @@ from simulator.deployment import DeploymentRun, ServiceShare, simulate_deploymen
 from simulator.workload import load_workload, rate_of, trace_rows
 
 Progress = Callable[[int, int], None]
+SEED_STRIDE = 1000      # scoring seeds are seed, seed + 1000, ...: seed + 1 stays free for a held-out check
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class PlanRequest:
     target: float = 0.95                 # SLO attainment a cost plan must reach in the simulator
     score_top: int = 3                   # closed-form candidates the simulator scores
     max_steps: int = 6                   # grow / shrink steps per scored candidate
+    score_seeds: int = 2                 # traffic draws each score pools (seed, seed + 1000, ...)
 
 
 @dataclass
@@ -138,8 +140,9 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> dict[str, A
     done = [0]
 
     def sim(c: Candidate, offered: float) -> dict[str, Any]:
-        run = replace(req.run, rate=offered)
-        res = simulate_deployment(c.groups, req.services, run).summary()
+        res = pooled([simulate_deployment(c.groups, req.services,
+                                          replace(req.run, rate=offered, seed=req.run.seed + SEED_STRIDE * k)).summary()
+                      for k in range(req.score_seeds)])
         done[0] += 1
         if progress is not None:
             progress(done[0], max(budget_sims, done[0]))
@@ -179,8 +182,33 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> dict[str, A
                                   "mean_output": round(d.mean_output, 1)} for d in demands]},
         "runner_ups": [s.to_dict() for s in rest] + unscored,
         "search": {"closed_form_candidates": len(found), "simulations": done[0],
+                   "seeds_per_score": [req.run.seed + SEED_STRIDE * k for k in range(req.score_seeds)],
                    "wall_s": round(time.perf_counter() - t0, 2)},
     }
+
+
+def pooled(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' summaries as one: attainment over all their servable requests, rates averaged, each model's
+    numbers from the runs pooled the same way."""
+    if len(summaries) == 1:
+        return summaries[0]
+    n = len(summaries)
+    servable = sum(s["servable"] for s in summaries)
+    met = sum(s["slo_met"] for s in summaries)
+    out = {k: sum(s[k] for s in summaries) / n for k in ("goodput_rps", "throughput_rps", "output_tokens_per_s",
+                                                        "gpu_seconds")}
+    out.update(requests=sum(s["requests"] for s in summaries), servable=servable, slo_met=met,
+               slo_attainment=met / servable if servable else 0.0)
+    models: dict[str, dict[str, Any]] = {}
+    for m in summaries[0]["models"]:
+        per = [s["models"][m] for s in summaries]
+        req = sum(p["requests"] for p in per)
+        models[m] = {**per[0], "requests": req,
+                     "slo_attainment": sum(p["slo_attainment"] * p["requests"] for p in per) / max(req, 1),
+                     "goodput_rps": sum(p["goodput_rps"] for p in per) / n,
+                     "throughput_rps": sum(p["throughput_rps"] for p in per) / n}
+    out["models"] = models
+    return out
 
 
 def _fit_to_target(c: Candidate, demands: Sequence[ServiceDemand], options: dict, req: PlanRequest,
@@ -249,7 +277,8 @@ def groups_table(groups: Sequence[InstanceGroup]) -> list[str]:
 
 # ---- the CLI -----------------------------------------------------------------------------------------------------
 def run_plan_cli(models: Sequence[str], gpus: Sequence[str], run: DeploymentRun, objective: str,
-                 budget: float | None, target: float, score_top: int, as_json: bool, out: str | None) -> None:
+                 budget: float | None, target: float, score_top: int, as_json: bool, out: str | None,
+                 score_seeds: int = 2) -> None:
     import json
     import sys
 
@@ -262,9 +291,10 @@ def run_plan_cli(models: Sequence[str], gpus: Sequence[str], run: DeploymentRun,
             raise ValueError("--target must be in (0, 1]")
         if budget is not None and not budget > 0:
             raise ValueError("--budget must be > 0")
-        if score_top < 1:
-            raise ValueError("--score-top must be >= 1")
-        req = PlanRequest(parse_models(models), parse_gpus(gpus), run, objective, budget, target, score_top)
+        if score_top < 1 or score_seeds < 1:
+            raise ValueError("--score-top and --score-seeds must be >= 1")
+        req = PlanRequest(parse_models(models), parse_gpus(gpus), run, objective, budget, target, score_top,
+                          score_seeds=score_seeds)
         with stderr_progress("plan: simulating candidates") as progress:
             plan = make_plan(req, progress)
     except ValueError as exc:

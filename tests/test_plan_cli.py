@@ -18,8 +18,9 @@ SMALL = ["--trace", "sharegpt", "--rate", "12", "--duration", "30", "--slo-ttft-
 @pytest.fixture(scope="module")
 def cost_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("plan") / "plan.json"
+    # One traffic draw per score, so `simulate --deployment` on the same seed reproduces the prediction exactly.
     res = run_cli("plan", "--model", "llama3-8b", "--gpus", "a100:8", "--gpus", "l4:8:0.5", *SMALL,
-                  "--json", "--out", str(out), env=QUIET, timeout=180)
+                  "--score-seeds", "1", "--json", "--out", str(out), env=QUIET, timeout=180)
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert json.loads(out.read_text()) == plan
@@ -73,6 +74,7 @@ def test_two_models_share_the_gpus_and_throughput_uses_the_budget() -> None:
                   env=QUIET, timeout=180)
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
+    assert plan["search"]["seeds_per_score"] == [0, 1000]
     models = {g["model"] for g in plan["deployment"]["groups"]}
     assert models == {"llama3-8b", "llama2-13b"}
     assert plan["predicted"]["cost_per_hour"] <= 12 + 1e-6
@@ -161,3 +163,18 @@ def test_demo_runs_a_two_model_deployment_behind_the_gateway(tmp_path: Path) -> 
         assert "llama3-8b-h100-0" in text and "llama3-8b-h100-1" in text and "llama2-13b-tp2-a100-2" in text
         assert demo.send_signal(signal.SIGINT, timeout=20) == 0
     assert all(refused(base + k) for k in range(4))
+
+
+def test_pooled_scores_weigh_every_request_once() -> None:
+    from simulator.planner import pooled
+
+    def run(met: int, servable: int, goodput: float) -> dict:
+        return {"requests": servable, "servable": servable, "slo_met": met, "slo_attainment": met / servable,
+                "goodput_rps": goodput, "throughput_rps": goodput, "output_tokens_per_s": 10 * goodput,
+                "gpu_seconds": 100.0, "models": {"m": {"requests": servable, "slo_attainment": met / servable,
+                                                       "goodput_rps": goodput, "throughput_rps": goodput}}}
+
+    both = pooled([run(90, 100, 3.0), run(290, 300, 5.0)])
+    assert both["slo_attainment"] == pytest.approx(380 / 400)
+    assert both["models"]["m"]["slo_attainment"] == pytest.approx(380 / 400)
+    assert both["goodput_rps"] == pytest.approx(4.0) and both["requests"] == 400
