@@ -282,8 +282,9 @@ def report(a: list[TpRow], b: list[CostRow], c: list[SizingRow], d: tuple[float,
               f"scores of {plan['workload']['duration_s']:g} s of traffic x {len(plan['search']['seeds_per_score'])} "
               "seeds); plan: "
               + ", ".join(f"{g['count']}x {g['model']} TP{g['tp']} {g['gpu']}" for g in plan["deployment"]["groups"])
-              + f"; ${plan['predicted']['cost_per_hour']:.2f}/h, predicted attainment "
-              f"{plan['predicted']['slo_attainment']:.3f}.", ""]
+              + f"; ${plan['predicted']['cost_per_hour']:.2f}/h, {plan['predicted']['gpus']} GPUs, predicted attainment "
+              f"{plan['predicted']['slo_attainment']:.3f} (target {TARGET}: "
+              f"{'met' if plan['meets_target'] else 'not reached within the 64 GPUs'}).", ""]
     lines += [NOTES, ""]
     if png is not None:
         lines += [f"![TP ranking and equal-cost throughput]({png.name})", ""]
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         progress(2, 4)
         c = sizing(args.sizing_model, rates, run, 32)
         progress(3, 4)
-        d = speed(replace(run, rate=100.0, duration=min(args.duration, 60.0)))
+        d = speed(replace(run, rate=70.0, duration=min(args.duration, 60.0)))
         progress(4, 4)
     args.wall_s = time.perf_counter() - t0
     if args.no_write:
