@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from policies.hardware import TP_DEGREES, GpuSpec, ModelSpec, derive_profile, fits, model_spec
 from policies.perf_model import PerfModel
-from policies.types import ROLE_MIXED
+from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL
 
 COST, THROUGHPUT = "cost", "throughput"
 OBJECTIVES = (COST, THROUGHPUT)
 TPOT_HEADROOM = 0.8        # γ: plan decode steps at 80 % of the TPOT target (prefill chunks and bursts share them)
 SEALLM_ALPHA = 1e-4        # α of SeaLLM eq. 6 (the paper's setting, section 6.1)
+PREFILL_UTILIZATION = 0.7  # a prefill-only instance planned at most 70 % busy (prompts queue for TTFT beyond it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +133,10 @@ class Candidate:
 
 # ---- one instance ---------------------------------------------------------------------------------------------
 def instance_capacity(profile: Mapping[str, Any], demand: ServiceDemand, slo: Slo,
-                      headroom: float = TPOT_HEADROOM) -> float:
-    """Requests / s one instance sustains at the SLOs (0 if a lone mean request misses them)."""
+                      headroom: float = TPOT_HEADROOM, role: str = ROLE_MIXED) -> float:
+    """Requests / s one instance sustains at the SLOs (0 if a lone mean request misses them). A prefill instance
+    only prefills (at most PREFILL_UTILIZATION busy, so prompts rarely queue past the TTFT target); a decode
+    instance only decodes (its prompts' KV arrives from a prefill instance)."""
     p = profile
     i, o = demand.mean_input, max(demand.mean_output, 1.0)
     ctx = i + o / 2.0
@@ -141,7 +144,13 @@ def instance_capacity(profile: Mapping[str, Any], demand: ServiceDemand, slo: Sl
     chunks = max(1, math.ceil(i / p["max_num_batched_tokens"]))
     prefill = p["k_prefill_s"] * i + p["k_attn_s"] * demand.input_sq / 2.0 + (chunks - 1) * p["c_step_s"]
     lone_ttft = p["ttft_overhead_s"] + p["c_step_s"] + max(p["t_weights_s"], prefill)
-    if lone_ttft > slo.ttft_s or step_time(p, 1, ctx) > pace:
+    if role == ROLE_PREFILL:
+        return PREFILL_UTILIZATION / (lone_ttft - p["ttft_overhead_s"]) if lone_ttft <= slo.ttft_s else 0.0
+    if role == ROLE_DECODE:
+        prefill = 0.0
+    elif lone_ttft > slo.ttft_s:
+        return 0.0
+    if step_time(p, 1, ctx) > pace:
         return 0.0
     batch_cap = min(p["num_gpu_blocks"] * p["block_size"] / ctx, p["max_num_seqs"])
 
@@ -266,8 +275,8 @@ def _pareto(mixes: list[_Mix], enough: float | None) -> list[_Mix]:
     return best
 
 
-def _group(o: InstanceOption, n: int) -> InstanceGroup:
-    return InstanceGroup(o.model, o.gpu.name, o.tp, n, ROLE_MIXED, o.gpu.price_per_hour)
+def _group(o: InstanceOption, n: int, role: str = ROLE_MIXED) -> InstanceGroup:
+    return InstanceGroup(o.model, o.gpu.name, o.tp, n, role, o.gpu.price_per_hour)
 
 
 # ---- homogeneous sizing (Aladdin section 4.1) ------------------------------------------------------------------
@@ -285,6 +294,37 @@ def homogeneous(options: Sequence[InstanceOption], stocks: Sequence[GpuStock], d
         n = homogeneous_count(best, demand.rate) if objective == COST else most
         if 0 < n <= most:
             out.append(Candidate((_group(best, n),), {demand.model: n * best.capacity}, "aladdin-eq6-7"))
+    return out
+
+
+# ---- prefill / decode split (Aladdin's decoupled setting, section 3) -----------------------------------------
+def disaggregated(options: Sequence[InstanceOption], stocks: Sequence[GpuStock], demand: ServiceDemand, slo: Slo,
+                  objective: str, budget: float | None = None) -> list[Candidate]:
+    """Per GPU type, its eq. 6 shape as prefill and decode instances: counts for the rate (cost), or the type's
+    stock split in proportion to the two phases' work (throughput)."""
+    out = []
+    m = model_spec(demand.model)
+    for stock in stocks:
+        best = best_tp([o for o in options if o.gpu.name == stock.gpu.name])
+        prof = _profile(m, stock.gpu, best.tp) if best is not None else None
+        if best is None or prof is None:
+            continue
+        mu_p = instance_capacity(prof, demand, slo, role=ROLE_PREFILL)
+        mu_d = instance_capacity(prof, demand, slo, role=ROLE_DECODE)
+        if mu_p <= 0 or mu_d <= 0:
+            continue
+        most = stock.count // best.tp
+        if budget is not None and best.cost_per_hour > 0:
+            most = min(most, int(budget // best.cost_per_hour + 1e-9))
+        if objective == COST:
+            n_p, n_d = math.ceil(demand.rate / mu_p - 1e-9), math.ceil(demand.rate / mu_d - 1e-9)
+        else:
+            n_p = min(max(1, round(most * mu_d / (mu_p + mu_d))), most - 1)
+            n_d = most - n_p
+        if n_p < 1 or n_d < 1 or n_p + n_d > most:
+            continue
+        groups = (_group(best, n_p, ROLE_PREFILL), _group(best, n_d, ROLE_DECODE))
+        out.append(Candidate(groups, {demand.model: min(n_p * mu_p, n_d * mu_d)}, "pd-split"))
     return out
 
 
@@ -359,6 +399,7 @@ def candidates(demands: Sequence[ServiceDemand], stocks: Sequence[GpuStock], slo
         d = demands[0]
         found += mixed_types(options[d.model], stocks, d, objective, budget, keep)
         found += homogeneous(options[d.model], stocks, d, objective, budget)
+        found += disaggregated(options[d.model], stocks, d, slo, objective, budget)
     for p in TP_DEGREES:
         c = seallm_allocation(options, stocks, demands, p, objective, budget)
         if c is not None:
@@ -380,14 +421,23 @@ def _unique(found: Sequence[Candidate]) -> list[Candidate]:
 
 
 def grow(candidate: Candidate, demand: ServiceDemand, options: Sequence[InstanceOption],
-         stocks: Sequence[GpuStock], budget: float | None = None) -> Candidate | None:
+         stocks: Sequence[GpuStock], budget: float | None = None, phase: str = ROLE_DECODE) -> Candidate | None:
     """The candidate with one more instance for `demand`'s model: its best capacity per dollar among the options
-    the remaining stock and budget allow (None if nothing fits)."""
+    the remaining stock and budget allow (None if nothing fits). A model served by prefill and decode instances
+    gets one more of the `phase` role, in the shape it already has."""
     used: dict[str, int] = {}
     for g in candidate.groups:
         used[g.gpu] = used.get(g.gpu, 0) + g.gpus
     left = {s.gpu.name: s.count - used.get(s.gpu.name, 0) for s in stocks}
     room = None if budget is None else budget - candidate.cost_per_hour
+    split = [g for g in candidate.groups if g.model == demand.model and g.role == phase]
+    if split:
+        g = split[0]
+        price = g.tp * g.price_per_gpu_hour
+        if g.tp > left.get(g.gpu, 0) or (room is not None and price > room + 1e-9):
+            return None
+        groups = tuple(replace(h, count=h.count + 1) if h is g else h for h in candidate.groups)
+        return Candidate(groups, candidate.capacity, candidate.method, (*candidate.notes, f"+1 {phase} {g.gpu} tp{g.tp}"))
     mine = {(g.gpu, g.tp) for g in candidate.groups if g.model == demand.model}
     usable = [o for o in options if o.tp <= left.get(o.gpu.name, 0) and (room is None or o.cost_per_hour <= room + 1e-9)]
     # Prefer a shape the plan already runs for this model (fewer distinct groups), then value for money.
@@ -397,7 +447,7 @@ def grow(candidate: Candidate, demand: ServiceDemand, options: Sequence[Instance
         return None
     groups = list(candidate.groups)
     for k, g in enumerate(groups):
-        if (g.model, g.gpu, g.tp) == (pick.model, pick.gpu.name, pick.tp):
+        if (g.model, g.gpu, g.tp, g.role) == (pick.model, pick.gpu.name, pick.tp, ROLE_MIXED):
             groups[k] = InstanceGroup(g.model, g.gpu, g.tp, g.count + 1, g.role, g.price_per_gpu_hour)
             break
     else:

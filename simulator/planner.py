@@ -27,6 +27,7 @@ from policies.planning import (
     grow,
     instance_options,
 )
+from policies.types import ROLE_DECODE, ROLE_PREFILL
 from simulator.deployment import DeploymentRun, ServiceShare, simulate_deployment
 from simulator.workload import load_workload, rate_of, trace_rows
 
@@ -156,6 +157,8 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> dict[str, A
         offered = max(total_rate, max(c.scale(demands) for c in scored_ones) * total_rate)
         scored = [ScoredPlan(c, sim(c, offered), offered) for c in scored_ones]
         scored.sort(key=lambda s: (-s.sim["goodput_rps"], s.candidate.cost_per_hour))
+    seen: set[tuple] = set()
+    scored = [s for s in scored if not (s.candidate.key() in seen or seen.add(s.candidate.key()))]  # fits that met
     best, rest = scored[0], scored[1:]
     for s in rest:
         s.why = _why_lost(s, best, req)
@@ -219,7 +222,9 @@ def _fit_to_target(c: Candidate, demands: Sequence[ServiceDemand], options: dict
     steps = 0
     while cur.attainment < req.target and steps < req.max_steps:
         worst = _worst_service(cur, demands)
-        bigger = grow(cur.candidate, worst, options[worst.model], req.stocks, req.budget)
+        ttft_p99 = cur.sim["models"].get(worst.model, {}).get("ttft_p99") or 0.0
+        phase = ROLE_PREFILL if ttft_p99 > req.run.slo_ttft_s else ROLE_DECODE   # for prefill/decode splits
+        bigger = grow(cur.candidate, worst, options[worst.model], req.stocks, req.budget, phase)
         if bigger is None:
             cur.steps.append(f"cannot grow {worst.model}: no GPUs or budget left")
             return cur
@@ -245,17 +250,17 @@ def _worst_service(s: ScoredPlan, demands: Sequence[ServiceDemand]) -> ServiceDe
 
 
 def _shrink(c: Candidate) -> Candidate | None:
-    """One instance fewer from the group with the most GPUs (a group of one instance of a model that has no
-    other group stays)."""
+    """One instance fewer from the group with the most GPUs, keeping at least one instance of every (model,
+    role) the plan has."""
     groups = list(c.groups)
     order = sorted(range(len(groups)), key=lambda k: -groups[k].gpus)
     for k in order:
         g = groups[k]
-        others = sum(h.count for h in groups if h.model == g.model) - 1
+        others = sum(h.count for h in groups if (h.model, h.role) == (g.model, g.role)) - 1
         if g.count >= 1 and others >= 1:
             groups[k] = replace(g, count=g.count - 1)
             groups = [h for h in groups if h.count > 0]
-            return Candidate(tuple(groups), c.capacity, c.method, (*c.notes, f"shrank {g.gpu} tp{g.tp}"))
+            return Candidate(tuple(groups), c.capacity, c.method, (*c.notes, f"shrank {g.role} {g.gpu} tp{g.tp}"))
     return None
 
 
@@ -330,7 +335,8 @@ def _print_plan(plan: dict[str, Any]) -> None:
     if plan.get("meets_target") is False:
         console.print("[bold red]no candidate reached the target within the GPUs and budget given[/]")
     for r in plan["runner_ups"]:
-        shape = ", ".join(f"{g['count']}x {g['model']}@{g['tp']}x{g['gpu']}" for g in r["groups"])
+        shape = ", ".join(f"{g['count']}x {g['model']}@{g['tp']}x{g['gpu']}"
+                          + ("" if g["role"] == "mixed" else f" {g['role']}") for g in r["groups"])
         console.print(escape(f"runner-up {r['method']}: {shape}; {r['gpus']} GPUs, ${r['cost_per_hour']:.2f}/h — "
                              f"{r['why_lost']}"))
     s = plan["search"]

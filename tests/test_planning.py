@@ -146,3 +146,27 @@ def test_algorithm1_ranks_by_static_batches_of_the_kv_cache() -> None:
     short = [(200, 20)] * 200                                          # prefill-bound: TP only adds all-reduces
     assert algorithm1_throughput(derive_profile("llama3-8b", "v100", 1), short, 1, 8) > \
         algorithm1_throughput(derive_profile("llama3-8b", "v100", 8), short, 8, 8)
+
+
+def test_prefill_decode_split_sizes_each_phase_and_grows_the_phase_asked() -> None:
+    from policies.planning import disaggregated
+    from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL
+
+    prof = derive_profile("llama3-8b", "h100", 1)
+    mixed = instance_capacity(prof, CHAT, SLO)
+    prefill = instance_capacity(prof, CHAT, SLO, role=ROLE_PREFILL)
+    decode = instance_capacity(prof, CHAT, SLO, role=ROLE_DECODE)
+    assert decode > mixed and prefill > mixed        # each phase alone goes further than both on one instance
+    # A prefill instance is planned 70 % busy: 0.7 / (c_step + k_prefill x 600 + attention) per second.
+    alone = prof["c_step_s"] + max(prof["t_weights_s"], prof["k_prefill_s"] * 600 + prof["k_attn_s"] * 600**2 / 2)
+    assert prefill == pytest.approx(0.7 / alone)
+    stocks = [GpuStock(gpu_spec("h100"), 16)]
+    opts = instance_options(CHAT, [s.gpu for s in stocks], SLO)
+    (split,) = disaggregated(opts, stocks, CHAT, SLO, COST)
+    roles = {g.role: g.count for g in split.groups}
+    assert set(roles) == {ROLE_PREFILL, ROLE_DECODE} and ROLE_MIXED not in roles
+    assert split.capacity[CHAT.model] >= CHAT.rate
+    assert "pd-split" in {c.method for c in candidates([CHAT], stocks, SLO, COST, keep=20)}
+    more = grow(split, CHAT, opts, stocks, phase=ROLE_PREFILL)
+    assert more is not None
+    assert {g.role: g.count for g in more.groups} == {**roles, ROLE_PREFILL: roles[ROLE_PREFILL] + 1}
