@@ -14,6 +14,8 @@
     exhaustive optimum over TP 1/2/4/8 x worker count (target: within 10 %), and the plan's predicted
     attainment re-checked on another seed (another draw of arrivals and lengths; target: within 2 pp).
 (d) Planner speed: 8 models over 64 GPUs of three types.
+(e) One plan live: the (c) plan's requests through the gateway in front of simulated vLLM servers with the plan's
+    derived profiles, against the virtual-time prediction for the same requests.
 """
 
 from __future__ import annotations
@@ -206,6 +208,51 @@ def exhaustive(model: str, services: list[ServiceShare], run: DeploymentRun, max
     return best
 
 
+# ---- (e) one plan live through the gateway ---------------------------------------------------------------------
+@dataclass
+class LiveRow:
+    shape: str
+    requests: int
+    simulated: float
+    live: float
+    live_completed: int
+    note: str
+
+
+def live_plan(model: str, rate: float, run: DeploymentRun, k: float) -> LiveRow:
+    """Plan `model` at `rate` on A100s, then replay the same requests through the live gateway in front of
+    `fleetgate sim` workers with the plan's derived profiles (bench/live_check.py's live side, time scale K)."""
+    import asyncio
+    import tempfile
+
+    import yaml
+
+    from bench.live_check import live_run
+    from simulator.deployment import service_spec
+    from simulator.simulate import build_workload, history
+
+    services = list(parse_models([model]))
+    r = replace(run, rate=rate)
+    plan = make_plan(PlanRequest(tuple(services), parse_gpus(["a100:16"]), r, "cost", None, TARGET))
+    groups = _groups(plan)
+    spec = service_spec(r, services[0], 0)
+    workload = build_workload(spec)
+    simulated = simulate_deployment(groups, services, r).summary()["slo_attainment"]   # the same requests
+    with tempfile.TemporaryDirectory(prefix="fleetgate-plan-") as tmp:
+        paths = []
+        for g in groups:
+            prof = derive_profile(g.model, g.gpu, g.tp)
+            path = Path(tmp) / f"{prof['name']}.yaml"
+            path.write_text(yaml.safe_dump(prof))
+            paths += [str(path)] * g.count
+        side = asyncio.run(live_run(paths, group_profile(groups[0].model, groups[0].gpu, groups[0].tp).model,
+                                    run.policy, {}, workload, k, history(spec, workload), False,
+                                    slo_ttft_s=run.slo_ttft_s, slo_atgt_s=run.slo_tpot_s))
+    shape = ", ".join(f"{g.count}x {g.model} TP{g.tp} {g.gpu}" for g in groups)
+    print(f"(e) {shape}: simulated {simulated:.3f}, live {side.attainment:.3f}", file=sys.stderr, flush=True)
+    return LiveRow(shape, len(workload), simulated, side.attainment, side.completed, side.note)
+
+
 # ---- (d) speed ---------------------------------------------------------------------------------------------------
 def speed(run: DeploymentRun) -> tuple[float, dict]:
     models = ["llama3-8b:4", "llama2-7b:2", "mistral-7b:2", "qwen2.5-7b:1", "llama2-13b:2", "qwen2.5-14b:1",
@@ -217,8 +264,8 @@ def speed(run: DeploymentRun) -> tuple[float, dict]:
 
 
 # ---- the report ----------------------------------------------------------------------------------------------------
-def report(a: list[TpRow], b: list[CostRow], c: list[SizingRow], d: tuple[float, dict], args: argparse.Namespace,
-           png: Path | None) -> str:
+def report(a: list[TpRow], b: list[CostRow], c: list[SizingRow], d: tuple[float, dict], e: LiveRow,
+           args: argparse.Namespace, png: Path | None) -> str:
     lines = ["## (a) TP configurations of Llama-3-8B on 8x V100 (heterogeneous-cluster paper, section 5.1)", "",
              f"{args.tp_requests} ShareGPT requests x 8 copies, all at once, round robin (seeds "
              f"{', '.join(map(str, args.seeds))}); Algorithm 1 on the first 200 of each sample. Tokens/s = (input + "
@@ -285,6 +332,15 @@ def report(a: list[TpRow], b: list[CostRow], c: list[SizingRow], d: tuple[float,
               + f"; ${plan['predicted']['cost_per_hour']:.2f}/h, {plan['predicted']['gpus']} GPUs, predicted attainment "
               f"{plan['predicted']['slo_attainment']:.3f} (target {TARGET}: "
               f"{'met' if plan['meets_target'] else 'not reached within the 64 GPUs'}).", ""]
+    lines += ["## (e) One plan live through the gateway", "",
+              f"The plan for {args.sizing_model} at {args.live_rate:g} req/s on A100s ({e.shape}), its {e.requests} "
+              f"requests (seed {args.seed}) replayed through the gateway in front of `fleetgate sim` workers running "
+              f"the plan's derived profiles at time scale K = {args.time_scale:g} (bench/live_check.py's live side: "
+              "the gateway's own SLO counters, SLOs and coefficients divided by K).", "",
+              "| plan | simulated attainment | live attainment | difference (pp) | live completed | notes |",
+              "|---|---|---|---|---|---|",
+              f"| {e.shape} | {e.simulated:.3f} | {e.live:.3f} | {(e.live - e.simulated) * 100:+.1f} | "
+              f"{e.live_completed}/{e.requests} | {e.note} |", ""]
     lines += [NOTES, ""]
     if png is not None:
         lines += [f"![TP ranking and equal-cost throughput]({png.name})", ""]
@@ -344,6 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--types", default="a100,h100,l4,a800,v100")
     ap.add_argument("--sizing-model", default="llama2-13b")
     ap.add_argument("--rates", default="2,4,8")
+    ap.add_argument("--live-rate", type=float, default=4.0)
+    ap.add_argument("--time-scale", type=float, default=5.0, help="K of the live run (model seconds per wall second)")
     ap.add_argument("--out", type=Path, default=RESULTS_MD)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
@@ -359,22 +417,24 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     with stderr_progress("bench.plan") as progress:
         a = tp_ranking(args.tp_requests, args.seeds)
-        progress(1, 4)
+        progress(1, 5)
         # The throughput objective offers every candidate its closed-form capacity; 4 req/s is only a floor.
         b = equal_cost(args.cost_model, args.budget, args.types, replace(run, rate=4.0), steps)
-        progress(2, 4)
+        progress(2, 5)
         c = sizing(args.sizing_model, rates, run, 32)
-        progress(3, 4)
+        progress(3, 5)
         d = speed(replace(run, rate=70.0, duration=min(args.duration, 60.0)))
-        progress(4, 4)
+        progress(4, 5)
+        e = live_plan(args.sizing_model, args.live_rate, run, args.time_scale)
+        progress(5, 5)
     args.wall_s = time.perf_counter() - t0
     if args.no_write:
-        print(report(a, b, c, d, args, None))
+        print(report(a, b, c, d, e, args, None))
         return
     png = args.out.with_suffix(".png")
     plot(a, b, png)
     cmd = "python -m bench.plan" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
-    write_report(args.out, "Capacity planning (`fleetgate plan`)", cmd, report(a, b, c, d, args, png))
+    write_report(args.out, "Capacity planning (`fleetgate plan`)", cmd, report(a, b, c, d, e, args, png))
     print(f"wrote {args.out} and {png}", file=sys.stderr)
 
 

@@ -91,13 +91,18 @@ def simulate_deployment(groups: Sequence[InstanceGroup], services: Sequence[Serv
             raise ValueError(f"the deployment has no instances of {svc.model}")
         if svc.share <= 0:
             continue
-        spec = SimSpec(trace=run.trace, rate=None if run.rate is None else run.rate * svc.share,
-                       rate_scale=1.0 if run.rate is not None else svc.share, duration=run.duration,
-                       seed=run.seed * 1000 + k, policy=run.policy, slo_ttft_s=run.slo_ttft_s,
-                       slo_tpot_s=run.slo_tpot_s, warmup=run.warmup)
+        spec = service_spec(run, svc, k)
         workload = build_workload(spec)
         out.per_model[svc.model] = _fleet(mine, run, spec, workload).run(workload)
     return out
+
+
+def service_spec(run: DeploymentRun, svc: ServiceShare, index: int) -> SimSpec:
+    """The SimSpec of the `index`-th service's traffic (its share of the rate, its own seed)."""
+    return SimSpec(trace=run.trace, rate=None if run.rate is None else run.rate * svc.share,
+                   rate_scale=1.0 if run.rate is not None else svc.share, duration=run.duration,
+                   seed=run.seed * 1000 + index, policy=run.policy, slo_ttft_s=run.slo_ttft_s,
+                   slo_tpot_s=run.slo_tpot_s, warmup=run.warmup)
 
 
 def _fleet(groups: Sequence[InstanceGroup], run: DeploymentRun, spec: SimSpec, workload: list) -> ClusterSim:
