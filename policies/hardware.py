@@ -187,7 +187,8 @@ def derive_profile(model: ModelSpec | str, gpu: GpuSpec | str, tp: int) -> dict[
     link = f"{g.interconnect} {g.link_gbs:g} GB/s, {g.link_latency_us:g} us/hop" if tp > 1 else "no TP"
     return {
         "name": profile_name(m, g, tp),
-        "description": f"{m.hf_id} BF16 on {tp}x {g.full_name} (TP{tp}, {link}); derived by policies/hardware.py",
+        "description": f"{m.hf_id} BF16 on {tp}x {g.full_name} (TP{tp}, {link}); derived by policies/hardware.py, "
+                       "checks in simulator/CALIBRATION.md (Derived profiles)",
         "model": m.hf_id,
         "family": m.family,
         "gpu": g.full_name,

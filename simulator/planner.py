@@ -221,15 +221,18 @@ def _fit_to_target(c: Candidate, demands: Sequence[ServiceDemand], options: dict
     cur = ScoredPlan(c, sim(c), total)
     steps = 0
     while cur.attainment < req.target and steps < req.max_steps:
-        worst = _worst_service(cur, demands)
-        ttft_p99 = cur.sim["models"].get(worst.model, {}).get("ttft_p99") or 0.0
-        phase = ROLE_PREFILL if ttft_p99 > req.run.slo_ttft_s else ROLE_DECODE   # for prefill/decode splits
-        bigger = grow(cur.candidate, worst, options[worst.model], req.stocks, req.budget, phase)
-        if bigger is None:
-            cur.steps.append(f"cannot grow {worst.model}: no GPUs or budget left")
+        bigger, served = None, None
+        for d in _services_worst_first(cur, demands):       # the worst-served model that can still grow
+            ttft_p99 = cur.sim["models"].get(d.model, {}).get("ttft_p99") or 0.0
+            phase = ROLE_PREFILL if ttft_p99 > req.run.slo_ttft_s else ROLE_DECODE   # for prefill/decode splits
+            bigger, served = grow(cur.candidate, d, options[d.model], req.stocks, req.budget, phase), d
+            if bigger is not None:
+                break
+        if bigger is None or served is None:
+            cur.steps.append("cannot grow: no GPUs or budget left for any model's instances")
             return cur
         steps += 1
-        cur = ScoredPlan(bigger, sim(bigger), total, [*cur.steps, f"grew {bigger.notes[-1]} for {worst.model}"])
+        cur = ScoredPlan(bigger, sim(bigger), total, [*cur.steps, f"grew {bigger.notes[-1]} for {served.model}"])
     if steps == 0:
         while steps < req.max_steps:
             smaller = _shrink(cur.candidate)
@@ -244,9 +247,9 @@ def _fit_to_target(c: Candidate, demands: Sequence[ServiceDemand], options: dict
     return cur
 
 
-def _worst_service(s: ScoredPlan, demands: Sequence[ServiceDemand]) -> ServiceDemand:
+def _services_worst_first(s: ScoredPlan, demands: Sequence[ServiceDemand]) -> list[ServiceDemand]:
     per = s.sim["models"]
-    return min(demands, key=lambda d: per.get(d.model, {}).get("slo_attainment", 0.0))
+    return sorted(demands, key=lambda d: per.get(d.model, {}).get("slo_attainment", 0.0))
 
 
 def _shrink(c: Candidate) -> Candidate | None:
