@@ -115,15 +115,22 @@ def parse_gpus(items: Sequence[str]) -> tuple[GpuStock, ...]:
 
 
 def demands_for(services: Sequence[ServiceShare], run: DeploymentRun) -> list[ServiceDemand]:
-    """Each service's rate (its share of --rate, or of the trace's own rate) and the trace's length moments."""
+    """Each service's rate (its share of --rate, or of the trace's own rate) and length moments, over the requests
+    its model can serve at all: a prompt beyond the model's context is refused (vLLM's 400) by any deployment,
+    loads none and counts in no attainment (simulator/simulate.py)."""
     rows = trace_rows(run.trace)
     total = run.rate
     if total is None:
         total = rate_of(load_workload(run.trace, duration=run.duration, seed=run.seed))
-    i = statistics.fmean(p for p, _ in rows)
-    o = statistics.fmean(q for _, q in rows)
-    i2 = statistics.fmean(p * p for p, _ in rows)
-    return [ServiceDemand(s.model, total * s.share, i, o, i2) for s in services]
+    out = []
+    for s in services:
+        context = model_spec(s.model).context
+        fit = [(p, q) for p, q in rows if p < context] or rows
+        i = statistics.fmean(p for p, _ in fit)
+        o = statistics.fmean(q for _, q in fit)
+        i2 = statistics.fmean(p * p for p, _ in fit)
+        out.append(ServiceDemand(s.model, total * s.share * len(fit) / len(rows), i, o, i2))
+    return out
 
 
 # ---- the search ------------------------------------------------------------------------------------------------
@@ -135,7 +142,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> dict[str, A
     found = candidates(demands, req.stocks, slo, req.objective, req.budget, keep=max(req.score_top, 6))
     if not found:
         raise ValueError("no deployment within the GPUs and budget given serves every model")
-    scored_ones = found[: req.score_top]
+    scored_ones = _distinct_shapes(found, req.score_top)
     total_rate = sum(d.rate for d in demands)
     budget_sims = len(scored_ones) * (1 + (req.max_steps if req.objective == COST else 0))
     done = [0]
@@ -166,7 +173,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> dict[str, A
                  "cost_per_hour": round(c.cost_per_hour, 4),
                  "closed_form_capacity_rps": {m: round(v, 3) for m, v in c.capacity.items()},
                  "why_lost": "not simulated: ranked below the scored candidates by the closed form"}
-                for c in found[req.score_top:]]
+                for c in found if c not in scored_ones]
     return {
         "deployment": {
             "groups": [g.to_dict() for g in best.candidate.groups if g.count],
@@ -188,6 +195,21 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> dict[str, A
                    "seeds_per_score": [req.run.seed + SEED_STRIDE * k for k in range(req.score_seeds)],
                    "wall_s": round(time.perf_counter() - t0, 2)},
     }
+
+
+def _distinct_shapes(found: Sequence[Candidate], k: int) -> list[Candidate]:
+    """The best `k` candidates of different shapes (the set of (model, GPU, TP, role) they use): growing and
+    shrinking explore the counts of a shape, so scoring two counts of one shape would waste a simulation."""
+    out: list[Candidate] = []
+    shapes: set[frozenset] = set()
+    for c in found:
+        shape = frozenset((g.model, g.gpu, g.tp, g.role) for g in c.groups if g.count)
+        if shape not in shapes:
+            shapes.add(shape)
+            out.append(c)
+        if len(out) == k:
+            break
+    return out
 
 
 def pooled(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
