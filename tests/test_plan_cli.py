@@ -178,3 +178,16 @@ def test_pooled_scores_weigh_every_request_once() -> None:
     assert both["slo_attainment"] == pytest.approx(380 / 400)
     assert both["models"]["m"]["slo_attainment"] == pytest.approx(380 / 400)
     assert both["goodput_rps"] == pytest.approx(4.0) and both["requests"] == 400
+
+
+def test_demand_counts_only_what_the_model_can_serve() -> None:
+    from simulator.deployment import DeploymentRun
+    from simulator.planner import demands_for, parse_models
+    from simulator.workload import trace_rows
+
+    rows = trace_rows("sharegpt")
+    short, long_ = demands_for(parse_models(["llama2-13b", "llama3-8b"]), DeploymentRun(trace="sharegpt", rate=10.0))
+    servable = sum(1 for p, _ in rows if p < 4096) / len(rows)      # Llama 2's context
+    assert short.rate == pytest.approx(5.0 * servable) and servable < 1.0
+    assert long_.rate == pytest.approx(5.0)                            # Llama 3.1 holds every prompt of the trace
+    assert short.mean_input < long_.mean_input
