@@ -113,7 +113,8 @@ def _fleet(groups: Sequence[InstanceGroup], run: DeploymentRun, spec: SimSpec, w
     for p, o in history(spec, workload):
         predictor.observe(profiles[0].model, p, o)
     sim = ClusterSim(list(dict.fromkeys(profiles)), 0, run.policy, slo_ttft_s=run.slo_ttft_s,
-                     slo_tpot_s=run.slo_tpot_s, predicted_output_tokens=predictor, seed=spec.seed)
+                     slo_tpot_s=run.slo_tpot_s, predicted_output_tokens=predictor, seed=spec.seed,
+                     queue_lookahead=spec.queue_lookahead, queue_poll_s=spec.queue_poll_s)   # the gateway's queue
     for g, prof in zip(groups, profiles, strict=True):
         for _ in range(g.count):
             sim.add_worker(prof, role=g.role, now=0.0)

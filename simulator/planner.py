@@ -114,14 +114,19 @@ def parse_gpus(items: Sequence[str]) -> tuple[GpuStock, ...]:
     return tuple(out)
 
 
+def offered_rate(run: DeploymentRun) -> float:
+    """The total arrival rate the run replays: --rate, or the trace's own over the window."""
+    if run.rate is not None:
+        return run.rate
+    return rate_of(load_workload(run.trace, duration=run.duration, seed=run.seed))
+
+
 def demands_for(services: Sequence[ServiceShare], run: DeploymentRun) -> list[ServiceDemand]:
     """Each service's rate (its share of --rate, or of the trace's own rate) and length moments, over the requests
     its model can serve at all: a prompt beyond the model's context is refused (vLLM's 400) by any deployment,
     loads none and counts in no attainment (simulator/simulate.py)."""
     rows = trace_rows(run.trace)
-    total = run.rate
-    if total is None:
-        total = rate_of(load_workload(run.trace, duration=run.duration, seed=run.seed))
+    total = offered_rate(run)
     out = []
     for s in services:
         context = model_spec(s.model).context
@@ -143,14 +148,15 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> dict[str, A
     if not found:
         raise ValueError("no deployment within the GPUs and budget given serves every model")
     scored_ones = _distinct_shapes(found, req.score_top)
-    total_rate = sum(d.rate for d in demands)
+    total_rate = offered_rate(req.run)        # what the simulator replays (demands count the servable part)
     budget_sims = len(scored_ones) * (1 + (req.max_steps if req.objective == COST else 0))
     done = [0]
 
-    def sim(c: Candidate, offered: float) -> dict[str, Any]:
-        res = pooled([simulate_deployment(c.groups, req.services,
-                                          replace(req.run, rate=offered, seed=req.run.seed + SEED_STRIDE * k)).summary()
-                      for k in range(req.score_seeds)])
+    def sim(c: Candidate, offered: float | None) -> dict[str, Any]:
+        """`offered` None: the run's own arrivals (its --rate, or the trace's timestamps)."""
+        run = req.run if offered is None else replace(req.run, rate=offered)
+        res = pooled([simulate_deployment(c.groups, req.services, replace(run, seed=run.seed + SEED_STRIDE * k))
+                      .summary() for k in range(req.score_seeds)])
         done[0] += 1
         if progress is not None:
             progress(done[0], max(budget_sims, done[0]))
@@ -158,7 +164,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> dict[str, A
 
     if req.objective == COST:
         options = {d.model: instance_options(d, [s.gpu for s in req.stocks], slo) for d in demands}
-        scored = [_fit_to_target(c, demands, options, req, lambda c: sim(c, total_rate)) for c in scored_ones]
+        scored = [_fit_to_target(c, demands, options, req, lambda c: sim(c, None), total_rate) for c in scored_ones]
         scored.sort(key=lambda s: (s.attainment < req.target, s.candidate.cost_per_hour, -s.attainment))
     else:
         offered = max(total_rate, max(c.scale(demands) for c in scored_ones) * total_rate)
@@ -237,9 +243,8 @@ def pooled(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _fit_to_target(c: Candidate, demands: Sequence[ServiceDemand], options: dict, req: PlanRequest,
-                   sim: Callable[[Candidate], dict[str, Any]]) -> ScoredPlan:
+                   sim: Callable[[Candidate], dict[str, Any]], total: float) -> ScoredPlan:
     """Grow until the simulated attainment reaches the target; if it did at once, shrink while it still does."""
-    total = sum(d.rate for d in demands)
     cur = ScoredPlan(c, sim(c), total)
     steps = 0
     while cur.attainment < req.target and steps < req.max_steps:

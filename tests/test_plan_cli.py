@@ -191,3 +191,19 @@ def test_demand_counts_only_what_the_model_can_serve() -> None:
     assert short.rate == pytest.approx(5.0 * servable) and servable < 1.0
     assert long_.rate == pytest.approx(5.0)                            # Llama 3.1 holds every prompt of the trace
     assert short.mean_input < long_.mean_input
+
+
+def test_a_plan_for_a_short_context_model_is_scored_on_the_traffic_it_will_see(tmp_path: Path) -> None:
+    """Llama 2 refuses a fifth of ShareGPT's prompts (over 4096 tokens): the plan still replays the whole --rate, as
+    `simulate --deployment` does, so the two agree."""
+    out = tmp_path / "plan.json"
+    res = run_cli("plan", "--model", "llama2-13b", "--gpus", "a100:4", "--rate", "3", "--duration", "30",
+                  "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50", "--score-seeds", "1", "--out", str(out), "--json",
+                  env=QUIET, timeout=180)
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    assert plan["predicted"]["offered_rps"] == 3 and plan["workload"]["demands"][0]["rate_rps"] < 3
+    sim = run_cli("simulate", "--deployment", str(out), "--rate", "3", "--duration", "30", "--json", env=QUIET,
+                  timeout=120)
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["slo_attainment"] == pytest.approx(plan["predicted"]["slo_attainment"], abs=1e-3)
