@@ -32,6 +32,18 @@ REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 60.0
 
 
+def bisect_smallest(ok: Any, lo: int, hi: int) -> int:
+    """The smallest n in (lo, hi] with ok(n), for a monotone ok with ok(hi) true and ok(lo) false (or lo = 0):
+    the bisection step of the benches' "fewest workers that meet the target" searches."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench.harness import bisect_smallest
 from bench.report import git_commit, write_report
 from simulator.cluster import ClusterSim, RequestResult
 from simulator.profiles import load_profile
@@ -61,9 +62,9 @@ TRACES: dict[str, tuple[dict[str, Any], tuple[float, float]]] = {
 BASELINES = ("round_robin", "least_requests", "power_of_two", "least_kv", "hetero")
 # aladdin's candidate parameter sets: policy parameters, plus the admission queue's look-ahead.
 CANDIDATES: dict[str, dict[str, Any]] = {
-    "paper": {},                                        # Algorithm 1 as printed: fullest feasible bin
-    "margin": {"margin": 0.25},                         # fullest bin keeping 25% headroom on every constraint
-    "spread": {"fit": "worst"},                         # most headroom: the constraints as admission control
+    "paper": {"fit": "best", "queue_lookahead": 1},     # Algorithm 1 as printed: fullest feasible bin
+    "margin": {"fit": "best", "margin": 0.25, "queue_lookahead": 1},   # fullest bin keeping 25% headroom
+    "spread": {"fit": "worst", "queue_lookahead": 1},   # most headroom: the constraints as admission control
     "spread_lookahead": {"fit": "worst", "queue_lookahead": 16},
 }
 ORACLE = "aladdin (oracle lengths)"
@@ -172,13 +173,7 @@ def min_workers(spec: SimSpec, label: str, trace: str, level: float, target: flo
                 hi = m
             else:
                 lo = m
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
-    s.needed = hi
+    s.needed = bisect_smallest(ok, lo, hi)
     return s
 
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.harness import bisect_smallest
 from bench.report import git_commit, write_report
 from policies.base import make_policy
 from policies.length_predictor import LengthPredictor
@@ -246,13 +247,7 @@ def min_workers(policy: str, reqs: list[WorkloadRequest], start: int, max_worker
         if hi >= max_workers:
             return s
         hi = min(max_workers, math.ceil(hi * 1.5))
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
-    s.needed = hi
+    s.needed = bisect_smallest(ok, lo, hi)
     return s
 
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from policies.admission import DEFAULT_QUEUE_LOOKAHEAD
+
 # Plain click help (rich_markup_mode=None): typer's rich help shows on/off flags as `<bool>`.
 _HELP = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, context_settings=_HELP,
@@ -145,7 +147,10 @@ def simulate(
     oracle_lengths: bool = typer.Option(False, "--oracle-lengths",
                                         help="Tell policies every request's true output length (an oracle)."),
     warmup: int = typer.Option(2000, help="Past (prompt, output) pairs of the trace the length predictor starts from."),
-    queue_lookahead: int = typer.Option(1, "--queue-lookahead", help="Admission queue look-ahead (gateway default 1)."),
+    queue_lookahead: int = typer.Option(DEFAULT_QUEUE_LOOKAHEAD, "--queue-lookahead",
+                                        help="Admission queue look-ahead (the gateway's limits.queue_lookahead)."),
+    rebalance_s: float | None = typer.Option(None, "--rebalance-s", help="Run Aladdin's Algorithm 2 (moves of "
+                                             "requests not started) every this many seconds; off by default."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     pd: str | None = typer.Option(None, "--pd", help="P:D prefill and decode workers (replaces --workers); "
                                      "--policy then places the decode legs."),
@@ -173,7 +178,7 @@ def simulate(
                        slo_ttft_s=(600.0 if slo_ttft_ms is None else slo_ttft_ms) / 1000.0,
                        slo_tpot_s=(30.0 if slo_tpot_ms is None else slo_tpot_ms) / 1000.0, ttft_slowdown=ttft_slowdown, pd=pd,
                        lengths="oracle" if oracle_lengths else "predicted", warmup=warmup,
-                       queue_lookahead=queue_lookahead)
+                       queue_lookahead=queue_lookahead, rebalance_s=rebalance_s)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -26,7 +26,10 @@ from policies.types import CLASS_BATCH, RequestFeatures
 
 DEFAULT_QUEUE_SIZE = 256          # waiting requests per model (gateway config limits.queue_size)
 DEFAULT_QUEUE_TIMEOUT_S = 5.0     # the longest wait without a TTFT target (limits.queue_timeout_s)
-DEFAULT_QUEUE_LOOKAHEAD = 1       # limits.queue_lookahead
+# limits.queue_lookahead: how many waiting requests behind a head that fits nowhere may be placed. 16 is what the
+# placement study's leave-one-trace-out protocol chose in every fold (bench/results/placement.md); policies that
+# never refuse a request (round_robin, least_requests, ...) never queue, so it changes nothing for them.
+DEFAULT_QUEUE_LOOKAHEAD = 16
 
 
 def queue_budget(feats: RequestFeatures, now: float, timeout_s: float) -> tuple[float, str]:

@@ -47,8 +47,9 @@ Choices beyond the paper (each a parameter):
     those that keep at least m relative headroom on every constraint, else the one with the most); `fit=
     "worst"` takes the one with the most headroom (the constraints then act as admission control and a fleet
     larger than needed spreads its load instead of idling). Best fit minimises the workers in use, which pays
-    when idle workers can be released; on a fixed fleet it leaves the model's errors no room (the
-    placement study, bench/results/placement.md, chooses between them by leave-one-trace-out).
+    when idle workers can be released; on a fixed fleet it leaves the model's errors no room. The default is
+    "worst": the placement study's leave-one-trace-out protocol chose it, with a 16-deep admission queue
+    look-ahead, in every fold (bench/results/placement.md).
   * Trust: `observe_outcome` keeps each worker's recent SLO miss rate (EWMA over `miss_window` requests). Where
     the model is right, requests it placed hardly ever miss; a worker above `max_miss_rate` is not trusted
     and, when every worker the model would place on is untrusted, the `fallback` baseline places the request
@@ -81,7 +82,7 @@ from policies.length_predictor import LengthPredictor
 from policies.perf_model import DECODE, PREFILL, PerfModel
 from policies.slo_targets import DEFAULT_ATGT_S, DEFAULT_TTFT_S, SloTarget, target_for
 from policies.tail import split_budget, tail_factor
-from policies.types import Decision, RequestFeatures, WorkerView
+from policies.types import Decision, Move, RequestFeatures, WorkerView
 
 _PENDING, _DECODING = 0, 1
 _MAX_SLO_GROUPS = 8
@@ -141,15 +142,6 @@ class _Row:
         self.tcount: dict[float, int] = {}                # ATGT target -> requests holding it
         self.early: deque[tuple[float, float]] = deque(maxlen=1024)  # (expiry step, l_real − l_pred)
         self.young: list[str | None] = [None] * _YOUNG                # risk mode: rids in the young slots
-
-
-@dataclass(frozen=True, slots=True)
-class Move:
-    """Rebalancing proposal: place `request_id` on `dst` instead of `src` (Algorithm 2)."""
-
-    request_id: str
-    src: str
-    dst: str
 
 
 @dataclass(slots=True)
@@ -247,7 +239,7 @@ class AladdinPolicy(Policy):
         count_wait: bool = True,
         stall_risk: float = 0.005,
         deadline_margin_s: float = 0.05,
-        fit: str = "best",
+        fit: str = "worst",       # chosen by the placement study's protocol (bench/results/placement.md)
         margin: float = 0.0,
         fallback: str | None = "least_requests",
         max_miss_rate: float = 0.1,

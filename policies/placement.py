@@ -16,12 +16,12 @@ calls a policy directly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from policies.autoscale.routing import pool_filter, pools_in_use
 from policies.base import Policy
 from policies.pd import DISAGGREGATED, LOCAL_CACHED, LOCAL_NO_PREFILL, LOCAL_OVERFLOW, LOCAL_SHORT, PdPolicy
-from policies.types import ROLE_MIXED, Decision, RequestFeatures, WorkerView
+from policies.types import ROLE_MIXED, Decision, Move, RequestFeatures, WorkerView
 
 TOO_LONG = "too_long"        # Decision.reason of a request no candidate can hold (the caller answers 400)
 NO_WORKERS = "no_workers"
@@ -95,6 +95,18 @@ class ModelPlacement:
             if not views:
                 return Decision(None, NO_WORKERS)
         return self.policy.choose(feats, views, now)
+
+    def rebalance(self, queued: Mapping[str, tuple[str, RequestFeatures]], views: Sequence[WorkerView],
+                  now: float) -> list[Move]:
+        """Aladdin's Algorithm 2 over requests placed but not started (`queued`: request id -> (worker,
+        features)): the moves the policy proposes to cancel its workers' prediction errors; [] for policies
+        without a `rebalance` and for requests the P/D profile placed. The caller moves each request (it has
+        not started anywhere) and reports it with `moved`."""
+        hook = getattr(self.policy, "rebalance", None)
+        plain = {rid: v for rid, v in queued.items() if rid not in self._via_pd}
+        if hook is None or not plain or len(views) < 2:
+            return []
+        return hook(plain, views, now)
 
     def retry_prefill(self, feats: RequestFeatures, views: Sequence[WorkerView]) -> str | None:
         """Another prefill worker for a P/D request whose prefill leg failed (None: prefill locally)."""

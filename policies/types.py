@@ -84,3 +84,13 @@ class Decision:
     # With worker_id None: the earliest time (the caller's clock) it is worth asking again even if no capacity
     # is freed meanwhile (e.g. aladdin's risk-mode deadline); None: only when capacity changes.
     retry_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A rebalancing proposal (Aladdin's Algorithm 2): run `request_id`, placed on `src` but not started
+    there, on `dst` instead."""
+
+    request_id: str
+    src: str
+    dst: str

@@ -64,6 +64,7 @@ from policies.types import (
     ROLE_MIXED,
     ROLE_PREFILL,
     Decision,
+    Move,
     RequestFeatures,
     WorkerView,
 )
@@ -298,6 +299,7 @@ class ClusterSim:
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
         prefill_workers: int = 0,
         seed: int | None = None,
+        rebalance_s: float | None = None,
     ) -> None:
         if workers < 0:
             raise ValueError("workers must be >= 0")
@@ -313,6 +315,8 @@ class ClusterSim:
             raise ValueError("queue_poll_s must be > 0 (or None)")
         if queue_lookahead < 1:
             raise ValueError("queue_lookahead must be >= 1")
+        if rebalance_s is not None and not rebalance_s > 0:
+            raise ValueError("rebalance_s must be > 0 (or None)")
         plist = [profiles] if isinstance(profiles, str | Profile) else list(profiles)
         if not plist:
             raise ValueError("at least one profile is needed")
@@ -350,6 +354,9 @@ class ClusterSim:
         self.max_iterations = max_iterations
         self.queue_poll_s = queue_poll_s
         self.queue = AdmissionQueue(queue_size, queue_lookahead, queue_timeout_s)
+        self.rebalance_s = rebalance_s     # Algorithm 2 over requests waiting, not started, in engine queues
+        self.moves = 0
+        self._last_arrival = 0.0
         self._wake_at = math.inf
         self.cap = cap
         self.now = 0.0
@@ -522,6 +529,42 @@ class ClusterSim:
         if t < self._wake_at:
             self._wake_at = t
             self.schedule(t, _wake_queue)
+
+    # ---- Aladdin's Algorithm 2: requests placed but not started move to cancel prediction errors ---------
+    def _rebalance(self, now: float) -> None:
+        """Every `rebalance_s`: the policy's moves of requests that wait, not started, in an engine's queue;
+        each is aborted there (it computed nothing) and sent to its new worker (ModelPlacement.rebalance)."""
+        queued: dict[str, tuple[str, RequestFeatures]] = {}
+        for rid, (_, feats) in self._pending.items():
+            w = self.workers.get(self.results[rid].worker_id or "")
+            if w is not None and rid not in self._pd_legs and w.engine.not_started(rid):
+                queued[rid] = (w.id, feats)
+        if queued:
+            views = [self._view(w, now) for w in self.workers.values() if not w.draining]
+            for m in self.placement.rebalance(queued, views, now):
+                self._move(m, now)
+        if self._pending or self.queue or now < self._last_arrival:
+            self.schedule(now + self.rebalance_s, lambda sim, t: sim._rebalance(t))
+
+    def _move(self, m: Move, now: float) -> None:
+        src, dst = self.workers.get(m.src), self.workers.get(m.dst)
+        if src is None or dst is None or dst.draining or not src.engine.not_started(m.request_id):
+            return
+        r, feats = self._pending[m.request_id]
+        if src.step_end is not None and src.step_end > now:
+            self._truncate(src, now)
+        src.engine.abort(m.request_id, now)
+        tokens = r.prompt_tokens + int(feats.predicted_output_tokens)
+        src.inflight -= 1
+        src.inflight_tokens -= tokens
+        dst.inflight += 1
+        dst.inflight_tokens += tokens
+        self.results[m.request_id].worker_id = dst.id
+        self.placement.moved(feats, src.id, dst.id, now)
+        self.moves += 1
+        heapq.heappush(self._heap, (now + dst.profile.pre_engine_delay(dst.engine.num_running), next(self._seq),
+                                     _ADD, (dst.id, m.request_id)))
+        self._maybe_retire(src, now)
 
     def _complete(self, w: SimWorker, r: WorkloadRequest, feats: RequestFeatures, now: float) -> None:
         w.inflight -= 1
@@ -719,6 +762,9 @@ class ClusterSim:
         wall0 = time.perf_counter()
         arrivals = sorted(workload, key=lambda r: r.arrival)
         start = arrivals[0].arrival if arrivals else 0.0
+        self._last_arrival = arrivals[-1].arrival if arrivals else 0.0
+        if self.rebalance_s is not None:
+            self.schedule(start + self.rebalance_s, lambda sim, t: sim._rebalance(t))
         for w in self.workers.values():   # the fleet present before the run counts from the first arrival
             w.added_at = max(w.added_at, start)
         heap = self._heap

@@ -327,6 +327,12 @@ class EngineCore:
         """The request has reached this engine (waiting or running) and has not finished or been aborted."""
         return request_id in self._seqs
 
+    def not_started(self, request_id: str) -> bool:
+        """The request waits in this engine's queue and has computed nothing yet (it can still move elsewhere
+        at no cost but its time in the queue)."""
+        seq = self._seqs.get(request_id)
+        return seq is not None and seq.status == _WAITING and seq.num_computed == 0 and seq.rec.first_scheduled is None
+
     def step_in_flight(self) -> bool:
         return self._plan is not None
 

@@ -61,6 +61,7 @@ class SimSpec:
     warmup: int = 2000                   # history pairs the length predictor starts from
     queue_lookahead: int = DEFAULT_QUEUE_LOOKAHEAD
     queue_poll_s: float | None = None
+    rebalance_s: float | None = None     # Aladdin's Algorithm 2 every this many seconds (None: off)
 
     def __post_init__(self) -> None:
         if self.lengths not in LENGTHS:
@@ -117,7 +118,7 @@ def build_sim(spec: SimSpec, workload: list[WorkloadRequest]) -> ClusterSim:
     sim = ClusterSim(profiles, workers, spec.policy, slo_ttft_s=spec.slo_ttft_s, slo_tpot_s=spec.slo_tpot_s,
                      predicted_output_tokens=predictor, policy_params=spec.policy_params or None,
                      prefill_workers=prefill, queue_lookahead=spec.queue_lookahead, queue_poll_s=spec.queue_poll_s,
-                     seed=spec.seed)
+                     seed=spec.seed, rebalance_s=spec.rebalance_s)
     if spec.lengths == "oracle":
         sim.predicted_output_tokens = lambda r: r.output_tokens   # told by name; the predictor still learns
     return sim

@@ -197,18 +197,18 @@ class CliProcess:
         self.stdout.append(line)
         return line
 
-    def wait_for(self, prefix: str, timeout: float = 30.0) -> str:
-        """The first stdout line from here on that starts with `prefix`; AssertionError (with the output) if
-        none comes within `timeout` s or the child closes its output first."""
+    def wait_for(self, prefix: str, timeout: float = 30.0, *, anywhere: bool = False) -> str:
+        """The first stdout line from here on that starts with `prefix` (contains it, with anywhere=True);
+        AssertionError (with the output) if none comes within `timeout` s or the child closes its output first."""
         deadline = time.monotonic() + timeout
         while True:
             try:
                 line = self._next(deadline - time.monotonic())
             except queue.Empty:
-                raise AssertionError(f"no line starting {prefix!r} within {timeout:g} s: {self.describe()}") from None
+                raise AssertionError(f"no line with {prefix!r} within {timeout:g} s: {self.describe()}") from None
             if line is None:
-                raise AssertionError(f"output ended before a line starting {prefix!r}: {self.describe()}")
-            if line.startswith(prefix):
+                raise AssertionError(f"output ended before a line with {prefix!r}: {self.describe()}")
+            if (prefix in line) if anywhere else line.startswith(prefix):
                 return line
 
     def next_line(self, timeout: float = 15.0) -> str:

@@ -21,12 +21,12 @@ STRONG, WEAK = "llama3-8b-h100", "llama2-13b-a100"
 GENEROUS_SLO = {"ttft_ms": 60000, "tpot_ms": 60000}
 
 
-def gateway(urls: list[str], policy: str, profiles: list[str] | None = None,
+def gateway(urls: list[str], policy: str, profiles: list[str] | None = None, params: dict | None = None,
             **cfg: Any) -> AbstractAsyncContextManager[GatewayServer]:
     profiles = profiles or [STRONG] * len(urls)
     workers = [{"id": f"w{i}", "url": u, "profile": p} for i, (u, p) in enumerate(zip(urls, profiles, strict=True))]
     return running_gateway(workers=workers, scrape_interval_s=0.1,
-                           models={MODEL: {"policy": policy, "slo": GENEROUS_SLO}}, **cfg)
+                           models={MODEL: {"policy": policy, "slo": GENEROUS_SLO, "params": params or {}}}, **cfg)
 
 
 async def served(http: httpx.AsyncClient, urls: list[str]) -> list[int]:
@@ -48,8 +48,9 @@ async def stream(http: httpx.AsyncClient, url: str, tokens: int, headers: dict |
 
 
 async def test_aladdin_packs_one_worker_while_slos_allow(sim_fleet) -> None:
+    """Algorithm 1 as printed (fit: best); the default (fit: worst) spreads, see the next test."""
     fleet = sim_fleet(3, time_scale=20)
-    async with gateway(fleet.urls, "aladdin") as gw, httpx.AsyncClient(timeout=30) as http:
+    async with gateway(fleet.urls, "aladdin", params={"fit": "best"}) as gw, httpx.AsyncClient(timeout=30) as http:
         before = await served(http, fleet.urls)
         rs = await asyncio.gather(*(stream(http, gw.url, 40) for _ in range(6)))  # concurrent
         rs += [await stream(http, gw.url, 20) for _ in range(6)]                # one at a time
@@ -61,6 +62,18 @@ async def test_aladdin_packs_one_worker_while_slos_allow(sim_fleet) -> None:
         shortfall = await poll(lambda: _has_metric(http, gw.url, "fleetgate_placement_shortfall_workers",
                                                    {"model": MODEL}))
         assert shortfall == [0.0]  # exported by the learning loop's next tick
+
+
+async def test_aladdin_by_default_spreads_over_the_workers_that_fit(sim_fleet) -> None:
+    """The default packing rule (fit: worst, chosen by the placement study's protocol): the feasible worker with
+    the most headroom, so concurrent requests land on every worker."""
+    fleet = sim_fleet(3, time_scale=20)
+    async with gateway(fleet.urls, "aladdin") as gw, httpx.AsyncClient(timeout=30) as http:
+        before = await served(http, fleet.urls)
+        rs = await asyncio.gather(*(stream(http, gw.url, 40) for _ in range(6)))
+        assert all(r.status_code == 200 for r in rs)
+        counts = [a - b for a, b in zip(await served(http, fleet.urls), before, strict=True)]
+        assert sorted(counts) == [2, 2, 2], counts
 
 
 async def test_aladdin_queues_on_no_fit_then_429_and_exports_the_shortfall(sim_fleet) -> None:

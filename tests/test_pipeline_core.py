@@ -154,3 +154,36 @@ def test_pd_is_a_profile_of_the_same_step() -> None:
     # Without a P/D factory, prefill/decode workers are not candidates of a plain policy.
     plain = ModelPlacement(make_policy("least_requests"))
     assert plain.place(feats(3), [*pd_fleet, WorkerView("m0")], 0.0).worker_id == "m0"
+
+
+def test_rebalancing_moves_requests_that_have_not_started_and_loses_none() -> None:
+    """Aladdin's Algorithm 2 in the simulator (SimSpec.rebalance_s): a request waiting, not started, in an
+    engine's queue may move to another worker; it then runs there, once, to completion."""
+    from simulator.simulate import SimSpec, build_sim, build_workload
+
+    spec = SimSpec(trace="sharegpt", rate=8, workers=6, policy="aladdin", policy_params={"fit": "worst"},
+                   queue_lookahead=16, duration=120, seed=0, rebalance_s=0.5)
+    workload = build_workload(spec)
+    sim = build_sim(spec, workload)
+    moved: list[tuple[str, str, str]] = []
+    original = sim._move
+
+    def move(m, now: float) -> None:
+        before = sim.moves
+        original(m, now)
+        if sim.moves > before:
+            moved.append((m.request_id, m.src, m.dst))
+
+    sim._move = move
+    res = sim.run(workload)
+    assert sim.moves == len(moved) > 0
+    by_id = {r.request_id: r for r in res.results}
+    assert len(by_id) == len(workload)
+    for rid, src, dst in moved:
+        assert src != dst and by_id[rid].worker_id == dst and by_id[rid].completed, by_id[rid]
+    assert all(r.completed for r in res.results if r.finish_reason not in ("refused", "rejected_too_long"))
+
+    off = SimSpec(**{**spec.__dict__, "rebalance_s": None})
+    off_sim = build_sim(off, build_workload(off))
+    off_sim.run(build_workload(off))
+    assert off_sim.moves == 0

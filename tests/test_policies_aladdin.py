@@ -38,7 +38,9 @@ def views(n: int, profile: str = "p", **kw) -> list[WorkerView]:
 
 
 def policy(model: PerfModel = SIMPLE, **kw) -> AladdinPolicy:
+    """Algorithm 1 as printed (fit: best) unless a test asks for another rule."""
     kw.setdefault("theta", 1.0)
+    kw.setdefault("fit", "best")
     return AladdinPolicy(perf_models={"p": model}, **kw)
 
 
@@ -188,7 +190,7 @@ def test_packs_one_worker_before_opening_the_next():
 
 
 def test_packs_over_time_with_the_default_model():
-    p = make_policy("aladdin")
+    p = make_policy("aladdin", fit="best")
     ws = views(4, profile="")
     used = [place(p, req(i, l_in=300, lp=200), ws, 0.25 * i) for i in range(40)]
     assert used.count("w0") > 20 and used.count("w3") == 0 and None not in used

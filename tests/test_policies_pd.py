@@ -127,7 +127,7 @@ def test_split_phase_aladdin_models_the_transfer_not_a_local_prefill() -> None:
     slow_prefill = PerfModel(k1=2e-4, c1=0.02)  # 8000 tokens: 1.62 s of local prefill > 0.6 s TTFT
     ws = [view("d0", ROLE_DECODE, profile="x"), view("d1", ROLE_DECODE, profile="x")]
     plain = AladdinPolicy(perf_models={"x": slow_prefill}, slo_ttft_s=0.6)
-    split = AladdinDecodePolicy(perf_models={"x": slow_prefill}, slo_ttft_s=0.6)
+    split = AladdinDecodePolicy(perf_models={"x": slow_prefill}, slo_ttft_s=0.6, fit="best")
     long_prompt = req(8000, "long", predicted_output_tokens=100)
     assert plain.choose(long_prompt, ws, 0.0).reason == "best_effort"   # its TTFT constraint cannot hold
     first = split.choose(long_prompt, ws, 0.0)
