@@ -248,7 +248,7 @@ def live_plan(model: str, rate: float, run: DeploymentRun, k: float) -> LiveRow:
             paths += [str(path)] * g.count
         side = asyncio.run(live_run(paths, group_profile(groups[0].model, groups[0].gpu, groups[0].tp).model,
                                     run.policy, {}, workload, k, history(spec, workload), False,
-                                    slo_ttft_s=run.slo_ttft_s, slo_atgt_s=run.slo_tpot_s))
+                                    spec.queue_lookahead, slo_ttft_s=run.slo_ttft_s, slo_atgt_s=run.slo_tpot_s))
     shape = ", ".join(f"{g.count}x {g.model} TP{g.tp} {g.gpu}" for g in groups)
     print(f"(e) {shape}: simulated {simulated:.3f}, live {side.attainment:.3f}", file=sys.stderr, flush=True)
     return LiveRow(shape, len(workload), simulated, side.attainment, side.completed, side.note)
