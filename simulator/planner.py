@@ -3,8 +3,9 @@ best few on the workload (simulator/deployment.py), and the winner is printed wi
 
 Objective cost: each scored candidate is grown (one instance at a time for its worst-served model) until its
 simulated SLO attainment reaches the target, then shrunk while it still does; the cheapest that reaches it wins.
-Objective throughput: every candidate is offered the same load (the largest closed-form capacity among them, at
-least the given rate) and the highest simulated goodput (requests meeting their SLOs per second) wins.
+Objective throughput: each scored candidate's throughput at SLO is found in the simulator (the largest multiple of
+the offered traffic whose attainment still reaches the target, by bisection from its closed-form capacity); the
+highest wins.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> dict[str, A
         raise ValueError("no deployment within the GPUs and budget given serves every model")
     scored_ones = _distinct_shapes(found, req.score_top)
     total_rate = offered_rate(req.run)        # what the simulator replays (demands count the servable part)
-    budget_sims = len(scored_ones) * (1 + (req.max_steps if req.objective == COST else 0))
+    budget_sims = len(scored_ones) * (1 + req.max_steps)
     done = [0]
 
     def sim(c: Candidate, offered: float | None) -> dict[str, Any]:
@@ -167,9 +168,8 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> dict[str, A
         scored = [_fit_to_target(c, demands, options, req, lambda c: sim(c, None), total_rate) for c in scored_ones]
         scored.sort(key=lambda s: (s.attainment < req.target, s.candidate.cost_per_hour, -s.attainment))
     else:
-        offered = max(total_rate, max(c.scale(demands) for c in scored_ones) * total_rate)
-        scored = [ScoredPlan(c, sim(c, offered), offered) for c in scored_ones]
-        scored.sort(key=lambda s: (-s.sim["goodput_rps"], s.candidate.cost_per_hour))
+        scored = [_rate_at_target(c, c.scale(demands) * total_rate, req, sim) for c in scored_ones]
+        scored.sort(key=lambda s: (-(s.offered_rps if s.attainment >= req.target else 0.0), s.candidate.cost_per_hour))
     seen: set[tuple] = set()
     scored = [s for s in scored if not (s.candidate.key() in seen or seen.add(s.candidate.key()))]  # fits that met
     best, rest = scored[0], scored[1:]
@@ -242,6 +242,29 @@ def pooled(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _rate_at_target(c: Candidate, start: float, req: PlanRequest,
+                    sim: Callable[[Candidate, float | None], dict[str, Any]]) -> ScoredPlan:
+    """The largest offered rate (bisection, `req.max_steps` simulations after bracketing) at which the candidate's
+    simulated attainment reaches the target, with that run's numbers; the lowest rate tried if none does."""
+    lo: ScoredPlan | None = None
+    rate = max(start, 1e-3)
+    hi = ScoredPlan(c, sim(c, rate), rate)
+    while hi.attainment >= req.target:                 # bracket from above
+        lo, rate = hi, rate * 1.6
+        hi = ScoredPlan(c, sim(c, rate), rate)
+    low_rate = lo.offered_rps if lo is not None else 0.0
+    for _ in range(req.max_steps if lo is not None else req.max_steps + 2):
+        mid = (low_rate + hi.offered_rps) / 2
+        trial = ScoredPlan(c, sim(c, mid), mid)
+        if trial.attainment >= req.target:
+            lo, low_rate = trial, mid
+        else:
+            hi = trial
+    best = lo if lo is not None else hi
+    best.steps.append(f"throughput at SLO: {best.offered_rps:.2f} req/s offered")
+    return best
+
+
 def _fit_to_target(c: Candidate, demands: Sequence[ServiceDemand], options: dict, req: PlanRequest,
                    sim: Callable[[Candidate], dict[str, Any]], total: float) -> ScoredPlan:
     """Grow until the simulated attainment reaches the target; if it did at once, shrink while it still does."""
@@ -302,8 +325,9 @@ def _why_lost(s: ScoredPlan, best: ScoredPlan, req: PlanRequest) -> str:
         if diff > 1e-9:
             return f"costs ${diff:.2f}/h more for the same target"
         return f"same cost, lower attainment ({s.attainment:.3f} vs {best.attainment:.3f})"
-    return (f"goodput {s.sim['goodput_rps']:.2f} < {best.sim['goodput_rps']:.2f} req/s at "
-            f"{s.offered_rps:.1f} req/s offered")
+    if s.attainment < req.target:
+        return f"misses the {req.target:.2f} target even at {s.offered_rps:.2f} req/s"
+    return f"reaches the target up to {s.offered_rps:.2f} req/s, not {best.offered_rps:.2f}"
 
 
 def groups_table(groups: Sequence[InstanceGroup]) -> list[str]:
