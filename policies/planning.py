@@ -404,7 +404,8 @@ def candidates(demands: Sequence[ServiceDemand], stocks: Sequence[GpuStock], slo
         c = seallm_allocation(options, stocks, demands, p, objective, budget)
         if c is not None:
             found.append(c)
-    return rank(_unique(found), demands, objective)[:keep]
+    whole = [c for c in _unique(found) if all(any(g.model == d.model and g.count for g in c.groups) for d in demands)]
+    return rank(whole, demands, objective)[:keep]   # a plan without any instance of some model serves it nothing
 
 
 def rank(found: Sequence[Candidate], demands: Sequence[ServiceDemand], objective: str) -> list[Candidate]:

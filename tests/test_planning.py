@@ -170,3 +170,10 @@ def test_prefill_decode_split_sizes_each_phase_and_grows_the_phase_asked() -> No
     more = grow(split, CHAT, opts, stocks, phase=ROLE_PREFILL)
     assert more is not None
     assert {g.role: g.count for g in more.groups} == {**roles, ROLE_PREFILL: roles[ROLE_PREFILL] + 1}
+
+
+def test_a_candidate_that_leaves_a_model_without_instances_is_no_candidate() -> None:
+    demands = [ServiceDemand("llama3-8b", 2.0, 600, 250), ServiceDemand("llama2-13b", 2.0, 600, 250)]
+    assert candidates(demands, [GpuStock(gpu_spec("a100"), 1)], SLO) == []     # one GPU: one of the two at most
+    both = candidates(demands, [GpuStock(gpu_spec("a100"), 2)], SLO)
+    assert both and all({g.model for g in c.groups} == {"llama3-8b", "llama2-13b"} for c in both)
