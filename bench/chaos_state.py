@@ -37,10 +37,25 @@ def run_scenarios() -> int:
                            env=env)
 
 
+def section_head(title: str, command: str, commit: str, passed: bool) -> list[str]:
+    """A chaos.md section's title, run facts and the head of its scenario table."""
+    return [title, "", f"- command: {command}", f"- commit: `{commit}`", f"- machine: {machine_info()}",
+            f"- date: {soak_date()}", f"- all scenarios passed: {passed}", "",
+            "| scenario | must hold | measured |", "|---|---|---|"]
+
+
+def read_runs(path: Path) -> dict[str, dict]:
+    """The scenarios' figures from a FLEETGATE_CHAOS_RESULTS file, by scenario (the last run of each)."""
+    runs = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            d = json.loads(line)
+            runs[d["scenario"]] = d
+    return runs
+
+
 def section(runs: dict[str, dict], soak: dict | None, commit: str, passed: bool) -> str:
-    out = [TITLE, "", f"- command: `{COMMAND}` (pytest {' '.join(TESTS)} at full size)", f"- commit: `{commit}`",
-           f"- machine: {machine_info()}", f"- date: {soak_date()}", f"- all scenarios passed: {passed}", "",
-           "| scenario | must hold | measured |", "|---|---|---|"]
+    out = section_head(TITLE, f"`{COMMAND}` (pytest {' '.join(TESTS)} at full size)", commit, passed)
     r = runs.get("redis_restarted_empty")
     if r:
         out.append(f"| Redis SIGKILLed, a new empty one on the same port after {r['restart_s']} s, 8 streaming "
@@ -114,11 +129,12 @@ def soak_date() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def write_section(text: str) -> None:
+def write_section(text: str, title: str = TITLE) -> None:
+    """Replace the section of chaos.md headed `title` (or add it at the end); the other sections stay."""
     old = CHAOS_MD.read_text() if CHAOS_MD.exists() else "# Chaos suite results\n\n"
-    if TITLE in old:
-        start = old.index(TITLE)
-        nxt = old.find("\n## ", start + len(TITLE))
+    if title in old:
+        start = old.index(title)
+        nxt = old.find("\n## ", start + len(title))
         old = old[:start] + old[nxt + 1:] if nxt != -1 else old[:start]
     CHAOS_MD.write_text(old.rstrip("\n") + "\n\n" + text)
 
@@ -130,11 +146,7 @@ def main() -> None:
     args = ap.parse_args()
     commit = args.commit or git_commit()
     code = 0 if args.report_only else run_scenarios()
-    runs = {}
-    if RUN.exists():
-        for line in RUN.read_text().splitlines():
-            d = json.loads(line)
-            runs[d["scenario"]] = d
+    runs = read_runs(RUN)
     soak = json.loads(SOAK.read_text()) if SOAK.exists() else None
     write_section(section(runs, soak, commit, code == 0))
     print(f"wrote the section of {CHAOS_MD} ({len(runs)} scenario(s), soak: {'yes' if soak else 'no'})")

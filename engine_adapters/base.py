@@ -63,7 +63,7 @@ class EngineAdapter(ABC):
         `body` (e.g. filled in `model`), so `raw` can no longer be forwarded as is."""
 
     @abstractmethod
-    def new_stream_scanner(self, strip_usage: bool) -> StreamScanner: ...
+    def new_stream_scanner(self, strip_usage: bool, whole_events: bool = False) -> StreamScanner: ...
 
     @abstractmethod
     def parse_usage(self, body: bytes) -> Usage | None:

@@ -28,12 +28,14 @@ PlaceFn = Callable[[Any], Awaitable[tuple[bool, float | None]]]
 
 
 class ModelQueue:
-    __slots__ = ("model", "queue", "place", "poll_s", "retry_after_s", "on_depth", "_draining", "_again", "_timer",
-                 "_timer_at")
+    __slots__ = ("model", "queue", "place", "poll_s", "retry_after_s", "on_depth", "order", "_draining", "_again",
+                 "_timer", "_timer_at")
 
     def __init__(self, model: str, queue: AdmissionQueue, place: PlaceFn, poll_s: float, retry_after_s: float,
-                 on_depth: Callable[[int], None] | None = None) -> None:
+                 on_depth: Callable[[int], None] | None = None,
+                 order: Callable[[float], Callable[[Waiting], Any]] | None = None) -> None:
         self.model = model
+        self.order = order     # a service-aware priority's order (gateway/services.py); None: arrival order
         self.queue = queue
         self.place = place
         self.poll_s = poll_s
@@ -82,7 +84,7 @@ class ModelQueue:
                     _, fut = w.handle
                     if not fut.done():
                         fut.set_exception(errors.overloaded(self.model, self.retry_after_s, w.reason))
-                for w in self.queue.candidates():
+                for w in self.queue.candidates(self.order(now) if self.order is not None else None):
                     handle, fut = w.handle
                     if fut.done():          # its client left while it waited
                         self.queue.remove(w)

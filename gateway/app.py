@@ -43,6 +43,7 @@ from gateway.state.factory import make_store
 from gateway.status_page import status_router
 from gateway.tracing import Tracing
 from gateway.upstream import UpstreamPool
+from policies.pace import FleetPace
 
 log = logging.getLogger("fleetgate")
 
@@ -82,7 +83,9 @@ class Gateway:
         self.store.on_restore(self.auth.republish)
         await self.auth.start()
         self.upstream = make_upstream_pool(self.config)
-        self.relay = Relay(self.adapter, self.config.timeouts, self.upstream)
+        pace = FleetPace(self.config.resume.pace()) if self.config.resume.hung_detection else None
+        self.relay = Relay(self.adapter, self.config.timeouts, self.upstream, pace)
+        self.registry.on_eject(self.relay.abort_worker)
         self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,
                                      self.metrics, shared_state=self.shared_state, slo=self.slo, learner=self.learner,
                                      auth=self.auth)

@@ -156,6 +156,14 @@ def simulate(
                                      "--policy then places the decode legs."),
     deployment: Path | None = typer.Option(None, "--deployment", help="Simulate a plan (`fleetgate plan --out` JSON, "
                                            "or YAML): its instance groups instead of --workers/--profile."),
+    services: str | None = typer.Option(
+        None, "--services", help="Services sharing the engines, e.g. sharegpt,arxiv,azure_conv,code "
+        "([name=]lengths[:share]); replaces --trace; --rate is their total."),
+    service_priority: str | None = typer.Option(
+        None, "--service-priority", help="Order of requests across services: fcfs, round_robin or seallm."),
+    service_preempt: bool = typer.Option(
+        False, "--service-preempt", help="Re-prioritise running requests by preemption (simulator only)."),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="The engines' --max-num-seqs."),
 ) -> None:
     """Virtual-time cluster simulation: the gateway's placement step and admission queue, the same engine model,
     no sockets. Attainment is over servable requests; progress goes to stderr."""
@@ -178,7 +186,8 @@ def simulate(
                        slo_ttft_s=(600.0 if slo_ttft_ms is None else slo_ttft_ms) / 1000.0,
                        slo_tpot_s=(30.0 if slo_tpot_ms is None else slo_tpot_ms) / 1000.0, ttft_slowdown=ttft_slowdown, pd=pd,
                        lengths="oracle" if oracle_lengths else "predicted", warmup=warmup,
-                       queue_lookahead=queue_lookahead, rebalance_s=rebalance_s)
+                       queue_lookahead=queue_lookahead, rebalance_s=rebalance_s, services=services,
+                       service_priority=service_priority, service_preempt=service_preempt, max_num_seqs=max_num_seqs)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from policies.admission import DEFAULT_QUEUE_LOOKAHEAD, DEFAULT_QUEUE_SIZE, DEFAULT_QUEUE_TIMEOUT_S
+from policies.pace import PaceSettings
 
 WORKER_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MiB = 1024 * 1024
@@ -145,6 +146,27 @@ class TimeoutsConfig(_Strict):
     idle_s: float = Field(60.0, gt=0)  # between two chunks of a stream
 
 
+class ResumeConfig(_Strict):
+    """Streams that survive their worker (gateway/resume.py) and hung-worker detection (policies/pace.py)."""
+
+    max_attempts: int = Field(2, ge=0, le=10)  # continuations per stream after mid-stream failures; 0: off
+    # A worker is suspect (out of rotation, its exchanges resumed elsewhere) when a stream's first token or next
+    # token is later than stall_factor x its recent p99, at least the floors; cold_*: before it has a pace.
+    hung_detection: bool = True
+    stall_factor: float = Field(4.0, gt=1)
+    gap_floor_s: float = Field(2.0, gt=0)
+    first_token_floor_s: float = Field(5.0, gt=0)
+    cold_gap_s: float = Field(30.0, gt=0)
+    cold_first_token_s: float = Field(60.0, gt=0)
+    suspect_hold_s: float = Field(10.0, ge=0)  # a suspect worker stays out of rotation at least this long
+    eject_after_errors: int = Field(5, ge=0)  # this many failed requests in a row eject a worker (0: never)
+
+    def pace(self) -> PaceSettings:
+        return PaceSettings(factor=self.stall_factor, gap_floor_s=self.gap_floor_s,
+                            first_floor_s=self.first_token_floor_s, cold_gap_s=self.cold_gap_s,
+                            cold_first_s=self.cold_first_token_s)
+
+
 class UpstreamTlsConfig(_Strict):
     """TLS to `https://` workers (gateway/upstream.py TlsSettings)."""
 
@@ -213,6 +235,31 @@ class KvEventsConfig(_Strict):
     max_blocks: int = Field(1_000_000, ge=1)   # index bound (distinct block hashes), LRU beyond it
     replay_timeout_s: float = Field(2.0, gt=0)
     reconnect_s: float = Field(2.0, gt=0)      # retry discovery / re-subscribe this often
+
+
+ServiceSource = Literal["header", "tenant", "model"]
+
+
+class ServicePriorityConfig(_Strict):
+    """Service-aware priority across the services sharing a model's workers (gateway/services.py,
+    policies/service_priority.py)."""
+
+    order: Literal["off", "fcfs", "round_robin", "seallm"] = "off"
+    # Also set vLLM's `priority` field (workers must run `--scheduling-policy priority`, else vLLM answers 400).
+    engine_priority: bool = False
+    # Where a request's service comes from, first match wins: the X-Service header, the tenant (API key), the model.
+    service_from: list[ServiceSource] = Field(default_factory=lambda: ["header", "tenant", "model"], min_length=1)
+    starvation_s: dict[str, float] = Field(default_factory=dict)   # per service; others: default_starvation_s
+    default_starvation_s: float = Field(10.0, gt=0)
+    prompt_token_cost: float = Field(1.0 / 256.0, ge=0)             # decode iterations per prompt token
+
+    @field_validator("starvation_s")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, x in v.items() if not x > 0]
+        if bad:
+            raise ValueError(f"starvation thresholds must be > 0 seconds (services {', '.join(bad)})")
+        return v
 
 
 class HealthConfig(_Strict):
@@ -472,6 +519,7 @@ class GatewayConfig(BaseSettings):
     server: ServerConfig = Field(default_factory=ServerConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    resume: ResumeConfig = Field(default_factory=ResumeConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     pd: PdConfig = Field(default_factory=PdConfig)
@@ -481,6 +529,7 @@ class GatewayConfig(BaseSettings):
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     deployment: DeploymentConfig | None = None  # a `fleetgate plan` result (capacity plan of the fleet)
+    service_priority: ServicePriorityConfig = Field(default_factory=ServicePriorityConfig)
     scrape_interval_s: float = Field(0.5, gt=0)
     discovery_interval_s: float = Field(10.0, gt=0)  # re-read /v1/models of workers without configured models
 

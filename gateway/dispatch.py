@@ -23,7 +23,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_adapters.base import EngineAdapter
+import orjson
+
+from engine_adapters.base import EngineAdapter, Usage
 from gateway import errors, observe
 from gateway.admission import ModelQueue
 from gateway.auth import Authenticator
@@ -49,6 +51,8 @@ from gateway.request import (
     parse_request,
     read_headers,
 )
+from gateway.resume import StreamResume, continuation_body, resumable, text_tokenize_body, tokenize_body
+from gateway.services import ServiceOrder
 from gateway.slo import SloBook
 from gateway.state.base import StateStore
 from policies.admission import AdmissionQueue
@@ -63,6 +67,8 @@ log = logging.getLogger("fleetgate.dispatch")
 
 UNKNOWN_MODEL_LABEL = "_unknown"  # metrics label for requests that never resolved to a served model
 STATUS_CLIENT_GONE = 499  # nginx's convention for "client closed the request"
+STATUS_BROKEN_STREAM = 502  # a stream that ended with an error event is counted as the bad gateway it was
+TOKENIZE_TIMEOUT_S = 2.0
 
 
 class ClientGone(Exception):
@@ -121,6 +127,7 @@ class Dispatcher:
         self.metrics = metrics
         self.max_body = config.limits.max_body_bytes
         self.attempts = config.limits.retries + 1
+        self.max_resumes = config.resume.max_attempts
         self.auth = auth if auth is not None else Authenticator(config, store)
         self.forwarded_for = ForwardedFor(config.server.trusted_proxies)
         # The admission queue's safety-net poll: releases here and on other replicas (announced through the
@@ -139,6 +146,7 @@ class Dispatcher:
         self.pools: Any = None
         self.observer: observe.RequestObserver | None = None  # access log / tracing (gateway/observe.py)
         self.kv_events: Any = None  # gateway/kv_events.py KvEventsService: the exact prefix-cache view
+        self.services = ServiceOrder(config.service_priority)   # service-aware priority (gateway/services.py)
 
     # --- per-model state ------------------------------------------------------------------------
     def runtime(self, model: str) -> ModelRuntime:
@@ -157,7 +165,8 @@ class Dispatcher:
             lim = self.config.limits
             queue = ModelQueue(model, AdmissionQueue(lim.queue_size, lim.queue_lookahead, lim.queue_timeout_s),
                                self._place_queued, self.poll_s, self.retry_after_s,
-                               lambda n, m=model: self._queue_depth(m, n))
+                               lambda n, m=model: self._queue_depth(m, n),
+                               self.services.queue_order(model) if self.services.enabled else None)
             rt = ModelRuntime(model, policy, name, policy.needs_prefix_hashes, placement, queue)
             self.runtimes[model] = rt
         return rt
@@ -195,6 +204,7 @@ class Dispatcher:
         feats: RequestFeatures | None = None
         result: RelayResult | None = None
         ticket = None
+        tracked = False     # the service order knows the request (it must hear its end)
         rec = self.observer.begin(rid.decode(), scope["path"], scope["headers"]) if self.observer else None
         try:
             try:
@@ -209,6 +219,9 @@ class Dispatcher:
                 model_label, policy_label = model, rt.policy_name
                 shaped = self.adapter.shape_request(raw, req.body, req.stream, changed)
                 feats = self._features(req, route, rt, rid.decode(), hdrs)
+                if self.services.enabled:
+                    self.services.arrived(feats, self.services.service_of(scope["headers"], tenant, model))
+                    tracked = True
                 ticket = open_ticket(self.store, tenant, feats, client_headers)  # limited keys only
                 ctx = RequestContext(
                     rid, route, req, rt, feats, shaped.body, shaped.strip_usage,
@@ -216,7 +229,7 @@ class Dispatcher:
                               self.forwarded_for.line(scope, hdrs.xff))),
                     client_headers, send, state, t0)
                 result = await self._run(ctx)
-                status = result.status
+                status = result.status if result.midstream_error is None else STATUS_BROKEN_STREAM
                 self._observe(model, t0, result)
                 self.slo.record(feats, req.stream, t0, result, time.perf_counter())
             except GatewayError as e:
@@ -245,6 +258,9 @@ class Dispatcher:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            if tracked:
+                done = result is not None and status == 200 and result.midstream_error is None
+                self.services.finished(feats, done, _output_tokens(result) if done else 0)
             if ticket is not None:
                 close_ticket(self.store, ticket, result.usage if result is not None else None, feats.prompt_tokens,
                              state.tokens)
@@ -326,40 +342,135 @@ class Dispatcher:
         await self._admit(ctx)
         if ctx.rt.placement.is_pd(ctx.feats.request_id):  # placed by the P/D profile: the two legs
             return await self.pd.run(ctx)
+        resume = self._resumable(ctx)
         failure: UpstreamFailure | None = None
-        for attempt in range(self.attempts):
-            if attempt:
-                if not await self._place(ctx, ctx.tried):
-                    break  # a retry found nobody else to try
-                self.metrics.count_retry(ctx.rt.model)
+        retries = 0
+        while True:
             ws = ctx.worker
             t_sent = self.learner.dispatched(ctx.rt.placement, ctx.feats, ws.id, ctx.state)
-            out, met = 0, None
+            out, met, broken = 0, None, None
+            payload = self.services.dispatched(ctx.feats, ctx.payload) if self.services.enabled else ctx.payload
             try:
                 result = await self.relay.forward(
-                    ctx.send, getattr(ws, ctx.route.url_attr), ctx.payload,
+                    ctx.send, getattr(ws, ctx.route.url_attr), payload,
                     observe.leg("upstream", ws.id, ctx.upstream_headers),
-                    ctx.client_headers, ctx.stream, ctx.strip_usage, attempt + 1 < self.attempts, ctx.state)
+                    ctx.client_headers, ctx.stream, ctx.strip_usage, retries + 1 < self.attempts, ctx.state, resume,
+                    ws.id)
+                if result.stalled:
+                    self.registry.suspect(ws.id, f"stalled mid-stream: {result.midstream_error}")
+                self.registry.note_outcome(ws.id, result.midstream_error is None and result.status < 500)
                 if result.midstream_error is not None:
                     self.metrics.upstream_error(ws.id, "midstream")
+                    if resume is None:  # the relay ended the stream with an error event
+                        self.metrics.count_stream_break(ctx.rt.model, "not_resumable")
                 out = self.learner.finished(ctx.feats, ws.id, t_sent, result)
-                met = self.slo.judge(ctx.feats, ctx.stream, ctx.t0, result, time.perf_counter())
-                return result
+                if result.midstream_error is None or ctx.state.ended:
+                    if resume is not None and resume.legs:
+                        _join_legs(result, resume, ctx.state.tokens)
+                    met = self.slo.judge(ctx.feats, ctx.stream, ctx.t0, result, time.perf_counter())
+                    return result
+                broken = result.midstream_error  # the relay left the stream open: continue it elsewhere
+                if resume.first_token_at is None:
+                    resume.first_token_at = result.first_token_at
+                ctx.tried.append(ws.id)
             except UpstreamFailure as f:
                 failure = f
                 ctx.tried.append(ws.id)
+                self.registry.note_outcome(ws.id, False)
                 self.metrics.upstream_error(ws.id, f.kind)
                 observe.leg_failed(f.kind, f.detail)
                 if f.kind == "connect":
                     self.registry.report_failure(ws.id)
+                elif f.kind == "timeout" and ctx.stream:  # no first token within the worker's pace
+                    self.registry.suspect(ws.id, f"stalled before its first token: {f.detail}")
+                if ctx.state.started:  # a continuation leg failed before its first byte
+                    broken = f.detail
+                else:
+                    retries += 1
                 log.debug("request %s failed on %s (%s); %s", ctx.feats.request_id, ws.id, f.detail,
-                          "retrying" if attempt + 1 < self.attempts else "giving up")
+                          "retrying" if broken is not None or retries < self.attempts else "giving up")
             finally:
                 ctx.worker = None
                 await self.release(ctx.rt, ctx.feats, ws, out, slo_met=met)
+            if broken is not None:
+                ended = await self._continue(ctx, resume, broken)
+                if ended is not None:
+                    return ended
+                continue  # placed on another worker, ctx.payload is the continuation
+            if retries >= self.attempts or not await self._place(ctx, ctx.tried):
+                break  # out of retries, or nobody else to try
+            self.metrics.count_retry(ctx.rt.model)
         if failure is None:
             raise errors.no_worker(ctx.rt.model, self.retry_after_s)
         return await self.answer_failure(ctx, failure)
+
+    def _resumable(self, ctx: RequestContext) -> StreamResume | None:
+        """A stream that could be continued elsewhere should its worker fail mid-stream (gateway/resume.py)."""
+        if not ctx.stream or self.max_resumes == 0 or not resumable(ctx.req.body, ctx.route is CHAT):
+            return None
+        opts = ctx.req.body.get("stream_options")
+        continuous = isinstance(opts, dict) and opts.get("continuous_usage_stats") is True
+        return StreamResume(ctx.route is CHAT, not ctx.strip_usage, continuous)
+
+    async def _continue(self, ctx: RequestContext, resume: StreamResume | None, why: str) -> RelayResult | None:
+        """The stream broke after the client got bytes: place its continuation on another worker (None), or end
+        the stream (the result: the usage and [DONE] when nothing remained to generate, else an error event)."""
+        model = ctx.rt.model
+        delivered = resume.broke(ctx.state.tokens) if resume is not None else None
+        if delivered is None or delivered.tool_calls:
+            self.metrics.count_stream_break(model, "not_resumable")
+            await self.relay.end_stream(ctx.send, ctx.state, error=why)
+            return RelayResult(status=200, midstream_error=why)
+        chat = ctx.route is CHAT
+        if delivered.finish_reason is not None or continuation_body(ctx.req.body, chat, "", ctx.state.tokens) is None:
+            return await self._close_locally(ctx, resume)
+        if resume.legs >= self.max_resumes or not await self._place(ctx, ctx.tried):
+            self.metrics.count_stream_break(model, "ended")
+            log.info("request %s: stream broke (%s); not resumed (%s)", ctx.feats.request_id, why,
+                     "no other worker" if resume.legs < self.max_resumes else "out of resume attempts")
+            await self.relay.end_stream(ctx.send, ctx.state, error=why)
+            return RelayResult(status=200, midstream_error=why)
+        # Exact counts from the new worker's tokenizer: an event may carry several tokens (vLLM merges the
+        # outputs of a slow consumer), so the events relayed only bound the tokens sent from below.
+        ws = ctx.worker
+        want_prompt = resume.client_usage and resume.prompt_tokens is None
+        sent, prompt = await asyncio.gather(
+            self._count_tokens(ws, text_tokenize_body(delivered.text, ctx.req.body.get("model")))
+            if delivered.text else _none(),
+            self._count_tokens(ws, tokenize_body(ctx.req.body, chat)) if want_prompt else _none())
+        if prompt is not None:
+            resume.prompt_tokens = prompt
+        if sent is not None and sent > ctx.state.tokens:
+            resume.tokens_before = ctx.state.tokens = sent
+        body = continuation_body(ctx.req.body, chat, delivered.text, resume.tokens_before)
+        if body is None:  # the exact count says nothing remains
+            ctx.worker = None
+            await self.release(ctx.rt, ctx.feats, ws)
+            return await self._close_locally(ctx, resume)
+        self.metrics.count_stream_break(model, "resumed")
+        observe.note_resume()
+        resume.legs += 1
+        ctx.payload = orjson.dumps(body)
+        log.info("request %s: stream broke after %d tokens (%s); resuming on %s", ctx.feats.request_id,
+                 ctx.state.tokens, why, ws.id)
+        return None
+
+    async def _close_locally(self, ctx: RequestContext, resume: StreamResume) -> RelayResult:
+        """Everything was delivered but the end: the usage (if asked) and [DONE] from here."""
+        self.metrics.count_stream_break(ctx.rt.model, "completed")
+        await self.relay.end_stream(ctx.send, ctx.state, resume.closing_events())
+        return RelayResult(status=200, tokens=ctx.state.tokens, first_token_at=resume.first_token_at,
+                           usage=Usage(resume.prompt_tokens or ctx.feats.prompt_tokens, ctx.state.tokens))
+
+    async def _count_tokens(self, ws: WorkerState, body: bytes) -> int | None:
+        """A token count from the worker's POST /tokenize (None if it cannot tell)."""
+        try:
+            r = await self.relay.upstream.fetch(ws.rec.url + "/tokenize", TOKENIZE_TIMEOUT_S, b"POST", body,
+                                                b"Content-Type: application/json\r\nAccept: */*\r\n")
+            count = orjson.loads(r.body).get("count") if r.status == 200 else None
+        except (OSError, TimeoutError, orjson.JSONDecodeError, AttributeError):
+            return None
+        return count if isinstance(count, int) else None
 
     async def answer_failure(self, ctx: RequestContext, failure: UpstreamFailure) -> RelayResult:
         """Every worker tried failed before the client saw a byte: the last one's own error answer, unchanged,
@@ -493,9 +604,25 @@ class Dispatcher:
         if result.first_token_at is None:
             return
         self.metrics.observe_ttft(model, result.first_token_at - t0)
-        n = result.usage.completion_tokens if result.usage is not None else result.tokens
+        n = _output_tokens(result)
         if n > 1 and result.last_token_at is not None:
             self.metrics.observe_tpot(model, (result.last_token_at - result.first_token_at) / (n - 1))
+
+
+async def _none() -> None:
+    return None
+
+
+def _join_legs(result: RelayResult, resume: StreamResume, tokens: int) -> None:
+    """The last leg's result as the whole stream's: first token, all tokens delivered, the original usage."""
+    result.first_token_at = resume.first_token_at or result.first_token_at
+    result.tokens = tokens
+    result.usage = resume.total_usage() or result.usage
+
+
+def _output_tokens(result: RelayResult) -> int:
+    """Generated tokens of a finished request: the usage block's count, else the stream's token events."""
+    return result.usage.completion_tokens if result.usage is not None else result.tokens
 
 
 def _tokens(feats: RequestFeatures) -> int:

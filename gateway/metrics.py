@@ -140,6 +140,11 @@ class GatewayMetrics:
                                        ["worker", "kind"], registry=r)
         self.retries = Counter("fleetgate_retries", "Requests re-sent to another worker after a failure.",
                                ["model"], registry=r)
+        self.stream_breaks = Counter(
+            "fleetgate_stream_breaks", "Streams whose worker failed after the client got bytes, by what happened "
+            "next: resumed (continued on another worker), completed (only the end was missing), ended (an error "
+            "event: no worker or no attempt left), not_resumable (n > 1, logprobs, tool calls, ...).",
+            ["model", "outcome"], registry=r)
         # Backpressure and autoscaling (gateway/autoscaler.py); every replica exports the leader's numbers.
         self.queue_wait_estimate = Gauge("fleetgate_queue_wait_estimate_seconds",
                                          "Estimated wait of a request joining the queue now (batch: Chiron eq. 1).",
@@ -224,6 +229,9 @@ class GatewayMetrics:
 
     def count_retry(self, model: str) -> None:
         self._child(self.retries, model).inc()
+
+    def count_stream_break(self, model: str, outcome: str) -> None:
+        self._child(self.stream_breaks, model, outcome).inc()
 
     def set_worker(self, worker: str, healthy: bool, inflight: int) -> None:
         self._child(self.worker_healthy, worker).set(1 if healthy else 0)

@@ -50,6 +50,8 @@ class WorkerState:
     discovered_at: float = 0.0
     weight: float = 1.0
     reported: bool | None = None  # the health last logged (None: nothing yet), so each change is logged once
+    held_until: float = 0.0  # suspected hung: no health check restores it before this (time.monotonic())
+    errors_in_row: int = 0  # requests that failed on it since its last success (outlier ejection)
     # url prefixes, computed once
     chat_url: str = ""
     completions_url: str = ""
@@ -91,6 +93,7 @@ class Registry:
         self._background: set[asyncio.Task] = set()  # one-off probes of workers adopted by sync
         self.upstream: UpstreamPool | None = None  # the gateway's one client to workers (set by start)
         self._listeners: list[Callable[[], None]] = []
+        self._eject_listeners: list[Callable[[str, bool], object]] = []
         self._probe_timeout = config.health.timeout_s
         self._scrape_timeout = max(0.2, min(2.0, config.scrape_interval_s * 2))
         store.on_restore(self.republish)
@@ -195,6 +198,49 @@ class Registry:
         self._rebuild()  # listeners wake waiting requests: a cap may have grown
         return ws
 
+    def on_eject(self, fn: Callable[[str, bool], object]) -> None:
+        """Call `fn(worker_id, suspected)` whenever a worker leaves rotation for failing (its exchanges can be
+        given up): `suspected` when its own pace said it hung (suspect), not when health checks failed."""
+        self._eject_listeners.append(fn)
+
+    def suspect(self, worker_id: str, why: str) -> None:
+        """A worker stalled against its own pace (policies/pace.py): out of rotation at once; the health
+        checks bring it back after `successes_to_restore` good answers, not before `resume.suspect_hold_s`
+        (Envoy's ejection time: a worker whose /health answers while its engine hangs stays out a while)."""
+        self._hold_out(worker_id, why, True)
+
+    def note_outcome(self, worker_id: str, ok: bool) -> None:
+        """Outlier ejection (Envoy's consecutive_5xx): a worker whose last `resume.eject_after_errors` requests
+        all failed (refused, 5xx, cut short) leaves rotation as a suspect does, its exchanges left to time out."""
+        ws = self.workers.get(worker_id)
+        if ws is None:
+            return
+        if ok:
+            ws.errors_in_row = 0
+            return
+        ws.errors_in_row += 1
+        limit = self.config.resume.eject_after_errors
+        if limit and ws.errors_in_row >= limit:
+            ws.errors_in_row = 0
+            self._hold_out(worker_id, f"{limit} requests in a row failed", False)
+
+    def _hold_out(self, worker_id: str, why: str, suspected: bool) -> None:
+        ws = self.workers.get(worker_id)
+        if ws is None or not ws.healthy:
+            return
+        ws.healthy = False
+        ws.oks = 0
+        ws.fails = max(ws.fails, self.config.health.failures_to_eject)
+        ws.checked = True
+        ws.held_until = time.monotonic() + self.config.resume.suspect_hold_s
+        self._rebuild()
+        log_health_change(ws, why)
+        self._ejected(worker_id, suspected)
+
+    def _ejected(self, worker_id: str, suspected: bool) -> None:
+        for fn in self._eject_listeners:
+            fn(worker_id, suspected)
+
     def report_failure(self, worker_id: str) -> None:
         """Passive health: a refused connection on the data path counts like a failed check."""
         ws = self.workers.get(worker_id)
@@ -291,7 +337,8 @@ class Registry:
         if ok:
             ws.oks += 1
             ws.fails = 0
-            if not ws.healthy and (not ws.checked or ws.oks >= h.successes_to_restore):
+            if not ws.healthy and (not ws.checked or ws.oks >= h.successes_to_restore) \
+                    and time.monotonic() >= ws.held_until:
                 ws.healthy = True
         else:
             ws.fails += 1
@@ -302,6 +349,8 @@ class Registry:
         if ws.healthy != before:
             self._rebuild()
         log_health_change(ws, why)
+        if before and not ws.healthy:
+            self._ejected(ws.id, False)
 
     async def _check(self, url: str) -> str | None:
         """None when `url` answers 200, else why not (for the state-change log)."""

@@ -9,7 +9,15 @@ webhooks and the P/D prefill leg (gateway/pd_legs.py) use the same pool. Rules:
   may retry on another worker (connection refused/reset, timeout to headers, a 5xx status, a body
   cut short);
 - the client has seen the response start -> a failure ends the stream with an SSE error event and
-  `data: [DONE]` (docs/reference/vllm-interface.md §2), never a hang;
+  `data: [DONE]` (docs/reference/vllm-interface.md §2), never a hang; except for a resumable stream
+  (`StreamResume`, gateway/resume.py): the relay forwards whole events only, keeps the bytes it forwarded,
+  and leaves the stream open for the dispatcher to continue on another worker (or end with `end_stream`);
+- a continuation leg (`resume.legs > 0`) sends no response start: its events are rewritten into the first
+  answer's identity; an answer that is not a 200 stream is an `UpstreamFailure` of kind "continuation";
+- a worker is given as long as its own recent pace allows (policies/pace.py) to send a stream's first token and
+  each next one, within the fixed `timeouts:`; a stall is a timeout (`RelayResult.stalled`, or an
+  `UpstreamFailure` of kind "timeout"), and `abort_worker` fails every exchange in flight on a worker
+  the gateway suspects (the dispatcher then resumes or retries them elsewhere);
 - upstream statuses and bodies other than retried 5xx are passed through unchanged, except that an error
   body is put in OpenAI's shape by the engine adapter (vLLM's `type: BadRequestError, code: 400` ->
   `type: invalid_request_error`).
@@ -21,8 +29,11 @@ import time
 from dataclasses import dataclass
 
 from engine_adapters.base import EngineAdapter, Usage
+from engine_adapters.openai_errors import sse_error_event
 from gateway.config import GatewayConfig, TimeoutsConfig
+from gateway.resume import StreamResume
 from gateway.upstream import TlsSettings, UpstreamConnection, UpstreamPool
+from policies.pace import FleetPace
 
 _BODY_END = {"type": "http.response.body", "body": b"", "more_body": False}
 
@@ -48,6 +59,8 @@ class RelayResult:
     first_token_at: float | None = None  # perf_counter() times
     last_token_at: float | None = None
     midstream_error: str | None = None  # the stream broke after it started
+    stalled: bool = False  # ... because the worker went silent for longer than its pace allows
+    max_gap: float | None = None  # the longest wait between two output tokens (streams of 2+ tokens)
 
 
 class ResponseState:
@@ -71,11 +84,29 @@ def make_upstream_pool(config: GatewayConfig) -> UpstreamPool:
 
 
 class Relay:
-    def __init__(self, adapter: EngineAdapter, timeouts: TimeoutsConfig, upstream: UpstreamPool) -> None:
+    def __init__(self, adapter: EngineAdapter, timeouts: TimeoutsConfig, upstream: UpstreamPool,
+                 pace: FleetPace | None = None) -> None:
         self.adapter = adapter
         self.upstream = upstream
         self.first_byte_s = timeouts.first_byte_s
         self.idle_s = timeouts.idle_s
+        self.pace = pace  # None: fixed timeouts only
+        self.legs: dict[str, set[UpstreamConnection]] = {}  # worker id -> exchanges in flight on it
+
+    def abort_worker(self, worker_id: str, suspected: bool = True) -> int:
+        """A worker left rotation: its exchanges in flight are given up (their requests resumed or retried
+        elsewhere). Suspected hung (its pace said so): all of them at once. Ejected by failed health checks:
+        those silent for the gap floor, now or later (each wait for the worker's next bytes is cut to the floor),
+        so a worker slow to answer probes on a crowded host keeps the streams it still feeds; without hung
+        detection, none. Returns how many exchanges were touched."""
+        legs = list(self.legs.get(worker_id, ()))
+        if suspected:
+            for conn in legs:
+                conn.abort("the worker is suspected hung")
+        elif self.pace is not None:
+            for conn in legs:
+                conn.set_read_timeout(self.pace.settings.gap_floor_s)
+        return len(legs)
 
     async def forward(
         self,
@@ -88,9 +119,23 @@ class Relay:
         strip_usage: bool,
         retry_5xx: bool,
         state: ResponseState,
+        resume: StreamResume | None = None,
+        worker_id: str | None = None,
     ) -> RelayResult:
-        """`upstream_headers`: extra request headers, as encoded lines (gateway/upstream.py encode_headers)."""
-        resp = await self._open(url, payload, upstream_headers, stream)
+        """`upstream_headers`: extra request headers, as encoded lines (gateway/upstream.py encode_headers).
+        `resume`: the stream may be continued elsewhere should this worker fail (gateway/resume.py).
+        `worker_id`: the worker's pace bounds the waits, and `abort_worker` can reach the exchange."""
+        track = None
+        limits = (self.first_byte_s, self.idle_s)
+        if worker_id is not None:
+            track = self.legs.get(worker_id)
+            if track is None:
+                track = self.legs[worker_id] = set()
+            if self.pace is not None:
+                first, gap = self.pace.limits(worker_id)
+                limits = (min(first, self.first_byte_s), min(gap, self.idle_s))
+        t_sent = time.perf_counter()
+        resp = await self._open(url, payload, upstream_headers, stream, limits[0], track)
         clean = False
         try:
             status = resp.status
@@ -98,6 +143,10 @@ class Relay:
             if status >= 500 and retry_5xx:
                 body = await self._read_all(resp, "status_5xx")
                 raise UpstreamFailure("status_5xx", f"worker answered {status}", status, body, ctype)
+            if resume is not None and resume.legs and (status != 200 or not ctype.startswith(b"text/event-stream")):
+                body = await self._read_all(resp, "continuation")
+                raise UpstreamFailure("continuation", f"worker answered {status} to a continuation", status, body,
+                                      ctype)
             if not (stream and ctype.startswith(b"text/event-stream")):
                 body = await self._read_all(resp, "body")
                 clean = True
@@ -113,22 +162,29 @@ class Relay:
                 state.ended = True
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 return result
-            result = await self._relay_stream(resp, send, ctype, client_headers, strip_usage, state)
+            result = await self._relay_stream(resp, send, ctype, client_headers, strip_usage, state, resume,
+                                              limits[1])
             clean = result.midstream_error is None
+            if clean and self.pace is not None and worker_id is not None and result.first_token_at is not None:
+                self.pace.of(worker_id).observe(result.first_token_at - t_sent, result.max_gap)
             return result
         finally:
+            if track is not None:
+                track.discard(resp)
             if clean:
                 resp.release()
             else:
                 resp.close()  # drops the connection: vLLM sees the disconnect and aborts the request
 
-    async def _open(self, url: str, payload: bytes, headers: bytes, stream: bool) -> UpstreamConnection:
-        # A stream's headers come at once (vLLM), then idle_s bounds each wait between chunks; a non-streaming
-        # answer comes whole, first_byte_s bounds the wait for it.
+    async def _open(self, url: str, payload: bytes, headers: bytes, stream: bool, first_s: float,
+                    track: set[UpstreamConnection] | None) -> UpstreamConnection:
+        # A stream's headers come at once (vLLM), then its first token within `first_s` (the worker's pace), then
+        # each next one within the gap its pace allows (_relay_stream); a non-streaming answer comes whole,
+        # first_byte_s bounds the wait for it.
         try:
             if stream:
-                return await self.upstream.request(url, headers, payload, self.idle_s, self.first_byte_s, True)
-            return await self.upstream.request(url, headers, payload, self.first_byte_s)
+                return await self.upstream.request(url, headers, payload, first_s, first_s, True, track=track)
+            return await self.upstream.request(url, headers, payload, self.first_byte_s, track=track)
         except TimeoutError as e:
             raise UpstreamFailure("timeout", f"no response headers in time ({type(e).__name__})") from None
         except OSError as e:
@@ -142,15 +198,22 @@ class Relay:
 
     async def _relay_stream(self, resp: UpstreamConnection, send, ctype: bytes,  # noqa: ANN001
                             client_headers: list[tuple[bytes, bytes]], strip_usage: bool,
-                            state: ResponseState) -> RelayResult:
+                            state: ResponseState, resume: StreamResume | None, gap_s: float) -> RelayResult:
         result = RelayResult(status=resp.status)
-        scanner = self.adapter.new_stream_scanner(strip_usage)
-        state.started = True
-        await send({"type": "http.response.start", "status": resp.status,
-                    "headers": [(b"content-type", ctype), *client_headers]})
+        continuation = resume is not None and resume.legs > 0
+        # a continuation's usage is rewritten (StreamResume.rewrite), not stripped here
+        scanner = self.adapter.new_stream_scanner(strip_usage and not continuation, resume is not None)
+        if not continuation:
+            state.started = True
+            await send({"type": "http.response.start", "status": resp.status,
+                        "headers": [(b"content-type", ctype), *client_headers]})
         tokens = 0
+        before = resume.tokens_before if continuation else 0
         feed = scanner.feed
         read_some = resp.read_some
+        note = resume.note if resume is not None else None
+        rewrite = resume.rewrite if continuation else None
+        max_gap = 0.0
         try:
             while chunk := await read_some():
                 out = feed(chunk)
@@ -158,19 +221,40 @@ class Relay:
                     now = time.perf_counter()
                     if tokens == 0:
                         result.first_token_at = now
+                        resp.set_read_timeout(gap_s)  # from now on the pace between tokens
+                    elif now - result.last_token_at > max_gap:
+                        max_gap = now - result.last_token_at
                     result.last_token_at = now
-                    tokens = state.tokens = scanner.tokens
+                    tokens = scanner.tokens
+                    state.tokens = before + tokens
                 if out:
+                    if rewrite is not None:
+                        out = rewrite(out)
+                    if note is not None:
+                        note(out)
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             if not scanner.done:
                 result.midstream_error = "the worker closed the stream before [DONE]"
-        except (TimeoutError, OSError) as e:
+        except TimeoutError as e:
+            result.midstream_error = f"the worker stalled mid-stream ({e})"
+            result.stalled = True
+        except OSError as e:
             result.midstream_error = f"the worker stopped responding mid-stream ({type(e).__name__})"
+        result.max_gap = max_gap if tokens > 1 else None
         result.tokens = scanner.tokens
         result.usage = scanner.usage
         if result.midstream_error is not None:
+            if resume is not None:
+                return result  # the dispatcher continues the stream elsewhere, or ends it (end_stream)
             await send({"type": "http.response.body", "body": scanner.error_event(result.midstream_error),
                         "more_body": True})
         state.ended = True
         await send(_BODY_END)
         return result
+
+    async def end_stream(self, send, state: ResponseState, body: bytes | None = None,  # noqa: ANN001
+                         error: str | None = None) -> None:
+        """End a stream the relay left open: with `body` (closing events), or an error event and [DONE]."""
+        state.ended = True
+        await send({"type": "http.response.body", "more_body": False,
+                    "body": body if body is not None else sse_error_event(error or "the worker failed")})

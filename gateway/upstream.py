@@ -351,6 +351,19 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.resume_reading()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    def set_read_timeout(self, seconds: float) -> None:
+        """From now on, wait at most `seconds` for each next bytes of the response (a stream's pace changes after
+        its first token); the timer is brought forward when the new limit ends earlier."""
+        self._read_timeout = seconds
+        if self._timer is not None and self._last_io + seconds < self._timer.when():
+            self._timer.cancel()
+            self._timer = self._loop.call_at(self._last_io + seconds, self._on_timer)
+
+    def abort(self, reason: str) -> None:
+        """Give up waiting on this worker (it is suspected hung): the reader gets a ServerTimeoutError."""
+        if self.busy and not self._complete and self._error is None:
+            self._fail(ServerTimeoutError(reason))
+
     def release(self) -> None:
         """The exchange is over: back to the pool when the response ended cleanly and allows reuse, else closed."""
         if not self.busy:
@@ -405,9 +418,10 @@ class UpstreamPool:
 
     async def request(self, url: str, headers: bytes, body: bytes, read_timeout: float,
                       headers_timeout: float | None = None, stream: bool = False,
-                      method: bytes = b"POST") -> UpstreamConnection:
+                      method: bytes = b"POST", track: set[UpstreamConnection] | None = None) -> UpstreamConnection:
         """Send `body` to `url` with `headers` (encoded lines, see encode_headers) and wait for the response
-        headers. The caller must end the exchange with `release()` (response read to its end) or `close()`."""
+        headers. The caller must end the exchange with `release()` (response read to its end) or `close()`.
+        `track`: the connection carrying the exchange is added to it (so it can be aborted from outside)."""
         t = self._targets.get(url)
         if t is None:
             t = self._target(url)
@@ -423,6 +437,8 @@ class UpstreamPool:
         else:
             message = b"".join((method, t.rest, headers, b"\r\n"))
         while True:
+            if track is not None:
+                track.add(conn)
             conn._begin(read_timeout, headers_timeout, stream)
             conn.transport.write(message)
             try:

@@ -5,7 +5,8 @@ virtual-time simulator (simulator/cluster.py) drive this same object.
 Rules (in one place, so the simulator and the gateway cannot drift):
 - A new request tries to place itself at once only while fewer than `lookahead` requests wait (with the
   default lookahead of 1: only when nobody waits, so it never overtakes one that waits).
-- A drain tries the waiting requests in arrival order and stops after `lookahead` of them found no worker
+- A drain tries the waiting requests in arrival order (or in a service-aware priority's order, when the caller
+  gives one) and stops after `lookahead` of them found no worker
   (lookahead 1: head-of-line; larger: a head that does not fit, e.g. one an SLO-aware policy holds back until
   its own deadline, does not block the requests behind it).
 - A request gives up at its deadline (`queue_budget`): an interactive request when its TTFT target has
@@ -18,7 +19,7 @@ Rules (in one place, so the simulator and the gateway cannot drift):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,12 +103,13 @@ class AdmissionQueue:
             self.remove(w)
         return gone
 
-    def candidates(self) -> Iterator[Waiting]:
-        """The waiting requests to try now, in arrival order. The caller `remove`s each one it placed before
-        asking for the next; one still queued then counts as not placed, and after `lookahead` of those the
-        drain ends."""
+    def candidates(self, order: Callable[[Waiting], Any] | None = None) -> Iterator[Waiting]:
+        """The waiting requests to try now, in arrival order (or sorted by `order`, smaller first: a service-aware
+        priority, policies/service_priority.py). The caller `remove`s each one it placed before asking for the
+        next; one still queued then counts as not placed, and after `lookahead` of those the drain ends."""
         misses = 0
-        for w in list(self._items):
+        items = list(self._items) if order is None else sorted(self._items, key=order)
+        for w in items:
             if not w.queued:
                 continue
             yield w

@@ -71,6 +71,7 @@ from policies.types import (
 from simulator.engine import BLOCK_SIZE, EngineConfig, EngineCore, SimRequest
 from simulator.kv_sim import SimKvView
 from simulator.profiles import Profile, load_profile
+from simulator.service_sim import ServicePriority, ServiceScheduler, service_summary
 from simulator.workload import WorkloadRequest
 
 REFUSED = "refused"                      # finish_reason: 429 from the admission queue (full, or out of budget)
@@ -102,6 +103,12 @@ class RequestResult:
     prefill_scheduled: float | None = None
     prefill_done: float | None = None
     pd_decision: str | None = None          # the policy's Decision.reason for P/D policies
+    service: str = ""                       # its service (runs with a service priority)
+
+    @property
+    def normalized_latency(self) -> float | None:
+        """End-to-end latency per output token (SeaLLM's normalized latency in its per-token form)."""
+        return None if self.finished is None or not self.output_tokens else self.e2e / self.output_tokens
 
     @property
     def completed(self) -> bool:
@@ -227,6 +234,7 @@ class SimResult:
             "duration_s": span,
             "wall_s": self.wall_s,
             **_pd_summary(rs),
+            **service_summary(rs),
         }
 
     def to_json(self) -> str:
@@ -300,6 +308,8 @@ class ClusterSim:
         prefill_workers: int = 0,
         seed: int | None = None,
         rebalance_s: float | None = None,
+        service_priority: str | ServiceScheduler | None = None,
+        service_preempt: bool = False,
     ) -> None:
         if workers < 0:
             raise ValueError("workers must be >= 0")
@@ -354,6 +364,11 @@ class ClusterSim:
         self.max_iterations = max_iterations
         self.queue_poll_s = queue_poll_s
         self.queue = AdmissionQueue(queue_size, queue_lookahead, queue_timeout_s)
+        self.services = ServicePriority.build(service_priority, service_preempt) if service_priority else None
+        if self.services is not None:
+            if prefill_workers:
+                raise ValueError("a service priority is not supported with P/D workers")
+            self.engine_config = self.services.engine_config(engine_config)
         self.rebalance_s = rebalance_s     # Algorithm 2 over requests waiting, not started, in engine queues
         self.moves = 0
         self._last_arrival = 0.0
@@ -376,7 +391,7 @@ class ClusterSim:
         self.on_kv_events: list[Callable[..., Any]] = []
         self.kv_view = SimKvView(self.profiles[0].block_size) if SimKvView.wanted(self.policy) else None
         if self.kv_view is not None:
-            self.engine_config = self.kv_view.engine_config(engine_config)
+            self.engine_config = self.kv_view.engine_config(self.engine_config)
             self.on_kv_events.append(self.kv_view.on_events)
         for i in range(workers):
             role = ROLE_MIXED if not prefill_workers else ROLE_PREFILL if i < prefill_workers else ROLE_DECODE
@@ -393,7 +408,10 @@ class ClusterSim:
         if not weight > 0:
             raise ValueError("weight must be > 0")
         t = self.now if now is None else now
-        self.workers[wid] = SimWorker(wid, prof, EngineCore(prof, self.engine_config), t, role,
+        engine = EngineCore(prof, self.engine_config)
+        if self.services is not None:
+            self.services.attach(engine)
+        self.workers[wid] = SimWorker(wid, prof, engine, t, role,
                                       cap if cap is not None else self.cap, dict(labels or {}), weight=weight)
         if self.queue:
             self._drain_queue(t)
@@ -481,6 +499,8 @@ class ClusterSim:
         """The request is answered with an error and never reaches an engine (a 400 or a 429)."""
         res = self.results[r.request_id]
         res.finish_reason, res.status, res.error, res.finished = reason, status, error, now
+        if self.services is not None:
+            self.services.scheduler.forget(r.request_id)
         for hook in self.on_finish:
             hook(self, res)
 
@@ -492,6 +512,9 @@ class ClusterSim:
                                                    slo_tpot_s=r.slo_tpot_s or self.slo_tpot_s)
         for hook in self.on_arrival:
             hook(self, r, now)
+        if self.services is not None:
+            self.services.arrived(r, now)
+            self.results[r.request_id].service = r.service
         feats = self.features(r)
         q = self.queue
         retry_at = math.inf
@@ -510,7 +533,8 @@ class ClusterSim:
         q = self.queue
         for w in q.expired(now):
             self._reject(w.handle, REFUSED, 429, w.reason, now)
-        for w in q.candidates():
+        order = self.services.queue_order(now) if self.services is not None else None
+        for w in q.candidates(order):
             d = self._try_dispatch(w.handle, w.features, now)
             if d is None:
                 q.remove(w)
@@ -571,6 +595,8 @@ class ClusterSim:
         w.inflight_tokens -= r.prompt_tokens + int(feats.predicted_output_tokens)
         res = self.results[r.request_id]
         self._decisions.pop(r.request_id, None)
+        if self.services is not None:
+            self.services.finished(r, res, now)
         self.placement.finished(feats, w.id, res.output_tokens if res.completed else 0, now,
                                 slo_met=res.slo_met if res.completed else False)
         for hook in self.on_finish:
@@ -584,8 +610,9 @@ class ClusterSim:
         if w is None:   # cannot happen: a worker with inflight requests is never retired
             raise RuntimeError(f"worker {wid} vanished with requests in flight")
         max_tokens = r.max_tokens or max(1, w.engine.max_model_len - r.prompt_tokens)
+        priority = r.priority if self.services is None else self.services.engine_priority(r, now)
         sreq = SimRequest(rid, r.prompt_tokens, list(r.prefix_blocks), max_tokens,
-                          min(r.output_tokens, max_tokens), priority=r.priority, arrival=now)
+                          min(r.output_tokens, max_tokens), priority=priority, arrival=now)
         try:
             w.engine.add(sreq, now)
         except ValueError as exc:   # what vLLM answers with HTTP 400

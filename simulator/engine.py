@@ -59,6 +59,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -157,7 +158,7 @@ class _Seq:
     """Engine-side state of one request (vLLM's Request): tokens = prompt + generated so far."""
 
     __slots__ = ("req", "rec", "num_computed", "num_tokens", "num_output", "limit", "hashes", "num_blocks",
-                 "status", "seq_no", "promote", "no_count_below", "loaded", "reported_cache")
+                 "status", "seq_no", "promote", "no_count_below", "loaded", "reported_cache", "paused")
 
     def __init__(self, req: SimRequest, limit: int, seq_no: int) -> None:
         self.req = req
@@ -174,6 +175,7 @@ class _Seq:
         self.no_count_below = 0         # prompt positions below this are not counted as computed
         self.loaded = False             # P/D consumer: remote KV already placed
         self.reported_cache = False
+        self.paused = False             # set aside for a better request with its KV kept (reprioritize only)
 
 
 class _BlockPool:
@@ -298,6 +300,10 @@ class EngineCore:
         self._c_admit = p.c_admit_s
         self._speed = SpeedDrift(p.speed_quantiles, p.speed_tau_s, seed) if p.speed_quantiles else None
         self._f = 1.0                                           # speed factor of the step being planned
+        # Simulator only (vLLM fixes a request's priority at arrival): `reprioritize(req, generated, now)` gives
+        # every live request's current priority and whether it may be preempted for a better one, before each
+        # step; see `_preempt_for_priority`.
+        self.reprioritize: Callable[[SimRequest, int, float], tuple[float, bool]] | None = None
 
     # ---- queries ----------------------------------------------------------------------------------
     @property
@@ -456,6 +462,10 @@ class EngineCore:
         budget = self.max_num_batched_tokens
         sched: dict[_Seq, int] = {}
         preempted: list[_Seq] = []
+        swapped_out: list[_Seq] = []
+        if self.reprioritize is not None and self.num_waiting:
+            swapped_out = self._preempt_for_priority(now)
+            max_iterations = 1          # budgets run out at iteration boundaries: look again after each one
         running = self._running
         # 1) running requests: decodes first, then partial prefills (vLLM V1 schedules RUNNING first).
         order = [s for s in running if s.num_tokens - s.num_computed == 1]
@@ -474,6 +484,8 @@ class EngineCore:
                     sched[seq] = n_new
                     budget -= n_new
                     break
+                if self._drop_paused_kv():
+                    continue            # a paused request's KV went first (it recomputes when it resumes)
                 victim = self._victim()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -503,11 +515,65 @@ class EngineCore:
         if self._speed is not None:
             self._f = self._speed.factor(now)
             dur *= self._f
-        plan = _Plan(now, list(sched.items()), preempted, dur)
+        plan = _Plan(now, list(sched.items()), swapped_out + preempted, dur)
         if max_iterations > 1 and P == 0 and not preempted and not admitted and len(sched) == len(running):
             self._extend(plan, max_iterations, now)
         self._plan = plan
         return plan.dur
+
+    def _preempt_for_priority(self, now: float) -> list[_Seq]:
+        """Simulator only: re-prioritise every live request (`reprioritize`), then, while the best waiting request
+        outranks the worst preemptible running one and cannot start beside it (the batch is at max_num_seqs or its
+        prompt's blocks are not free), set that one aside with its KV kept (`_pause`). Returns them."""
+        fn = self.reprioritize
+        if fn is None or not self.priority:
+            raise RuntimeError("re-prioritising needs scheduling_policy 'priority' and a reprioritize function")
+        victims: list[_Seq] = []
+        for seq in self._running:
+            seq.req.priority, preemptible = fn(seq.req, seq.num_output, now)
+            if preemptible:
+                victims.append(seq)
+        for seq in self._waiting_seqs():
+            seq.req.priority = fn(seq.req, seq.num_output, now)[0]
+        self._heap = [(s.req.priority, s.req.arrival, s.seq_no, s) for s in self._waiting_seqs()]
+        heapq.heapify(self._heap)
+        out: list[_Seq] = []
+        bs = self.block_size
+        while self._heap and victims:
+            best = self._heap[0][3]
+            worst = max(victims, key=lambda s: (s.req.priority, s.req.arrival, s.seq_no))
+            if best.req.priority >= worst.req.priority:
+                break
+            need = -(-(best.num_tokens + 1) // bs)
+            if len(self._running) < self.max_num_seqs and need <= self._pool.num_free:
+                break
+            self._pause(worst)
+            victims.remove(worst)
+            out.append(worst)
+        return out
+
+    def _pause(self, seq: _Seq) -> None:
+        """Set a running request aside with its KV kept (SeaLLM's preemption over its unified KV cache): back to
+        WAITING by its priority; it resumes where it was, unless its blocks are needed meanwhile (then it
+        recomputes, as after vLLM's preemption)."""
+        self._running.remove(seq)
+        seq.paused = True
+        seq.rec.num_preemptions += 1
+        self.stats.preemptions += 1
+        self._push_waiting(seq, front=True)
+
+    def _drop_paused_kv(self) -> bool:
+        """KV is short: free the blocks of the lowest-priority paused request, if any holds some."""
+        held = [e[3] for e in self._heap if e[3].paused and e[3].num_blocks] if self.reprioritize else []
+        if not held:
+            return False
+        seq = max(held, key=lambda s: (s.req.priority, s.req.arrival, s.seq_no))
+        self._free(seq)
+        seq.paused = False
+        seq.num_computed = 0
+        seq.no_count_below = 0
+        seq.promote = True
+        return True
 
     def _admit(self, now: float, budget: int, sched: dict[_Seq, int]) -> tuple[int, int]:
         bs = self.block_size
@@ -520,7 +586,16 @@ class EngineCore:
             if seq is None:
                 break
             req = seq.req
-            if req.remote_prefill and not seq.loaded:
+            if seq.paused:          # resumes with its KV (reprioritize only)
+                n_new = min(seq.num_tokens - seq.num_computed, budget)
+                need = -(-(seq.num_computed + n_new) // bs) - seq.num_blocks
+                if need > pool.num_free:
+                    break
+                if need > 0:
+                    pool.take(need)
+                    seq.num_blocks += need
+                seq.paused = False
+            elif req.remote_prefill and not seq.loaded:
                 if req.kv_ready_at > now:
                     skipped.append(self._pop_waiting())   # vLLM skips requests waiting for remote KV
                     continue
@@ -542,6 +617,8 @@ class EngineCore:
                 n_new = min(seq.num_tokens - cached, budget)
                 need = -(-(cached + n_new) // bs) - hits
                 if need + evictable > pool.num_free:
+                    if self._drop_paused_kv():
+                        continue    # a paused request's KV made room; look again
                     break
                 if hits:
                     hit_hashes = req.block_hashes[:hits]

@@ -14,6 +14,8 @@ What a run sees (the same for every policy, and what the live gateway would see)
 - SLOs: TTFT and TPOT (ATGT) targets; with `ttft_slowdown` k a request's TTFT target is the larger of the base
   target and k times its prompt's prefill on an idle worker of the profile (the rule for long-context traces,
   whose prompts alone may take seconds).
+- Services (`services`): several request streams with their own lengths share the engines; `service_priority`
+  orders them (policies/service_priority.py, simulator/service_sim.py) and the summary adds normalized latency.
 - Requests no worker can serve (prompt over the model's context) are refused with vLLM's 400 and reported as
   `rejected_too_long`, outside the attainment's denominator; refusals for capacity (429) are misses.
 """
@@ -31,8 +33,11 @@ from policies.admission import DEFAULT_QUEUE_LOOKAHEAD
 from policies.length_predictor import LengthPredictor
 from policies.pd import parse_pd_split
 from policies.perf_model import PerfModel
+from policies.service_priority import SERVICE_PRIORITIES
 from simulator.cluster import ClusterSim, RequestResult, SimResult
+from simulator.engine import EngineConfig
 from simulator.profiles import load_profile
+from simulator.services import parse_services, service_workload
 from simulator.workload import WorkloadRequest, load_workload, trace_rows
 
 LENGTHS = ("predicted", "oracle")
@@ -61,6 +66,11 @@ class SimSpec:
     warmup: int = 2000                   # history pairs the length predictor starts from
     queue_lookahead: int = DEFAULT_QUEUE_LOOKAHEAD
     queue_poll_s: float | None = None
+    # Services sharing the engines (simulator/services.py: "sharegpt,arxiv,azure_conv,code"); replaces `trace`.
+    services: str | None = None
+    service_priority: str | None = None  # fcfs | round_robin | seallm (policies/service_priority.py)
+    service_preempt: bool = False        # re-prioritise running requests by preemption (simulator only)
+    max_num_seqs: int | None = None      # the engines' --max-num-seqs (None: the profile's)
     rebalance_s: float | None = None     # Aladdin's Algorithm 2 every this many seconds (None: off)
 
     def __post_init__(self) -> None:
@@ -70,6 +80,17 @@ class SimSpec:
             raise ValueError("warmup must be >= 0")
         if self.ttft_slowdown is not None and not self.ttft_slowdown > 0:
             raise ValueError("ttft_slowdown must be > 0")
+        if self.service_priority is not None and self.service_priority not in SERVICE_PRIORITIES:
+            raise ValueError(f"service priority must be one of {', '.join(SERVICE_PRIORITIES)}, "
+                             f"got {self.service_priority!r}")
+        if self.service_preempt and self.service_priority is None:
+            raise ValueError("service preemption needs a service priority")
+        if self.services is not None:
+            parse_services(self.services)
+            if self.rate is None or self.duration is None:
+                raise ValueError("services need an arrival rate (the total over all services) and a duration")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
 
     @property
     def profiles(self) -> list[str]:
@@ -81,8 +102,12 @@ class SimSpec:
 
 def build_workload(spec: SimSpec) -> list[WorkloadRequest]:
     """The requests of the run, with each request's TTFT target under `ttft_slowdown`."""
-    wl = load_workload(spec.trace, rate=spec.rate, rate_scale=spec.rate_scale, arrival=spec.arrival, cv=spec.cv,
-                       duration=spec.duration, seed=spec.seed)
+    if spec.services is not None:
+        wl = service_workload(parse_services(spec.services), rate=spec.rate * spec.rate_scale, duration=spec.duration,
+                              arrival=spec.arrival, cv=spec.cv, seed=spec.seed)
+    else:
+        wl = load_workload(spec.trace, rate=spec.rate, rate_scale=spec.rate_scale, arrival=spec.arrival, cv=spec.cv,
+                           duration=spec.duration, seed=spec.seed)
     if not wl:
         raise ValueError("the workload is empty (check --duration / --rate)")
     if spec.ttft_slowdown is not None:
@@ -93,8 +118,9 @@ def build_workload(spec: SimSpec) -> list[WorkloadRequest]:
 
 
 def history(spec: SimSpec, workload: list[WorkloadRequest]) -> list[tuple[int, int]]:
-    """`spec.warmup` (prompt, output) pairs of the trace that the run does not replay (its own stream of draws)."""
-    if not spec.warmup:
+    """`spec.warmup` (prompt, output) pairs of the trace that the run does not replay (its own stream of draws); none
+    for a run of services (the predictor then learns from the run's completions)."""
+    if not spec.warmup or spec.services is not None:
         return []
     rows = trace_rows(spec.trace)
     used = {r.source_row for r in workload if r.source_row is not None}
@@ -118,7 +144,9 @@ def build_sim(spec: SimSpec, workload: list[WorkloadRequest]) -> ClusterSim:
     sim = ClusterSim(profiles, workers, spec.policy, slo_ttft_s=spec.slo_ttft_s, slo_tpot_s=spec.slo_tpot_s,
                      predicted_output_tokens=predictor, policy_params=spec.policy_params or None,
                      prefill_workers=prefill, queue_lookahead=spec.queue_lookahead, queue_poll_s=spec.queue_poll_s,
-                     seed=spec.seed, rebalance_s=spec.rebalance_s)
+                     seed=spec.seed, rebalance_s=spec.rebalance_s, service_priority=spec.service_priority,
+                     service_preempt=spec.service_preempt,
+                     engine_config=EngineConfig(max_num_seqs=spec.max_num_seqs) if spec.max_num_seqs else None)
     if spec.lengths == "oracle":
         sim.predicted_output_tokens = lambda r: r.output_tokens   # told by name; the predictor still learns
     return sim
@@ -155,13 +183,15 @@ def run_simulate_cli(spec: SimSpec, as_json: bool) -> None:
     from simulator.progress import stderr_progress
 
     try:
-        with stderr_progress(f"simulate {spec.policy} on {spec.trace}") as progress:
+        with stderr_progress(f"simulate {spec.policy} on {spec.services or spec.trace}") as progress:
             result = simulate(spec, progress=progress)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
     summary = result.to_dict()
-    summary["trace"] = spec.trace
+    summary["trace"] = spec.trace if spec.services is None else spec.services
+    if spec.service_priority is not None:
+        summary["service_priority"] = spec.service_priority + ("+preempt" if spec.service_preempt else "")
     summary["seed"] = spec.seed
     if as_json:
         print(json.dumps(summary))

@@ -32,20 +32,30 @@ def count_tokens(text: str) -> int:
     return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN)
 
 
-def render_chat(messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+def render_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
     """Flatten chat messages into the prompt text the engine tokenizes (a minimal chat template).
 
-    `content` may be a string or OpenAI's list of parts ({"type": "text", "text": ...}).
+    `content` may be a string or OpenAI's list of parts ({"type": "text", "text": ...}). With
+    `continue_final_message` the last message stays open (no turn end), as transformers' apply_chat_template
+    does: the model continues its text instead of starting a new turn.
     """
     parts: list[str] = []
     for m in messages:
-        content = m.get("content") or ""
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        parts.append(CHAT_ROLE_PREFIX.format(role=m.get("role", "user")) + str(content) + CHAT_TURN_END)
+        parts.append(CHAT_ROLE_PREFIX.format(role=m.get("role", "user")) + message_text(m) + CHAT_TURN_END)
+    if continue_final_message and parts:
+        parts[-1] = parts[-1][: -len(CHAT_TURN_END)]
     if add_generation_prompt:
         parts.append(CHAT_GENERATION_PROMPT)
     return "".join(parts)
+
+
+def message_text(message: dict) -> str:
+    """A chat message's text: its string content, or the text of its parts."""
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
 
 
 def block_hashes(token_ids: Sequence[int], salt: str | None = None) -> list[int]:

@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from engine_adapters.vllm.kv_events import WIRE_FORMATS, KvEventsError, parse_kv_events_config
 from policies.kv_hash import HASH_ALGOS, BlockHasher, engine_seed
@@ -48,6 +48,8 @@ _WORDS = ("the", "and", "for", "was", "not", "but", "all", "can", "one", "its", 
           "may", "any", "use", "way", "how", "our", "out", "day", "get", "see", "now", "own", "set", "far")
 _FIRST = tuple(w.encode() for w in _WORDS)
 _NEXT = tuple(b" " + w for w in _FIRST)
+_WORD_INDEX = {w: i for i, w in enumerate(_WORDS)}
+FILLER_WORDS = _WORDS  # the output's word cycle: a test can check that a text continues without a gap
 
 
 # --- configuration -------------------------------------------------------------------------------
@@ -129,6 +131,15 @@ class ChatRequest(_GenRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_generation_prompt(cls, data: Any) -> Any:
+        # protocol.py ChatCompletionRequest.check_generation_prompt: both given as true is refused
+        if isinstance(data, dict) and data.get("continue_final_message") and data.get("add_generation_prompt"):
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return data
 
 
 class CompletionRequest(_GenRequest):
@@ -366,7 +377,13 @@ class SimServer:
             raise ApiError(404, f"The model `{req.model}` does not exist.")
         L = self.max_model_len
         if chat:
-            prompt = tokenizer.render_chat([m.model_dump() for m in req.messages], req.add_generation_prompt)
+            messages = [m.model_dump() for m in req.messages]
+            if req.continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
+                raise ApiError(400, "Cannot set `continue_final_message` to True when the last message is not "
+                                    "from the assistant.")
+            continues = req.continue_final_message
+            prompt = tokenizer.render_chat(messages, req.add_generation_prompt and not continues, continues)
+            text_so_far = tokenizer.message_text(messages[-1]) if continues else ""
             token_ids = tokenizer.encode(prompt)
             n = len(token_ids)
             requested = req.max_completion_tokens or req.max_tokens
@@ -383,6 +400,7 @@ class SimServer:
             if req.suffix is not None:
                 raise ApiError(400, "suffix is not currently supported")
             token_ids = _completion_prompt_tokens(req.prompt)
+            text_so_far = req.prompt if isinstance(req.prompt, str) else ""
             n = len(token_ids)
             requested = req.max_tokens
             # renderer.py::_create_tokens_prompt with max_length = max_model_len - max_tokens (vllm-interface §1.2)
@@ -427,6 +445,7 @@ class SimServer:
                                   and stream_opts.continuous_usage_stats),
             remote_decode=remote_decode, remote_kv_delay=remote_kv_delay,
             word_offset=self.rng.randrange(len(_WORDS)), created=int(time.time()),
+            continued=_continued_word(text_so_far),
         )
 
     def _target_tokens(self, req: ChatRequest | CompletionRequest, headers: dict[bytes, bytes],
@@ -462,7 +481,7 @@ class SimServer:
                     break
         finally:
             watcher.cancel()
-        text = _text(plan.word_offset, 0, h.generated).decode()
+        text = _text(plan, 0, h.generated).decode()
         usage = {"prompt_tokens": plan.prompt_len, "total_tokens": plan.prompt_len + h.generated,
                  "completion_tokens": h.generated, "prompt_tokens_details": None}
         kv_params = self._kv_params(h) if plan.remote_decode else None
@@ -529,7 +548,6 @@ class SimServer:
         watcher = _DisconnectWatcher(receive, h)
         drop_at = self.faults.drop_after_tokens
         sent = 0
-        offset = plan.word_offset
         try:
             while True:
                 await h.event.wait()
@@ -541,7 +559,7 @@ class SimServer:
                     n, fin = drop_at, False
                 parts = []
                 for i in range(sent, n):
-                    word = _FIRST[(offset + i) % len(_WORDS)] if i == 0 else _NEXT[(offset + i) % len(_WORDS)]
+                    word = _word(plan, i)
                     last = fin and i == n - 1
                     parts.append(tok_open + word + (tok_last % h.finish_reason.encode() if last else tok_mid)
                                  + (usage(i + 1) + b"}\n\n" if cont else no_usage))
@@ -712,6 +730,7 @@ class _Plan:
     remote_kv_delay: float | None
     word_offset: int
     created: int
+    continued: int | None = None    # the text ends with filler word number `continued`: go on after it
     token_ids: list[int] | None = None
 
 
@@ -725,9 +744,22 @@ def _finish_only(head: bytes, chat: bool, reason: str | None, usage: bytes | Non
         b'","stop_reason":null,"prompt_token_ids":null,"token_ids":null}]' + tail
 
 
-def _text(offset: int, start: int, end: int) -> bytes:
-    return b"".join(_FIRST[(offset + i) % len(_WORDS)] if i == 0 else _NEXT[(offset + i) % len(_WORDS)]
-                    for i in range(start, end))
+def _word(plan: _Plan, i: int) -> bytes:
+    """Output token i: the filler words in their cycle, from a random start; when the prompt's text (a completion
+    prompt, or the assistant message a chat continues) ends with a filler word, from the word after it, so a
+    prompt of the original prompt plus the text generated so far goes on as the first answer would have."""
+    if plan.continued is not None:
+        return _NEXT[(plan.continued + 1 + i) % len(_WORDS)]
+    return _FIRST[plan.word_offset % len(_WORDS)] if i == 0 else _NEXT[(plan.word_offset + i) % len(_WORDS)]
+
+
+def _text(plan: _Plan, start: int, end: int) -> bytes:
+    return b"".join(_word(plan, i) for i in range(start, end))
+
+
+def _continued_word(text: str) -> int | None:
+    """The cycle position of the filler word `text` ends with, or None."""
+    return _WORD_INDEX.get(text[-3:]) if len(text) >= 3 and (len(text) == 3 or not text[-4].isalpha()) else None
 
 
 def _base_id(headers: dict[bytes, bytes], body_id: str | None) -> str:

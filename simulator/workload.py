@@ -42,6 +42,7 @@ class WorkloadRequest:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     source_row: int | None = None       # its row in the trace file (so a history can leave it out)
+    service: str = ""                   # the service it belongs to (simulator/services.py), "" for none
 
 
 # ---- arrival processes ----------------------------------------------------------------------------

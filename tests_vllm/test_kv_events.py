@@ -26,7 +26,7 @@ from gateway.prompt_tokens import HfTokenizer
 from policies.kv_hash import BlockHasher
 from policies.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from scripts.vllm_servers import ensure_model, venv_path
-from tests_vllm.conftest import MODEL, engine_metric, run_gateway, wait_until
+from tests_vllm.conftest import ADMIN_KEY, MODEL, engine_metric, run_gateway, wait_until
 
 VENV = venv_path()
 pytestmark = pytest.mark.skipif(not (VENV / "bin" / "python").exists(),
@@ -160,7 +160,8 @@ def test_real_vllm_kv_events_predict_prefix_cache_hits(vllm_fleet, kv_event_port
     with tempfile.TemporaryDirectory() as tmp, run_gateway([], config=_gateway_config(
             Path(tmp), servers, kv_event_ports, model)) as gw:
         def lookup(body: dict) -> dict:
-            r = httpx.post(gw.url + "/admin/prefix_cache", json=body, timeout=10)
+            r = httpx.post(gw.url + "/admin/prefix_cache", json=body, timeout=10,
+                           headers={"authorization": f"Bearer {ADMIN_KEY}"})
             assert r.status_code == 200, r.text
             return r.json()
 

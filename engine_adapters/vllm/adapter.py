@@ -27,8 +27,8 @@ class VllmAdapter(EngineAdapter):
     def openai_error(self, status: int, body: bytes) -> bytes:
         return openai_error_body(status, body)
 
-    def new_stream_scanner(self, strip_usage: bool) -> VllmStreamScanner:
-        return VllmStreamScanner(strip_usage)
+    def new_stream_scanner(self, strip_usage: bool, whole_events: bool = False) -> VllmStreamScanner:
+        return VllmStreamScanner(strip_usage, whole_events)
 
     def parse_usage(self, body: bytes) -> Usage | None:
         # The usage object is the last top-level key family in vLLM's responses (docs/reference/vllm-interface.md §1.3); scan

@@ -23,10 +23,14 @@ _EMPTY_DELTA = b'"delta":{}'
 
 
 class VllmStreamScanner(StreamScanner):
-    __slots__ = ("strip_usage", "tokens", "usage", "done", "_tail")
+    """`whole_events`: forward only complete events (a stream that may be resumed must never leave the client
+    half an event); the bytes are the same, at most held back until their event is complete."""
 
-    def __init__(self, strip_usage: bool = False) -> None:
+    __slots__ = ("strip_usage", "whole", "tokens", "usage", "done", "_tail")
+
+    def __init__(self, strip_usage: bool = False, whole_events: bool = False) -> None:
         self.strip_usage = strip_usage
+        self.whole = strip_usage or whole_events
         self.tokens = 0
         self.usage: Usage | None = None
         self.done = False
@@ -37,7 +41,7 @@ class VllmStreamScanner(StreamScanner):
         end = data.rfind(EVENT_END)
         if end < 0:
             self._tail = data
-            return b"" if self.strip_usage else chunk
+            return b"" if self.whole else chunk
         cut = end + 2
         if cut == len(data):  # the usual case: the chunk ends on an event boundary, nothing to copy
             complete = data
@@ -47,7 +51,7 @@ class VllmStreamScanner(StreamScanner):
             self._tail = data[cut:]
         usage_at = self._scan(complete)
         if not self.strip_usage:
-            return chunk
+            return complete if self.whole else chunk
         if usage_at is None:
             return complete
         # drop exactly the usage event (start..its terminating blank line), keep the rest as sent
@@ -77,7 +81,7 @@ class VllmStreamScanner(StreamScanner):
         return span
 
     def at_boundary(self) -> bool:
-        return self.strip_usage or not self._tail
+        return self.whole or not self._tail
 
     def error_event(self, message: str) -> bytes:
         prefix = b"" if self.at_boundary() else EVENT_END

@@ -1,0 +1,101 @@
+"""Hung-worker detection: how long a worker may stay silent, judged against its own recent pace.
+
+A worker is suspect when its first token, or its next token, is later than `factor` times what it has recently
+needed (the p99 over a window of recent requests), never less than a floor; not after fixed 60-300 s timeouts.
+Two paces per worker:
+
+- first token: the wait from sending a request to its first output token (queueing and prefill included);
+- gap: per request, its longest wait between two output tokens (so one sample per request, not per token:
+  the relay only keeps a running maximum on the hot path).
+
+Until `min_samples` requests have been seen on a worker, its limits are the `cold_*` values (a new worker
+has no pace yet). Pure: the caller measures durations on its own clock and passes them in; the gateway's relay
+(gateway/relay.py) turns the limits into read timeouts. The rule follows issue 18 item 2; ejecting the worker
+at once and letting the health check bring it back is Envoy's outlier detection model
+(envoyproxy.io docs, "Outlier detection": eject, then return after the ejection time).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class PaceSettings:
+    factor: float = 4.0             # k: a wait longer than k x the recent p99 is a stall
+    gap_floor_s: float = 2.0        # never suspect a gap shorter than this
+    first_floor_s: float = 5.0      # never suspect a first-token wait shorter than this
+    cold_gap_s: float = 30.0        # limits while the worker has too few samples
+    cold_first_s: float = 60.0
+    window: int = 256               # recent requests remembered per worker
+    min_samples: int = 8
+    quantile: float = 0.99
+
+
+class WorkerPace:
+    """The recent pace of one worker and the waits it may take before it is suspect."""
+
+    __slots__ = ("settings", "_first", "_gaps", "_limits", "_stale")
+
+    def __init__(self, settings: PaceSettings) -> None:
+        self.settings = settings
+        self._first: deque[float] = deque(maxlen=settings.window)
+        self._gaps: deque[float] = deque(maxlen=settings.window)
+        self._limits = (settings.cold_first_s, settings.cold_gap_s)
+        self._stale = 0  # samples since the limits were computed
+
+    def observe(self, first_token_s: float | None, max_gap_s: float | None) -> None:
+        """One finished request: its wait for the first token and its longest gap between tokens (None: no
+        such measure, e.g. fewer than two tokens)."""
+        if first_token_s is not None and first_token_s >= 0:
+            self._first.append(first_token_s)
+        if max_gap_s is not None and max_gap_s >= 0:
+            self._gaps.append(max_gap_s)
+        self._stale += 1
+        # a p99 over <= 256 samples costs ~10 us: recompute every 16 requests, not on every one
+        if self._stale >= 16 or len(self._first) <= self.settings.min_samples:
+            self._limits = self._compute()
+            self._stale = 0
+
+    def limits(self) -> tuple[float, float]:
+        """(first-token limit, gap limit) in seconds."""
+        return self._limits
+
+    def _compute(self) -> tuple[float, float]:
+        s = self.settings
+        first = _limit(self._first, s, s.first_floor_s, s.cold_first_s)
+        gap = _limit(self._gaps, s, s.gap_floor_s, s.cold_gap_s)
+        return first, gap
+
+
+def _limit(samples: deque[float], s: PaceSettings, floor: float, cold: float) -> float:
+    if len(samples) < s.min_samples:
+        return cold
+    return max(floor, s.factor * float(np.quantile(np.fromiter(samples, float, len(samples)), s.quantile)))
+
+
+class FleetPace:
+    """WorkerPace per worker id."""
+
+    def __init__(self, settings: PaceSettings) -> None:
+        self.settings = settings
+        self._workers: dict[str, WorkerPace] = {}
+
+    def of(self, worker_id: str) -> WorkerPace:
+        p = self._workers.get(worker_id)
+        if p is None:
+            p = self._workers[worker_id] = WorkerPace(self.settings)
+        return p
+
+    def limits(self, worker_id: str) -> tuple[float, float]:
+        p = self._workers.get(worker_id)
+        return p.limits() if p is not None else (self.settings.cold_first_s, self.settings.cold_gap_s)
+
+    def forget(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+
+__all__ = ["FleetPace", "PaceSettings", "WorkerPace"]

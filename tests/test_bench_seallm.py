@@ -1,0 +1,38 @@
+"""bench/seallm.py: the load search and the comparison it reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.seallm import ORDERS, find_load, ratio, spec
+
+
+def falling(knee: float):
+    """An attainment curve: 1 up to `knee` req/s, then down 10 points per req/s."""
+    return lambda rate: 1.0 if rate <= knee else max(0.0, 1.0 - 0.1 * (rate - knee))
+
+
+def test_find_load_doubles_then_bisects_into_the_band():
+    rate, att, tried = find_load(falling(10.0), start=2.0)
+    assert 0.90 <= att <= 0.95 and 10.5 <= rate <= 11.0
+    assert [r for r, _ in tried[:4]] == [2.0, 4.0, 8.0, 16.0]     # doubled until below the band
+    assert all(a == falling(10.0)(r) for r, a in tried)
+
+
+def test_find_load_in_band_at_once_and_when_steps_run_out():
+    rate, att, tried = find_load(lambda r: 0.93, start=5.0)
+    assert (rate, att, len(tried)) == (5.0, 0.93, 1)
+    # A cliff from 1.0 to 0.5: no rate in the band; the closest tried to 92.5% is returned.
+    rate, att, tried = find_load(lambda r: 1.0 if r < 7.3 else 0.5, start=4.0, steps=6)
+    assert len(tried) == 6 and att in (1.0, 0.5)
+    assert (rate, att) in tried
+
+
+def test_ratio_and_specs():
+    assert ratio(0.04, 0.02) == 2.0 and ratio(1.0, 0.0) == float("inf")
+    s = spec(12.0, "seallm+preempt", 1, 100.0, "gamma", 3.0)
+    assert (s.service_priority, s.service_preempt, s.cv, s.max_num_seqs) == ("seallm", True, 3.0, 32)
+    assert [spec(1.0, o, 0, 10.0, "poisson", 1.0).service_priority for o in ORDERS] == \
+        ["fcfs", "round_robin", "seallm", "seallm"]
+    with pytest.raises(ValueError):
+        spec(1.0, "lottery", 0, 10.0, "poisson", 1.0)
