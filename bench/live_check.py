@@ -142,7 +142,7 @@ async def replay(url: str, model: str, workload: list[WorkloadRequest], k: float
 
 async def live_run(profiles: list[str], model: str, policy: str, params: dict[str, Any],
                    workload: list[WorkloadRequest], k: float, warm: list[tuple[int, int]], refit: bool,
-                   lookahead: int = 1) -> Side:
+                   lookahead: int = 1, slo_ttft_s: float = SLO_TTFT_S, slo_atgt_s: float = SLO_ATGT_S) -> Side:
     fleet_file = Path(tempfile.mkstemp(suffix=".yaml")[1])
     fleet_file.write_text(yaml.safe_dump({"servers": [{"profile": p, "model": model} for p in profiles]}))
     wrapper = ["taskset", "-c", "1"] if shutil.which("taskset") and os.cpu_count() and os.cpu_count() > 1 else []
@@ -159,7 +159,7 @@ async def live_run(profiles: list[str], model: str, policy: str, params: dict[st
                 workers=[{"id": f"w{i}", "url": u, "profile": p}
                          for i, (u, p) in enumerate(zip(fleet.urls, profiles, strict=True))],
                 models={model: {"policy": policy, "params": params}},
-                slo={"ttft_ms": SLO_TTFT_S * 1000 / k, "tpot_ms": SLO_ATGT_S * 1000 / k},
+                slo={"ttft_ms": slo_ttft_s * 1000 / k, "tpot_ms": slo_atgt_s * 1000 / k},
                 limits={"queue_timeout_s": 5.0 / k, "queue_lookahead": lookahead},
                 health={"interval_s": 1.0},
                 learning={"time_scale": k, "interval_s": 0.02,

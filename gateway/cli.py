@@ -73,8 +73,18 @@ def demo(
     log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
     slo_ttft_ms: float = typer.Option(1000.0, "--slo-ttft-ms", help="The fleet's TTFT SLO (attainment metrics)."),
     slo_tpot_ms: float = typer.Option(50.0, "--slo-tpot-ms", help="The fleet's time-per-output-token SLO."),
+    deployment: Path | None = typer.Option(None, "--deployment", help="Start a plan's instances (`fleetgate plan "
+                                           "--out` JSON or YAML) with their derived profiles; the plan's policy "
+                                           "and SLO unless --policy is given."),
 ) -> None:
     """Gateway plus N simulated vLLM workers in one command; in-memory state, nothing else to start."""
+    if deployment is not None:
+        from gateway.demo import run_deployment_demo
+
+        chosen = policy if policy != "least_requests" else None
+        run_deployment_demo(deployment, port=port, base_port=base_port or port + 1, time_scale=time_scale,
+                            policy=chosen, log_format=log_format)
+        return
     from gateway.demo import run_demo
 
     run_demo(
@@ -118,7 +128,8 @@ def simulate(
     trace: str | None = typer.Option(None, help="Trace file or built-in name (azure_conv, sharegpt, arxiv, mooncake)."),
     workers: int = typer.Option(8, help="Number of workers."),
     profile: str = typer.Option("llama3-8b-h100", help="Profile name or YAML file (comma-separated: a mixed fleet)."),
-    policy: str = typer.Option("least_requests", help="Routing policy."),
+    policy: str | None = typer.Option(None, help="Routing policy (default least_requests; with --deployment, the "
+                                      "plan's)."),
     policy_param: list[str] = typer.Option([], "--policy-param", metavar="KEY=VALUE",
                                            help="A policy parameter KEY=VALUE (repeatable)."),
     rate: float | None = typer.Option(None, help="Synthetic arrival rate (req/s); lengths-only traces need one."),
@@ -126,8 +137,10 @@ def simulate(
     arrival: str = typer.Option("poisson", help="Synthetic arrivals: poisson or gamma."),
     cv: float = typer.Option(1.0, help="Coefficient of variation for gamma arrivals."),
     duration: float | None = typer.Option(None, help="Simulated seconds of arrivals."),
-    slo_ttft_ms: float = typer.Option(600.0, "--slo-ttft-ms", help="TTFT target."),
-    slo_tpot_ms: float = typer.Option(30.0, "--slo-tpot-ms", help="TPOT (ATGT) target."),
+    slo_ttft_ms: float | None = typer.Option(None, "--slo-ttft-ms", help="TTFT target (default 600; with "
+                                             "--deployment, the plan's)."),
+    slo_tpot_ms: float | None = typer.Option(None, "--slo-tpot-ms", help="TPOT (ATGT) target (default 30; with "
+                                             "--deployment, the plan's)."),
     ttft_slowdown: float | None = typer.Option(
         None, "--ttft-slowdown", help="TTFT target at least K x the prompt's prefill alone (long contexts)."),
     seed: int = typer.Option(0, help="Seed: the window of a timestamped trace, the draws of synthetic arrivals."),
@@ -141,6 +154,8 @@ def simulate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     pd: str | None = typer.Option(None, "--pd", help="P:D prefill and decode workers (replaces --workers); "
                                      "--policy then places the decode legs."),
+    deployment: Path | None = typer.Option(None, "--deployment", help="Simulate a plan (`fleetgate plan --out` JSON, "
+                                           "or YAML): its instance groups instead of --workers/--profile."),
     services: str | None = typer.Option(
         None, "--services", help="Services sharing the engines, e.g. sharegpt,arxiv,azure_conv,code "
         "([name=]lengths[:share]); replaces --trace; --rate is their total."),
@@ -152,13 +167,24 @@ def simulate(
 ) -> None:
     """Virtual-time cluster simulation: the gateway's placement step and admission queue, the same engine model,
     no sockets. Attainment is over servable requests; progress goes to stderr."""
+    if deployment is not None:
+        from simulator.deployment import DeploymentRun, deployment_defaults, run_deployment_cli
+
+        plan = deployment_defaults(deployment)
+        run = DeploymentRun(trace=trace or "sharegpt", rate=rate, duration=duration, seed=seed,
+                            policy=policy or plan.get("policy", "hetero"),
+                            slo_ttft_s=plan.get("slo_ttft_s", 0.6) if slo_ttft_ms is None else slo_ttft_ms / 1000.0,
+                            slo_tpot_s=plan.get("slo_tpot_s", 0.03) if slo_tpot_ms is None else slo_tpot_ms / 1000.0)
+        run_deployment_cli(str(deployment), run, as_json)
+        return
     from simulator.simulate import SimSpec, parse_params, run_simulate_cli
 
     try:
         spec = SimSpec(trace=trace or "azure_conv", rate=rate, rate_scale=rate_scale, arrival=arrival, cv=cv,
-                       duration=duration, seed=seed, profile=profile, workers=workers, policy=policy,
-                       policy_params=parse_params(policy_param), slo_ttft_s=slo_ttft_ms / 1000.0,
-                       slo_tpot_s=slo_tpot_ms / 1000.0, ttft_slowdown=ttft_slowdown, pd=pd,
+                       duration=duration, seed=seed, profile=profile, workers=workers,
+                       policy=policy or "least_requests", policy_params=parse_params(policy_param),
+                       slo_ttft_s=(600.0 if slo_ttft_ms is None else slo_ttft_ms) / 1000.0,
+                       slo_tpot_s=(30.0 if slo_tpot_ms is None else slo_tpot_ms) / 1000.0, ttft_slowdown=ttft_slowdown, pd=pd,
                        lengths="oracle" if oracle_lengths else "predicted", warmup=warmup,
                        queue_lookahead=queue_lookahead, rebalance_s=rebalance_s, services=services,
                        service_priority=service_priority, service_preempt=service_preempt, max_num_seqs=max_num_seqs)
@@ -166,6 +192,49 @@ def simulate(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     run_simulate_cli(spec, as_json)
+
+
+@app.command()
+def plan(
+    model: list[str] = typer.Option([], "--model", "-m", metavar="NAME[:SHARE]",
+                                    help="A model to serve and its share of the traffic (repeatable)."),
+    gpus: list[str] = typer.Option([], "--gpus", "-g", metavar="TYPE:COUNT[:PRICE]",
+                                   help="GPUs available: type (a100, h100, l4, v100, a800), count, USD/GPU-hour."),
+    trace: str | None = typer.Option(None, help="Trace for lengths (and arrivals without --rate); default sharegpt."),
+    rate: float | None = typer.Option(None, help="Total arrival rate (req/s); default: the trace's own."),
+    slo_ttft_ms: float = typer.Option(600.0, "--slo-ttft-ms", help="TTFT target."),
+    slo_tpot_ms: float = typer.Option(30.0, "--slo-tpot-ms", help="TPOT target."),
+    objective: str = typer.Option("cost", help="cost (cheapest that meets --target) or throughput."),
+    budget: float | None = typer.Option(None, "--budget", help="At most this many USD per hour."),
+    target: float = typer.Option(0.95, help="SLO attainment the plan must reach in the simulator."),
+    duration: float = typer.Option(120.0, help="Simulated seconds of arrivals per scored candidate."),
+    seed: int = typer.Option(0, help="Seed of the simulated traffic."),
+    policy: str = typer.Option("hetero", help="Routing policy the simulated fleets run."),
+    score_top: int = typer.Option(3, "--score-top", help="Closed-form candidates the simulator scores."),
+    score_seeds: int = typer.Option(2, "--score-seeds", help="Traffic draws pooled in each score (seed, seed+1000, "
+                                    "...)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Also write the plan JSON (a deployment file) here."),
+) -> None:
+    """Capacity planning: instance groups (model, GPU type, TP, role, count) that serve the traffic at the SLOs,
+    scored in the virtual-time simulator; prints the plan and the runner-ups with why they lost."""
+    from simulator.deployment import DeploymentRun
+    from simulator.planner import run_plan_cli
+
+    try:
+        if rate is not None and not rate > 0:
+            raise ValueError("--rate must be > 0")
+        if not duration > 0 or slo_ttft_ms <= 0 or slo_tpot_ms <= 0:
+            raise ValueError("--duration and the SLOs must be > 0")
+        if objective not in ("cost", "throughput"):
+            raise ValueError("--objective must be cost or throughput")
+        run = DeploymentRun(trace=trace or "sharegpt", rate=rate, duration=duration, seed=seed, policy=policy,
+                            slo_ttft_s=slo_ttft_ms / 1000.0, slo_tpot_s=slo_tpot_ms / 1000.0)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    run_plan_cli(model, gpus, run, objective, budget, target, score_top, as_json, str(out) if out else None,
+                 score_seeds)
 
 
 @config_app.command("check")

@@ -469,6 +469,34 @@ class _AliasSource(PydanticBaseSettingsSource):
         return {"auth": {"admin_key": admin}} if admin else {}
 
 
+class DeploymentGroupConfig(_Strict):
+    """`count` instances of a model on `tp` GPUs of one type (a row of `fleetgate plan`)."""
+
+    model: str                       # short name (policies/hardware.py: llama3-8b, llama2-70b, ...)
+    gpu: str                         # a100, h100, l4, v100, a800 (or the full names)
+    tp: Literal[1, 2, 4, 8]
+    role: Literal["mixed", "prefill", "decode"] = "mixed"
+    count: int = Field(ge=0)
+    gpus: int | None = Field(None, ge=0)                 # tp x count, as the plan prints it
+    price_per_gpu_hour: float | None = Field(None, ge=0)
+    cost_per_hour: float | None = Field(None, ge=0)
+
+
+class DeploymentServiceConfig(_Strict):
+    model: str
+    share: float = Field(1.0, gt=0)  # its fraction of the traffic (normalised over the services)
+
+
+class DeploymentConfig(_Strict):
+    """A deployment from `fleetgate plan` (the `deployment` section of its JSON, as YAML here); `fleetgate simulate
+    --deployment FILE` replays traffic on it."""
+
+    groups: list[DeploymentGroupConfig] = Field(min_length=1)
+    services: list[DeploymentServiceConfig] = Field(default_factory=list)
+    policy: str | None = None        # the routing policy the plan was scored with
+    slo: SloConfig = Field(default_factory=SloConfig)
+
+
 class GatewayConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLEETGATE_", env_nested_delimiter="__", extra="forbid")
 
@@ -500,6 +528,7 @@ class GatewayConfig(BaseSettings):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
+    deployment: DeploymentConfig | None = None  # a `fleetgate plan` result (capacity plan of the fleet)
     service_priority: ServicePriorityConfig = Field(default_factory=ServicePriorityConfig)
     scrape_interval_s: float = Field(0.5, gt=0)
     discovery_interval_s: float = Field(10.0, gt=0)  # re-read /v1/models of workers without configured models
@@ -611,7 +640,7 @@ def semantic_problems(cfg: GatewayConfig) -> list[str]:
     """Checks that need more than types: policy names and their parameters."""
     from policies.base import make_policy, policy_names
 
-    problems: list[str] = key_problems(cfg)
+    problems: list[str] = key_problems(cfg) + deployment_problems(cfg)
     try:
         known = policy_names()
     except ImportError as e:  # the policy package is incomplete; report, don't crash
@@ -633,6 +662,19 @@ def semantic_problems(cfg: GatewayConfig) -> list[str]:
             continue
         if policy.needs_perf_models:
             problems += unmodelled_workers(cfg, where, name)
+    return problems
+
+
+def deployment_problems(cfg: GatewayConfig) -> list[str]:
+    """Each deployment group's model and GPU are known and the model fits `tp` of those GPUs."""
+    from policies.hardware import derive_profile
+
+    problems = []
+    for i, g in enumerate(cfg.deployment.groups if cfg.deployment is not None else ()):
+        try:
+            derive_profile(g.model, g.gpu, g.tp)
+        except ValueError as e:
+            problems.append(f"deployment.groups[{i}]: {e}")
     return problems
 
 
@@ -748,6 +790,9 @@ def summarize(cfg: GatewayConfig) -> str:
         f"api keys: {len(cfg.api_keys) + len(cfg.auth.keys) or 'none (open)'}; "
         f"admin API: {'on' if cfg.auth.admin_key else 'off (no auth.admin_key)'}",
     ]
+    if cfg.deployment is not None:
+        lines.append("deployment: " + ", ".join(f"{g.count}x {g.model} on {g.tp}x {g.gpu} ({g.role})"
+                                                for g in cfg.deployment.groups))
     return "\n".join(lines)
 
 

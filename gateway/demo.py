@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -82,7 +83,13 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
     fleet_file = _pd_fleet_file(roles) if pd is not None else None
     if fleet_file is not None:
         cmd += ["--fleet", str(fleet_file)]
-    print(f"starting {workers} simulated vLLM worker(s): {shlex.join(cmd[1:])}", flush=True)
+    _serve_with_fleet(cfg, cmd, urls, port, model, admin_key, [fleet_file] if fleet_file is not None else [])
+
+
+def _serve_with_fleet(cfg: Any, cmd: list[str], urls: list[str], port: int, model: str, admin_key: str,
+                      cleanup: list[Path]) -> None:
+    """Start the simulated fleet (`cmd`), wait for every worker, run the gateway until Ctrl-C, stop the fleet."""
+    print(f"starting {len(urls)} simulated vLLM worker(s): {shlex.join(cmd[1:])}", flush=True)
     sim = subprocess.Popen(cmd, cwd=ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     try:
         _wait_healthy(sim, urls)
@@ -94,9 +101,62 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
         pass
     finally:
         _stop(sim)
-        if fleet_file is not None:
-            fleet_file.unlink(missing_ok=True)
+        for path in cleanup:
+            if path.is_dir():
+                for f in path.iterdir():
+                    f.unlink(missing_ok=True)
+                path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
         print("demo stopped", flush=True)
+
+
+def run_deployment_demo(deployment: Path, port: int = 8000, base_port: int = 8001, time_scale: float = 1.0,
+                        policy: str | None = None, log_format: str = "text") -> None:
+    """`fleetgate demo --deployment FILE`: every instance of a plan as a simulated worker with the profile the
+    plan derived for it (model, GPU, TP), behind the gateway with the plan's policy and SLO."""
+    from policies.hardware import derive_profile, model_spec
+    from simulator.deployment import deployment_defaults, load_deployment
+
+    try:
+        setup_logging("info", log_format)
+        groups, _ = load_deployment(deployment)
+    except ValueError as e:
+        _fail(str(e))
+    plan = deployment_defaults(deployment)
+    instances = [g for g in groups for _ in range(g.count)]
+    if not instances:
+        _fail(f"{deployment}: the deployment has no instances (every count is 0)")
+    if not (base_port > 0 and base_port + len(instances) - 1 < 65536):
+        _fail(f"--base-port {base_port} leaves no room for {len(instances)} worker port(s).")
+    _require_free([(port, "gateway (--port)")] + [(base_port + i, "simulated worker (--base-port)")
+                                                  for i in range(len(instances))])
+    workdir = Path(tempfile.mkdtemp(prefix="fleetgate-deployment-"))
+    kv_role = {"mixed": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
+    servers, workers = [], []
+    for i, g in enumerate(instances):
+        prof = derive_profile(g.model, g.gpu, g.tp)
+        path = workdir / f"{prof['name']}.yaml"
+        if not path.exists():
+            path.write_text(yaml.safe_dump(prof))
+        hf = model_spec(g.model).hf_id
+        servers.append({"name": f"{prof['name']}-{i}", "profile": str(path), "model": hf, "role": kv_role[g.role]})
+        workers.append({"id": f"{prof['name']}-{i}", "url": f"http://127.0.0.1:{base_port + i}", "profile": str(path),
+                        "role": g.role, "models": [hf]})
+    fleet_file = workdir / "fleet.yaml"
+    fleet_file.write_text(yaml.safe_dump({"servers": servers}))
+    slo = {"ttft_ms": plan.get("slo_ttft_s", DEMO_SLO_TTFT_MS / 1000) * 1000,
+           "tpot_ms": plan.get("slo_tpot_s", DEMO_SLO_TPOT_MS / 1000) * 1000}
+    admin_key = demo_admin_key()
+    try:
+        cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, slo=slo, auth={"admin_key": admin_key},
+                          default_policy=policy or plan.get("policy", "least_requests"), workers=workers)
+    except ConfigError as e:
+        _fail("; ".join(e.problems))
+    cmd = [sys.executable, "-m", "gateway.cli", "sim", "--fleet", str(fleet_file), "--base-port", str(base_port),
+           "--time-scale", str(time_scale)]
+    urls = [w["url"] for w in workers]
+    _serve_with_fleet(cfg, cmd, urls, port, model_spec(instances[0].model).hf_id, admin_key, [workdir])
 
 
 def _run_autoscale_demo(port: int, workers: int, policy: str, profile: str, model: str, time_scale: float,
