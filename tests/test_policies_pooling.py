@@ -121,6 +121,10 @@ def test_decode_work_lists_batches_by_kv_room_and_list_length():
                      switch_cost=lambda p, n: 0.0 if p.model == n.model else 1.0)
     assert [t.model for t in turns] == ["A", "A", "B"]
     assert all(t.quota_s > 0 for t in turns)
+    # Round robin across rounds: after the first A batch ran, the next round starts with the batch after it.
+    again = wl.round("d0", step_time=lambda b: 0.025, tbt_s=0.1,
+                     switch_cost=lambda p, n: 0.0 if p.model == n.model else 1.0, last_batch_id=turns[0].batch_id)
+    assert [t.batch_id for t in again] == [turns[1].batch_id, turns[2].batch_id, turns[0].batch_id]
     assert wl.remove("r4") is b4 and "B" not in [b.model for b in wl.work["d0"]]
     assert wl.remove("r4") is None
 

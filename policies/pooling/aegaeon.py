@@ -204,10 +204,11 @@ class DecodeWorkLists:
         return b
 
     def round(self, instance: str, step_time: Callable[[DecodeBatch], float], tbt_s: float,
-              switch_cost: Callable[[DecodeBatch, DecodeBatch], float]) -> list[Turn]:
+              switch_cost: Callable[[DecodeBatch, DecodeBatch], float], last_batch_id: str | None = None) -> list[Turn]:
         """Lines 5-8: reorder the work list so one model's batches are adjacent (first-seen order), and give each
         batch its quota. `switch_cost(prev, nxt)` is the time to go from batch prev to batch nxt (weights when
-        the model changes, the KV of nxt coming back); c sums it around the round."""
+        the model changes, the KV of nxt coming back); c sums it around the round. Rounds continue the round
+        robin: with `last_batch_id` (the batch that ran last), the round starts with the model after it."""
         batches = self.work[instance]
         if not batches:
             return []
@@ -215,6 +216,9 @@ class DecodeWorkLists:
         for b in batches:
             order.setdefault(b.model, []).append(b)
         batches[:] = [b for group in order.values() for b in group]
+        last = next((i for i, b in enumerate(batches) if b.batch_id == last_batch_id), None)
+        if last is not None:
+            batches[:] = batches[last + 1:] + batches[:last + 1]
         c = sum(switch_cost(batches[i - 1], b) for i, b in enumerate(batches)) if len(batches) > 1 else 0.0
         quotas = decode_quotas([step_time(b) for b in batches], tbt_s, c, self.q_max_s)
         return [Turn(b.batch_id, b.model, q) for b, q in zip(batches, quotas, strict=True)]
