@@ -26,7 +26,9 @@ policies deciding what runs are the pure objects of policies/pooling:
 Timing: a request reaches its host `profile.ttft_overhead_s` after arriving; TTFT, TPOT and the SLO test are
 those of simulator/cluster.py (TTFT <= target and mean time per output token after the first <= target).
 Arrivals stop at `duration`; the run then drains, at most `drain_s` more (requests still unfinished count as
-misses). The active-model count (models with a request in the system) is integrated over the arrival window
+misses). `token_slo_attainment` is Aegaeon's own measure beside it (section 2.1): the share of all output
+tokens produced before their deadline, arrival + TTFT target + i x TBT target for the i-th token after the
+first (tokens never produced count as late). The active-model count (models with a request in the system) is integrated over the arrival window
 and reported beside Theorem 3.1's E[m] for the measured mean time in system.
 """
 
@@ -129,6 +131,7 @@ class PooledResult:
     active_models_mean: float
     expected_active_models: float
     unserved_models: int
+    token_slo_attainment: float = 0.0
     per_model_attainment: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,6 +142,7 @@ class PooledResult:
             "swaps": self.swaps, "swap_seconds": self.swap_seconds,
             "active_models_mean": self.active_models_mean, "expected_active_models": self.expected_active_models,
             "unserved_models": self.unserved_models, "reinit": self.spec.reinit,
+            "token_slo_attainment": self.token_slo_attainment,
         })
         if self.spec.pooling == "aegaeon":
             p, d = self.spec.split()
@@ -194,6 +198,8 @@ class PooledSim:
         self._active_area = 0.0
         self._active_since = 0.0
         self._host_of: dict[str, _Host] = {}           # request -> host running it now
+        self._emitted: dict[str, int] = {}             # request -> output tokens so far
+        self.tokens_met = 0                             # output tokens before their per-token deadline
         self.hosts: list[_Host] = []
         self.placement: dict[str, list[str]] = {}
         mode = spec.pooling
@@ -312,7 +318,8 @@ class PooledSim:
             self._active_area / self.spec.duration, expected_active_models(list(self.wl.rates.values()), mean_t),
             unserved_models=sum(1 for m in self.wl.rates if self.spec.pooling in ("dedicated", "multiplex")
                                 and m not in self.placement),
-            per_model_attainment={m: met / n for m, (met, n) in per_model.items() if n})
+            per_model_attainment={m: met / n for m, (met, n) in per_model.items() if n},
+            token_slo_attainment=self.tokens_met / max(1, sum(r.output_tokens for r in self.wl.requests)))
 
     # ---- active models (Theorem 3.1's m) ----------------------------------------------------------------
     def _count_active(self, now: float) -> None:
@@ -388,6 +395,19 @@ class PooledSim:
                 h.token += 1
                 self._at(end, self._step_done, h, h.token)
 
+    def _tokens(self, rid: str, k: int, start: float, end: float) -> None:
+        """k tokens of the request came out of a step over [start, end] (a macro step's iterations taken as
+        evenly spaced): count those before their deadline, arrival + TTFT target + i x TBT target for the i-th
+        token after the first (Aegaeon section 2.1, Figure 3: a late token can hide behind buffered ones)."""
+        r = self.requests[rid]
+        first = self._emitted.get(rid, 0)
+        base = r.arrival + (r.slo_ttft_s or math.inf)
+        tbt = r.slo_tpot_s or math.inf
+        gap = (end - start) / k
+        met = sum(1 for m in range(k) if start + (m + 1) * gap <= base + (first + m) * tbt)
+        self._emitted[rid] = first + k
+        self.tokens_met += met
+
     # ---- steps and swaps --------------------------------------------------------------------------------
     def _step(self, h: _Host, key: str, now: float, macro: bool, limit: float | None = None) -> bool:
         eng = h.engines[key]
@@ -406,8 +426,11 @@ class PooledSim:
             return
         key = h.step_key
         eng = h.engines[key]
+        start = h.step_start
         h.step_end = h.step_key = None
         for ev in eng.finish_step(now):
+            if ev.new_tokens:
+                self._tokens(ev.request_id, ev.new_tokens, start, now)
             if ev.finished:
                 self._finished(h, key, ev.record, now)
         self._next(h, now)

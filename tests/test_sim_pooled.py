@@ -65,6 +65,9 @@ def test_request_level_swapping_blocks_the_second_model_until_the_first_is_done(
     assert rs["_res"].swaps == 2                                   # A in, then B in (only once A finished)
     assert b.first_token >= a.finished + SWAP_S - 1e-9             # head-of-line blocking
     assert rs["_res"].swap_seconds == pytest.approx(2 * SWAP_S)
+    # Per-token deadlines (section 2.1): B's first token comes after its 10 s TTFT target, so all 20 of its
+    # tokens are late; A's 800 are on time.
+    assert rs["_res"].token_slo_attainment == pytest.approx(800 / 820)
 
 
 def test_aegaeon_serves_the_second_model_at_token_level():
@@ -75,6 +78,7 @@ def test_aegaeon_serves_the_second_model_at_token_level():
     assert b.first_token < a.finished                               # B's prefill does not wait for A's decode
     assert b.finished < a.finished                                  # nor its decode (turns of the work list)
     assert b.slo_met
+    assert rs["_res"].token_slo_attainment == 1.0                  # A's stalls hide behind its buffered tokens
     assert rs["_res"].swaps >= 3                                    # prefill A, B; decode A, B, A ...
 
 
