@@ -40,7 +40,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from policies.pooling.aegaeon import (
@@ -621,5 +621,25 @@ def simulate_pooled(spec: PooledSpec, progress: Callable[[int, int], None] | Non
     return PooledSim(spec, wl).run(progress)
 
 
-def spec_dict(spec: PooledSpec) -> dict[str, Any]:
-    return asdict(spec)
+def run_pooled_cli(spec: PooledSpec, as_json: bool) -> None:
+    """`fleetgate simulate --pooling ...`: one run, printed as JSON or a table (the single-model command's)."""
+    import json
+    import sys
+
+    import typer
+
+    from simulator.progress import stderr_progress
+    from simulator.simulate import print_summary
+
+    try:
+        with stderr_progress(f"simulate pooling={spec.pooling} M={spec.num_models}") as progress:
+            result = simulate_pooled(spec, progress=progress)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    summary = result.to_dict()
+    summary["seed"] = spec.seed
+    if as_json:
+        print(json.dumps(summary))
+        return
+    print_summary(summary)

@@ -165,7 +165,7 @@ def run_simulate_cli(spec: SimSpec, as_json: bool) -> None:
     if as_json:
         print(json.dumps(summary))
         return
-    _print_summary(summary)
+    print_summary(summary)
 
 
 def _fmt(v: Any) -> str:
@@ -176,7 +176,7 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _print_summary(summary: dict[str, Any]) -> None:
+def print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
