@@ -214,8 +214,9 @@ class PooledSim:
 
     # ---- set-up -------------------------------------------------------------------------------------
     def _memory_bytes(self) -> float:
+        """GPU memory for weights and KV: the profile's weights plus its KV cache (its activation room aside)."""
         prof = self.profile
-        return prof.weight_bytes + prof.num_gpu_blocks * prof.block_size * prof.kv_bytes_per_token
+        return prof.weight_bytes + prof.kv_capacity_tokens * prof.kv_bytes_per_token
 
     def _setup_static(self, mode: str) -> None:
         prof = self.profile

@@ -72,6 +72,18 @@ def test_request_level_swapping_blocks_the_second_model_until_the_first_is_done(
     assert rs["_res"].token_slo_attainment == pytest.approx(800 / 820)
 
 
+def test_sleep_reinit_costs_offload_reload_and_wake():
+    # vLLM sleep level 1 (docs/reference/vllm-interface.md §6.1): the first load has nothing to offload; the
+    # switch to B offloads A's weights over the link, reloads B's and pays the profile's wake overhead.
+    reqs = [ModelRequest("a", 0.0, 100, 10, max_tokens=10, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-00"),
+            ModelRequest("b", 0.5, 100, 10, max_tokens=10, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-01")]
+    wl = MultiModelWorkload(reqs, {"model-00": 0.1, "model-01": 0.1}, {}, {})
+    res = PooledSim(PooledSpec(num_models=2, workers=1, pooling="request", duration=1.0, reinit="sleep"), wl).run()
+    copy = PROFILE.weight_bytes / PROFILE.host_link_bytes_per_s
+    assert res.swaps == 2
+    assert res.swap_seconds == pytest.approx(2 * (copy + PROFILE.wake_up_s) + copy)
+
+
 def test_aegaeon_serves_the_second_model_at_token_level():
     sim, rs = _two_models("aegaeon", workers=2)
     a, b = rs["a"], rs["b"]
