@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.report import write_report
+from bench.report import git_commit, write_report
 from policies.pooling.baselines import resident_capacity
 from simulator.pooled import POOLING_MODES, PooledResult, PooledSpec, simulate_pooled
 from simulator.profiles import load_profile
@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     points: list[Point] = []
     cap_of: dict = {}
     t0 = time.time()
+    commit = git_commit()          # the code the run started at (a long run may outlast a commit)
     for prof in profiles:
         for lam in lambdas:
             for m in models:
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(points, png)
     cmd = "python -m bench.pooling " + " ".join(argv if argv is not None else sys.argv[1:])
     write_report(RESULTS / f"{args.out}.md", "Pooled serving: models per worker by pooling mode", cmd.strip(),
-                 report(points, args, cap_of, png.name) + f"\n\nWall time: {time.time() - t0:.0f} s.\n")
+                 report(points, args, cap_of, png.name) + f"\n\nWall time: {time.time() - t0:.0f} s.\n", commit=commit)
     print(f"wrote {RESULTS / (args.out + '.md')}")
 
 
