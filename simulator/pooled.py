@@ -478,10 +478,13 @@ class PooledSim:
             if key is not None:
                 self._step(h, key, now, macro=len(with_work) == 1)
 
-    def _next_request(self, h: _Host, now: float) -> None:
+    def _step_resident(self, h: _Host, now: float, macro: bool) -> bool:
+        """Step the engine of the model the host holds, if it has work (True: a step is in flight)."""
         eng = h.engines.get(h.resident_model) if h.resident_model is not None else None
-        if eng is not None and eng.has_work():
-            self._step(h, h.resident_model, now, macro=True)
+        return eng is not None and eng.has_work() and self._step(h, h.resident_model, now, macro)
+
+    def _next_request(self, h: _Host, now: float) -> None:
+        if self._step_resident(h, now, macro=True):
             return
         nxt = self.swapping.next_load(h.id)
         if nxt is None:
@@ -494,9 +497,7 @@ class PooledSim:
             self._swap_in(h, model, now)
 
     def _next_prefill(self, h: _Host, now: float) -> None:
-        eng = h.engines.get(h.resident_model) if h.resident_model is not None else None
-        if eng is not None and eng.has_work():
-            self._step(h, h.resident_model, now, macro=False)
+        if self._step_resident(h, now, macro=False):
             return
         job = self.grouped.next_job(h.id)
         if job is None:
@@ -624,23 +625,7 @@ def simulate_pooled(spec: PooledSpec, progress: Callable[[int, int], None] | Non
 
 def run_pooled_cli(spec: PooledSpec, as_json: bool) -> None:
     """`fleetgate simulate --pooling ...`: one run, printed as JSON or a table (the single-model command's)."""
-    import json
-    import sys
+    from simulator.simulate import run_cli
 
-    import typer
-
-    from simulator.progress import stderr_progress
-    from simulator.simulate import print_summary
-
-    try:
-        with stderr_progress(f"simulate pooling={spec.pooling} M={spec.num_models}") as progress:
-            result = simulate_pooled(spec, progress=progress)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    summary = result.to_dict()
-    summary["seed"] = spec.seed
-    if as_json:
-        print(json.dumps(summary))
-        return
-    print_summary(summary)
+    run_cli(f"simulate pooling={spec.pooling} M={spec.num_models}",
+            lambda progress: simulate_pooled(spec, progress=progress), {"seed": spec.seed}, as_json)

@@ -149,19 +149,24 @@ def parse_params(items: list[str]) -> dict[str, Any]:
 
 
 def run_simulate_cli(spec: SimSpec, as_json: bool) -> None:
+    run_cli(f"simulate {spec.policy} on {spec.trace}", lambda progress: simulate(spec, progress=progress),
+            {"trace": spec.trace, "seed": spec.seed}, as_json)
+
+
+def run_cli(title: str, run: Callable[[Callable[[int, int], None]], Any], extra: dict[str, Any], as_json: bool) -> None:
+    """One simulation for the CLI: progress on stderr, `run(progress).to_dict()` plus `extra` printed as one JSON
+    object or a table; a ValueError exits 2 with its message."""
     import typer
 
     from simulator.progress import stderr_progress
 
     try:
-        with stderr_progress(f"simulate {spec.policy} on {spec.trace}") as progress:
-            result = simulate(spec, progress=progress)
+        with stderr_progress(title) as progress:
+            result = run(progress)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
-    summary = result.to_dict()
-    summary["trace"] = spec.trace
-    summary["seed"] = spec.seed
+    summary = {**result.to_dict(), **extra}
     if as_json:
         print(json.dumps(summary))
         return
