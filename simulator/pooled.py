@@ -23,6 +23,10 @@ policies deciding what runs are the pure objects of policies/pooling:
               Simulator only: stock vLLM drops the KV cache on sleep (docs/reference/vllm-interface.md §6.1),
               so keeping a preempted batch's KV across a switch is not something a gateway can drive today.
 
+Every engine is built by `_engine` / `_setup_static` with an EngineConfig (FCFS today): the one place a
+service-aware priority (SeaLLM, `--service-priority`) would set vLLM's `scheduling_policy` and each request's
+`priority`.
+
 Timing: a request reaches its host `profile.ttft_overhead_s` after arriving; TTFT, TPOT and the SLO test are
 those of simulator/cluster.py (TTFT <= target and mean time per output token after the first <= target).
 Arrivals stop at `duration`; the run then drains, at most `drain_s` more (requests still unfinished count as
