@@ -79,6 +79,9 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
      [("max by (worker) (fleetgate_worker_batch_cap)", "{{worker}}")]),
     ("Autoscaler leader", "short",
      [("fleetgate_autoscaler_leader", "{{instance}}")]),
+    # Pooled serving (issue 20): engines asleep or paused take no requests (gateway/registry.py).
+    ("Engines not awake (sleep state from vllm:engine_sleep_state)", "short",
+     [("count by (state) (max by (worker, state) (fleetgate_engine_state{state!=\"awake\"}) == 1)", "{{state}}")]),
 ]
 
 
