@@ -84,8 +84,10 @@ async def test_partial_wake_and_wait_mode(sim_fleet):
         pending = asyncio.ensure_future(client.post("/v1/completions", json={**LONG, "max_tokens": 200}))
         await _running(client)
         r = await client.post("/sleep", params={"level": 1, "mode": "wait"})   # returns once the request ended
-        assert pending.done() and r.json() == {"status": "sleeping", "level": 1}
-        assert (await pending).json()["usage"]["completion_tokens"] == 200
+        assert r.json() == {"status": "sleeping", "level": 1}
+        state = (await client.get("/sim/state")).json()
+        assert (state["running"], state["waiting"], state["stats"]["generation_tokens"]) == (0, 0, 200)
+        assert (await pending).json()["usage"]["completion_tokens"] == 200      # completed, not aborted
         r = await client.post("/wake_up", params={"tags": "weights"})
         assert r.json() == {"status": "sleeping", "tags": ["weights"]}
         r = await client.post("/wake_up", params={"tags": "kv_cache"})

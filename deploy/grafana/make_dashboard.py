@@ -80,8 +80,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Autoscaler leader", "short",
      [("fleetgate_autoscaler_leader", "{{instance}}")]),
     # Pooled serving (issue 20): engines asleep or paused take no requests (gateway/registry.py).
-    ("Engines not awake (sleep state from vllm:engine_sleep_state)", "short",
-     [("count by (state) (max by (worker, state) (fleetgate_engine_state{state!=\"awake\"}) == 1)", "{{state}}")]),
+    ("Engines by sleep state (awake, paused, weights_offloaded, discard_all)", "short",
+     [("sum by (state) (max by (worker, model, state) (fleetgate_engine_state))", "{{state}}")]),
 ]
 
 
