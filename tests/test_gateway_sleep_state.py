@@ -9,7 +9,7 @@ import httpx
 import openai
 
 from engine_adapters.vllm.metrics_parser import parse_vllm_metrics
-from tests.helpers import MODEL, metric, poll
+from tests.helpers import ADMIN_KEY, MODEL, metric, poll
 from tests.helpers import running_gateway as gateway
 
 
@@ -51,3 +51,25 @@ async def test_nothing_is_routed_to_a_sleeping_engine(sim_fleet) -> None:
             await oa.completions.create(model=MODEL, prompt="hello there", max_tokens=3)
         assert _generated(sleeper) > before                   # round robin uses it again
         assert _generated(awake) > 0
+
+
+async def test_every_engine_asleep_is_an_openai_error_not_a_hang(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    async with gateway(fleet.urls, scrape_interval_s=0.05, limits={"queue_timeout_s": 0.5}) as gw:
+        oa = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+        await oa.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        httpx.post(fleet.urls[0] + "/sleep", params={"level": 0, "mode": "keep"})
+
+        async def asleep() -> bool:
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as c:
+                workers = (await c.get(gw.url + "/admin/workers")).json()["data"]
+            return any(w["engine"]["sleep_state"] == "paused" for w in workers)
+
+        await poll(asleep, what="the registry sees the worker paused")
+        try:
+            await oa.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        except openai.APIStatusError as exc:
+            assert exc.status_code in (429, 503), exc
+            assert exc.body and "message" in exc.body
+        else:
+            raise AssertionError("a request was served by a paused engine")
