@@ -20,6 +20,12 @@ class EngineMetrics:
     itl_sum: float = 0.0                # inter-token latency histogram _sum / _count (seconds, engine time)
     itl_count: float = 0.0
     scraped_at: float = 0.0             # unix time of the scrape
+    # vLLM 0.33 vllm:engine_sleep_state (docs/reference/vllm-interface.md §6.1): awake, or paused /
+    # weights_offloaded / discard_all; an engine without the series counts as awake
+    sleep_state: str = "awake"
 
 
-__all__ = ["EngineMetrics"]
+AWAKE = "awake"
+SLEEP_STATES = (AWAKE, "paused", "weights_offloaded", "discard_all")   # paused: level 0 (our name, unverified)
+
+__all__ = ["AWAKE", "SLEEP_STATES", "EngineMetrics"]

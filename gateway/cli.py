@@ -138,9 +138,9 @@ def simulate(
     cv: float = typer.Option(1.0, help="Coefficient of variation for gamma arrivals."),
     duration: float | None = typer.Option(None, help="Simulated seconds of arrivals."),
     slo_ttft_ms: float | None = typer.Option(None, "--slo-ttft-ms", help="TTFT target (default 600; with "
-                                             "--deployment, the plan's)."),
+                                             "--deployment, the plan's; with --pooling 10000, Aegaeon's)."),
     slo_tpot_ms: float | None = typer.Option(None, "--slo-tpot-ms", help="TPOT (ATGT) target (default 30; with "
-                                             "--deployment, the plan's)."),
+                                             "--deployment, the plan's; with --pooling 100)."),
     ttft_slowdown: float | None = typer.Option(
         None, "--ttft-slowdown", help="TTFT target at least K x the prompt's prefill alone (long contexts)."),
     seed: int = typer.Option(0, help="Seed: the window of a timestamped trace, the draws of synthetic arrivals."),
@@ -164,9 +164,16 @@ def simulate(
     service_preempt: bool = typer.Option(
         False, "--service-preempt", help="Re-prioritise running requests by preemption (simulator only)."),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="The engines' --max-num-seqs."),
+    num_models: int | None = typer.Option(None, "--num-models", help="Pooled serving: M models share the workers "
+                                          "(with --pooling; --rate is the total over all models)."),
+    model_skew: str = typer.Option("uniform", "--model-skew", help="Pooled: model popularity, uniform or zipf:S."),
+    pooling: str | None = typer.Option(None, "--pooling", help="Pooled: dedicated, request, multiplex or aegaeon."),
+    reinit: str = typer.Option("optimized", "--reinit", help="Pooled swap cost: optimized (Aegaeon eq. 4) or "
+                               "sleep (vLLM sleep level 1 offload + reload + wake)."),
 ) -> None:
     """Virtual-time cluster simulation: the gateway's placement step and admission queue, the same engine model,
-    no sockets. Attainment is over servable requests; progress goes to stderr."""
+    no sockets. Attainment is over servable requests; progress goes to stderr. With --pooling (and --num-models),
+    many models share the workers instead (simulator/pooled.py); with --deployment, a plan's instance groups."""
     if deployment is not None:
         from simulator.deployment import DeploymentRun, deployment_defaults, run_deployment_cli
 
@@ -179,6 +186,26 @@ def simulate(
         return
     from simulator.simulate import SimSpec, parse_params, run_simulate_cli
 
+    if pooling is not None or num_models is not None:
+        from simulator.pooled import PooledSpec, run_pooled_cli
+
+        try:
+            if pd is not None:
+                raise ValueError("--pd does not combine with --pooling (aegaeon splits its own workers)")
+            if rate is None:
+                raise ValueError("--pooling needs --rate (req/s over all models)")
+            pspec = PooledSpec(num_models=num_models or 8, model_skew=model_skew, rate=rate, workers=workers,
+                               pooling=pooling or "aegaeon", profile=profile, traces=trace or "sharegpt",
+                               duration=duration or 300.0, seed=seed,
+                               slo_ttft_s=(slo_ttft_ms or 10000.0) / 1000.0, slo_tpot_s=(slo_tpot_ms or 100.0) / 1000.0,
+                               reinit=reinit)
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        run_pooled_cli(pspec, as_json)
+        return
+    slo_ttft_ms = 600.0 if slo_ttft_ms is None else slo_ttft_ms
+    slo_tpot_ms = 30.0 if slo_tpot_ms is None else slo_tpot_ms
     try:
         spec = SimSpec(trace=trace or "azure_conv", rate=rate, rate_scale=rate_scale, arrival=arrival, cv=cv,
                        duration=duration, seed=seed, profile=profile, workers=workers,

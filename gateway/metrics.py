@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
+
+from engine_adapters.types import SLEEP_STATES as ENGINE_STATES
 
 # vllm:e2e_request_latency_seconds (docs/reference/vllm-interface.md §3.2)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
@@ -136,6 +138,11 @@ class GatewayMetrics:
                                      registry=r)
         self.worker_healthy = Gauge("fleetgate_worker_healthy", "1 if the worker is in rotation, else 0.",
                                     ["worker"], registry=r)
+        self._engine_models: dict[str, tuple[str, ...]] = {}
+        self.engine_state = Gauge("fleetgate_engine_state",
+                                  "1 for the worker engine's sleep state per served model (awake, paused, "
+                                  "weights_offloaded, discard_all), from its vllm:engine_sleep_state.",
+                                  ["worker", "model", "state"], registry=r)
         self.upstream_errors = Counter("fleetgate_upstream_errors", "Failures talking to a worker, by kind.",
                                        ["worker", "kind"], registry=r)
         self.retries = Counter("fleetgate_retries", "Requests re-sent to another worker after a failure.",
@@ -237,7 +244,18 @@ class GatewayMetrics:
         self._child(self.worker_healthy, worker).set(1 if healthy else 0)
         self._child(self.worker_inflight, worker).set(inflight)
 
+    def set_engine_state(self, worker: str, models: Iterable[str], state: str) -> None:
+        models = tuple(models)
+        self._engine_models[worker] = models
+        for model in models:
+            for name in ENGINE_STATES:
+                self.engine_state.labels(worker, model, name).set(1 if name == state else 0)
+
     def forget_worker(self, worker: str) -> None:
+        for model in self._engine_models.pop(worker, ()):
+            for name in ENGINE_STATES:
+                with contextlib.suppress(KeyError):
+                    self.engine_state.remove(worker, model, name)
         for metric in (self.worker_healthy, self.worker_inflight, self.worker_batch_cap):
             self._children.pop((id(metric), worker), None)
             with contextlib.suppress(KeyError):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapters.base import EngineAdapter
+from engine_adapters.types import AWAKE
 from gateway.config import GatewayConfig, WorkerConfig
 from gateway.metrics import GatewayMetrics
 from gateway.outage import quiet_loop
@@ -63,6 +64,12 @@ class WorkerState:
     @property
     def active(self) -> bool:
         return self.rec.state == WORKER_ACTIVE
+
+    @property
+    def awake(self) -> bool:
+        """The engine is not asleep or paused (its last scraped vllm:engine_sleep_state): a sleeping engine
+        takes no requests (docs/reference/vllm-interface.md §6.1)."""
+        return self.metrics.sleep_state == AWAKE
 
     def view(self, inflight: int, inflight_tokens: int) -> WorkerView:
         m = self.metrics
@@ -276,7 +283,7 @@ class Registry:
             cards = {c["id"]: c for c in ws.cards}
             for m in ws.models:
                 known.setdefault(m, cards.get(m) or _card(m))
-                if ws.healthy and ws.active:
+                if ws.healthy and ws.active and ws.awake:
                     pools.setdefault((m, ws.rec.role), []).append(ws)
                     candidates.setdefault(m, []).append(ws)
                     if ws.rec.role == ROLE_MIXED:
@@ -396,7 +403,12 @@ class Registry:
             self.metrics.upstream_error(ws.id, "scrape")
             return
         m = self.adapter.parse_metrics(text, time.time())
+        was_awake = ws.awake
         ws.metrics = m
+        self.metrics.set_engine_state(ws.id, ws.models, m.sleep_state)
+        if ws.awake != was_awake:
+            log.info("worker %s is %s", ws.id, m.sleep_state)
+            self._rebuild()
         await self.store.put_metrics(ws.id, m)
 
     # --- reporting --------------------------------------------------------------------------------
@@ -415,7 +427,7 @@ class Registry:
             "profile": r.profile, "cap": r.cap, "state": r.state, "healthy": ws.healthy, "source": r.source,
             "inflight": f.requests if f else 0,
             "engine": {"running": m.running, "waiting": m.waiting, "kv_usage": m.kv_usage,
-                       "scraped_at": m.scraped_at},
+                       "sleep_state": m.sleep_state, "scraped_at": m.scraped_at},
         }
 
     def describe_all(self, ids: Iterable[str] | None = None) -> list[dict[str, Any]]:

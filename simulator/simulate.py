@@ -178,25 +178,32 @@ def parse_params(items: list[str]) -> dict[str, Any]:
 
 
 def run_simulate_cli(spec: SimSpec, as_json: bool) -> None:
+    extra: dict[str, Any] = {"trace": spec.trace if spec.services is None else spec.services}
+    if spec.service_priority is not None:
+        extra["service_priority"] = spec.service_priority + ("+preempt" if spec.service_preempt else "")
+    extra["seed"] = spec.seed
+    run_cli(f"simulate {spec.policy} on {spec.services or spec.trace}",
+            lambda progress: simulate(spec, progress=progress), extra, as_json)
+
+
+def run_cli(title: str, run: Callable[[Callable[[int, int], None]], Any], extra: dict[str, Any], as_json: bool) -> None:
+    """One simulation for the CLI: progress on stderr, `run(progress).to_dict()` plus `extra` printed as one JSON
+    object or a table; a ValueError exits 2 with its message."""
     import typer
 
     from simulator.progress import stderr_progress
 
     try:
-        with stderr_progress(f"simulate {spec.policy} on {spec.services or spec.trace}") as progress:
-            result = simulate(spec, progress=progress)
+        with stderr_progress(title) as progress:
+            result = run(progress)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
-    summary = result.to_dict()
-    summary["trace"] = spec.trace if spec.services is None else spec.services
-    if spec.service_priority is not None:
-        summary["service_priority"] = spec.service_priority + ("+preempt" if spec.service_preempt else "")
-    summary["seed"] = spec.seed
+    summary = {**result.to_dict(), **extra}
     if as_json:
         print(json.dumps(summary))
         return
-    _print_summary(summary)
+    print_summary(summary)
 
 
 def _fmt(v: Any) -> str:
@@ -207,7 +214,7 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _print_summary(summary: dict[str, Any]) -> None:
+def print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 

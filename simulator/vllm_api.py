@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from engine_adapters.vllm.kv_events import WIRE_FORMATS, KvEventsError, parse_kv_events_config
 from policies.kv_hash import HASH_ALGOS, BlockHasher, engine_seed
 from simulator import tokenizer
-from simulator.driver import EngineDriver, RequestHandle, build_engine, claim_remote_kv
+from simulator.driver import SLEEP_MODES, EngineDriver, RequestHandle, build_engine, claim_remote_kv
 from simulator.faults import FaultConfigError, Faults, parse_faults
 from simulator.profiles import Profile, load_profile, profile_from_dict
 
@@ -248,6 +248,7 @@ class SimServer:
         self.created = int(time.time())
         self._model_json = orjson.dumps(self.model)
         self._inflight = 0
+        self._sleep_api_033 = False    # the last /sleep was 0.33-style: /wake_up answers with JSON
         self._counter = 0
         self._closed = asyncio.Event()
         self.traceparents: deque[str] = deque(maxlen=64)  # the last W3C traceparent headers received
@@ -648,19 +649,40 @@ class SimServer:
             "code": 400}}))
 
     async def _sleep(self, scope: dict, receive: Receive, send: Send) -> None:
+        """0.11 (`?level=1|2`, no mode): 200 with an empty body. 0.33 (`mode` given, or level 0): pause with
+        `mode=abort|wait|keep` (default abort), then sleep; `{"status":"sleeping","level":L}`."""
         query = parse_qs(scope.get("query_string", b"").decode())
         try:
             level = int(query.get("level", ["1"])[0])
         except ValueError:
             raise ApiError(400, "level must be an integer") from None
-        if level not in (1, 2):
-            raise ApiError(400, f"level must be 1 or 2, got {level}")
-        self.driver.sleep(level)
-        await _respond(send, 200, b"", headers=[])
+        mode = query.get("mode", [None])[0]
+        if mode is None and level in (1, 2):
+            self.driver.sleep(level)
+            await _respond(send, 200, b"", headers=[])
+            return
+        if level not in (0, 1, 2):
+            raise ApiError(400, f"level must be 0, 1 or 2, got {level}")
+        mode = mode or "abort"
+        if mode not in SLEEP_MODES:
+            raise ApiError(400, f"mode must be one of {', '.join(SLEEP_MODES)}, got {mode!r}")
+        if mode == "wait":
+            await self.driver.sleep_after_drain(level)
+        else:
+            self.driver.sleep(level, mode)
+        self._sleep_api_033 = True
+        await _respond(send, 200, orjson.dumps({"status": "sleeping", "level": level}))
 
     async def _wake_up(self, scope: dict, receive: Receive, send: Send) -> None:
-        await self.driver.wake_up()
-        await _respond(send, 200, b"", headers=[])
+        tags = parse_qs(scope.get("query_string", b"").decode()).get("tags") or None
+        await self.driver.wake_up(tags)
+        if not self._sleep_api_033 and tags is None:
+            await _respond(send, 200, b"", headers=[])
+            return
+        awake = not self.driver.is_sleeping
+        if awake:
+            self._sleep_api_033 = False
+        await _respond(send, 200, orjson.dumps({"status": "awake" if awake else "sleeping", "tags": tags}))
 
     async def _is_sleeping(self, scope: dict, receive: Receive, send: Send) -> None:
         await _respond(send, 200, orjson.dumps({"is_sleeping": self.driver.is_sleeping}))

@@ -80,6 +80,11 @@ class VllmMetrics:
         self.prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        sleep_state = Gauge("vllm:engine_sleep_state", "Engine sleep state: 1 for the current one (vLLM 0.33).",
+                            names + ["sleep_state"], registry=r)
+        self.sleep_states = {st: sleep_state.labels(*lv, st)
+                             for st in ("awake", "paused", "weights_offloaded", "discard_all")}
+        self.sleep_states["awake"].set(1)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
@@ -187,6 +192,10 @@ class VllmMetrics:
             if delta > 0:
                 self.success[reason].inc(delta)
                 self._synced_finished[reason] = value
+
+    def set_sleep_state(self, state: str) -> None:
+        for name, child in self.sleep_states.items():
+            child.set(1 if name == state else 0)
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type (OpenMetrics when the Accept header asks for it)."""

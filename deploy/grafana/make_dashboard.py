@@ -81,6 +81,9 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
      [("max by (worker) (fleetgate_worker_batch_cap)", "{{worker}}")]),
     ("Autoscaler leader", "short",
      [("fleetgate_autoscaler_leader", "{{instance}}")]),
+    # Pooled serving (issue 20): engines asleep or paused take no requests (gateway/registry.py).
+    ("Engines by sleep state (awake, paused, weights_offloaded, discard_all)", "short",
+     [("sum by (state) (max by (worker, model, state) (fleetgate_engine_state))", "{{state}}")]),
 ]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from engine_adapters.types import EngineMetrics
+from engine_adapters.types import AWAKE, EngineMetrics
 
 # exposed name -> (field, preference); a lower preference wins when both spellings are present
 # (0.11 with --show-hidden-metrics exposes the new and the deprecated name with equal values).
@@ -37,6 +37,7 @@ _WANTED: dict[str, tuple[str, int]] = {
     "vllm:time_per_output_token_seconds_count": ("itl_count", 1),
 }
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
+SLEEP_STATE = "vllm:engine_sleep_state"      # 0.33: one series per state, 1 for the current one
 _LABEL_RE = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
 
 
@@ -46,6 +47,7 @@ def parse_vllm_metrics(text: str, now: float = 0.0) -> EngineMetrics:
     acc: dict[str, list[float]] = {}
     blocks: int | None = None
     block_size: int | None = None
+    sleep_state = AWAKE
     for line in text.split("\n"):
         if not line.startswith("vllm:"):
             continue
@@ -53,10 +55,16 @@ def parse_vllm_metrics(text: str, now: float = 0.0) -> EngineMetrics:
         space = line.find(" ")
         has_labels = brace != -1 and (space == -1 or brace < space)
         name = line[:brace] if has_labels else (line[:space] if space != -1 else line)
-        if name not in _WANTED and name != CACHE_CONFIG_INFO:
+        if name not in _WANTED and name != CACHE_CONFIG_INFO and name != SLEEP_STATE:
             continue  # most lines: histogram buckets and series we do not use
         labels_end = _labels_end(line, brace) if has_labels else len(name)
         if labels_end < 0:
+            continue
+        if name == SLEEP_STATE:
+            # any engine (DP rank) not awake makes the worker not awake: it must not take requests
+            state = parse_labels(line[brace + 1 : labels_end - 1]).get("sleep_state") if has_labels else None
+            if state and state != AWAKE and _sample_value(line, labels_end) == 1:
+                sleep_state = state
             continue
         if name == CACHE_CONFIG_INFO:
             labels = parse_labels(line[brace + 1 : labels_end - 1]) if has_labels else {}
@@ -76,7 +84,7 @@ def parse_vllm_metrics(text: str, now: float = 0.0) -> EngineMetrics:
         elif pref == cur[0]:
             cur[1] += value
             cur[2] += 1
-    m = EngineMetrics(scraped_at=now, num_gpu_blocks=blocks, block_size=block_size)
+    m = EngineMetrics(scraped_at=now, num_gpu_blocks=blocks, block_size=block_size, sleep_state=sleep_state)
     for field, (_, total, count) in acc.items():
         # usage is a fraction per engine: average it; request counts and counters add up over engines
         setattr(m, field, total / count if field == "kv_usage" else total)

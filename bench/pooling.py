@@ -1,0 +1,245 @@
+"""Pooled serving: how many models one worker serves under each pooling mode (issue 20, Aegaeon's setting).
+
+    python -m bench.pooling --quick          # one profile, one rate, M = 8..32, 120 s runs (< 5 min)
+    python -m bench.pooling                  # both profiles, M = 8..64, lambda = 0.1 and 0.5, 300 s runs
+
+For each profile, per-model rate lambda and model count M (uniform popularity, as Aegaeon section 7.2), and
+each pooling mode with the same swap cost (eq. 4 of appendix A.2, `reinit=optimized`): the fewest workers N
+keeping 99% SLO attainment, found by bisection over N (attainment taken as non-decreasing in N), for the
+per-request attainment of fleetgate (TTFT and mean TPOT both within target) and, beside it, Aegaeon's
+per-token deadline attainment (section 2.1). Models per worker = M / N. The same workload (seed) for every
+mode. Also Theorem 3.1: the measured mean active-model count against M (1 - e^{-lambda T}) for the measured
+mean time in system T, from the runs at each mode's fewest workers.
+
+All of it is virtual-time simulation (simulator/pooled.py); the steps no stock vLLM can be driven to do
+(Aegaeon keeping a preempted batch's KV in host memory across model switches) are simulator only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.report import git_commit, write_report
+from policies.pooling.baselines import resident_capacity
+from simulator.pooled import POOLING_MODES, PooledResult, PooledSpec, simulate_pooled
+from simulator.profiles import load_profile
+
+TARGET = 0.99
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Point:
+    profile: str
+    lam: float
+    models: int
+    mode: str
+    n_request: int | None          # fewest workers at 99% per-request attainment (None: not within the cap)
+    n_token: int | None            # ... at 99% per-token deadline attainment
+    at_best: dict                  # the run at n_request (or at the cap)
+    runs: int
+
+
+def _run(profile: str, lam: float, m: int, mode: str, n: int, duration: float, seed: int) -> PooledResult:
+    return simulate_pooled(PooledSpec(num_models=m, rate=m * lam, workers=n, pooling=mode, profile=profile,
+                                      duration=duration, seed=seed))
+
+
+def fewest_workers(profile: str, lam: float, m: int, mode: str, duration: float, seed: int, cap: int) -> Point:
+    cache: dict[int, PooledResult] = {}
+
+    def run(n: int) -> PooledResult:
+        if n not in cache:
+            cache[n] = _run(profile, lam, m, mode, n, duration, seed)
+        return cache[n]
+
+    lo = 2 if mode == "aegaeon" else 1
+    if mode == "dedicated":
+        lo = m
+    elif mode == "multiplex":             # fewer workers than M / (models awake per worker) refuse models
+        prof = load_profile(profile)
+        memory = prof.weight_bytes + prof.kv_capacity_tokens * prof.kv_bytes_per_token
+        per = max(1, resident_capacity(memory, prof.weight_bytes, prof.kv_bytes_per_token, prof.max_model_len))
+        lo = max(1, math.ceil(m / per))
+
+    def search(key: str) -> int | None:
+        if run(cap).to_dict()[key] < TARGET:
+            return None
+        a, b = lo, cap                        # invariant: b passes
+        if run(a).to_dict()[key] >= TARGET:
+            return a
+        while b - a > 1:
+            mid = (a + b) // 2
+            if run(mid).to_dict()[key] >= TARGET:
+                b = mid
+            else:
+                a = mid
+        return b
+
+    n_req = search("slo_attainment")
+    n_tok = search("token_slo_attainment")
+    best = run(n_req if n_req is not None else cap).to_dict()
+    return Point(profile, lam, m, mode, n_req, n_tok, best, len(cache))
+
+
+def _n(n: int | None, cap: int) -> str:
+    return f"> {cap}" if n is None else str(n)
+
+
+def _mpw(m: int, n: int | None) -> str:
+    return "-" if n is None else f"{m / n:.2f}"
+
+
+def report(points: list[Point], args: argparse.Namespace, cap_of: dict, png: str) -> str:
+    lines = [
+        "All numbers are virtual-time simulation (simulator/pooled.py, the policies of policies/pooling). Workload:",
+        f"M models of uniform popularity, Poisson arrivals of lambda req/s each, ShareGPT lengths (Llama-2 tokenizer)"
+        f" that fit the context, {args.duration:g} s of arrivals then drain, seed {args.seed}. SLO: TTFT 10 s and"
+        " TBT (mean TPOT) 100 ms, Aegaeon section 7.1. Swap cost in every mode: eq. 4 (weights / 25 GB/s host link"
+        " x 0.625). Aegaeon: 6/16 of the workers prefill (section 7.2), MAX_GPSIZE 8, Q_MAX 4 s.",
+        "",
+        "Profiles: `llama2-13b-a100` (Llama-2-13B on A100-80GB, shipped) and `llama3-8b-h100` (Llama-3.1-8B on"
+        " H100, shipped, standing in for the paper's 7-8B class on H800); no new profile was derived.",
+        "",
+        "`N@99% req` is the fewest workers with per-request attainment >= 99% (fleetgate's measure); `N@99% tok`"
+        " with per-token deadline attainment >= 99% (Aegaeon's measure, section 2.1). `-`/`>`: not reached within"
+        " the cap. dedicated and multiplex refuse models they have no room for, so they need N >= M and N >= M/2.",
+        "",
+        "| profile | lambda | M | mode | N@99% req | models/worker (req) | N@99% tok | models/worker (tok) |"
+        " attainment req / tok at N | goodput rps | swaps | TTFT p99 s | TPOT p99 s | runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        d = p.at_best
+        cap = cap_of[(p.profile, p.lam, p.models)]
+        lines.append(
+            f"| {p.profile} | {p.lam:g} | {p.models} | {p.mode} | {_n(p.n_request, cap)} | {_mpw(p.models, p.n_request)}"
+            f" | {_n(p.n_token, cap)} | {_mpw(p.models, p.n_token)} | {d['slo_attainment']:.3f} /"
+            f" {d['token_slo_attainment']:.3f} | {d['goodput_rps']:.2f} | {d['swaps']} | {_f(d['ttft_p99'])}"
+            f" | {_f(d['tpot_p99'])} | {p.runs} |")
+    lines += ["", "## Target: aegaeon >= 2x the models per worker of request-level swapping at equal attainment", "",
+              "| profile | lambda | M | request N (req / tok) | aegaeon N (req / tok) | ratio req | ratio tok |",
+              "|---|---|---|---|---|---|---|"]
+    by = {(p.profile, p.lam, p.models, p.mode): p for p in points}
+    for key in sorted({(p.profile, p.lam, p.models) for p in points}):
+        r, a = by.get((*key, "request")), by.get((*key, "aegaeon"))
+        if r is None or a is None:
+            continue
+        cap = cap_of[key]
+        lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | {_n(r.n_request, cap)} / {_n(r.n_token, cap)} |"
+                     f" {_n(a.n_request, cap)} / {_n(a.n_token, cap)} | {_ratio(r.n_request, a.n_request, cap)} |"
+                     f" {_ratio(r.n_token, a.n_token, cap)} |")
+    lines += ["", "Ratio = request N / aegaeon N = aegaeon's models per worker over request-level's (`>`: request"
+              " never reached 99% within the cap, so the ratio is at least that).", "",
+              "## Theorem 3.1: active models", "",
+              "At each mode's fewest-workers run: the measured time-average number of models with a request in the"
+              " system against E[m] = sum over models of 1 - e^{-lambda T}, T the measured mean time in system.", "",
+              "| profile | lambda | M | mode | measured m | E[m] |", "|---|---|---|---|---|---|"]
+    for p in points:
+        d = p.at_best
+        lines.append(f"| {p.profile} | {p.lam:g} | {p.models} | {p.mode} | {d['active_models_mean']:.2f} |"
+                     f" {d['expected_active_models']:.2f} |")
+    lines += ["", f"![pooling]({png})"]
+    return "\n".join(lines)
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def _ratio(n_req: int | None, n_aeg: int | None, cap: int) -> str:
+    if n_aeg is None:
+        return "-"
+    if n_req is None:
+        return f"> {cap / n_aeg:.2f}x"
+    return f"{n_req / n_aeg:.2f}x"
+
+
+def plot(points: list[Point], path: Path) -> None:
+    """Rows 1-2: models per worker at 99% (per request, per token) against M; row 3: Theorem 3.1, the measured
+    active-model count against E[m] at each mode's fewest-workers run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(p.profile, p.lam) for p in points})
+    fig, axes = plt.subplots(3, len(groups), figsize=(5 * len(groups), 12), squeeze=False)
+    for col, (prof, lam) in enumerate(groups):
+        for row, (attr, label) in enumerate((("n_request", "per-request 99%"), ("n_token", "per-token 99%"))):
+            ax = axes[row][col]
+            for mode in POOLING_MODES:
+                pts = sorted((p.models, p.models / getattr(p, attr)) for p in points
+                             if (p.profile, p.lam, p.mode) == (prof, lam, mode) and getattr(p, attr))
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
+            ax.set_title(f"{prof}, lambda={lam:g}: {label}", fontsize=9)
+            ax.set_xlabel("models M")
+            ax.set_ylabel("models per worker at 99%")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        ax = axes[2][col]
+        top = 1.0
+        for mode in POOLING_MODES:
+            pts = [(p.at_best["expected_active_models"], p.at_best["active_models_mean"]) for p in points
+                   if (p.profile, p.lam, p.mode) == (prof, lam, mode)]
+            if pts:
+                ax.scatter(*zip(*pts, strict=True), label=mode, s=18)
+                top = max(top, *(max(x, y) for x, y in pts))
+        ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="--", label="measured = E[m]")
+        ax.set_title(f"{prof}, lambda={lam:g}: Theorem 3.1", fontsize=9)
+        ax.set_xlabel("E[m] = sum 1 - exp(-lambda T)")
+        ax.set_ylabel("measured mean active models")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="One profile and rate, M = 8..32, 120 s runs.")
+    ap.add_argument("--profiles", default="llama3-8b-h100,llama2-13b-a100")
+    ap.add_argument("--lambdas", default="0.1,0.5", help="Per-model rates (req/s).")
+    ap.add_argument("--models", default="8,16,32,64")
+    ap.add_argument("--modes", default=",".join(POOLING_MODES))
+    ap.add_argument("--duration", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default="pooling")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.profiles, args.lambdas, args.models, args.duration = "llama3-8b-h100", "0.5", "8,16,32", 120.0
+    profiles = [p for p in args.profiles.split(",") if p]
+    lambdas = [float(x) for x in args.lambdas.split(",")]
+    models = [int(x) for x in args.models.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    points: list[Point] = []
+    cap_of: dict = {}
+    t0 = time.time()
+    commit = git_commit()          # the code the run started at (a long run may outlast a commit)
+    for prof in profiles:
+        for lam in lambdas:
+            for m in models:
+                cap = 2 * m
+                cap_of[(prof, lam, m)] = cap
+                for mode in modes:
+                    p = fewest_workers(prof, lam, m, mode, args.duration, args.seed, cap)
+                    points.append(p)
+                    print(f"{prof} lambda={lam:g} M={m} {mode}: N@req={p.n_request} N@tok={p.n_token} "
+                          f"({p.runs} runs, {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+    png = RESULTS / f"{args.out}.png"
+    plot(points, png)
+    cmd = "python -m bench.pooling " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_report(RESULTS / f"{args.out}.md", "Pooled serving: models per worker by pooling mode", cmd.strip(),
+                 report(points, args, cap_of, png.name) + f"\n\nWall time: {time.time() - t0:.0f} s.\n", commit=commit)
+    print(f"wrote {RESULTS / (args.out + '.md')}")
+
+
+if __name__ == "__main__":
+    main()

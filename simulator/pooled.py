@@ -1,0 +1,635 @@
+"""Virtual-time simulation of many models sharing hosts (issue 20 items 1-3 and 5): `fleetgate simulate
+--num-models M --pooling dedicated|request|multiplex|aegaeon`.
+
+    res = simulate_pooled(PooledSpec(num_models=16, rate=1.6, workers=4, pooling="aegaeon"))
+    res.to_dict()["slo_attainment"], res.to_dict()["swaps"]
+
+A host is one GPU (one worker of the profile). It holds one EngineCore (simulator/engine.py) per model
+engine (for Aegaeon's decode instances: per decode batch), each awake or asleep. Only awake engines step,
+one step at a time per host (temporal sharing); bringing a model's weights in costs the swap time of
+policies/pooling/costs.py (eq. 4 of Aegaeon appendix A.2 with `reinit=optimized`; a vLLM sleep-level-1
+offload plus reload and the profile's wake overhead with `reinit=sleep`), the same in every mode. The
+policies deciding what runs are the pure objects of policies/pooling:
+
+- dedicated   one model per host, placed by popularity (`static_placement`, per_host 1); no swaps.
+- multiplex   as many models awake per host as its memory holds (`resident_capacity`), each engine with its
+              share of the KV cache, stepped in round robin (`RoundRobin`); no swaps.
+- request     one model awake per host; a host switches only when its engine is idle, to the model of its
+              oldest queued request (`RequestSwapping`); sleeping drops nothing (the engine was idle).
+- aegaeon     prefill and decode partitions (section 4.1; `prefill_fraction` of the hosts prefill): grouped
+              FCFS prefill, batch size one (`GroupedPrefill`); KV moves to a decode batch over the P/D link;
+              decode rounds of time-quota turns (`DecodeWorkLists`). A batch's KV stays in host memory while
+              other batches run and is copied back over the host link before its turn (section 5.3).
+              Simulator only: stock vLLM drops the KV cache on sleep (docs/reference/vllm-interface.md §6.1),
+              so keeping a preempted batch's KV across a switch is not something a gateway can drive today.
+
+Every engine is built by `_engine` / `_setup_static` with an EngineConfig (FCFS today): the one place a
+service-aware priority (SeaLLM, `--service-priority`) would set vLLM's `scheduling_policy` and each request's
+`priority`.
+
+Timing: a request reaches its host `profile.ttft_overhead_s` after arriving; TTFT, TPOT and the SLO test are
+those of simulator/cluster.py (TTFT <= target and mean time per output token after the first <= target).
+Arrivals stop at `duration`; the run then drains, at most `drain_s` more (requests still unfinished count as
+misses). `token_slo_attainment` is Aegaeon's own measure beside it (section 2.1): the share of all output
+tokens produced before their deadline, arrival + TTFT target + i x TBT target for the i-th token after the
+first (tokens never produced count as late). The active-model count (models with a request in the system) is integrated over the arrival window
+and reported beside Theorem 3.1's E[m] for the measured mean time in system.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.pooling.aegaeon import (
+    MAX_GPSIZE,
+    Q_MAX_S,
+    DecodeBatch,
+    DecodeWorkLists,
+    GroupedPrefill,
+    PrefillJob,
+    Turn,
+)
+from policies.pooling.baselines import RequestSwapping, RoundRobin, resident_capacity, static_placement
+from policies.pooling.costs import REINIT_OPTIMIZED, expected_active_models, kv_copy_time_s, swap_cost
+from simulator.cluster import RequestResult, SimResult
+from simulator.engine import EngineConfig, EngineCore, SimRequest
+from simulator.pooled_workload import (
+    ModelMix,
+    ModelRequest,
+    MultiModelWorkload,
+    multi_model_workload,
+    parse_skew,
+)
+from simulator.profiles import Profile, load_profile
+
+POOLING_MODES = ("dedicated", "multiplex", "request", "aegaeon")
+AEGAEON_PREFILL_FRACTION = 6 / 16     # section 7.2: six prefill and ten decode instances of 16 GPUs
+MACRO = 4096                          # most decode iterations planned at once (engine macro-stepping)
+REFUSED = "refused"                   # a model no host serves (static modes with more models than slots)
+
+
+@dataclass
+class PooledSpec:
+    """Everything that decides a pooled run's numbers (with `seed`, the run is reproducible)."""
+
+    num_models: int = 8
+    model_skew: str = "uniform"          # uniform | zipf:S
+    rate: float = 0.8                    # total over all models (req/s)
+    workers: int = 4
+    pooling: str = "aegaeon"
+    profile: str = "llama2-13b-a100"
+    traces: str = "sharegpt"             # comma-separated, cycled over the models
+    duration: float = 300.0
+    drain_s: float = 600.0
+    seed: int = 0
+    slo_ttft_s: float = 10.0             # Aegaeon section 7.1
+    slo_tpot_s: float = 0.1
+    reinit: str = REINIT_OPTIMIZED       # optimized (eq. 4) | sleep (vLLM level 1 offload + reload + wake)
+    prefill_fraction: float = AEGAEON_PREFILL_FRACTION
+    q_max_s: float = Q_MAX_S
+    max_group_size: int = MAX_GPSIZE
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLING_MODES:
+            raise ValueError(f"--pooling must be one of {', '.join(POOLING_MODES)}, got {self.pooling!r}")
+        if self.num_models < 1:
+            raise ValueError("--num-models must be >= 1")
+        if self.workers < 1:
+            raise ValueError("--workers must be >= 1")
+        if self.pooling == "aegaeon" and self.workers < 2:
+            raise ValueError("--pooling aegaeon needs at least 2 workers (one prefill, one decode)")
+        if not 0 < self.prefill_fraction < 1:
+            raise ValueError("prefill_fraction must be in (0, 1)")
+        if self.rate <= 0 or self.duration <= 0 or self.drain_s < 0:
+            raise ValueError("--rate and --duration must be > 0")
+        parse_skew(self.model_skew)
+
+    @property
+    def mix(self) -> ModelMix:
+        prof = load_profile(self.profile)
+        return ModelMix(self.num_models, self.rate, parse_skew(self.model_skew),
+                        tuple(t.strip() for t in self.traces.split(",") if t.strip()),
+                        prof.max_model_len, self.slo_ttft_s, self.slo_tpot_s)
+
+    def split(self) -> tuple[int, int]:
+        """Aegaeon's (prefill, decode) hosts: at least one of each."""
+        p = min(max(1, round(self.workers * self.prefill_fraction)), self.workers - 1)
+        return p, self.workers - p
+
+
+@dataclass
+class PooledResult:
+    """A `SimResult` (the usual fields) plus what pooling adds."""
+
+    sim: SimResult
+    spec: PooledSpec
+    swaps: int
+    swap_seconds: float
+    active_models_mean: float
+    expected_active_models: float
+    unserved_models: int
+    token_slo_attainment: float = 0.0
+    per_model_attainment: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.sim.to_dict()
+        out.update({
+            "pooling": self.spec.pooling, "num_models": self.spec.num_models, "model_skew": self.spec.model_skew,
+            "rate": self.spec.rate, "models_per_worker": self.spec.num_models / self.spec.workers,
+            "swaps": self.swaps, "swap_seconds": self.swap_seconds,
+            "active_models_mean": self.active_models_mean, "expected_active_models": self.expected_active_models,
+            "unserved_models": self.unserved_models, "reinit": self.spec.reinit,
+            "token_slo_attainment": self.token_slo_attainment,
+        })
+        if self.spec.pooling == "aegaeon":
+            p, d = self.spec.split()
+            out["prefill_workers"], out["decode_workers"] = p, d
+        return out
+
+
+@dataclass(slots=True, eq=False)
+class _Host:
+    id: str
+    role: str                                   # mixed | prefill | decode
+    engines: dict[str, EngineCore] = field(default_factory=dict)   # engine key -> engine (awake or asleep)
+    resident_model: str | None = None           # the model whose weights are on the GPU
+    resident_key: str | None = None             # decode: the batch whose KV is on the GPU
+    step_key: str | None = None                 # the engine whose step is in flight
+    step_start: float = 0.0
+    step_end: float | None = None
+    swap_end: float | None = None               # a swap in flight until then
+    token: int = 0                              # invalidates stale timers
+    rr: RoundRobin | None = None
+    turns: deque[Turn] = field(default_factory=deque)
+    turn: Turn | None = None
+    turn_end: float | None = None
+    ran_this_round: bool = False
+    round_batches: int = 0                      # batches in the current decode round
+    after_swap: list[str] = field(default_factory=list)   # request ids to add once the swap is done
+
+    @property
+    def busy(self) -> bool:
+        return self.step_end is not None or self.swap_end is not None
+
+
+class PooledSim:
+    """The event loop (module docstring). Build with a spec and its workload, then `run()`."""
+
+    def __init__(self, spec: PooledSpec, workload: MultiModelWorkload) -> None:
+        self.spec = spec
+        self.wl = workload
+        self.profile: Profile = load_profile(spec.profile)
+        prof = self.profile
+        cost = swap_cost(prof.weight_bytes, prof.host_link_bytes_per_s, spec.reinit, prof.wake_up_s)
+        self.swap = cost
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._seq = itertools.count()
+        self.results: dict[str, RequestResult] = {}
+        self.requests: dict[str, ModelRequest] = {}
+        self.swaps = 0
+        self.swap_seconds = 0.0
+        self.preemptions = 0
+        self._in_system: dict[str, int] = dict.fromkeys(workload.rates, 0)
+        self._active = 0
+        self._active_area = 0.0
+        self._active_since = 0.0
+        self._host_of: dict[str, _Host] = {}           # request -> host running it now
+        self._emitted: dict[str, int] = {}             # request -> output tokens so far
+        self.tokens_met = 0                             # output tokens before their per-token deadline
+        self.hosts: list[_Host] = []
+        self.placement: dict[str, list[str]] = {}
+        mode = spec.pooling
+        if mode in ("dedicated", "multiplex"):
+            self._setup_static(mode)
+        elif mode == "request":
+            self.hosts = [_Host(f"w{i}", "mixed") for i in range(spec.workers)]
+            self.swapping = RequestSwapping([h.id for h in self.hosts])
+        else:
+            self._setup_aegaeon()
+        self._by_id = {h.id: h for h in self.hosts}
+
+    # ---- set-up -------------------------------------------------------------------------------------
+    def _memory_bytes(self) -> float:
+        """GPU memory for weights and KV: the profile's weights plus its KV cache (its activation room aside)."""
+        prof = self.profile
+        return prof.weight_bytes + prof.kv_capacity_tokens * prof.kv_bytes_per_token
+
+    def _setup_static(self, mode: str) -> None:
+        prof = self.profile
+        per_host = 1 if mode == "dedicated" else max(1, resident_capacity(
+            self._memory_bytes(), prof.weight_bytes, prof.kv_bytes_per_token, prof.max_model_len))
+        self.hosts = [_Host(f"w{i}", "mixed") for i in range(self.spec.workers)]
+        self.placement = static_placement(self.wl.rates, [h.id for h in self.hosts], per_host)
+        blocks = int((self._memory_bytes() - per_host * prof.weight_bytes)
+                     / per_host / (prof.kv_bytes_per_token * prof.block_size))
+        by_id = {h.id: h for h in self.hosts}
+        for model, hosts in self.placement.items():
+            for hid in hosts:
+                by_id[hid].engines[model] = EngineCore(prof, EngineConfig(num_gpu_blocks=blocks))
+        for h in self.hosts:
+            h.rr = RoundRobin(sorted(h.engines))
+
+    def _setup_aegaeon(self) -> None:
+        p, d = self.spec.split()
+        prefill = [_Host(f"p{i}", "prefill") for i in range(p)]
+        decode = [_Host(f"d{i}", "decode") for i in range(d)]
+        self.hosts = prefill + decode
+        prof = self.profile
+        self.grouped = GroupedPrefill([h.id for h in prefill], self._prefill_time, lambda m: self.swap.total_s,
+                                      self.spec.max_group_size)
+        self.worklists = DecodeWorkLists([h.id for h in decode], lambda m: prof.kv_capacity_tokens,
+                                         self.spec.q_max_s)
+
+    # ---- estimates (appendix A.2: the profile's step-time model stands in for eq. 5-6) ------------------
+    def _prefill_time(self, job: PrefillJob) -> float:
+        prof = self.profile
+        chunks = max(1, -(-job.prompt_tokens // prof.max_num_batched_tokens))
+        return prof.step_time(job.prompt_tokens, 0, 0, job.prompt_tokens * job.prompt_tokens / 2) \
+            + (chunks - 1) * prof.c_step_s
+
+    def _decode_step_time(self, b: DecodeBatch) -> float:
+        eng = self.hosts_by_id(b.instance).engines.get(b.batch_id)
+        seqs = max(1, len(b.requests))
+        ctx = (eng.num_gpu_blocks - eng.num_free_blocks) * eng.block_size if eng is not None else 0
+        return self.profile.step_time(0, seqs, max(ctx, seqs), 0.0)
+
+    def _kv_reload_s(self, eng: EngineCore | None) -> float:
+        if eng is None:
+            return 0.0
+        tokens = (eng.num_gpu_blocks - eng.num_free_blocks) * eng.block_size
+        return kv_copy_time_s(tokens, self.profile.kv_bytes_per_token, self.profile.host_link_bytes_per_s)
+
+    def _switch_cost(self, prev: DecodeBatch, nxt: DecodeBatch) -> float:
+        weights = self.swap.total_s if prev.model != nxt.model else 0.0
+        if prev.batch_id == nxt.batch_id:
+            return weights
+        return weights + self._kv_reload_s(self.hosts_by_id(nxt.instance).engines.get(nxt.batch_id))
+
+    def hosts_by_id(self, host_id: str) -> _Host:
+        return self._by_id[host_id]
+
+    # ---- the event loop ---------------------------------------------------------------------------------
+    def _at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> PooledResult:
+        wall0 = time.perf_counter()
+        reqs = self.wl.requests
+        for r in reqs:
+            self.requests[r.request_id] = r
+            self.results[r.request_id] = RequestResult(r.request_id, r.arrival, r.prompt_tokens,
+                                                       slo_ttft_s=r.slo_ttft_s or math.inf,
+                                                       slo_tpot_s=r.slo_tpot_s or math.inf)
+            self._at(r.arrival, self._arrive, r)
+        until = self.spec.duration + self.spec.drain_s
+        n, done = len(reqs), 0
+        tick = max(n // 100, 1)
+        while self._heap:
+            t, _, fn, args = heapq.heappop(self._heap)
+            if t > until:
+                break
+            self.now = t
+            fn(t, *args)
+            if progress is not None and fn == self._arrive:
+                done += 1
+                if done % tick == 0:
+                    progress(done, n)
+        self._count_active(min(self.now, self.spec.duration))
+        end = max([r.finished for r in self.results.values() if r.finished is not None] or [self.spec.duration])
+        for h in self.hosts:
+            self.preemptions += sum(e.stats.preemptions for e in h.engines.values())
+        sim = SimResult(policy=self.spec.pooling, profile=self.profile.name, workers=self.spec.workers,
+                        results=list(self.results.values()), start=0.0, end=end, wall_s=time.perf_counter() - wall0,
+                        gpu_seconds=self.spec.workers * self.profile.gpus_per_worker * end,
+                        preemptions=self.preemptions, prefix_cache_queries=0, prefix_cache_hits=0,
+                        max_admission_queue=0)
+        done_rs = [r for r in self.results.values() if r.completed]
+        mean_t = sum(r.e2e for r in done_rs) / len(done_rs) if done_rs else 0.0
+        per_model: dict[str, list[int]] = {m: [0, 0] for m in self.wl.rates}
+        for rid, r in self.results.items():
+            tally = per_model[self.requests[rid].model]
+            tally[0] += r.slo_met
+            tally[1] += 1
+        return PooledResult(
+            sim, self.spec, self.swaps, self.swap_seconds,
+            self._active_area / self.spec.duration, expected_active_models(list(self.wl.rates.values()), mean_t),
+            unserved_models=sum(1 for m in self.wl.rates if self.spec.pooling in ("dedicated", "multiplex")
+                                and m not in self.placement),
+            per_model_attainment={m: met / n for m, (met, n) in per_model.items() if n},
+            token_slo_attainment=self.tokens_met / max(1, sum(r.output_tokens for r in self.wl.requests)))
+
+    # ---- active models (Theorem 3.1's m) ----------------------------------------------------------------
+    def _count_active(self, now: float) -> None:
+        t = min(now, self.spec.duration)
+        if t > self._active_since:
+            self._active_area += self._active * (t - self._active_since)
+            self._active_since = t
+
+    def _enter(self, model: str, now: float) -> None:
+        self._count_active(now)
+        self._in_system[model] += 1
+        if self._in_system[model] == 1:
+            self._active += 1
+
+    def _leave(self, model: str, now: float) -> None:
+        self._count_active(now)
+        self._in_system[model] -= 1
+        if self._in_system[model] == 0:
+            self._active -= 1
+
+    # ---- arrivals ---------------------------------------------------------------------------------------
+    def _arrive(self, now: float, r: ModelRequest) -> None:
+        self._enter(r.model, now)
+        self._at(now + self.profile.ttft_overhead_s, self._reach, r)
+
+    def _reach(self, now: float, r: ModelRequest) -> None:
+        """The request reaches the hosts' scheduler (after the API server's overhead)."""
+        mode = self.spec.pooling
+        res = self.results[r.request_id]
+        res.dispatched = now
+        if mode in ("dedicated", "multiplex"):
+            hosts = [self._by_id[h] for h in self.placement.get(r.model, ())]
+            if not hosts:
+                res.finish_reason, res.status, res.finished = REFUSED, 429, None
+                res.error = f"no host serves {r.model}"
+                self._leave(r.model, now)
+                return
+            h = min(hosts, key=lambda x: x.engines[r.model].num_running + x.engines[r.model].num_waiting)
+            self._add(h, r.model, self._sim_request(r, now), now)
+        elif mode == "request":
+            placed = self.swapping.place(r.request_id, r.model)
+            h = self._by_id[placed.host]
+            if placed.direct:
+                self._add(h, r.model, self._sim_request(r, now), now)
+            else:
+                self._next(h, now)
+        else:
+            host = self.grouped.place(PrefillJob(r.request_id, r.model, r.prompt_tokens))
+            self._next(self._by_id[host], now)
+
+    def _sim_request(self, r: ModelRequest, now: float) -> SimRequest:
+        return SimRequest(r.request_id, r.prompt_tokens, [], r.output_tokens, r.output_tokens, arrival=now)
+
+    def _engine(self, h: _Host, key: str) -> EngineCore:
+        eng = h.engines.get(key)
+        if eng is None:
+            eng = h.engines[key] = EngineCore(self.profile)
+        return eng
+
+    def _add(self, h: _Host, key: str, sreq: SimRequest, now: float) -> None:
+        """A request enters engine `key` of host h; the host plans at once if idle, else the step in flight is
+        cut at its next iteration boundary."""
+        self._engine(h, key).add(sreq, now)
+        self._host_of[sreq.request_id] = h
+        if not h.busy:
+            self._next(h, now)
+        elif h.step_end is not None and h.step_end > now:
+            # Cut whatever macro step runs, so the host decides again at the next iteration (the request joins
+            # its engine's batch, or another engine of the host gets its round-robin turn).
+            end = h.step_start + h.engines[h.step_key].truncate_step(now)
+            if end != h.step_end:
+                h.step_end = end
+                h.token += 1
+                self._at(end, self._step_done, h, h.token)
+
+    def _tokens(self, rid: str, k: int, start: float, end: float) -> None:
+        """k tokens of the request came out of a step over [start, end] (a macro step's iterations taken as
+        evenly spaced): count those before their deadline, arrival + TTFT target + i x TBT target for the i-th
+        token after the first (Aegaeon section 2.1, Figure 3: a late token can hide behind buffered ones)."""
+        r = self.requests[rid]
+        first = self._emitted.get(rid, 0)
+        base = r.arrival + (r.slo_ttft_s or math.inf)
+        tbt = r.slo_tpot_s or math.inf
+        gap = (end - start) / k
+        met = sum(1 for m in range(k) if start + (m + 1) * gap <= base + (first + m) * tbt)
+        self._emitted[rid] = first + k
+        self.tokens_met += met
+
+    # ---- steps and swaps --------------------------------------------------------------------------------
+    def _step(self, h: _Host, key: str, now: float, macro: bool, limit: float | None = None) -> bool:
+        eng = h.engines[key]
+        dur = eng.plan_step(now, MACRO if macro else 1)
+        if dur is None:
+            return False
+        if limit is not None and now + dur > limit:
+            dur = eng.truncate_step(limit)
+        h.step_key, h.step_start, h.step_end = key, now, now + dur
+        h.token += 1
+        self._at(now + dur, self._step_done, h, h.token)
+        return True
+
+    def _step_done(self, now: float, h: _Host, token: int) -> None:
+        if token != h.token or h.step_end is None:
+            return
+        key = h.step_key
+        eng = h.engines[key]
+        start = h.step_start
+        h.step_end = h.step_key = None
+        for ev in eng.finish_step(now):
+            if ev.new_tokens:
+                self._tokens(ev.request_id, ev.new_tokens, start, now)
+            if ev.finished:
+                self._finished(h, key, ev.record, now)
+        self._next(h, now)
+
+    def _swap_in(self, h: _Host, model: str, now: float, extra_s: float = 0.0) -> None:
+        """Bring `model` onto host h (the current model goes to sleep); the host is busy meanwhile."""
+        cost = extra_s
+        if model != h.resident_model:
+            cost += self.swap.load_s + (self.swap.offload_s if h.resident_model is not None else 0.0)
+            self.swaps += 1
+        h.resident_model = model
+        self.swap_seconds += cost
+        h.swap_end = now + cost
+        h.token += 1
+        self._at(now + cost, self._swap_done, h, h.token)
+
+    def _swap_done(self, now: float, h: _Host, token: int) -> None:
+        if token != h.token:
+            return
+        h.swap_end = None
+        pending, h.after_swap = h.after_swap, []
+        for rid in pending:
+            self._engine(h, h.resident_model).add(self._sim_request(self.requests[rid], now), now)
+            self._host_of[rid] = h
+        self._next(h, now)
+
+    def _wake(self, now: float, h: _Host, token: int) -> None:
+        if token == h.token and not h.busy:
+            self._next(h, now)
+
+    # ---- what a free host does next (per pooling mode) -----------------------------------------------------
+    def _next(self, h: _Host, now: float) -> None:
+        if h.busy:
+            return
+        if h.role == "prefill":
+            self._next_prefill(h, now)
+        elif h.role == "decode":
+            self._next_decode(h, now)
+        elif self.spec.pooling == "request":
+            self._next_request(h, now)
+        else:
+            with_work = [k for k, e in h.engines.items() if e.has_work()]
+            key = h.rr.next(with_work) if h.rr is not None else None
+            if key is not None:
+                self._step(h, key, now, macro=len(with_work) == 1)
+
+    def _step_resident(self, h: _Host, now: float, macro: bool) -> bool:
+        """Step the engine of the model the host holds, if it has work (True: a step is in flight)."""
+        eng = h.engines.get(h.resident_model) if h.resident_model is not None else None
+        return eng is not None and eng.has_work() and self._step(h, h.resident_model, now, macro)
+
+    def _next_request(self, h: _Host, now: float) -> None:
+        if self._step_resident(h, now, macro=True):
+            return
+        nxt = self.swapping.next_load(h.id)
+        if nxt is None:
+            return
+        model, rids = nxt
+        h.after_swap = rids
+        if model == h.resident_model:
+            self._swap_done(now, h, h.token)
+        else:
+            self._swap_in(h, model, now)
+
+    def _next_prefill(self, h: _Host, now: float) -> None:
+        if self._step_resident(h, now, macro=False):
+            return
+        job = self.grouped.next_job(h.id)
+        if job is None:
+            return
+        r = self.requests[job.request_id]
+        prefill = SimRequest(r.request_id, r.prompt_tokens, [], 1, 1, arrival=now)
+        if job.model != h.resident_model:
+            self.grouped.loaded(h.id, job.model)
+            h.after_swap = []
+            self._swap_in(h, job.model, now)
+            self._engine(h, job.model).add(prefill, now)     # runs once the weights are in
+            self._host_of[r.request_id] = h
+            return
+        self._add(h, job.model, prefill, now)
+
+    def _next_decode(self, h: _Host, now: float) -> None:
+        wl = self.worklists
+        rounds = 0
+        while True:
+            t = h.turn
+            if t is not None and wl.batches.get(t.batch_id) is not None:
+                if h.turn_end is None:
+                    h.turn_end = now + t.quota_s
+                if now < h.turn_end and self._step(h, t.batch_id, now, macro=True, limit=h.turn_end):
+                    h.ran_this_round = True
+                    return
+            h.turn = h.turn_end = None
+            if not h.turns:
+                if not h.ran_this_round and (self._idle_decode(h, now) or rounds):
+                    return      # a fresh round ran nothing either: wait for KV or a new request
+                rounds += 1
+                h.ran_this_round = False
+                turns = wl.round(h.id, self._decode_step_time, self.spec.slo_tpot_s, self._switch_cost,
+                                 h.resident_key)
+                h.round_batches = len(turns)
+                if not turns:
+                    return
+                h.turns = deque(turns)
+            t = h.turns.popleft()
+            b = wl.batches.get(t.batch_id)
+            eng = h.engines.get(t.batch_id)
+            if b is None or eng is None or not _schedulable(eng, now):
+                continue
+            h.turn = t
+            reload = self._kv_reload_s(eng) if h.resident_key not in (None, t.batch_id) else 0.0
+            h.resident_key = t.batch_id
+            if b.model != h.resident_model or reload > 0:
+                self._swap_in(h, b.model, now, reload)
+                return
+
+    def _idle_decode(self, h: _Host, now: float) -> bool:
+        """A whole round ran nothing: unless some batch can run now, wait for the earliest KV arrival on this host
+        (True: it waits)."""
+        if any(_schedulable(e, now) for e in h.engines.values()):
+            return False
+        wakes = [w for w in (e.next_event_time() for e in h.engines.values() if e.has_work()) if w is not None]
+        if wakes:
+            h.token += 1
+            self._at(max(min(wakes), now), self._wake, h, h.token)
+        return True
+
+    # ---- request completion -----------------------------------------------------------------------------
+    def _finished(self, h: _Host, key: str, rec: Any, now: float) -> None:
+        rid = rec.request_id
+        r = self.requests[rid]
+        res = self.results[rid]
+        if h.role == "prefill":
+            res.prefill_worker_id = h.id
+            res.prefill_scheduled, res.prefill_done = rec.first_scheduled, rec.finished
+            res.first_scheduled, res.first_token = rec.first_scheduled, rec.first_token
+            if r.output_tokens <= 1:
+                self._done(r, res, rec.finished, 1, rec.finish_reason, now)
+                return
+            self._to_decode(r, now)
+            return
+        if h.role == "decode":
+            res.output_tokens = rec.num_output + 1
+            self._done(r, res, rec.finished, rec.num_output + 1, rec.finish_reason, now)
+            b = self.worklists.remove(rid)
+            if b is not None and b.batch_id not in self.worklists.batches:
+                gone = h.engines.pop(b.batch_id)
+                self.preemptions += gone.stats.preemptions
+            return
+        res.first_scheduled, res.first_token = rec.first_scheduled, rec.first_token
+        self._done(r, res, rec.finished, rec.num_output, rec.finish_reason, now)
+        if self.spec.pooling == "request":
+            self.swapping.finished(h.id)
+
+    def _done(self, r: ModelRequest, res: RequestResult, finished: float, n_out: int, reason: str, now: float) -> None:
+        res.finished, res.output_tokens, res.finish_reason = finished, n_out, reason
+        res.worker_id = self._host_of.pop(r.request_id).id
+        self._leave(r.model, now)
+
+    def _to_decode(self, r: ModelRequest, now: float) -> None:
+        """Hand a prefilled request to a decode batch (Algorithm 2 line 2); its KV arrives over the P/D link."""
+        prof = self.profile
+        need = r.prompt_tokens + 1 + round(self.wl.mean_output.get(r.model, prof.output_mean_tokens))
+        b = self.worklists.place(r.request_id, r.model, need)
+        h = self._by_id[b.instance]
+        if h.round_batches == 1 and len(self.worklists.work[h.id]) > 1 and h.turn is not None:
+            # A round of one batch switches nothing (eq. 2's c = 0: we give it Q_MAX); a second batch makes
+            # the round stale, so the turn ends at the next iteration and a new round gives both quotas.
+            h.turn_end = now
+        ready = now + prof.kv_transfer_s(r.prompt_tokens + 1)
+        rest = r.output_tokens - 1
+        self._add(h, b.batch_id, SimRequest(r.request_id, r.prompt_tokens + 1, [], rest, rest, arrival=now,
+                                            remote_prefill=True, kv_ready_at=ready), now)
+
+
+def _schedulable(eng: EngineCore, now: float) -> bool:
+    if eng.num_running:
+        return True
+    if not eng.num_waiting:
+        return False
+    t = eng.next_event_time()
+    return t is None or t <= now
+
+
+def simulate_pooled(spec: PooledSpec, progress: Callable[[int, int], None] | None = None) -> PooledResult:
+    wl = multi_model_workload(spec.mix, spec.duration, spec.seed)
+    if not wl.requests:
+        raise ValueError("the workload is empty (check --duration / --rate)")
+    return PooledSim(spec, wl).run(progress)
+
+
+def run_pooled_cli(spec: PooledSpec, as_json: bool) -> None:
+    """`fleetgate simulate --pooling ...`: one run, printed as JSON or a table (the single-model command's)."""
+    from simulator.simulate import run_cli
+
+    run_cli(f"simulate pooling={spec.pooling} M={spec.num_models}",
+            lambda progress: simulate_pooled(spec, progress=progress), {"seed": spec.seed}, as_json)

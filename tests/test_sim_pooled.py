@@ -1,0 +1,152 @@
+"""Pooled serving in the virtual-time simulator (simulator/pooled.py, simulator/pooled_workload.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from policies.pooling.costs import switch_time_s
+from simulator.pooled import PooledSim, PooledSpec, simulate_pooled
+from simulator.pooled_workload import (
+    ModelMix,
+    ModelRequest,
+    MultiModelWorkload,
+    multi_model_workload,
+    parse_skew,
+    zipf_rates,
+)
+from simulator.profiles import load_profile
+from tests.helpers import run_cli as fleetgate
+
+PROFILE = load_profile("llama2-13b-a100")
+SWAP_S = switch_time_s(PROFILE.weight_bytes, PROFILE.host_link_bytes_per_s)   # eq. 4: 0.65 s
+
+
+def test_zipf_rates_and_skew_parsing():
+    rates = zipf_rates(3.0, 4, 1.0)
+    assert sum(rates) == pytest.approx(3.0)
+    assert rates[0] / rates[1] == pytest.approx(2.0) and rates[0] / rates[3] == pytest.approx(4.0)
+    assert zipf_rates(2.0, 4, 0.0) == pytest.approx([0.5] * 4)
+    assert parse_skew("zipf:1.5") == 1.5 and parse_skew("uniform") == 0.0
+    for bad in ("zipf", "zipf:-1", "pareto:1", "zipf:x"):
+        with pytest.raises(ValueError):
+            parse_skew(bad)
+
+
+def test_multi_model_workload_rates_lengths_and_slo():
+    wl = multi_model_workload(ModelMix(4, 4.0, skew=1.0, max_model_len=4096), duration=500, seed=3)
+    counts = {m: 0 for m in wl.rates}
+    for r in wl.requests:
+        counts[r.model] += 1
+        assert r.prompt_tokens + r.output_tokens < 4096
+        assert (r.slo_ttft_s, r.slo_tpot_s) == (10.0, 0.1)
+    for m, rate in wl.rates.items():       # Poisson counts within 4 standard deviations of rate x duration
+        assert abs(counts[m] - rate * 500) < 4 * math.sqrt(rate * 500)
+    assert [r.arrival for r in wl.requests] == sorted(r.arrival for r in wl.requests)
+    assert multi_model_workload(ModelMix(4, 4.0), 100, seed=3).requests != multi_model_workload(
+        ModelMix(4, 4.0), 100, seed=4).requests
+
+
+def _two_models(pooling: str, workers: int) -> tuple[PooledSim, dict]:
+    """Model A gets a long request at t=0; model B a short one at t=1: the head-of-line case of section 3.1."""
+    reqs = [ModelRequest("a", 0.0, 500, 800, max_tokens=800, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-00"),
+            ModelRequest("b", 1.0, 200, 20, max_tokens=20, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-01")]
+    wl = MultiModelWorkload(reqs, {"model-00": 0.1, "model-01": 0.1}, {"model-00": "x", "model-01": "x"},
+                            {"model-00": 300.0, "model-01": 300.0})
+    sim = PooledSim(PooledSpec(num_models=2, workers=workers, pooling=pooling, duration=2.0), wl)
+    res = sim.run()
+    return sim, {r.request_id: r for r in res.sim.results} | {"_res": res}
+
+
+def test_request_level_swapping_blocks_the_second_model_until_the_first_is_done():
+    sim, rs = _two_models("request", workers=1)
+    a, b = rs["a"], rs["b"]
+    assert a.completed and b.completed
+    assert rs["_res"].swaps == 2                                   # A in, then B in (only once A finished)
+    assert b.first_token >= a.finished + SWAP_S - 1e-9             # head-of-line blocking
+    assert rs["_res"].swap_seconds == pytest.approx(2 * SWAP_S)
+    # Per-token deadlines (section 2.1): B's first token comes after its 10 s TTFT target, so all 20 of its
+    # tokens are late; A's 800 are on time.
+    assert rs["_res"].token_slo_attainment == pytest.approx(800 / 820)
+
+
+def test_sleep_reinit_costs_offload_reload_and_wake():
+    # vLLM sleep level 1 (docs/reference/vllm-interface.md §6.1): the first load has nothing to offload; the
+    # switch to B offloads A's weights over the link, reloads B's and pays the profile's wake overhead.
+    reqs = [ModelRequest("a", 0.0, 100, 10, max_tokens=10, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-00"),
+            ModelRequest("b", 0.5, 100, 10, max_tokens=10, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-01")]
+    wl = MultiModelWorkload(reqs, {"model-00": 0.1, "model-01": 0.1}, {}, {})
+    res = PooledSim(PooledSpec(num_models=2, workers=1, pooling="request", duration=1.0, reinit="sleep"), wl).run()
+    copy = PROFILE.weight_bytes / PROFILE.host_link_bytes_per_s
+    assert res.swaps == 2
+    assert res.swap_seconds == pytest.approx(2 * (copy + PROFILE.wake_up_s) + copy)
+
+
+def test_aegaeon_serves_the_second_model_at_token_level():
+    sim, rs = _two_models("aegaeon", workers=2)
+    a, b = rs["a"], rs["b"]
+    assert a.completed and b.completed and a.output_tokens == 800 and b.output_tokens == 20
+    assert a.prefill_worker_id == b.prefill_worker_id == "p0"
+    assert b.first_token < a.finished                               # B's prefill does not wait for A's decode
+    assert b.finished < a.finished                                  # nor its decode (turns of the work list)
+    assert b.slo_met
+    assert rs["_res"].token_slo_attainment == 1.0                  # A's stalls hide behind its buffered tokens
+    assert rs["_res"].swaps >= 3                                    # prefill A, B; decode A, B, A ...
+
+
+def test_dedicated_and_multiplex_capacity():
+    # Two 13B models fit one A100 awake (section 2.3), three do not.
+    res = simulate_pooled(PooledSpec(num_models=3, rate=0.3, workers=1, pooling="multiplex", duration=60, seed=1))
+    d = res.to_dict()
+    assert d["unserved_models"] == 1 and d["swaps"] == 0
+    assert d["refused"] > 0 and d["refused"] + d["completed"] == d["requests"]
+    res = simulate_pooled(PooledSpec(num_models=2, rate=0.2, workers=2, pooling="dedicated", duration=120, seed=1))
+    d = res.to_dict()
+    assert d["unserved_models"] == 0 and d["swaps"] == 0 and d["slo_attainment"] == 1.0
+    assert d["models_per_worker"] == 1.0
+
+
+def test_active_model_count_follows_theorem_3_1():
+    # Dedicated hosts with light load: a request's time in system is its service time, and the measured mean
+    # active-model count matches M (1 - e^{-lambda T}) for the measured T.
+    res = simulate_pooled(PooledSpec(num_models=6, rate=0.6, workers=6, pooling="dedicated", duration=1500, seed=2))
+    assert res.active_models_mean == pytest.approx(res.expected_active_models, rel=0.15)
+    assert 0 < res.active_models_mean < 6
+
+
+def test_spec_validation():
+    for bad in (dict(pooling="mux"), dict(num_models=0), dict(workers=0), dict(pooling="aegaeon", workers=1),
+                dict(model_skew="zipf:-2"), dict(rate=0)):
+        with pytest.raises(ValueError):
+            PooledSpec(**bad)
+
+
+def test_cli_contract_pooled_json():
+    p = fleetgate("simulate", "--num-models", "6", "--model-skew", "zipf:1.2", "--rate", "0.6", "--workers", "3",
+                  "--pooling", "aegaeon", "--profile", "llama2-13b-a100", "--duration", "60", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    for key in ("slo_attainment", "goodput_rps", "models_per_worker", "swaps", "ttft_p50", "ttft_p99", "tpot_p50",
+                "tpot_p99", "token_slo_attainment", "active_models_mean", "expected_active_models"):
+        assert key in out, key
+    assert out["models_per_worker"] == 2.0 and out["num_models"] == 6 and out["pooling"] == "aegaeon"
+    assert out["prefill_workers"] + out["decode_workers"] == 3
+    assert 0 <= out["slo_attainment"] <= 1 and out["swaps"] > 0
+    # The same spec through the API gives the same numbers (the CLI is a shim).
+    api = simulate_pooled(PooledSpec(num_models=6, model_skew="zipf:1.2", rate=0.6, workers=3, pooling="aegaeon",
+                                     duration=60)).to_dict()
+    assert (api["slo_met"], api["swaps"]) == (out["slo_met"], out["swaps"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--pooling", "mux", "--rate", "1"], "--pooling must be one of"),
+    (["--pooling", "request"], "needs --rate"),
+    (["--pooling", "aegaeon", "--rate", "1", "--workers", "1"], "at least 2 workers"),
+    (["--pooling", "request", "--rate", "1", "--model-skew", "zipf"], "model skew"),
+    (["--pooling", "request", "--rate", "1", "--pd", "1:1"], "--pd does not combine"),
+])
+def test_cli_bad_pooled_input_exits_2(args, message):
+    p = fleetgate("simulate", *args)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
