@@ -57,6 +57,7 @@ class Arm:
     kind: str
     policy: str = "round_robin"
     redis: bool = False
+    config: str | None = None    # fleetgate only: a config file that names the workers itself
 
 
 ARMS: tuple[Arm, ...] = (
@@ -120,8 +121,9 @@ class RunningArm:
 def arm_command(arm: Arm, port: int, backends: Sequence[str], venv: Path | None) -> tuple[list[str], str]:
     """The command that starts `arm` on `port` in front of `backends`, and the path that answers 200 once ready."""
     if arm.kind == "fleetgate":
+        workers = ["--config", arm.config] if arm.config else [a for u in backends for a in ("-w", u)]
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--policy", arm.policy, *(a for u in backends for a in ("-w", u))]
+               "--policy", arm.policy, *workers]
         return cmd + (["--redis-url", REDIS_URL] if arm.redis else []), "/ready"
     if arm.kind in PEER_PACKAGES:
         assert venv is not None
@@ -133,8 +135,9 @@ def arm_command(arm: Arm, port: int, backends: Sequence[str], venv: Path | None)
 
 
 @contextlib.contextmanager
-def started(arms: Sequence[Arm], backends: Sequence[str], redis_prefix: str) -> Iterator[list[RunningArm]]:
-    """Every arm running on ROUTER_CORE (the direct arm points at the first backend)."""
+def started(arms: Sequence[Arm], backends: Sequence[str], redis_prefix: str,
+            cpus: int | str | None = ROUTER_CORE) -> Iterator[list[RunningArm]]:
+    """Every arm running on `cpus` (the direct arm points at the first backend)."""
     venv = ensure_peer_env() if any(a.kind in PEER_PACKAGES for a in arms) else None
     with contextlib.ExitStack() as stack:
         running = []
@@ -146,7 +149,7 @@ def started(arms: Sequence[Arm], backends: Sequence[str], redis_prefix: str) -> 
             cmd, ready = arm_command(arm, port, backends, venv)
             url = f"http://127.0.0.1:{port}"
             env = {"FLEETGATE_REDIS_KEY_PREFIX": redis_prefix} if arm.redis else None
-            proc = stack.enter_context(running_process(pinned(cmd, ROUTER_CORE), arm.kind, url + ready, env=env))
+            proc = stack.enter_context(running_process(pinned(cmd, cpus), arm.kind, url + ready, env=env))
             log(f"started {arm.name} (pid {proc.pid}) on {url}")
             running.append(RunningArm(arm, url, proc.pid))
         yield running
