@@ -36,3 +36,15 @@ def test_the_trace_window_starts_at_zero_with_per_request_slos():
     assert len(reqs) == 50 and reqs[0].arrival == 0.0
     assert all(b.arrival >= a.arrival for a, b in zip(reqs, reqs[1:], strict=False))
     assert all(r.slo_ttft_s and r.slo_ttft_s > 0.5 and r.slo_tpot_s == 0.1 for r in reqs)
+
+
+def test_the_headline_compares_fleetgates_best_arm_with_the_best_peer_by_goodput():
+    from bench.peers_sched import ArmRun, headline
+
+    reqs = [WorkloadRequest(str(i), 0.0, 10, 2, slo_ttft_s=1.0, slo_tpot_s=0.1) for i in range(4)]
+    good, bad = Outcome(0.5, 0.05, ok=True, status=200), Outcome()
+    runs = [ArmRun("fleetgate a", [good, good, bad, bad], 2.0), ArmRun("fleetgate b", [good] * 3 + [bad], 2.0),
+            ArmRun("vllm-router c", [good] * 4, 4.0), ArmRun("sglang-router d", [good, bad, bad, bad], 1.0)]
+    line = headline(runs, reqs)
+    assert line.startswith("Best fleetgate arm by goodput: fleetgate b, 1.500 met req/s = 1.50x")
+    assert "(vllm-router c, 1.000)" in line and "75.0% vs 100.0%" in line
