@@ -210,7 +210,8 @@ def round_order(n_arms: int, rounds: int) -> list[tuple[int, int]]:
 
 async def run_all(arms: Sequence[Arm], sizes: Sizes, rounds: int) -> list[Phase]:
     """Start the backends and every arm, measure them in interleaved rounds, stop everything; every phase."""
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
+    if affinity is not None and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {CLIENT_CORE})
     prefix = f"fgpeers:{uuid.uuid4().hex[:12]}:"
     try:
@@ -224,6 +225,8 @@ async def run_all(arms: Sequence[Arm], sizes: Sizes, rounds: int) -> list[Phase]
                 log(f"round {rnd}: {running[i].arm.name} (load {os.getloadavg()[0]:.2f})")
                 phases += await measure_round(running[i], rnd, direct_url, sizes)
     finally:
+        if affinity is not None:   # a caller (a test session) keeps its cores
+            os.sched_setaffinity(0, affinity)
         if any(a.redis for a in arms):
             _delete_keys(prefix)
     return phases

@@ -4,6 +4,7 @@ and fleetgate in front of two zero-latency backends, a few hundred requests each
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -19,7 +20,9 @@ def test_rounds_are_interleaved_a_b_b_a():
 def test_harness_measures_vllm_router_and_fleetgate(tmp_path):
     arms = [a for a in ARMS if a.name in ("direct (no router)", BASELINE, "fleetgate round_robin")]
     sizes = Sizes(latency_requests=50, load_requests=300, concurrencies=(32,))
+    cores = os.sched_getaffinity(0)
     phases = asyncio.run(run_all(arms, sizes, rounds=2))
+    assert os.sched_getaffinity(0) == cores   # the load generator's pinning does not outlive the run
 
     # every arm, round and phase measured; every request answered 200, every stream whole
     assert {(p.arm, p.round) for p in phases} == {(a.name, r) for a in arms for r in (1, 2)}
