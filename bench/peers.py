@@ -22,6 +22,9 @@ Per arm and round:
   it, from /proc, read before and after the phase).
 
 Results: bench/results/peers.md (+ peers.png), with the command, commit, machine, date and load.
+
+Not an arm: LiteLLM's proxy. `litellm[proxy]==1.110.2` needs `litellm-proxy==1.110.2`, which the package index
+this machine reaches does not have (tried 2026-11-26); without the extra there is no proxy server to measure.
 """
 
 from __future__ import annotations
