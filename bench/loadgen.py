@@ -125,3 +125,35 @@ def process_cpu_seconds(pid: int) -> float:
         fields = f.read().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
     return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def process_tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and every live descendant, plus what their reaped children used (Linux
+    /proc: utime + stime + cutime + cstime of each), so a router's helper processes and threads all count."""
+    import os
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    parent_of: dict[int, int] = {}
+    times: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:   # exited while we looked
+            continue
+        parent_of[int(entry)] = int(fields[1])
+        times[int(entry)] = sum(int(x) for x in fields[11:15])
+    tree, frontier = {pid}, [pid]
+    children: dict[int, list[int]] = {}
+    for child, parent in parent_of.items():
+        children.setdefault(parent, []).append(child)
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            if child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    if pid not in times:
+        raise ProcessLookupError(pid)
+    return sum(times.get(p, 0) for p in tree) / ticks

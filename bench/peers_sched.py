@@ -1,0 +1,293 @@
+"""Scheduling quality next to the peer routers: the same simulated fleet, the same trace, one router at a time.
+
+    python -m bench.peers_sched [--quick] [--workers 8] [--start 3000] [--requests 400] [--time-scale 1]
+
+Each arm gets a fresh `fleetgate sim` fleet (N x `llama3-8b-h100`, time scale K, KV-cache events on in vLLM
+0.33's format so `precise_prefix` can subscribe) pinned to core 1, the router on core 0 with this process, and
+R requests of the shipped Mooncake trace (simulator/traces/mooncake_synthetic.jsonl, bench/prefix.py's
+mooncake_workload) from request S on, replayed in real time at arrival / K as streamed /v1/completions. The trace
+reuses prefixes mostly across long distances: a 400-request window (~100 s) from its start could reuse 6% of its
+prompt tokens at best, the window from request 3000 41% (the whole trace 65%), so that window is the default. Each prompt is text of
+exactly the trace's token count built from its chained 16-token block keys (simulator.tokenizer.synthetic_text
+per block key), so requests that share hash-id prefixes share text and token prefixes: what a router's
+approximate (text) tree and the engines' prefix caches both see. max_tokens = the trace's output length with
+ignore_eos, so every router's requests generate the same tokens.
+
+SLO per request (bench/prefix.py): TTFT <= 0.5 s + 2 x the prompt's uncached prefill time on an idle worker,
+TPOT <= 100 ms, in model seconds (wall x K), measured by this client from the stream. The targets are also sent
+as x-slo-ttft-ms / x-slo-tpot-ms (wall ms), which fleetgate's policies read and the peers ignore. Goodput =
+requests that met their SLO per model second (first arrival to last completion). Prefix-cache hit rate = the
+fleet's vllm:prefix_cache_hits / queries over the run.
+
+Arms: vllm-router round_robin, power_of_two, cache_aware; sglang-router cache_aware; fleetgate least_requests,
+precise_prefix (from the workers' KV events) and aladdin (worker profiles as priors). One load point and one
+run per arm (no rate sweep, so no "goodput at 99% attainment"); results: bench/results/peers_sched.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.harness import REPO, free_port, log
+from bench.loadgen import quantile
+from bench.peers import Arm, started
+from bench.prefix import SLO_TPOT_S, best_hit_rate, mooncake_workload, with_slos
+from bench.report import write_report
+from simulator.fleet import FleetProcess
+from simulator.profiles import load_profile
+from simulator.tokenizer import BLOCK_SIZE, synthetic_text
+from simulator.workload import WorkloadRequest
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+PROFILE = "llama3-8b-h100"
+FLEET_CORE, ROUTER_CORE = "1", "0"
+ARMS: tuple[Arm, ...] = (
+    Arm("vllm-router round_robin", "vllm-router", "round_robin"),
+    Arm("vllm-router power_of_two", "vllm-router", "power_of_two"),
+    Arm("vllm-router cache_aware", "vllm-router", "cache_aware"),
+    Arm("sglang-router cache_aware", "sglang-router", "cache_aware"),
+    Arm("fleetgate least_requests", "fleetgate", "least_requests"),
+    Arm("fleetgate precise_prefix", "fleetgate", "precise_prefix"),
+    Arm("fleetgate aladdin", "fleetgate", "aladdin"),
+)
+
+
+@dataclass
+class Outcome:
+    ttft_s: float | None = None   # model seconds
+    tpot_s: float | None = None
+    ok: bool = False
+    status: int = 0
+
+
+@dataclass
+class ArmRun:
+    arm: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    span_s: float = 0.0           # model seconds, first arrival to last completion
+    hits: float = 0.0
+    queries: float = 0.0
+
+    def met(self, reqs: list[WorkloadRequest]) -> int:
+        return sum(1 for o, r in zip(self.outcomes, reqs, strict=True) if meets(o, r))
+
+
+def meets(o: Outcome, r: WorkloadRequest) -> bool:
+    if not o.ok or o.ttft_s is None or o.ttft_s > (r.slo_ttft_s or 0):
+        return False
+    return o.tpot_s is None or o.tpot_s <= (r.slo_tpot_s or SLO_TPOT_S)
+
+
+def prompt_text(r: WorkloadRequest, cache: dict[int, str]) -> str:
+    """Exactly r.prompt_tokens tokens: one synthetic 16-token piece per block key, then a tail unique to r."""
+    parts = []
+    for key in r.prefix_blocks[: r.prompt_tokens // BLOCK_SIZE]:
+        if key not in cache:
+            cache[key] = synthetic_text(BLOCK_SIZE, key)
+        parts.append(cache[key])
+    rest = r.prompt_tokens - len(parts) * BLOCK_SIZE
+    tail = synthetic_text(rest, r.request_id) if rest > 0 else ""
+    tag = f"#{r.request_id}#"
+    if rest > 0 and len(tail) > len(tag):
+        tail = tag + tail[len(tag):]
+    return "".join(parts) + tail
+
+
+async def replay(url: str, reqs: list[WorkloadRequest], texts: list[str], k: float) -> tuple[list[Outcome], float]:
+    """Send every request at arrival / k; each one's outcome and the span in model seconds."""
+    outcomes = [Outcome() for _ in reqs]
+    last_done = 0.0
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
+        t0 = time.perf_counter() + 0.5
+
+        async def one(i: int) -> None:
+            nonlocal last_done
+            r = reqs[i]
+            delay = t0 + r.arrival / k - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = orjson.dumps({"model": MODEL, "prompt": texts[i], "max_tokens": r.output_tokens,
+                                 "ignore_eos": True, "stream": True})
+            headers = {"content-type": "application/json", "x-slo-ttft-ms": f"{(r.slo_ttft_s or 0) * 1000 / k:.3f}",
+                       "x-slo-tpot-ms": f"{(r.slo_tpot_s or SLO_TPOT_S) * 1000 / k:.3f}"}
+            sent = time.perf_counter()
+            first = end = None
+            try:
+                async with s.post(url + "/v1/completions", data=body, headers=headers) as resp:
+                    outcomes[i].status = resp.status
+                    async for line in resp.content:
+                        if line.startswith(b"data: {") and first is None:
+                            first = time.perf_counter()
+                        elif line.startswith(b"data: [DONE]"):
+                            end = time.perf_counter()
+            except (TimeoutError, aiohttp.ClientError):
+                return
+            if outcomes[i].status == 200 and first is not None and end is not None:
+                outcomes[i].ok = True
+                outcomes[i].ttft_s = (first - sent) * k
+                if r.output_tokens > 1:
+                    outcomes[i].tpot_s = (end - first) * k / (r.output_tokens - 1)
+                last_done = max(last_done, end)
+
+        await asyncio.gather(*(one(i) for i in range(len(reqs))))
+    return outcomes, max(0.0, last_done - (t0 + reqs[0].arrival / k)) * k
+
+
+def prefix_counters(urls: list[str]) -> tuple[float, float]:
+    """The fleet's (prefix-cache hit tokens, queried tokens) so far."""
+    import urllib.request
+
+    hits = queries = 0.0
+    for u in urls:
+        with urllib.request.urlopen(u + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                if smp.name == "vllm:prefix_cache_hits_total":
+                    hits += smp.value
+                elif smp.name == "vllm:prefix_cache_queries_total":
+                    queries += smp.value
+    return hits, queries
+
+
+def free_port_run(n: int) -> int:
+    """A base port whose next n-1 ports are free too (the simulated worker i publishes on base + i)."""
+    import socket
+
+    while True:
+        base = free_port()
+        socks = []
+        try:
+            for i in range(n):
+                socks.append(socket.socket())
+                socks[-1].bind(("0.0.0.0", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def fleetgate_config(urls: list[str], k: float, path: Path) -> None:
+    """Workers with their profile (aladdin's priors), time-scaled learning and scraping, the KV-event view."""
+    cfg = {
+        "workers": [{"id": f"w{i}", "url": u, "profile": PROFILE} for i, u in enumerate(urls)],
+        "learning": {"time_scale": k},
+        "scrape_interval_s": 0.5 / k,
+        "kv_events": {"enabled": True, "hash_algo": "sha256_cbor", "hash_style": "0.32", "tokenizer": "sim"},
+    }
+    path.write_text(yaml.safe_dump(cfg))
+
+
+async def run_arm(arm: Arm, reqs: list[WorkloadRequest], texts: list[str], workers: int, k: float) -> ArmRun:
+    kv_base = free_port_run(workers)
+    kv = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_base}"})
+    extra = ["--kv-events-config", kv, "--kv-events-format", "0.33", "--prefix-caching-hash-algo", "sha256_cbor"]
+    with FleetProcess(workers, profile=PROFILE, model=MODEL, time_scale=k, wrapper=["taskset", "-c", FLEET_CORE],
+                      extra_args=extra) as fleet, tempfile.TemporaryDirectory(prefix="fleetgate-peers-") as tmp:
+        if arm.kind == "fleetgate":
+            cfg = Path(tmp) / "gateway.yaml"
+            fleetgate_config(fleet.urls, k, cfg)
+            arm = Arm(arm.name, arm.kind, arm.policy, config=str(cfg))
+        with started([arm], fleet.urls, "fgpeers-sched:", cpus=ROUTER_CORE) as (running,):
+            await asyncio.sleep(1.0)   # KV-event subscriptions, first scrapes
+            h0, q0 = prefix_counters(fleet.urls)
+            outcomes, span = await replay(running.url, reqs, texts, k)
+            h1, q1 = prefix_counters(fleet.urls)
+    return ArmRun(arm.name, outcomes, span, h1 - h0, q1 - q0)
+
+
+def table(runs: list[ArmRun], reqs: list[WorkloadRequest]) -> list[str]:
+    rows = ["| router, policy | SLO attainment | goodput (met req/s) | TTFT p50 s | TTFT p99 s | TPOT p99 ms "
+            "| prefix-cache hit rate | failed |", "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        met = run.met(reqs)
+        ttft = [o.ttft_s for o in run.outcomes if o.ttft_s is not None]
+        tpot = [o.tpot_s for o in run.outcomes if o.tpot_s is not None]
+        failed = sum(1 for o in run.outcomes if not o.ok)
+        rows.append(f"| {run.arm} | {met / len(reqs):.1%} | {met / run.span_s if run.span_s else 0:.3f} "
+                    f"| {quantile(ttft, 0.5):.2f} | {quantile(ttft, 0.99):.2f} | {quantile(tpot, 0.99) * 1000:.1f} "
+                    f"| {run.hits / run.queries if run.queries else 0:.1%} | {failed} |")
+    return rows
+
+
+def trace_window(start: int, n: int) -> list[WorkloadRequest]:
+    """Requests start..start+n-1 of the Mooncake trace (those that fit the context), arrivals from 0, with SLOs."""
+    reqs = mooncake_workload(None)[0][start:start + n]
+    t0 = reqs[0].arrival
+    return with_slos([dataclasses.replace(r, arrival=r.arrival - t0) for r in reqs], load_profile(PROFILE))
+
+
+def headline(runs: list[ArmRun], reqs: list[WorkloadRequest]) -> str:
+    """fleetgate's best arm against the best peer arm, by goodput (issue 23 item 3 asks >= 1.3x at 99% SLO)."""
+    def goodput(run: ArmRun) -> float:
+        return run.met(reqs) / run.span_s if run.span_s else 0.0
+
+    ours = [r for r in runs if r.arm.startswith("fleetgate")]
+    peers = [r for r in runs if not r.arm.startswith("fleetgate")]
+    if not ours or not peers:
+        return ""
+    best, rival = max(ours, key=goodput), max(peers, key=goodput)
+    return (f"Best fleetgate arm by goodput: {best.arm}, {goodput(best):.3f} met req/s = "
+            f"{goodput(best) / goodput(rival):.2f}x the best peer arm's ({rival.arm}, {goodput(rival):.3f}), at "
+            f"attainment {best.met(reqs) / len(reqs):.1%} vs {rival.met(reqs) / len(reqs):.1%}. This is one load "
+            "point, not goodput at 99% attainment (no rate sweep), and one run per arm.")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="120 requests (a smoke run)")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--start", type=int, default=3000, help="first request of the trace window")
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument("--arms", nargs="*", help="only these arms (names as in the report)")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "peers_sched.md"))
+    args = ap.parse_args()
+    n = 120 if args.quick else args.requests
+    reqs = trace_window(args.start, n)
+    cache: dict[int, str] = {}
+    texts = [prompt_text(r, cache) for r in reqs]
+    arms = [a for a in ARMS if not args.arms or a.name in args.arms]
+    runs = []
+    loads = [os.getloadavg()[0]]
+    for arm in arms:
+        log(f"{arm.name}: {len(reqs)} requests at time scale {args.time_scale:g} (load {os.getloadavg()[0]:.2f})")
+        runs.append(asyncio.run(run_arm(arm, reqs, texts, args.workers, args.time_scale)))
+        loads.append(os.getloadavg()[0])
+    body = "\n".join([
+        f"Requests {args.start}-{args.start + len(reqs) - 1} of the Mooncake trace ({reqs[-1].arrival:.0f} model "
+        f"seconds, mean prompt {statistics.fmean(r.prompt_tokens for r in reqs):,.0f} tokens, best possible "
+        f"prefix-cache hit rate {best_hit_rate(reqs):.1%}), {args.workers} x {PROFILE} "
+        f"simulated at time scale {args.time_scale:g}; one run per arm, in the order below. Machine load (1-minute "
+        f"average) {min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cores.", "",
+        *table(runs, reqs), "",
+        headline(runs, reqs), "",
+        "Times are model seconds (wall x K). A request meets its SLO when it completed, its TTFT <= 0.5 s + 2 x "
+        "its uncached prefill time and its TPOT <= 100 ms (bench/prefix.py).",
+    ])
+    cmd = (f"python -m bench.peers_sched --workers {args.workers} --start {args.start} --requests {n} "
+           f"--time-scale {args.time_scale:g}"
+           + (f" --arms {' '.join(repr(a) for a in args.arms)}" if args.arms else ""))
+    write_report(Path(args.out), "fleetgate and the peer routers: scheduling quality", cmd, body)
+    print(Path(args.out).read_text())
+
+
+if __name__ == "__main__":
+    main()
