@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.harness import bisect_smallest
 from bench.report import write_report
 from policies.pd import pd_policy_for_profiles
 from simulator.cluster import ClusterSim, RequestResult
@@ -147,14 +148,7 @@ def decode_workers_needed(policy_key: str, wl: list[WorkloadRequest], rate: floa
 
     if not ok(hi):
         return None, seen
-    lo = 0  # ok(lo) is False by convention
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi, seen
+    return bisect_smallest(ok, 0, hi), seen
 
 
 def sizing(rates: list[float], prof: Profile, duration: float, hi: int) -> tuple[str, dict]:

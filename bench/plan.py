@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from bench.harness import bisect_smallest
 from bench.report import git_commit, write_report
 from policies.hardware import GPUS, derive_profile
 from policies.planning import InstanceGroup, ServiceDemand, Slo, algorithm1_throughput, instance_capacity
@@ -200,10 +201,7 @@ def exhaustive(model: str, services: list[ServiceShare], run: DeploymentRun, max
         hi = max_gpus // tp
         if hi < 1 or not ok(hi):
             continue
-        lo = 0                         # ok(lo) is False (no workers), ok(hi) True
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+        hi = bisect_smallest(ok, 0, hi)   # ok(0) is False (no workers), ok(hi) True
         if best[0] is None or hi * tp < best[0]:
             best = (hi * tp, f"{hi}x TP{tp}")
     return best

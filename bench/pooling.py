@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.harness import bisect_smallest
 from bench.report import git_commit, write_report
 from policies.pooling.baselines import resident_capacity
 from simulator.pooled import POOLING_MODES, PooledResult, PooledSpec, simulate_pooled
@@ -73,13 +74,7 @@ def fewest_workers(profile: str, lam: float, m: int, mode: str, duration: float,
         a, b = lo, cap                        # invariant: b passes
         if run(a).to_dict()[key] >= TARGET:
             return a
-        while b - a > 1:
-            mid = (a + b) // 2
-            if run(mid).to_dict()[key] >= TARGET:
-                b = mid
-            else:
-                a = mid
-        return b
+        return bisect_smallest(lambda n: run(n).to_dict()[key] >= TARGET, a, b)
 
     n_req = search("slo_attainment")
     n_tok = search("token_slo_attainment")
