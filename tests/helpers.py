@@ -14,6 +14,7 @@ import contextlib
 import os
 import queue
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -148,6 +149,17 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0
     """`fleetgate ARGS` to completion (captured text output)."""
     return subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def require_command(name: str, package: str | None = None) -> str:
+    """The path of a command a test drives for real; the test fails (never skips) without it, saying what to
+    install (.ci/run and the machine provide these)."""
+    path = shutil.which(name)
+    if path is None:
+        import pytest
+
+        pytest.fail(f"{name} is needed for this test: apt-get install {package or name}")
+    return path
 
 
 class CliProcess:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -24,16 +23,10 @@ import yaml
 from openai import AsyncOpenAI
 
 from simulator.fleet import FleetProcess
-from tests.helpers import MODEL, free_port, poll, poll_sync
+from tests.helpers import MODEL, free_port, poll, poll_sync, require_command
 
 ROOT = Path(__file__).resolve().parents[1]
 PD_MODEL = "pd-llama"
-
-
-def binary(name: str) -> str:
-    path = shutil.which(name)
-    assert path, f"{name} is needed for this test: apt-get install prometheus (.ci/run does)"
-    return path
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -47,7 +40,7 @@ def alert_rules() -> list[dict]:
 
 
 def test_promtool_accepts_the_rules() -> None:
-    r = subprocess.run([binary("promtool"), "check", "rules", str(ROOT / "deploy/prometheus/alerts.yml")],
+    r = subprocess.run([require_command("promtool", "prometheus"), "check", "rules", str(ROOT / "deploy/prometheus/alerts.yml")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"SUCCESS: {len(alert_rules())} rules found" in r.stdout
@@ -55,7 +48,7 @@ def test_promtool_accepts_the_rules() -> None:
 
 @pytest.mark.slow  # a fleet, a gateway, Redis and Prometheus, ~1 minute
 async def test_every_panel_and_alert_returns_data_from_a_real_prometheus(tmp_path, gateway_process) -> None:
-    prometheus = binary("prometheus")
+    prometheus = require_command("prometheus")
     redis_port, prom_port = free_port(), free_port()
     redis_proc = subprocess.Popen(["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import subprocess
 
 import httpx
@@ -17,7 +16,7 @@ import redis
 
 from gateway.state.base import WorkerRecord
 from gateway.state.redis_store import RedisStore
-from tests.helpers import ADMIN, MODEL, free_port, poll, running_gateway
+from tests.helpers import ADMIN, MODEL, free_port, poll, require_command, running_gateway
 
 pytestmark = pytest.mark.redis
 
@@ -90,10 +89,9 @@ async def test_the_gateway_keeps_its_fleet_and_keys_when_redis_is_wiped(sim_flee
         r.close()
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server to start its own Redis")
 async def test_an_outage_is_logged_once_not_per_loop(sim_fleet, tmp_path, caplog) -> None:
     port = free_port()
-    cmd = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]
+    cmd = [require_command("redis-server"), "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     await poll(lambda: _pings(url), 5, "redis-server to start")

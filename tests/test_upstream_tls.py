@@ -5,7 +5,6 @@ gateway's health checks, discovery, scrapes and relayed requests all reach the T
 
 from __future__ import annotations
 
-import shutil
 import ssl
 import subprocess
 from dataclasses import dataclass
@@ -15,11 +14,9 @@ import pytest
 from openai import AsyncOpenAI
 
 from gateway.upstream import ClientConnectorError, TlsSettings
-from tests.helpers import MODEL, poll, running_gateway
+from tests.helpers import MODEL, poll, require_command, running_gateway
 from tests.test_upstream import pool
 from tests.test_upstream_pool import CountingResolver
-
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
 
 @dataclass(frozen=True)
@@ -33,7 +30,7 @@ class Pki:
 
 
 def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+    subprocess.run([require_command("openssl"), *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
 def _ca(d: Path, name: str) -> None:

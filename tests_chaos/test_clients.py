@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import httpx
 import pytest
 
 from bench.chaos_procs import RedisServer, proc_stats, record
-from tests.helpers import MODEL, poll
+from tests.helpers import MODEL, poll, require_command
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -180,9 +179,9 @@ async def test_fuzzed_requests_get_no_5xx_and_no_hangs(fleet, gateway_process, t
     assert rss1 <= rss0 * 1.10, (rss0, rss1)
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 async def test_one_key_at_3x_its_limit_through_two_replicas(fleet, gateway_process, tmp_path: Path) -> None:
     rpm, drive_rps = 120, 6.0  # 2 requests/s allowed, 6/s sent: 3x
+    require_command("redis-server")
     redis_server = RedisServer(tmp_path)
     redis_server.start()
     try:

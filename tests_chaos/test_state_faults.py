@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -22,16 +21,16 @@ import pytest
 from openai import AsyncOpenAI
 
 from bench.chaos_procs import Load, RedisServer, record
-from tests.helpers import ADMIN, MODEL, poll
+from tests.helpers import ADMIN, MODEL, poll, require_command
 
-pytestmark = [pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
-              pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 FREEZE_S = float(os.environ.get("FLEETGATE_CHAOS_FREEZE_S", "30"))
 
 
 @pytest.fixture
 def redis_server(tmp_path: Path):  # noqa: ANN201
+    require_command("redis-server")
     server = RedisServer(tmp_path)
     server.start()
     yield server

@@ -18,7 +18,6 @@ import tempfile
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 
 from engine_adapters.vllm.kv_events import decode_batch, encode_batch
@@ -29,9 +28,6 @@ from scripts.vllm_servers import ensure_model, venv_path
 from tests_vllm.conftest import ADMIN_KEY, MODEL, engine_metric, run_gateway, wait_until
 
 VENV = venv_path()
-pytestmark = pytest.mark.skipif(not (VENV / "bin" / "python").exists(),
-                                reason=f"the vLLM venv is absent ({VENV}); scripts/vllm_env.sh builds it")
-
 
 def in_vllm(script: str, data: object) -> object:
     """Run `script` in the vLLM venv's interpreter with `data` as JSON on stdin; its last stdout line is JSON."""
