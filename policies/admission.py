@@ -3,8 +3,8 @@ their budget runs out. Pure: the caller passes its clock; the gateway (gateway/a
 virtual-time simulator (simulator/cluster.py) drive this same object.
 
 Rules (in one place, so the simulator and the gateway cannot drift):
-- A new request tries to place itself at once only while fewer than `lookahead` requests wait (with the
-  default lookahead of 1: only when nobody waits, so it never overtakes one that waits).
+- A new request tries to place itself at once only while fewer than `lookahead` requests wait (with a
+  lookahead of 1: only when nobody waits, so it never overtakes one that waits).
 - A drain tries the waiting requests in arrival order (or in a service-aware priority's order, when the caller
   gives one) and stops after `lookahead` of them found no worker
   (lookahead 1: head-of-line; larger: a head that does not fit, e.g. one an SLO-aware policy holds back until

@@ -171,6 +171,16 @@ class SimWorker:
     def gpus(self) -> int:
         return self.profile.gpus_per_worker
 
+    def reserve(self, tokens: int, n: int = 1) -> None:
+        """Count `n` requests of `tokens` (prompt + predicted output) in flight here (n = -1: one leaves)."""
+        self.inflight += n
+        self.inflight_tokens += n * tokens
+
+
+def _reserved(r: WorkloadRequest, feats: RequestFeatures) -> int:
+    """The tokens a placed request reserves on its worker: its prompt and its predicted output."""
+    return r.prompt_tokens + int(feats.predicted_output_tokens)
+
 
 @dataclass(slots=True)
 class _PdLeg:
@@ -484,8 +494,7 @@ class ClusterSim:
         if decision.prefill_worker_id is not None:
             self._dispatch_pd(r, feats, w, decision.prefill_worker_id, now)
             return None
-        w.inflight += 1
-        w.inflight_tokens += r.prompt_tokens + int(feats.predicted_output_tokens)
+        w.reserve(_reserved(r, feats))
         res = self.results[r.request_id]
         res.worker_id, res.dispatched = wid, now
         for hook in self.on_dispatch:
@@ -578,11 +587,8 @@ class ClusterSim:
         if src.step_end is not None and src.step_end > now:
             self._truncate(src, now)
         src.engine.abort(m.request_id, now)
-        tokens = r.prompt_tokens + int(feats.predicted_output_tokens)
-        src.inflight -= 1
-        src.inflight_tokens -= tokens
-        dst.inflight += 1
-        dst.inflight_tokens += tokens
+        src.reserve(_reserved(r, feats), -1)
+        dst.reserve(_reserved(r, feats))
         self.results[m.request_id].worker_id = dst.id
         self.placement.moved(feats, src.id, dst.id, now)
         self.moves += 1
@@ -591,8 +597,7 @@ class ClusterSim:
         self._maybe_retire(src, now)
 
     def _complete(self, w: SimWorker, r: WorkloadRequest, feats: RequestFeatures, now: float) -> None:
-        w.inflight -= 1
-        w.inflight_tokens -= r.prompt_tokens + int(feats.predicted_output_tokens)
+        w.reserve(_reserved(r, feats), -1)
         res = self.results[r.request_id]
         self._decisions.pop(r.request_id, None)
         if self.services is not None:
@@ -679,10 +684,8 @@ class ClusterSim:
         wp = self.workers.get(pid)
         if wp is None or wp.draining or wp is wd:
             raise RuntimeError(f"policy {self.policy_name} chose prefill worker {pid!r}, which is not a candidate")
-        wd.inflight += 1
-        wd.inflight_tokens += r.prompt_tokens + int(feats.predicted_output_tokens)
-        wp.inflight += 1
-        wp.inflight_tokens += r.prompt_tokens        # a prefill leg reserves its prompt only
+        wd.reserve(_reserved(r, feats))
+        wp.reserve(r.prompt_tokens)                  # a prefill leg reserves its prompt only
         res = self.results[r.request_id]
         res.worker_id, res.prefill_worker_id, res.dispatched = wd.id, pid, now
         for hook in self.on_dispatch:
@@ -750,8 +753,7 @@ class ClusterSim:
     def _pd_release_prefill(self, leg: _PdLeg, now: float) -> None:
         r, _ = self._pending[leg.request_id]
         wp = leg.prefill
-        wp.inflight -= 1
-        wp.inflight_tokens -= r.prompt_tokens
+        wp.reserve(r.prompt_tokens, -1)
         self._maybe_retire(wp, now)
         if self.queue:
             self._drain_queue(now)
