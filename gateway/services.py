@@ -15,11 +15,12 @@ are ordered by one of policies/service_priority.py's schedulers (SeaLLM's doubli
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
 from typing import Any
+
+import orjson
 
 from gateway import errors
 from gateway.auth import Tenant
@@ -84,9 +85,9 @@ class ServiceOrder:
         s.started(feats.request_id, now)
         if not self.config.engine_priority:
             return payload
-        body = json.loads(payload)
+        body = orjson.loads(payload)   # the shaped body or a continuation's: the bytes are what the worker gets
         body["priority"] = s.engine_priority(feats.request_id, now)
-        return json.dumps(body, separators=(",", ":")).encode()
+        return orjson.dumps(body)
 
     def finished(self, feats: RequestFeatures, completed: bool, generated_tokens: int) -> None:
         self.scheduler(feats.model).finished(feats.request_id, feats.prompt_tokens, generated_tokens, time.time(),
