@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import redis
 
+from bench.loadgen import process_cpu_seconds
+
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served model
 
 
@@ -99,9 +101,7 @@ def proc_stats(pid: int) -> tuple[float, float]:
     for row in Path(f"/proc/{pid}/status").read_text().splitlines():
         if row.startswith("VmRSS:"):
             rss = int(row.split()[1]) / 1024
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return rss, (int(fields[11]) + int(fields[12])) / ticks
+    return rss, process_cpu_seconds(pid)
 
 
 @dataclass
