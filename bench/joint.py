@@ -84,7 +84,8 @@ def render(results: dict[int, list[ArmResult]]) -> str:
                          f"{s['scale_ups']} |")
     lines += ["", "What it shows (computed from the rows above):", ""]
     for seed, rs in results.items():
-        scaling, joint, static = rs[0], next(r for r in rs if r.arm == "joint"), rs[3]
+        scaling, joint = rs[0], next(r for r in rs if r.arm == "joint")
+        static = next(r for r in rs if r.arm.endswith("(scaling only's mean)"))
         att = {r.arm: r.summary()["interactive_slo"] for r in rs}
         lines.append(
             f"- seed {seed}: joint spends {joint.gpu_seconds / scaling.gpu_seconds - 1:+.0%} GPU-seconds against "
