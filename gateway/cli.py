@@ -210,8 +210,7 @@ def simulate(
         spec = SimSpec(trace=trace or "azure_conv", rate=rate, rate_scale=rate_scale, arrival=arrival, cv=cv,
                        duration=duration, seed=seed, profile=profile, workers=workers,
                        policy=policy or "least_requests", policy_params=parse_params(policy_param),
-                       slo_ttft_s=(600.0 if slo_ttft_ms is None else slo_ttft_ms) / 1000.0,
-                       slo_tpot_s=(30.0 if slo_tpot_ms is None else slo_tpot_ms) / 1000.0, ttft_slowdown=ttft_slowdown, pd=pd,
+                       slo_ttft_s=slo_ttft_ms / 1000.0, slo_tpot_s=slo_tpot_ms / 1000.0, ttft_slowdown=ttft_slowdown, pd=pd,
                        lengths="oracle" if oracle_lengths else "predicted", warmup=warmup,
                        queue_lookahead=queue_lookahead, rebalance_s=rebalance_s, services=services,
                        service_priority=service_priority, service_preempt=service_preempt, max_num_seqs=max_num_seqs)
