@@ -436,7 +436,7 @@ class Autoscaler:
                 parts.append(f"{ws.id}[{p} {f.requests if f else 0}/{ws.rec.cap or '-'}]")
         log.info("fleet: %d active (%s), %d starting, %d draining; desired %s", sum(len(v) for v in active.values()),
                  " ".join(parts) or "none", sum(pending.values()), len(draining),
-                 " ".join(f"{p}={n}" for p, n in desired.items()))
+                 " ".join(f"{p}={n}" for p, n in desired.items()), extra={"unlimited": True})
 
     async def _observe_only(self, now: float) -> dict[str, Any]:
         """Autoscaling off: still export what the queues look like (depth, wait estimates, pool sizes)."""

@@ -8,7 +8,9 @@ gateway/access_log.py); `text` is the classic `time LEVEL logger: message`.
 
 Rate limiting (`RateLimitFilter`): the same message template from the same logger is let through at most
 `burst` times per `window_s`; the rest are counted and the next line let through says how many were
-dropped (`suppressed=N`). Access-log lines are exempt (one per request is the point).
+dropped (`suppressed=N`). Access-log lines are exempt (one per request is the point), and so is a record
+logged with `extra={"unlimited": True}`: a line its caller already emits only on a change (the autoscaler's
+`fleet:` line), which a burst of changes must not hide.
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ class RateLimitFilter(logging.Filter):
         self._seen: dict[tuple[str, str], list[float]] = {}  # key -> [window start, count, dropped]
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.name == ACCESS_LOGGER:
+        if record.name == ACCESS_LOGGER or getattr(record, "unlimited", False):
             return True
         now = self.clock()
         key = (record.name, str(record.msg))

@@ -95,6 +95,9 @@ def test_rate_limit_filter_drops_repeats_and_counts_them() -> None:
     assert [f.filter(rec("boom %s")) for _ in range(5)] == [True, True, False, False, False]
     assert f.filter(rec("other %s"))  # another template is its own budget
     assert f.filter(rec("boom %s", ACCESS_LOGGER)) and f.filter(rec("boom %s", ACCESS_LOGGER))
+    change = rec("boom %s")
+    change.unlimited = True      # a line logged only on a change (the autoscaler's `fleet:`) is never dropped
+    assert f.filter(change)
     now[0] = 11.0
     r = rec("boom %s")
     assert f.filter(r) and r.suppressed == 3
