@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -92,7 +94,11 @@ async def test_redis_killed_and_restarted_empty(sim_fleet_process, gateway_proce
     assert all(x["inflight"] >= 0 for x in workers)
     assert sum(after.values()) > 0  # the requests in flight hold their slots in the new Redis too
     assert not [x for x in lines if "Traceback" in x], lines
-    assert len(lines) <= 6, lines
+    # An outage is announced, not flooded: a slow machine may see the restart as two short outages (each one
+    # announced and its end logged), or a worker's health check fail once, but never a line per request.
+    assert len(lines) <= 12, lines
+    kinds = Counter(re.sub(r"[0-9.:]+", "#", x.split(" ", 3)[-1]) for x in lines)
+    assert max(kinds.values()) <= 3, kinds
 
 
 async def test_redis_frozen_30s(sim_fleet_process, gateway_process, redis_server, tmp_path) -> None:
