@@ -943,7 +943,18 @@ class RedisStore(RedisJobs, StateStore):
         self._hold(t)
         return True
 
+    def release_nowait(self, worker_id: str, request_id: str) -> bool:
+        """A leased slot goes back among the free ones with no Redis call (unless another replica waits)."""
+        key = (worker_id, request_id)
+        if key not in self._slot_of or not self._ok or self._others_waiting:
+            return False
+        self._remove_local(worker_id, self._own.pop(key))
+        self._keep_free(worker_id, [self._slot_of.pop(key)])
+        return True
+
     async def release(self, worker_id: str, request_id: str) -> None:
+        if self.release_nowait(worker_id, request_id):
+            return
         r = self._client()
         tokens = self._own.pop((worker_id, request_id), None)
         if tokens is None:
