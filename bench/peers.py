@@ -221,8 +221,13 @@ async def run_all(arms: Sequence[Arm], sizes: Sizes, rounds: int) -> list[Phase]
         with null_backends() as backends, started(arms, backends, prefix) as running:
             direct_url = backends[0] + "/v1/chat/completions"
             warm = chat_body(MODEL, "Say hi.", 1, stream=False)
+            warm_stream = chat_body(MODEL, "Tell a story.", OUTPUT_TOKENS, stream=True)
             for ra in running:   # connection pools, caches, lazy imports
                 await run_closed_loop(ra.url + "/v1/chat/completions", lambda i: warm, concurrency=8, requests=200)
+                # streamed too: fleetgate's first fit of its performance models (which imports scipy, ~0.5 s of
+                # CPU once per process) comes with its first streamed requests, not inside a measured phase
+                await run_closed_loop(ra.url + "/v1/chat/completions", lambda i: warm_stream, concurrency=8,
+                                      requests=200, stream=True)
             phases: list[Phase] = []
             for rnd, i in round_order(len(running), rounds):
                 log(f"round {rnd}: {running[i].arm.name} (load {os.getloadavg()[0]:.2f})")
