@@ -57,6 +57,7 @@ GROUPS: tuple[tuple[str, str], ...] = (
      r"gateway/(request|auth|forwarding|validation|ratelimit|errors|client_limits)\.py"),
     ("dispatch pipeline (gateway/dispatch.py, app.py, resume.py)", r"gateway/(dispatch|app|resume)\.py"),
     ("uvicorn HTTP server (httptools protocol)", r"uvicorn/"),
+    ("Redis socket writes and reads (asyncio streams: only redis-py uses them here)", r"asyncio/streams\.py"),
     ("event loop, transports, tasks (asyncio, uvloop: C code shows as its caller)", r"asyncio/|selectors"),
 )
 
