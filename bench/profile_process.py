@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import bench.peers as peers
-from bench.harness import free_port, log, pinned, running_process
+from bench.harness import delete_redis_keys, free_port, log, pinned, running_process
 from bench.loadgen import chat_body, process_tree_cpu_seconds, run_closed_loop
 from bench.report import write_report
 
@@ -127,19 +127,9 @@ def profile_phase(backends: list[str], redis: bool, stream: bool, requests: int,
             sp.wait(60)
         groups, samples = group_samples(out.read_text() if out.exists() else "")
     if redis:
-        _delete_keys(prefix)
+        delete_redis_keys(REDIS_URL, prefix)
     log(f"{name}: {ok} ok, {rps:,.0f} requests/s, {cpu / max(1, ok) * 1000:.3f} ms CPU/request, {samples} samples")
     return PhaseProfile(name, ok, rps, cpu / max(1, ok) * 1000, groups, samples)
-
-
-def _delete_keys(prefix: str) -> None:
-    import redis
-
-    r = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5, socket_timeout=5)
-    keys = list(r.scan_iter(match=prefix + "*", count=1000))
-    if keys:
-        r.delete(*keys)
-    r.close()
 
 
 def table(phases: list[PhaseProfile]) -> str:
