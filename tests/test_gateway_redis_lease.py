@@ -157,3 +157,38 @@ async def test_leasing_store_makes_few_redis_calls_and_gives_everything_back(red
         await s.close()
     assert await raw.zcard(redis_prefix + "res:w") == 0
     await raw.aclose()
+
+
+async def test_other_replicas_see_requests_not_leased_slots(redis_url, redis_prefix) -> None:
+    """B's view of A's load counts A's requests, not the free slots A leased; A's free slots go back at once when B
+    has requests waiting, and the cap still counts them until then."""
+    a = RedisStore(redis_url, replica_id="lease-a", key_prefix=redis_prefix, lease_block=8, refresh_interval_s=0.05)
+    b = RedisStore(redis_url, replica_id="lease-b", key_prefix=redis_prefix, lease_block=8, refresh_interval_s=0.05)
+    await a.start()
+    await b.start()
+    raw = aioredis.from_url(redis_url, decode_responses=True)
+    try:
+        for i in range(3):
+            assert await a.try_reserve("w", f"r{i}", cap=10, tokens=7)
+        assert await raw.zcard(redis_prefix + "res:w") == 8          # one lease of 8: 3 used, 5 free
+        await poll(lambda: (v := b.inflight().get("w")) is not None and (v.requests, v.tokens) == (3, 21),
+                   timeout=2, what="B to see A's 3 requests and their tokens")
+        assert await b.try_reserve("w", "b0", cap=10, tokens=1)      # 2 slots left under the cap: B leases them
+        assert await raw.zcard(redis_prefix + "res:w") == 10
+        assert await b.try_reserve("w", "b1", cap=10, tokens=1)      # B's second leased slot, no call
+        assert not await b.try_reserve("w", "b2", cap=10, tokens=1)  # A's 8 and B's 2 hold the cap
+        b.set_waiting(1)                                              # B queues: A gives its 5 free slots back
+        await poll(lambda: _card_is(raw, redis_prefix + "res:w", 5), timeout=3, what="A's free slots returned")
+        assert await b.try_reserve("w", "b2", cap=10, tokens=1)      # B leases what the cap leaves: 5
+        assert await raw.zcard(redis_prefix + "res:w") == 10
+        assert (await a.try_reserve("w", "a9", cap=10, tokens=1)) is False   # A has nothing free left
+        b.set_waiting(0)
+    finally:
+        await a.close()
+        await b.close()
+    assert await raw.zcard(redis_prefix + "res:w") == 0
+    await raw.aclose()
+
+
+async def _card_is(raw, key: str, n: int) -> bool:  # noqa: ANN001
+    return await raw.zcard(key) == n

@@ -130,11 +130,13 @@ return want
 """
 
 # Give leased slots back. KEYS: res:<worker>, waiters, load:<replica>; ARGV: channel, "replica|worker", worker,
-# this replica's requests and tokens on it now (its load hash, read by a woken replica's refresh), then the members.
+# this replica's requests and tokens on it now (its load hash, read by a woken replica's refresh), ttl_ms, then the
+# members.
 _RETURN = """
-local n = redis.call('ZREM', KEYS[1], unpack(ARGV, 6))
+local n = redis.call('ZREM', KEYS[1], unpack(ARGV, 7))
 if tonumber(ARGV[4]) > 0 then
   redis.call('HSET', KEYS[3], 'r:' .. ARGV[3], ARGV[4], 't:' .. ARGV[3], ARGV[5])
+  redis.call('PEXPIRE', KEYS[3], ARGV[6])
 else
   redis.call('HDEL', KEYS[3], 'r:' .. ARGV[3], 't:' .. ARGV[3])
 end
@@ -825,7 +827,7 @@ class RedisStore(RedisJobs, StateStore):
                 await self._return_script(keys=[self._k(f"res:{worker_id}"), self._k("waiters"),
                                                 self._k(f"load:{self.replica_id}")],
                                           args=[self._k("released"), f"{self.replica_id}|{worker_id}", worker_id,
-                                                own.requests, own.tokens, *members],
+                                                own.requests, own.tokens, self._ttl_ms, *members],
                                           client=self._client())
                 return
             except _DOWN_ERRORS as exc:
