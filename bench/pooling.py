@@ -44,19 +44,23 @@ class Point:
     n_token: int | None            # ... at 99% per-token deadline attainment
     at_best: dict                  # the run at n_request (or at the cap)
     runs: int
+    seed: int = 0
 
 
-def _run(profile: str, lam: float, m: int, mode: str, n: int, duration: float, seed: int) -> PooledResult:
+def _run(profile: str, lam: float, m: int, mode: str, n: int, duration: float, seed: int,
+         **opts: bool) -> PooledResult:
     return simulate_pooled(PooledSpec(num_models=m, rate=m * lam, workers=n, pooling=mode, profile=profile,
-                                      duration=duration, seed=seed))
+                                      duration=duration, seed=seed, **opts))
 
 
-def fewest_workers(profile: str, lam: float, m: int, mode: str, duration: float, seed: int, cap: int) -> Point:
+def fewest_workers(profile: str, lam: float, m: int, mode: str, duration: float, seed: int, cap: int,
+                   **opts: bool) -> Point:
+    """`opts`: PooledSpec's mechanism switches (prefetch, kv_overlap), the same for every mode of a run."""
     cache: dict[int, PooledResult] = {}
 
     def run(n: int) -> PooledResult:
         if n not in cache:
-            cache[n] = _run(profile, lam, m, mode, n, duration, seed)
+            cache[n] = _run(profile, lam, m, mode, n, duration, seed, **opts)
         return cache[n]
 
     lo = 2 if mode == "aegaeon" else 1
@@ -79,7 +83,7 @@ def fewest_workers(profile: str, lam: float, m: int, mode: str, duration: float,
     n_req = search("slo_attainment")
     n_tok = search("token_slo_attainment")
     best = run(n_req if n_req is not None else cap).to_dict()
-    return Point(profile, lam, m, mode, n_req, n_tok, best, len(cache))
+    return Point(profile, lam, m, mode, n_req, n_tok, best, len(cache), seed)
 
 
 def _n(n: int | None, cap: int) -> str:
@@ -96,7 +100,9 @@ def report(points: list[Point], args: argparse.Namespace, cap_of: dict, png: str
         f"M models of uniform popularity, Poisson arrivals of lambda req/s each, ShareGPT lengths (Llama-2 tokenizer)"
         f" that fit the context, {args.duration:g} s of arrivals then drain, seed {args.seed}. SLO: TTFT 10 s and"
         " TBT (mean TPOT) 100 ms, Aegaeon section 7.1. Swap cost in every mode: eq. 4 (weights / 25 GB/s host link"
-        " x 0.625). Aegaeon: 6/16 of the workers prefill (section 7.2), MAX_GPSIZE 8, Q_MAX 4 s.",
+        " x 0.625). Aegaeon: 6/16 of the workers prefill (section 7.2), MAX_GPSIZE 8, Q_MAX 4 s."
+        f" Weight prefetch (section 5.2, every swapping mode): {'off' if args.no_prefetch else 'on'};"
+        f" Aegaeon's KV swap-in overlapped with the previous turn (section 5.3): {'off' if args.no_kv_overlap else 'on'}.",
         "",
         "Profiles: `llama2-13b-a100` (Llama-2-13B on A100-80GB, shipped) and `llama3-8b-h100` (Llama-3.1-8B on"
         " H100, shipped, standing in for the paper's 7-8B class on H800); no new profile was derived.",
@@ -141,6 +147,46 @@ def report(points: list[Point], args: argparse.Namespace, cap_of: dict, png: str
                      f" {d['expected_active_models']:.2f} |")
     lines += ["", f"![pooling]({png})"]
     return "\n".join(lines)
+
+
+def seeds_report(points: list[Point], cap_of: dict, seeds: list[int]) -> str:
+    """Per point, the fewest workers of every seed and aegaeon's ratio over request-level swapping per seed."""
+    lines = ["## Seeds: spread of the fewest workers and of the target ratio", "",
+             f"Seeds {', '.join(map(str, seeds))}; each cell lists the seeds in that order.", "",
+             "| profile | lambda | M | mode | N@99% req | N@99% tok | hidden swaps / swaps | decode round s | alpha |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    by: dict[tuple, dict[int, Point]] = {}
+    for p in points:
+        by.setdefault((p.profile, p.lam, p.models, p.mode), {})[p.seed] = p
+    for key, per in by.items():
+        cap = cap_of[key[:3]]
+        ps = [per[s] for s in seeds if s in per]
+        rounds = [p.at_best.get("decode_round_s_mean") for p in ps]
+        alphas = [p.at_best.get("decode_alpha_mean") for p in ps]
+        lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | {key[3]} | {' / '.join(_n(p.n_request, cap) for p in ps)}"
+                     f" | {' / '.join(_n(p.n_token, cap) for p in ps)}"
+                     f" | {' / '.join(_hidden(p) for p in ps)}"
+                     f" | {' / '.join(_f(r) for r in rounds)} | {' / '.join(_f(a) for a in alphas)} |")
+    lines += ["", "| profile | lambda | M | ratio req per seed | ratio tok per seed | req min-max | tok min-max |",
+              "|---|---|---|---|---|---|---|"]
+    for key in sorted({k[:3] for k in by}):
+        r, a = by.get((*key, "request"), {}), by.get((*key, "aegaeon"), {})
+        common = [s for s in seeds if s in r and s in a]
+        if not common:
+            continue
+        cap = cap_of[key]
+        cells = []
+        for attr in ("n_request", "n_token"):
+            vals = [(getattr(r[s], attr) or cap) / getattr(a[s], attr) for s in common if getattr(a[s], attr)]
+            txt = " / ".join(_ratio(getattr(r[s], attr), getattr(a[s], attr), cap) for s in common)
+            cells.append((txt, f"{min(vals):.2f}-{max(vals):.2f}x" if vals else "-"))
+        lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} |"
+                     f" {cells[1][1]} |")
+    return "\n".join(lines)
+
+
+def _hidden(p: Point) -> str:
+    return f"{p.at_best['hidden_swaps']}/{p.at_best['swaps']}"
 
 
 def _f(v: float | None) -> str:
@@ -206,6 +252,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", default=",".join(POOLING_MODES))
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seeds", default="", help="Comma-separated seeds (overrides --seed): adds a spread section; "
+                    "the main tables show the first seed.")
+    ap.add_argument("--no-prefetch", action="store_true", help="Aegaeon section 5.2's weight prefetch off (all modes).")
+    ap.add_argument("--no-kv-overlap", action="store_true", help="Section 5.3's overlapped KV swap-in off.")
     ap.add_argument("--out", default="pooling")
     args = ap.parse_args(argv)
     if args.quick:
@@ -214,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     lambdas = [float(x) for x in args.lambdas.split(",")]
     models = [int(x) for x in args.models.split(",")]
     modes = [m for m in args.modes.split(",") if m]
+    seeds = [int(x) for x in args.seeds.split(",") if x] or [args.seed]
+    args.seed = seeds[0]
+    opts = {"prefetch": not args.no_prefetch, "kv_overlap": not args.no_kv_overlap}
     points: list[Point] = []
     cap_of: dict = {}
     t0 = time.time()
@@ -224,15 +277,20 @@ def main(argv: list[str] | None = None) -> None:
                 cap = 2 * m
                 cap_of[(prof, lam, m)] = cap
                 for mode in modes:
-                    p = fewest_workers(prof, lam, m, mode, args.duration, args.seed, cap)
-                    points.append(p)
-                    print(f"{prof} lambda={lam:g} M={m} {mode}: N@req={p.n_request} N@tok={p.n_token} "
-                          f"({p.runs} runs, {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+                    for seed in seeds:
+                        p = fewest_workers(prof, lam, m, mode, args.duration, seed, cap, **opts)
+                        points.append(p)
+                        print(f"{prof} lambda={lam:g} M={m} {mode} seed={seed}: N@req={p.n_request} "
+                              f"N@tok={p.n_token} ({p.runs} runs, {time.time() - t0:.0f} s)", file=sys.stderr,
+                              flush=True)
+    main_points = [p for p in points if p.seed == seeds[0]]
     png = RESULTS / f"{args.out}.png"
-    plot(points, png)
+    plot(main_points, png)
     cmd = "python -m bench.pooling " + " ".join(argv if argv is not None else sys.argv[1:])
     write_report(RESULTS / f"{args.out}.md", "Pooled serving: models per worker by pooling mode", cmd.strip(),
-                 report(points, args, cap_of, png.name) + f"\n\nWall time: {time.time() - t0:.0f} s.\n", commit=commit)
+                 report(main_points, args, cap_of, png.name)
+                 + (f"\n\n{seeds_report(points, cap_of, seeds)}" if len(seeds) > 1 else "")
+                 + f"\n\nWall time: {time.time() - t0:.0f} s.\n", commit=commit)
     print(f"wrote {RESULTS / (args.out + '.md')}")
 
 
