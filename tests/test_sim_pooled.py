@@ -220,3 +220,43 @@ def test_shared_kv_fits_more_services_per_host():
     shared = PooledSim(PooledSpec(num_models=3, workers=1, pooling="multiplex", profile="llama3-8b-h100",
                                   shared_kv=True), multi_model_workload(ModelMix(3, 0.3, max_model_len=131072), 10, 1))
     assert len(sep.placement) == 2 and len(shared.placement) == 3
+
+
+@pytest.mark.parametrize("order, first", [("fcfs", "long"), ("seallm", "short")])
+def test_request_level_swapping_next_model_by_service_priority(order, first):
+    # One host busy with model 2 for ~5 s (under the 10 s starvation threshold); meanwhile a request of model 0 (a service whose requests are long)
+    # and then one of model 1 (short) queue. FCFS brings model 0 next; the doubling budget, whose profiles have
+    # learned the two services, brings model 1 (smallest O_r = Q_r L_s).
+    reqs = [ModelRequest("busy", 0.0, 100, 250, max_tokens=250, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-02"),
+            ModelRequest("long", 1.0, 100, 400, max_tokens=400, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-00"),
+            ModelRequest("short", 2.0, 100, 20, max_tokens=20, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-01")]
+    rates = {"model-00": 0.1, "model-01": 0.1, "model-02": 0.1}
+    sim = PooledSim(PooledSpec(num_models=3, workers=1, pooling="request", duration=3.0, service_priority=order),
+                    MultiModelWorkload(reqs, rates, {}, {}))
+    for _ in range(20):
+        sim.sched.finished("x", 0, 0, 0.0)      # unknown ids teach nothing
+        sim.sched.profile("model-00").observe(400.0)
+        sim.sched.profile("model-01").observe(20.0)
+    res = {r.request_id: r for r in sim.run().sim.results}
+    other = "short" if first == "long" else "long"
+    assert res["busy"].finished < res[first].first_token < res[other].first_token
+
+
+def test_cli_pooled_service_priority_and_mechanism_flags():
+    p = fleetgate("simulate", "--num-models", "4", "--rate", "1", "--workers", "2", "--pooling", "multiplex",
+                  "--shared-kv", "--service-priority", "seallm", "--profile", "llama3-8b-h100",
+                  "--trace", "sharegpt,arxiv,azure_conv,code", "--duration", "60", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["service_priority"] == "seallm" and out["swaps"] == 0 and out["norm_latency_mean"] > 0
+    assert set(out["services"]) == {"model-00", "model-01", "model-02", "model-03"}
+    p = fleetgate("simulate", "--num-models", "6", "--rate", "0.6", "--workers", "3", "--pooling", "aegaeon",
+                  "--no-prefetch", "--no-kv-overlap", "--duration", "30", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["prefetch"] is False and out["kv_overlap"] is False and out["hidden_swaps"] == 0
+    p = fleetgate("simulate", "--num-models", "4", "--rate", "1", "--workers", "2", "--pooling", "aegaeon",
+                  "--service-priority", "seallm")
+    assert p.returncode == 2 and "applies to --pooling multiplex or request" in p.stderr
+    p = fleetgate("simulate", "--num-models", "4", "--rate", "1", "--pooling", "request", "--service-priority", "lottery")
+    assert p.returncode == 2 and "--service-priority must be one of" in p.stderr
