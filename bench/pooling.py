@@ -82,8 +82,51 @@ def fewest_workers(profile: str, lam: float, m: int, mode: str, duration: float,
 
     n_req = search("slo_attainment")
     n_tok = search("token_slo_attainment")
-    best = run(n_req if n_req is not None else cap).to_dict()
+    res = run(n_req if n_req is not None else cap)
+    best = res.to_dict() | quota_check(res)
     return Point(profile, lam, m, mode, n_req, n_tok, best, len(cache), seed)
+
+
+def quota_check(res: PooledResult) -> dict:
+    """Eq. 2-3's quotas against the per-request TPOT SLO, from an aegaeon run's decode rounds (empty for other
+    modes). Over whole rounds a batch's mean time per token is alpha x TBT (policies/pooling/aegaeon.py,
+    `decode_alpha`); a request that waits W for its batch's turn meets a mean-TPOT target d only with at least
+    W / (d - t) output tokens. `short_tokens` is that L* for the mean wait (R - q_i) and step time t; the shares are
+    of completed requests below it and of the missed requests below it; `ttft_misses` the misses late on TTFT."""
+    rounds = [r for r in res.decode_rounds if len(r.quotas) > 1]
+    if not rounds:
+        return {}
+    d = res.spec.slo_tpot_s
+    waits = [r.round_s - q for r in rounds for q in r.quotas]
+    steps = [t for r in rounds for t in r.step_times]
+    wait, step = sum(waits) / len(waits), sum(steps) / len(steps)
+    short = wait / (d - step) if d > step else math.inf
+    done = [r for r in res.sim.results if r.completed]
+    missed = [r for r in res.sim.results if not r.slo_met]
+    return {"quota_alpha_max": max(r.alpha for r in rounds), "quota_wait_s": wait, "short_tokens": short,
+            "short_share": sum(r.output_tokens < short for r in done) / max(1, len(done)),
+            "misses": len(missed), "short_misses": sum(r.output_tokens < short for r in missed),
+            "ttft_misses": sum(r.ttft is None or r.ttft > r.slo_ttft_s for r in missed)}
+
+
+def quota_report(points: list[Point]) -> str:
+    rows = [p for p in points if "short_tokens" in p.at_best]
+    if not rows:
+        return ""
+    lines = ["## Eq. 2-3's quotas against the per-request TPOT SLO", "",
+             "Over whole rounds every decode batch gets one token per alpha x TBT on average (eq. 2 with eq. 3's alpha;"
+             " derivation in policies/pooling/aegaeon.py `decode_alpha`), so a long request's mean TPOT meets the"
+             " 100 ms target whenever alpha <= 1. A request that waits W for its batch's turn needs at least"
+             " L* = W / (TBT - t) output tokens to meet it. At aegaeon's fewest-workers run (per request) of each"
+             " point, first seed; rounds of two or more batches:", "",
+             "| profile | lambda | M | N | max alpha | mean wait for the turn s | L* tokens | completed below L* |"
+             " misses | misses below L* | misses late on TTFT |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in rows:
+        d = p.at_best
+        lines.append(f"| {p.profile} | {p.lam:g} | {p.models} | {d['workers']} | {d['quota_alpha_max']:.2f} |"
+                     f" {d['quota_wait_s']:.2f} | {d['short_tokens']:.1f} | {d['short_share']:.1%} | {d['misses']} |"
+                     f" {d['short_misses']} | {d['ttft_misses']} |")
+    return "\n".join(lines)
 
 
 def _n(n: int | None, cap: int) -> str:
@@ -289,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     cmd = "python -m bench.pooling " + " ".join(argv if argv is not None else sys.argv[1:])
     write_report(RESULTS / f"{args.out}.md", "Pooled serving: models per worker by pooling mode", cmd.strip(),
                  report(main_points, args, cap_of, png.name)
+                 + (f"\n\n{quota_report(main_points)}" if quota_report(main_points) else "")
                  + (f"\n\n{seeds_report(points, cap_of, seeds)}" if len(seeds) > 1 else "")
                  + f"\n\nWall time: {time.time() - t0:.0f} s.\n", commit=commit)
     print(f"wrote {RESULTS / (args.out + '.md')}")

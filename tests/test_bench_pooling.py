@@ -42,3 +42,14 @@ def test_fewest_workers_passes_the_mechanism_switches():
     off = fewest_workers("llama3-8b-h100", 0.5, 6, "request", duration=60, seed=2, cap=12, prefetch=False)
     assert on.at_best["prefetch"] is True and off.at_best["prefetch"] is False
     assert off.at_best["hidden_swaps"] == 0
+
+
+def test_quota_check_accounts_for_the_misses():
+    from bench.pooling import quota_check, quota_report
+
+    p = fewest_workers("llama3-8b-h100", 0.5, 8, "aegaeon", duration=60, seed=2, cap=16)
+    q = p.at_best
+    assert q["quota_alpha_max"] >= 0.5 and q["quota_wait_s"] > 0 and q["short_tokens"] > 0
+    assert 0 <= q["short_misses"] <= q["misses"] and 0 <= q["ttft_misses"] <= q["misses"]
+    assert "| llama3-8b-h100 | 0.5 | 8 |" in quota_report([p])
+    assert quota_check(_run("llama3-8b-h100", 0.5, 4, "request", 2, 30, 2)) == {}
