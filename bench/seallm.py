@@ -57,7 +57,14 @@ POOLED_HEADING = "Pooled: services as different models taking turns on shared GP
 POOLED_PNG = ROOT / "bench" / "results" / "seallm_pooled.png"
 POOLED_ORDERS = ("fcfs", "round_robin", "seallm")
 POOLED_WORKERS = 2
-POOLED_SLOS = {"SLO TTFT 0.6 s / TPOT 30 ms": (0.6, 0.03), "SLO TTFT 10 s / TBT 100 ms": (10.0, 0.1)}
+SLO_DEFAULT, SLO_AEGAEON = (0.6, 0.03), (10.0, 0.1)
+# name -> (pooling mode, models, SLO): the services co-resident (SeaLLM's setting) under two SLOs, and taking
+# turns by request-level swapping (six models, more than two H100s hold; a host switches model only when idle).
+POOLED_SETTINGS = {
+    "co-resident, SLO TTFT 0.6 s / TPOT 30 ms": ("multiplex", 4, SLO_DEFAULT),
+    "co-resident, SLO TTFT 10 s / TBT 100 ms": ("multiplex", 4, SLO_AEGAEON),
+    "request-level swapping, 6 models, SLO TTFT 10 s / TBT 100 ms": ("request", 6, SLO_AEGAEON),
+}
 
 
 @dataclass
@@ -127,13 +134,15 @@ def ratio(fcfs: float, other: float) -> float:
     return fcfs / other if other > 0 else float("inf")
 
 
-def pooled_spec(rate: float, order: str, seed: int, duration: float, slo: tuple[float, float]) -> PooledSpec:
-    """SeaLLM's setting in the pooled simulator: the four services are four models (their own length
-    distributions) co-resident on `POOLED_WORKERS` H100s with one shared KV pool (SeaLLM sections 4.4 and 5: all
-    weights stay in GPU memory), one service per step, `order` choosing which (section 4.2)."""
-    return PooledSpec(num_models=len(SERVICES.split(",")), rate=rate, workers=POOLED_WORKERS, pooling="multiplex",
+def pooled_spec(rate: float, order: str, seed: int, duration: float, slo: tuple[float, float],
+                pooling: str = "multiplex", models: int = 4) -> PooledSpec:
+    """SeaLLM's setting in the pooled simulator: the services are models (their own length distributions, cycled)
+    co-resident on `POOLED_WORKERS` H100s with one shared KV pool (SeaLLM sections 4.4 and 5: all weights stay in
+    GPU memory), one service per step, `order` choosing which (section 4.2); with `pooling="request"` they take
+    turns by request-level swapping instead, `order` choosing the next model of an idle host."""
+    return PooledSpec(num_models=models, rate=rate, workers=POOLED_WORKERS, pooling=pooling,
                       profile=PROFILE, traces=SERVICES, duration=duration, seed=seed, slo_ttft_s=slo[0],
-                      slo_tpot_s=slo[1], service_priority=order, shared_kv=True)
+                      slo_tpot_s=slo[1], service_priority=order, shared_kv=pooling == "multiplex")
 
 
 def run_grid(name: str, seeds: list[int], orders: tuple[str, ...], summary: Callable[[float, str, int], dict],
@@ -262,7 +271,10 @@ The order picks which: `fcfs` the service holding the oldest request (AlpaServe'
 GPU until it is done), `round_robin` the services in turn step by step (MuxServe's temporal order), `seallm` the
 service holding the request with the smallest doubling-budget priority O_r = Q_r L_s (policies/service_priority.py;
 within a service vLLM's priority scheduling with the priority at arrival). Two SLOs, each with its own load where
-FCFS attains 90-95%: the project's default and Aegaeon's. Seeds {seeds}, {duration:g} s of arrivals each.
+FCFS attains 90-95%: the project's default and Aegaeon's. A third setting has the services take turns by
+request-level swapping instead (six models, the four distributions cycled, on the same two hosts: one model awake
+per host, a host switches only when idle, with Aegaeon's swap cost and prefetch; the order picks the model of an
+idle host's next load). Seeds {seeds}, {duration:g} s of arrivals each.
 Normalized latency = e2e / output tokens per completed request. Plot: seallm_pooled.png.
 """
 
@@ -274,10 +286,12 @@ def main_pooled(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     names = SERVICES.split(",")
     commit = git_commit()
     found, runs = {}, []
-    for slo_name, slo in POOLED_SLOS.items():
-        def summary(rate: float, order: str, seed: int, slo: tuple[float, float] = slo) -> dict:
-            d = simulate_pooled(pooled_spec(rate, order, seed, duration, slo)).to_dict()
-            d["services"] = {names[int(m.split("-")[1]) % len(names)]: v for m, v in d.get("services", {}).items()}
+    for slo_name, (pooling, models, slo) in POOLED_SETTINGS.items():
+        def summary(rate: float, order: str, seed: int, slo: tuple[float, float] = slo, pooling: str = pooling,
+                    models: int = models) -> dict:
+            d = simulate_pooled(pooled_spec(rate, order, seed, duration, slo, pooling, models)).to_dict()
+            d["services"] = {f"{names[k % len(names)]}" + (f" #{k // len(names) + 1}" if models > len(names) else ""): v
+                             for k, v in ((int(m.split("-")[1]), v) for m, v in d.get("services", {}).items())}
             return d
         rate, att, tried, rs = run_grid(slo_name, seeds, POOLED_ORDERS, summary, start_rate=0.05, log=log)
         found[slo_name] = (rate, att, tried)

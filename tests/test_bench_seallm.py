@@ -42,6 +42,8 @@ def test_pooled_spec_is_seallms_setting():
     from bench.seallm import POOLED_WORKERS, SERVICES, pooled_spec
 
     s = pooled_spec(2.0, "seallm", 1, 100.0, (10.0, 0.1))
+    r = pooled_spec(1.0, "fcfs", 0, 10.0, (10.0, 0.1), "request", 6)
+    assert (r.pooling, r.num_models, r.shared_kv) == ("request", 6, False)
     assert (s.pooling, s.shared_kv, s.service_priority, s.workers) == ("multiplex", True, "seallm", POOLED_WORKERS)
     assert s.num_models == len(SERVICES.split(",")) and s.traces == SERVICES and (s.slo_ttft_s, s.slo_tpot_s) == (10.0, 0.1)
 
