@@ -679,7 +679,8 @@ class PooledSim:
         free = self._free_bytes(h, t.batch_id)
         start = now
         if nb.model != h.resident_model and self._prefetching and free >= prof.weight_bytes:
-            h.pf_model, h.pf_done = nb.model, now + self.swap.load_s
+            if h.pf_model != nb.model:          # (a copy of this model already under way goes on)
+                h.pf_model, h.pf_done = nb.model, now + self.swap.load_s
             free -= prof.weight_bytes
             start = h.pf_done
         tokens = self._kv_tokens(h.engines.get(nb.batch_id))
