@@ -14,7 +14,10 @@ this module carries it out:
 A wake-up that fails (the engine died) marks the engine failed for a while; another host holding the model is
 tried, and when none is left the waiting requests get the OpenAI-style 503 of a model without workers.
 With Redis, a host's swaps are serialised across gateway replicas by a lease per host (`swap:<host>`, the
-autoscaler's lease mechanism), so only one replica drives a host at a time.
+autoscaler's lease mechanism), so only one replica drives a host at a time; the replica swapping publishes
+which engines it holds out of rotation (document `pool:host:<id>`), every replica applies that every
+`HOLD_SYNC_S`, and the swapping replica waits that long after publishing before it waits for the engine to
+drain, so no replica routes a request to an engine about to sleep (one a scrape has not yet seen asleep).
 
 Swap costs (`swap_costs`) come from the engine's weights and the host's link (Aegaeon appendix A.2 eq. 4 with
 vLLM's sleep-mode reload, policies/pooling/costs.py), unless the config overrides them; the controller uses them
@@ -46,6 +49,7 @@ log = logging.getLogger("fleetgate.pooling")
 GB = 1e9
 PLAN_POLL_S = 0.02           # while demand waits: re-plan this often (engines go idle on any replica)
 DRAIN_POLL_S = 0.01
+HOLD_SYNC_S = 0.1            # with Redis: how often each replica reads the hosts' published holds
 LEVEL_STATE = {1: "weights_offloaded", 2: "discard_all"}   # vllm:engine_sleep_state per /sleep level
 
 
@@ -87,6 +91,9 @@ class SwapController:
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._fail_hold_s = max(5.0, 3 * config.health.interval_s)
+        self.shared = bool(config.redis_url)
+        self.holds: dict[str, dict[str, bool]] = {h: {} for h in self.hosts}   # host -> worker -> held (ours)
+        self._sync_task: asyncio.Task | None = None
 
     @property
     def enabled(self) -> bool:
@@ -104,9 +111,11 @@ class SwapController:
         `max_awake` (the first ones configured stay awake)."""
         self.upstream = upstream
         await asyncio.gather(*(self._settle(h) for h in self.hosts.values()))
+        if self.shared and self.hosts:
+            self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop(), name="fg-swap-holds")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._loop_task, *self._tasks) if t is not None]
+        tasks = [t for t in (self._loop_task, self._sync_task, *self._tasks) if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -115,17 +124,55 @@ class SwapController:
 
     async def _settle(self, host: SharedHostConfig) -> None:
         asleep = await asyncio.gather(*(self._is_sleeping(host.engine(m).url) for m in host.engines))
-        awake = 0
-        for model, sleeping in zip(host.engines, asleep, strict=True):
-            wid = host.worker_id(model)
-            if sleeping is None:
-                continue     # unreachable: the health checks keep it out
-            if sleeping:
-                self.registry.set_sleep(wid, True, LEVEL_STATE[host.sleep_level])
-            elif awake < host.max_awake:
-                awake += 1
-            else:
-                await self._sleep(host, model)
+        lease = f"swap:{host.id}"
+        if not await self.store.acquire_lease(lease, self.store.replica_id, 2 * host.swap_timeout_s):
+            lease = ""      # another replica swaps on it now: only learn what sleeps
+        try:
+            awake = 0
+            for model, sleeping in zip(host.engines, asleep, strict=True):
+                wid = host.worker_id(model)
+                if sleeping is None:
+                    continue     # unreachable: the health checks keep it out
+                if sleeping:
+                    self.registry.set_sleep(wid, True, LEVEL_STATE[host.sleep_level])
+                    self.holds[host.id][wid] = True
+                elif awake < host.max_awake or not lease:
+                    awake += 1
+                else:
+                    await self._sleep(host, model)
+            if lease:
+                await self._publish(host.id)
+        finally:
+            if lease:
+                await self.store.release_lease(lease, self.store.replica_id)
+
+    # --- holds shared between replicas (Redis) ------------------------------------------------------
+    async def _publish(self, host: str) -> None:
+        if self.shared:
+            await self.store.put_doc(f"pool:host:{host}", {"holds": self.holds[host]})
+
+    async def _sync_loop(self) -> None:
+        while True:
+            try:
+                await self.sync_holds()
+            except Exception:  # noqa: BLE001 - Redis down: the scrapes still tell sleeping engines
+                log.debug("reading shared-host holds failed", exc_info=True)
+            await asyncio.sleep(HOLD_SYNC_S)
+
+    async def sync_holds(self) -> None:
+        """Apply the holds another replica published for hosts this replica is not swapping on."""
+        for hid in self.hosts:
+            if hid in self.switching:
+                continue
+            doc = await self.store.get_doc(f"pool:host:{hid}")
+            holds = doc.get("holds") if isinstance(doc, dict) else None
+            if not isinstance(holds, dict):
+                continue
+            for wid, held in holds.items():
+                ws = self.registry.workers.get(wid)
+                if ws is not None and isinstance(held, bool) and ws.held != held:
+                    self.registry.set_sleep(wid, held, None if held else AWAKE)
+                self.holds[hid][wid] = bool(held)
 
     # --- what the dispatcher asks (no I/O) -----------------------------------------------------------
     def servable(self, model: str) -> bool:
@@ -208,6 +255,10 @@ class SwapController:
         when it does not drain or the engine refuses."""
         wid = host.worker_id(model)
         self.registry.set_sleep(wid, True)
+        self.holds[host.id][wid] = True
+        if self.shared:     # every replica stops placing on it before the drain is judged
+            await self._publish(host.id)
+            await asyncio.sleep(2 * HOLD_SYNC_S)
         deadline = time.monotonic() + host.swap_timeout_s
         while True:
             f = self.store.inflight().get(wid)
@@ -215,13 +266,13 @@ class SwapController:
                 break
             if time.monotonic() > deadline:
                 log.warning("engine %s did not go idle within %gs; not swapped out", wid, host.swap_timeout_s)
-                self.registry.set_sleep(wid, False)
+                await self._unhold(host.id, wid)
                 return False
             await asyncio.sleep(DRAIN_POLL_S)
         url = f"{host.engine(model).url}/sleep?level={host.sleep_level}&mode=wait"
         if not await self._post(url, host.swap_timeout_s):
             log.warning("engine %s refused to sleep; left awake", wid)
-            self.registry.set_sleep(wid, False)
+            await self._unhold(host.id, wid)
             return False
         self.registry.set_sleep(wid, True, LEVEL_STATE[host.sleep_level])
         self.metrics.model_swaps.labels(model, "out").inc()
@@ -245,11 +296,18 @@ class SwapController:
             return False
         self.last_busy[wid] = time.monotonic()
         self.registry.set_sleep(wid, False, AWAKE)
+        self.holds[host.id][wid] = False
+        await self._publish(host.id)
         self.planner.served(model)
         self.swaps += 1
         self.metrics.model_swaps.labels(model, "in").inc()
         log.info("engine %s (%s on %s) awake", wid, model, host.id)
         return True
+
+    async def _unhold(self, host: str, wid: str) -> None:
+        self.registry.set_sleep(wid, False)
+        self.holds[host][wid] = False
+        await self._publish(host)
 
     async def _post(self, url: str, timeout_s: float) -> bool:
         assert self.upstream is not None

@@ -169,3 +169,43 @@ def test_planner_is_fcfs_and_swaps_only_idle_engines() -> None:
     # demand already met anywhere is dropped; an unusable engine is never woken
     assert q.plan({"h": HostView(1, {B: EngineView(True), c: EngineView(False, usable=False)})}) == []
     assert q.demand == {c: 2.0}
+
+
+POOL_REDIS_URL = "redis://127.0.0.1:6379/12"     # this module's own Redis DB
+
+
+async def test_two_replicas_share_a_host_through_redis(sim_fleet, make_client) -> None:
+    import uuid
+
+    import redis
+
+    r = redis.Redis.from_url(POOL_REDIS_URL, socket_connect_timeout=1, socket_timeout=5)
+    try:
+        r.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis is not reachable at {POOL_REDIS_URL} ({exc}); start redis-server on port 6379")
+    prefix = f"fgtest:pool:{uuid.uuid4().hex[:8]}:"
+    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=20)
+    url_a, url_b = fleet.urls
+    cfg = {**_shared({A: url_a, B: url_b}), "redis_url": POOL_REDIS_URL, "redis_key_prefix": prefix,
+           "limits": {"queue_timeout_s": 30}}
+    try:
+        async with gateway(**cfg, replica_id="r1") as g1, gateway(**cfg, replica_id="r2") as g2:
+            clients = [make_client(g.url, max_retries=0, timeout=60) for g in (g1, g2)]
+
+            async def one(i: int) -> int:
+                await asyncio.sleep(0.02 * i)
+                out = await clients[i % 2].completions.create(model=(A, A, B, B)[i % 4], prompt=f"q {i}",
+                                                              max_tokens=6)
+                return out.usage.completion_tokens
+
+            assert await asyncio.gather(*(one(i) for i in range(16))) == [6] * 16
+            assert _state(url_a)["submitted_asleep"] == 0
+            assert _state(url_b)["submitted_asleep"] == 0
+            asleep = [httpx.get(u + "/is_sleeping").json()["is_sleeping"] for u in (url_a, url_b)]
+            assert asleep.count(False) == 1                  # max_awake 1 held across both replicas
+    finally:
+        keys = list(r.scan_iter(match=prefix + "*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()
