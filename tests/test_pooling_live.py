@@ -209,3 +209,25 @@ async def test_two_replicas_share_a_host_through_redis(sim_fleet, make_client) -
         if keys:
             r.delete(*keys)
         r.close()
+
+
+def test_pooled_demo_serves_every_model_of_a_shared_host() -> None:
+    import signal
+
+    from tests.helpers import CliProcess, free_port_range, refused
+
+    base = free_port_range(5)
+    with CliProcess("demo", "--port", str(base), "--workers", "2", "--num-models", "2", "--base-port",
+                    str(base + 1), "--time-scale", "20", merge_stderr=True) as demo:
+        demo.wait_for("fleetgate listening on", timeout=60)
+        text = "\n".join(demo.stdout)
+        models = ["meta-llama/Llama-3.1-8B-Instruct-0", "meta-llama/Llama-3.1-8B-Instruct-1"]
+        assert "2 model(s) sharing 2 host(s)" in text and all(f'"model": "{m}"' in text for m in models), text
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{base}/v1", api_key="x", max_retries=0, timeout=30)
+        for m in models * 2:
+            assert client.completions.create(model=m, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        # each host keeps one model awake: both models are served, by host0's and host1's awake engines
+        asleep = [httpx.get(f"http://127.0.0.1:{base + 1 + i}/is_sleeping").json()["is_sleeping"] for i in range(4)]
+        assert asleep.count(False) == 2 and asleep[:2].count(False) == 1, asleep
+        assert demo.send_signal(signal.SIGINT, timeout=20) == 0
+    assert all(refused(base + i) for i in range(5))
