@@ -102,18 +102,21 @@ async def test_a_wake_that_fails_is_an_openai_503_not_a_hang(sim_fleet, make_cli
 
 
 async def test_a_model_on_two_hosts_fails_over_when_one_wake_fails(sim_fleet, make_client) -> None:
-    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}, {"model": A}]}, time_scale=20)
+    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": A}, {"model": B}]}, time_scale=20)
     dead = sim_fleet(fleet={"servers": [{"model": B}]}, time_scale=20)
-    a0, b1, a1 = fleet.urls
+    a0, a1, b1 = fleet.urls
+    # A stays awake on both hosts at start; B sleeps on both; h0's B is tried first (ties go to the first host)
     hosts = [{"id": "h0", "engines": {A: a0, B: dead.urls[0]}},
-             {"id": "h1", "engines": {B: b1, A: {"url": a1, "id": "h1-a"}}}]
+             {"id": "h1", "engines": {A: {"url": a1, "id": "h1-a"}, B: b1}}]
     async with gateway(shared_hosts=hosts, scrape_interval_s=0.05, health={"interval_s": 30}) as gw:
         oa = make_client(gw.url, max_retries=0, timeout=30)
         dead.stop()
-        # h1 keeps B awake, h0 keeps A awake: B is served by h1 directly
         r = await oa.completions.create(model=B, prompt="hi", max_tokens=2)
         assert r.usage.completion_tokens == 2
-        assert _state(b1)["stats"]["finished"].get("length", 0) == 1
+        assert _state(b1)["stats"]["finished"].get("length", 0) == 1    # served by h1 after h0's wake failed
+        text = await _metrics(gw.url)
+        assert metric(text, "fleetgate_model_swaps_total", {"model": A, "direction": "out"}) == 2   # both hosts tried
+        assert metric(text, "fleetgate_model_swaps_total", {"model": B, "direction": "in"}) == 1
         assert _state(a0)["submitted_asleep"] == _state(a1)["submitted_asleep"] == _state(b1)["submitted_asleep"] == 0
 
 
