@@ -62,20 +62,22 @@ class LiveSide:
     ttft_p99_s: float
     swaps_in: float
     failures: list[int]
+    ttft_missed: int = 0
+    tpot_missed: int = 0
 
 
 async def replay(url: str, workload: list[ModelRequest], k: float, max_model_len: int, seed: int,
-                 ttft_s: float, tpot_s: float) -> tuple[int, int, list[float], list[int]]:
-    """Send the workload at arrival / k; (met, completed, TTFTs in model seconds, failure statuses)."""
+                 ttft_s: float, tpot_s: float) -> tuple[dict[str, int], list[float], list[int]]:
+    """Send the workload at arrival / k; (counts met / completed / ttft_missed / tpot_missed, TTFTs in model
+    seconds, failure statuses)."""
     failures: list[int] = []
     ttfts: list[float] = []
-    met = completed = 0
+    n = {"met": 0, "completed": 0, "ttft_missed": 0, "tpot_missed": 0}
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as s:
         t0 = time.perf_counter() + 0.5
 
         async def one(i: int, r: ModelRequest) -> None:
-            nonlocal met, completed
             body = orjson.dumps({"model": r.model, "prompt": unique_prompt(r.prompt_tokens, i, seed),
                                  "max_tokens": max(max_model_len - r.prompt_tokens, 1), "stream": True})
             sent = t0 + r.arrival / k
@@ -98,7 +100,7 @@ async def replay(url: str, workload: list[ModelRequest], k: float, max_model_len
                                 first = first if first is not None else now
                                 last = now
                             elif event == b"data: [DONE]" and resp.status == 200:
-                                completed += 1
+                                n["completed"] += 1
                     if resp.status != 200:
                         failures.append(resp.status)
                         return
@@ -110,14 +112,15 @@ async def replay(url: str, workload: list[ModelRequest], k: float, max_model_len
             ttft = (first - sent) * k
             ttfts.append(ttft)
             tpot = (last - first) * k / (tokens - 1) if tokens > 1 else 0.0
-            if ttft <= ttft_s and tpot <= tpot_s:
-                met += 1
+            n["ttft_missed"] += ttft > ttft_s
+            n["tpot_missed"] += tpot > tpot_s
+            n["met"] += ttft <= ttft_s and tpot <= tpot_s
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(workload)))
-    return met, completed, ttfts, failures
+    return n, ttfts, failures
 
 
-async def live_run(spec: PooledSpec, k: float) -> LiveSide:
+async def live_run(spec: PooledSpec, k: float, drain_after_s: float | None) -> LiveSide:
     prof = load_profile(spec.profile)
     wl = multi_model_workload(spec.mix, spec.duration, spec.seed)
     models = list(wl.rates)
@@ -130,14 +133,15 @@ async def live_run(spec: PooledSpec, k: float) -> LiveSide:
     try:
         with FleetProcess(fleet_file=fleet_file, time_scale=k, seed=spec.seed, wrapper=wrapper) as fleet:
             urls = iter(fleet.urls)
-            hosts = [{"id": f"h{h}", "max_awake": 1, "engines": {m: next(urls) for m in models}}
-                     for h in range(spec.workers)]
+            drain = drain_after_s / k if drain_after_s is not None else None
+            hosts = [{"id": f"h{h}", "max_awake": 1, "engines": {m: next(urls) for m in models},
+                      "drain_after_s": drain} for h in range(spec.workers)]
             cfg = load_config(None, listen={"host": "127.0.0.1", "port": 0}, shared_hosts=hosts,
                               default_policy="least_requests", scrape_interval_s=0.5 / k,
                               limits={"queue_timeout_s": spec.drain_s / k, "queue_size": 100000},
                               health={"interval_s": 1.0})
             async with GatewayServer(cfg) as gw:
-                met, completed, ttfts, failures = await replay(gw.url, wl.requests, k, prof.max_model_len,
+                n, ttfts, failures = await replay(gw.url, wl.requests, k, prof.max_model_len,
                                                                spec.seed, spec.slo_ttft_s, spec.slo_tpot_s)
                 async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
                     text = await r.text()
@@ -147,10 +151,11 @@ async def live_run(spec: PooledSpec, k: float) -> LiveSide:
                    for m in models)
     ttfts.sort()
     p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else float("nan")
-    return LiveSide(met / len(wl.requests), completed, len(wl.requests), p99, swaps_in, failures)
+    return LiveSide(n["met"] / len(wl.requests), n["completed"], len(wl.requests), p99, swaps_in, failures,
+                    n["ttft_missed"], n["tpot_missed"])
 
 
-def section(spec: PooledSpec, k: float, sim: dict, live: LiveSide, cmd: str) -> str:
+def section(spec: PooledSpec, k: float, drain_after: float | None, sim: dict, live: LiveSide, cmd: str) -> str:
     diff = (live.attainment - sim["slo_attainment"]) * 100
     ok = abs(diff) <= TOLERANCE_PP
     fail = f"{len(live.failures)} failed ({sorted(set(live.failures))})" if live.failures else "none failed"
@@ -162,13 +167,16 @@ def section(spec: PooledSpec, k: float, sim: dict, live: LiveSide, cmd: str) -> 
         f"N = {spec.workers} hosts (max_awake 1), request-level swapping, {spec.duration:g} s of arrivals, seed "
         f"{spec.seed}, SLO TTFT {spec.slo_ttft_s:g} s / mean TPOT {spec.slo_tpot_s * 1000:g} ms. Live: time scale "
         f"K = {k:g}, one simulated engine per (model, host) whose wake-up is the simulator's swap cost, the gateway's "
-        "shared_hosts swap controller; attainment judged per request by the client in model seconds.", "",
+        f"shared_hosts swap controller with drain_after_s = "
+        f"{'none (idle engines only)' if drain_after is None else f'{drain_after:g} model s'}; attainment judged "
+        "per request by the client in model seconds.", "",
         "| side | attainment (per request) | completed / requests | TTFT p99 s | swaps in |",
         "|---|---|---|---|---|",
         f"| simulator (request mode) | {sim['slo_attainment']:.3f} | {sim['completed']}/{sim['servable']} | "
         f"{sim['ttft_p99']:.3g} | {sim['swaps']} |",
         f"| live gateway | {live.attainment:.3f} | {live.completed}/{live.requests} | {live.ttft_p99_s:.3g} | "
         f"{live.swaps_in:g} |", "",
+        f"Live misses: TTFT over target {live.ttft_missed}, mean TPOT over target {live.tpot_missed}.", "",
         f"Difference: {diff:+.1f} pp ({'within' if ok else 'outside'} the {TOLERANCE_PP:g} pp target); live: {fail}.",
         "What differed: the simulator queues each request on a host at arrival and a host switches to its oldest "
         "queued request's model; the gateway keeps per-model queues, wakes the model waiting longest on a host with "
@@ -181,9 +189,10 @@ async def main_async(args: argparse.Namespace) -> tuple[PooledSpec, dict, LiveSi
                       profile=args.profile, duration=args.duration, seed=args.seed)
     sim = simulate_pooled(spec).to_dict()
     print(f"simulator: attainment {sim['slo_attainment']:.3f}, swaps {sim['swaps']}", flush=True)
-    live = await live_run(spec, args.time_scale)
+    live = await live_run(spec, args.time_scale, args.drain_after)
     print(f"live: attainment {live.attainment:.3f}, completed {live.completed}/{live.requests}, swaps in "
-          f"{live.swaps_in:g}, failures {live.failures[:10]}", flush=True)
+          f"{live.swaps_in:g}, TTFT missed {live.ttft_missed}, TPOT missed {live.tpot_missed}, TTFT p99 "
+          f"{live.ttft_p99_s:.3g} s, failures {live.failures[:10]}", flush=True)
     return spec, sim, live
 
 
@@ -196,13 +205,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--duration", type=float, default=300.0, help="model seconds of arrivals")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--time-scale", type=float, default=10.0)
+    ap.add_argument("--drain-after", type=lambda v: None if v == "none" else float(v), default=1.0,
+                    help="model seconds a model waits before a busy engine is drained for it (shared_hosts "
+                    "drain_after_s x K); 'none': only idle engines are swapped out")
     ap.add_argument("--quick", action="store_true", help="60 model seconds, printed only")
     args = ap.parse_args(argv)
     if args.quick:
         args.duration = 60.0
     spec, sim, live = asyncio.run(main_async(args))
     cmd = ("python -m bench.pooling_live " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
-    text = section(spec, args.time_scale, sim, live, cmd)
+    text = section(spec, args.time_scale, args.drain_after, sim, live, cmd)
     print(text)
     if not args.quick:
         with RESULTS_MD.open("a") as f:

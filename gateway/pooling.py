@@ -3,8 +3,8 @@ of a host's engines awake at once, woken as requests arrive (issue 20, request-l
 
 A request for a model none of whose engines is awake waits in the model's admission queue as any request
 without room does (gateway/dispatch.py asks `demand` instead of answering 503). The decision of which engine to
-put to sleep and which to wake is `policies/pooling/swapping.py` (pure, FCFS, only idle engines swapped out);
-this module carries it out:
+put to sleep and which to wake is `policies/pooling/swapping.py` (pure, FCFS, an idle engine swapped out, or
+after `drain_after_s` a busy one drained first); this module carries it out:
 
 1. the engine swapped out leaves rotation first (`Registry.set_sleep`), then the controller waits until no
    request of any replica is in flight on it, then POST /sleep?level=L&mode=wait (vLLM 0.33: pause, let
@@ -200,7 +200,7 @@ class SwapController:
             log.exception("swap planning failed")
 
     def plan_once(self) -> list[SwapStep]:
-        steps = self.planner.plan(self.views(), self.waiting())
+        steps = self.planner.plan(self.views(), self.waiting(), time.monotonic())
         for step in steps:
             self.switching.add(step.host)
             t = asyncio.get_running_loop().create_task(self._swap(step), name=f"fg-swap-{step.host}")
@@ -224,7 +224,7 @@ class SwapController:
                 usable = ws is not None and ws.healthy and ws.active and self.failed_until.get(wid, 0.0) <= now
                 awake = ws is not None and (ws.awake or wid in self.waking)
                 engines[model] = EngineView(awake, busy, self.last_busy.get(wid, 0.0), usable)
-            out[hid] = HostView(host.max_awake, engines, hid in self.switching)
+            out[hid] = HostView(host.max_awake, engines, hid in self.switching, host.drain_after_s)
         return out
 
     # --- carrying a swap out -------------------------------------------------------------------------

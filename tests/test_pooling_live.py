@@ -151,13 +151,19 @@ def test_swap_costs_come_from_weights_and_link_unless_overridden() -> None:
     assert costs[B].load_s == 2.0 and costs[B].offload_s == pytest.approx(16 / 25)
 
 
-def test_planner_is_fcfs_and_swaps_only_idle_engines() -> None:
+def test_planner_is_fcfs_and_drains_the_least_busy_engine() -> None:
     p = RequestLevelSwaps()
-    busy = HostView(1, {A: EngineView(True, busy=2), B: EngineView(False)})
+    engines = {A: EngineView(True, busy=2), B: EngineView(False)}
     p.want(B, 1.0)
-    assert p.plan({"h": busy}) == []                                   # A busy: B waits for it
+    assert p.plan({"h": HostView(1, engines, drain_after_s=None)}, now=99.0) == []   # A busy: B waits for it
+    patient = HostView(1, engines, drain_after_s=2.0)
+    assert p.plan({"h": patient}, now=2.0) == []                                    # waited 1 s of 2
+    assert p.plan({"h": patient}, now=3.0) == [SwapStep("h", B, (A,))]   # A drained (no new requests), then out
+    busy = HostView(1, engines)                                                     # drain_after_s 0: at once
+    two = {"h0": busy, "h1": HostView(1, {A: EngineView(True, busy=1, idle_since=5.0), B: EngineView(False)})}
+    assert p.plan(two, now=1.0) == [SwapStep("h1", B, (A,))]                        # the engine with fewer in flight
     idle = HostView(1, {A: EngineView(True), B: EngineView(False)})
-    assert p.plan({"h": idle}, waiting={A}) == []                      # A has requests queued: kept
+    assert p.plan({"h": idle}, waiting={A}, now=5.0) == []             # A has requests queued: kept
     assert p.plan({"h": idle}) == [SwapStep("h", B, (A,))]
     room = HostView(2, {A: EngineView(True, busy=1), B: EngineView(False)})
     assert p.plan({"h": room}) == [SwapStep("h", B)]                   # room: nothing swapped out

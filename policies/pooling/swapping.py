@@ -7,9 +7,14 @@ The rules are `baselines.RequestSwapping`'s, over engines instead of one residen
 
 - demand is served first come, first served: the model whose requests started waiting first is woken first;
 - a host wakes a model while fewer than `max_awake` of its engines are awake (or waking);
-- else only an idle engine is swapped out (nothing in flight on it and nothing waiting for it), the one idle
-  longest first; a busy host makes the oldest demand wait for it (the head-of-line blocking of section 3.1), and
-  younger demand for that host waits behind it;
+- else an idle engine is swapped out (nothing in flight), the one idle longest first;
+- with none idle, once the demand has waited the host's `drain_after_s`, the engine with the fewest requests in flight is
+  drained: it takes no new request (its model's later requests queue behind the waiting one, FCFS, as
+  `RequestSwapping.place` queues them behind a host's queue) and sleeps when its last request ends. A long
+  request so blocks every model queued behind it (the head-of-line blocking of section 3.1). Draining at once
+  (0) is strict FCFS but swaps more (the drained model's next requests want a host too); never (None) lets a
+  model with steady traffic keep its host while others wait;
+- an engine whose model has requests waiting in the gateway is not swapped out;
 - a host does one swap at a time.
 """
 
@@ -34,6 +39,7 @@ class HostView:
     max_awake: int
     engines: Mapping[str, EngineView]   # model -> its engine on this host
     switching: bool = False             # a swap is under way on it
+    drain_after_s: float | None = 0.0   # a demand this old may drain a busy engine (module docstring); None: never
 
     def awake_count(self) -> int:
         return sum(1 for e in self.engines.values() if e.awake)
@@ -61,7 +67,7 @@ class RequestLevelSwaps:
     def served(self, model: str) -> None:
         self.demand.pop(model, None)
 
-    def plan(self, hosts: Mapping[str, HostView], waiting: Collection[str] = ()) -> list[SwapStep]:
+    def plan(self, hosts: Mapping[str, HostView], waiting: Collection[str] = (), now: float = 0.0) -> list[SwapStep]:
         """The swaps to start now, at most one per host. `waiting`: models with requests waiting in the gateway
         (their engines are never swapped out). Demand already met (an engine of the model awake) is dropped."""
         steps: list[SwapStep] = []
@@ -72,29 +78,35 @@ class RequestLevelSwaps:
                 self.served(model)      # awake (or waking) somewhere: its requests are placed there
                 continue
             free = [h for h in holders if h not in blocked and not hosts[h].switching]
-            step = _wake_on(model, free, hosts, waiting)
+            step = _wake_on(model, free, hosts, waiting, now - self.demand[model])
             if step is not None:
                 steps.append(step)
             blocked.update(holders)
         return steps
 
 
-def _wake_on(model: str, free: list[str], hosts: Mapping[str, HostView], waiting: Collection[str]) -> SwapStep | None:
-    """A host with room first (the least loaded), else the host whose idle victim has been idle longest."""
+def _wake_on(model: str, free: list[str], hosts: Mapping[str, HostView], waiting: Collection[str],
+             waited: float) -> SwapStep | None:
+    """A host with room first (the least loaded), else the awake engine to swap out: an idle one (idle longest),
+    or on hosts whose `drain_after_s` the demand has `waited`, the one with the fewest requests in flight."""
     room = [h for h in free if hosts[h].awake_count() < hosts[h].max_awake]
     if room:
         return SwapStep(min(room, key=lambda h: (_busy(hosts[h]), h)), model)
-    best: tuple[float, str, str] | None = None
+    best: tuple[int, float, str, str] | None = None
     for h in free:
+        after = hosts[h].drain_after_s
+        drain = after is not None and waited >= after
         for m, e in hosts[h].engines.items():
-            if e.awake and e.busy == 0 and m not in waiting and (best is None or (e.idle_since, h, m) < best):
-                best = (e.idle_since, h, m)
+            if e.awake and (drain or e.busy == 0) and m not in waiting and (
+                    best is None or (e.busy, e.idle_since, h, m) < best):
+                best = (e.busy, e.idle_since, h, m)
     if best is None:
         return None
-    _, h, victim = best
+    _, _, h, victim = best
+    drain = hosts[h].drain_after_s is not None and waited >= hosts[h].drain_after_s
     extra = hosts[h].awake_count() - hosts[h].max_awake   # more awake than allowed (e.g. at start): those too
     victims = [victim] + [m for m, e in hosts[h].engines.items()
-                          if e.awake and e.busy == 0 and m != victim and m not in waiting][:max(extra, 0)]
+                          if e.awake and (drain or e.busy == 0) and m != victim and m not in waiting][:max(extra, 0)]
     return SwapStep(h, model, tuple(victims))
 
 
