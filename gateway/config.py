@@ -877,6 +877,9 @@ def summarize(cfg: GatewayConfig) -> str:
         f"api keys: {len(cfg.api_keys) + len(cfg.auth.keys) or 'none (open)'}; "
         f"admin API: {'on' if cfg.auth.admin_key else 'off (no auth.admin_key)'}",
     ]
+    if cfg.shared_hosts:
+        lines.append("shared hosts: " + "; ".join(f"{h.id} ({', '.join(h.engines)}; max_awake {h.max_awake})"
+                                                  for h in cfg.shared_hosts))
     if cfg.deployment is not None:
         lines.append("deployment: " + ", ".join(f"{g.count}x {g.model} on {g.tp}x {g.gpu} ({g.role})"
                                                 for g in cfg.deployment.groups))
