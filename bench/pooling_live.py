@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--duration", type=float, default=300.0, help="model seconds of arrivals")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--time-scale", type=float, default=10.0)
-    ap.add_argument("--drain-after", type=lambda v: None if v == "none" else float(v), default=1.0,
+    ap.add_argument("--drain-after", type=lambda v: None if v == "none" else float(v), default=None,
                     help="model seconds a model waits before a busy engine is drained for it (shared_hosts "
                     "drain_after_s x K); 'none': only idle engines are swapped out")
     ap.add_argument("--quick", action="store_true", help="60 model seconds, printed only")

@@ -303,8 +303,9 @@ class SharedHostConfig(_Strict):
     sleep_level: SharedSleepLevel = 1             # /sleep?level=: 1 offloads the weights to CPU, 2 discards them
     swap_timeout_s: float = Field(60.0, gt=0)     # a /sleep or /wake_up answering nothing this long has failed
     # With no idle engine: once a model has waited this long, the least busy engine stops taking requests and is
-    # swapped out when its last one ends (policies/pooling/swapping.py); null: only idle engines are swapped out.
-    drain_after_s: float | None = Field(1.0, ge=0)
+    # swapped out when its last one ends (policies/pooling/swapping.py); null (default): only idle engines are
+    # swapped out (bench/results/pooling.md "Live": draining after 1 s halved attainment on its workload).
+    drain_after_s: float | None = Field(None, ge=0)
 
     @field_validator("id")
     @classmethod

@@ -159,8 +159,9 @@ def test_planner_is_fcfs_and_drains_the_least_busy_engine() -> None:
     patient = HostView(1, engines, drain_after_s=2.0)
     assert p.plan({"h": patient}, now=2.0) == []                                    # waited 1 s of 2
     assert p.plan({"h": patient}, now=3.0) == [SwapStep("h", B, (A,))]   # A drained (no new requests), then out
-    busy = HostView(1, engines)                                                     # drain_after_s 0: at once
-    two = {"h0": busy, "h1": HostView(1, {A: EngineView(True, busy=1, idle_since=5.0), B: EngineView(False)})}
+    busy = HostView(1, engines, drain_after_s=0.0)                                  # drain at once
+    two = {"h0": busy, "h1": HostView(1, {A: EngineView(True, busy=1, idle_since=5.0), B: EngineView(False)},
+                                      drain_after_s=0.0)}
     assert p.plan(two, now=1.0) == [SwapStep("h1", B, (A,))]                        # the engine with fewer in flight
     idle = HostView(1, {A: EngineView(True), B: EngineView(False)})
     assert p.plan({"h": idle}, waiting={A}, now=5.0) == []             # A has requests queued: kept

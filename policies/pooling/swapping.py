@@ -39,7 +39,7 @@ class HostView:
     max_awake: int
     engines: Mapping[str, EngineView]   # model -> its engine on this host
     switching: bool = False             # a swap is under way on it
-    drain_after_s: float | None = 0.0   # a demand this old may drain a busy engine (module docstring); None: never
+    drain_after_s: float | None = None  # a demand this old may drain a busy engine (module docstring); None: never
 
     def awake_count(self) -> int:
         return sum(1 for e in self.engines.values() if e.awake)
