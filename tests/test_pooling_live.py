@@ -56,6 +56,9 @@ async def test_two_models_on_one_host_take_turns(sim_fleet, make_client) -> None
         assert metric(text, "fleetgate_engine_state", {"worker": "gpu0:pool_model-a", "model": A,
                                                        "state": "weights_offloaded"}) == 1
         assert httpx.get(url_a + "/is_sleeping").json()["is_sleeping"] is True
+        async with httpx.AsyncClient() as c:
+            hosts = (await c.get(gw.url + "/ui/status.json")).json()["shared_hosts"]
+        assert [(h["id"], h["engines"][A]["awake"], h["engines"][B]["awake"]) for h in hosts] == [("gpu0", False, True)]
         for url in (url_a, url_b):
             st = _state(url)
             assert st["submitted_asleep"] == 0, st         # nothing ever reached a sleeping engine
