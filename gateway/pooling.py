@@ -16,8 +16,8 @@ tried, and when none is left the waiting requests get the OpenAI-style 503 of a 
 With Redis, a host's swaps are serialised across gateway replicas by a lease per host (`swap:<host>`, the
 autoscaler's lease mechanism), so only one replica drives a host at a time; the replica swapping publishes
 which engines it holds out of rotation (document `pool:host:<id>`), every replica applies that every
-`HOLD_SYNC_S`, and the swapping replica waits that long after publishing before it waits for the engine to
-drain, so no replica routes a request to an engine about to sleep (one a scrape has not yet seen asleep).
+`HOLD_SYNC_S`, and the swapping replica waits two of those and two refreshes of the shared in-flight view after
+publishing before it waits for the engine to drain, so no replica routes a request to an engine about to sleep (one a scrape has not yet seen asleep).
 
 Swap costs (`swap_costs`) come from the engine's weights and the host's link (Aegaeon appendix A.2 eq. 4 with
 vLLM's sleep-mode reload, policies/pooling/costs.py), unless the config overrides them; the controller uses them
@@ -82,7 +82,7 @@ class SwapController:
         self.planner = RequestLevelSwaps()
         self.upstream: UpstreamPool | None = None
         self.switching: set[str] = set()
-        self.waking: set[str] = set()               # worker ids being woken (they count as awake)
+        self.waking: set[str] = set()               # worker ids a swap under way wakes (they count as awake)
         self.failed_until: dict[str, float] = {}    # worker id -> monotonic time its failed wake-up is forgotten
         self.last_busy: dict[str, float] = {}       # worker id -> when it was last seen with requests in flight
         self.swaps = 0
@@ -94,6 +94,7 @@ class SwapController:
         self.shared = bool(config.redis_url)
         self.holds: dict[str, dict[str, bool]] = {h: {} for h in self.hosts}   # host -> worker -> held (ours)
         self._sync_task: asyncio.Task | None = None
+        self.driving: set[str] = set()              # hosts whose swap lease this replica holds now
 
     @property
     def enabled(self) -> bool:
@@ -162,8 +163,8 @@ class SwapController:
     async def sync_holds(self) -> None:
         """Apply the holds another replica published for hosts this replica is not swapping on."""
         for hid in self.hosts:
-            if hid in self.switching:
-                continue
+            if hid in self.driving:
+                continue        # this replica swaps on it now: its own holds are the truth
             doc = await self.store.get_doc(f"pool:host:{hid}")
             holds = doc.get("holds") if isinstance(doc, dict) else None
             if not isinstance(holds, dict):
@@ -203,6 +204,8 @@ class SwapController:
         steps = self.planner.plan(self.views(), self.waiting(), time.monotonic())
         for step in steps:
             self.switching.add(step.host)
+            # the model counts as awake there from now: its demand is met, no other host swaps for it meanwhile
+            self.waking.add(self.worker_id(step.host, step.wake))
             t = asyncio.get_running_loop().create_task(self._swap(step), name=f"fg-swap-{step.host}")
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
@@ -237,6 +240,7 @@ class SwapController:
             held = await self.store.acquire_lease(lease, self.store.replica_id, 2 * host.swap_timeout_s)
             if not held:
                 return      # another replica swaps on this host now; the plan loop asks again
+            self.driving.add(host.id)
             for victim in step.sleep:
                 if not await self._sleep(host, victim):
                     return
@@ -245,6 +249,8 @@ class SwapController:
         except Exception:  # noqa: BLE001
             log.exception("swap on %s failed", host.id)
         finally:
+            self.waking.discard(host.worker_id(step.wake))
+            self.driving.discard(host.id)
             if held:
                 with contextlib.suppress(Exception):
                     await self.store.release_lease(lease, self.store.replica_id)
@@ -256,9 +262,9 @@ class SwapController:
         wid = host.worker_id(model)
         self.registry.set_sleep(wid, True)
         self.holds[host.id][wid] = True
-        if self.shared:     # every replica stops placing on it before the drain is judged
+        if self.shared:     # every replica stops placing on it, and its last placements reach our view
             await self._publish(host.id)
-            await asyncio.sleep(2 * HOLD_SYNC_S)
+            await asyncio.sleep(2 * HOLD_SYNC_S + 2 * getattr(self.store, "refresh_interval_s", HOLD_SYNC_S))
         deadline = time.monotonic() + host.swap_timeout_s
         while True:
             f = self.store.inflight().get(wid)
@@ -281,11 +287,7 @@ class SwapController:
 
     async def _wake(self, host: SharedHostConfig, model: str) -> bool:
         wid = host.worker_id(model)
-        self.waking.add(wid)
-        try:
-            ok = await self._post(f"{host.engine(model).url}/wake_up", host.swap_timeout_s)
-        finally:
-            self.waking.discard(wid)
+        ok = await self._post(f"{host.engine(model).url}/wake_up", host.swap_timeout_s)
         if not ok:
             self.failed_until[wid] = time.monotonic() + self._fail_hold_s
             self.registry.report_failure(wid)
