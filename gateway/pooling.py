@@ -163,17 +163,42 @@ class SwapController:
     async def sync_holds(self) -> None:
         """Apply the holds another replica published for hosts this replica is not swapping on."""
         for hid in self.hosts:
-            if hid in self.driving:
-                continue        # this replica swaps on it now: its own holds are the truth
-            doc = await self.store.get_doc(f"pool:host:{hid}")
-            holds = doc.get("holds") if isinstance(doc, dict) else None
-            if not isinstance(holds, dict):
+            if hid not in self.driving:     # where this replica swaps now, its own holds are the truth
+                await self._apply_holds(hid)
+        if self._stranded():
+            self._ensure_planning()
+
+    async def _apply_holds(self, hid: str) -> None:
+        """The holds last published for host `hid`: True held out (asleep or on its way), False awake."""
+        doc = await self.store.get_doc(f"pool:host:{hid}")
+        holds = doc.get("holds") if isinstance(doc, dict) else None
+        if not isinstance(holds, dict):
+            return
+        for wid, held in holds.items():
+            ws = self.registry.workers.get(wid)
+            if ws is None or not isinstance(held, bool):
                 continue
-            for wid, held in holds.items():
-                ws = self.registry.workers.get(wid)
-                if ws is not None and isinstance(held, bool) and ws.held != held:
-                    self.registry.set_sleep(wid, held, None if held else AWAKE)
-                self.holds[hid][wid] = bool(held)
+            if held and not ws.held:
+                self.registry.set_sleep(wid, True)
+            elif not held and (ws.held or ws.metrics.sleep_state != AWAKE):
+                self.registry.set_sleep(wid, False, AWAKE)   # woken by the publisher (its scrape here may lag)
+            self.holds[hid][wid] = held
+
+    def _stranded(self) -> list[str]:
+        """Models with a request in flight on an engine its scrape says sleeps, no swap under way on its host:
+        another replica placed it just before it saw the hold (the race the hold sync narrows but cannot close
+        without a Redis call per request). Waking the model serves it rather than strand it."""
+        inflight = self.store.inflight()
+        out = []
+        for hid, host in self.hosts.items():
+            if hid in self.switching:
+                continue
+            for model in host.engines:
+                ws = self.registry.workers.get(host.worker_id(model))
+                f = inflight.get(ws.id) if ws is not None else None
+                if f is not None and f.requests and ws.metrics.sleep_state != AWAKE:
+                    out.append(model)
+        return out
 
     # --- what the dispatcher asks (no I/O) -----------------------------------------------------------
     def servable(self, model: str) -> bool:
@@ -188,20 +213,28 @@ class SwapController:
     def demand(self, model: str) -> None:
         """Requests for `model` wait with none of its engines awake: plan a swap (now and until it is met)."""
         self.planner.want(model, time.monotonic())
+        self._ensure_planning()
+
+    def _ensure_planning(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._plan_loop(), name="fg-swaps")
 
     # --- planning ----------------------------------------------------------------------------------
     async def _plan_loop(self) -> None:
         try:
-            while self.planner.demand or self.switching:
+            while True:
                 self.plan_once()
+                if not (self.planner.demand or self.switching):
+                    return
                 await asyncio.sleep(PLAN_POLL_S)
         except Exception:  # noqa: BLE001 - a bug here must not kill the gateway; waiting requests time out
             log.exception("swap planning failed")
 
     def plan_once(self) -> list[SwapStep]:
-        steps = self.planner.plan(self.views(), self.waiting(), time.monotonic())
+        now = time.monotonic()
+        for model in self._stranded():
+            self.planner.want(model, now)
+        steps = self.planner.plan(self.views(), self.waiting(), now)
         for step in steps:
             self.switching.add(step.host)
             # the model counts as awake there from now: its demand is met, no other host swaps for it meanwhile
@@ -240,6 +273,13 @@ class SwapController:
             held = await self.store.acquire_lease(lease, self.store.replica_id, 2 * host.swap_timeout_s)
             if not held:
                 return      # another replica swaps on this host now; the plan loop asks again
+            if self.shared:     # the plan may predate what the last lease holder did: re-read it, re-check
+                await self._apply_holds(host.id)
+                others = [self.registry.workers.get(host.worker_id(m)) for m in host.engines
+                          if m != step.wake and m not in step.sleep]
+                awake = [ws for ws in others if ws is not None and ws.awake]
+                if len(awake) >= host.max_awake:
+                    return
             self.driving.add(host.id)
             for victim in step.sleep:
                 if not await self._sleep(host, victim):
