@@ -304,7 +304,7 @@ class SharedHostConfig(_Strict):
     swap_timeout_s: float = Field(60.0, gt=0)     # a /sleep or /wake_up answering nothing this long has failed
     # With no idle engine: once a model has waited this long, the least busy engine stops taking requests and is
     # swapped out when its last one ends (policies/pooling/swapping.py); null (default): only idle engines are
-    # swapped out (bench/results/pooling.md "Live": draining after 1 s halved attainment on its workload).
+    # swapped out (ServerlessLLM's rule; both attained 1.000 on bench/results/pooling.md's "Live" point).
     drain_after_s: float | None = Field(None, ge=0)
 
     @field_validator("id")
