@@ -303,9 +303,10 @@ class SharedHostConfig(_Strict):
     sleep_level: SharedSleepLevel = 1             # /sleep?level=: 1 offloads the weights to CPU, 2 discards them
     swap_timeout_s: float = Field(60.0, gt=0)     # a /sleep or /wake_up answering nothing this long has failed
     # With no idle engine: once a model has waited this long, the least busy engine stops taking requests and is
-    # swapped out when its last one ends (policies/pooling/swapping.py); null (default): only idle engines are
-    # swapped out (ServerlessLLM's rule; both attained 1.000 on bench/results/pooling.md's "Live" point).
-    drain_after_s: float | None = Field(None, ge=0)
+    # swapped out when its last one ends (policies/pooling/swapping.py); null: only idle engines are swapped out
+    # (ServerlessLLM's rule: a model with steady traffic then keeps its host while others wait until refused;
+    # both attained 1.000 on bench/results/pooling.md's "Live" point).
+    drain_after_s: float | None = Field(1.0, ge=0)
 
     @field_validator("id")
     @classmethod

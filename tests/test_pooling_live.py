@@ -244,3 +244,28 @@ def test_pooled_demo_serves_every_model_of_a_shared_host() -> None:
         assert asleep.count(False) == 2 and asleep[:2].count(False) == 1, asleep
         assert demo.send_signal(signal.SIGINT, timeout=20) == 0
     assert all(refused(base + i) for i in range(5))
+
+
+async def test_drain_after_s_serves_a_model_while_another_keeps_its_host_busy(sim_fleet, make_client) -> None:
+    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=5)
+    url_a, url_b = fleet.urls
+    async with gateway(**_shared({A: url_a, B: url_b}, drain_after_s=0.0), limits={"queue_timeout_s": 30}) as gw:
+        oa = make_client(gw.url, max_retries=0, timeout=60)
+        stop = time.monotonic() + 4.0
+        served_a: list[int] = []
+
+        async def busy_a() -> None:          # two users back to back: A almost never idle on the host
+            while time.monotonic() < stop:
+                r = await oa.completions.create(model=A, prompt="steady", max_tokens=60)
+                served_a.append(r.usage.completion_tokens)
+
+        users = [asyncio.create_task(busy_a()), asyncio.create_task(busy_a())]
+        await asyncio.sleep(0.5)
+        t = time.monotonic()
+        r = await oa.completions.create(model=B, prompt="hello", max_tokens=4)
+        waited = time.monotonic() - t
+        assert r.usage.completion_tokens == 4
+        assert time.monotonic() < stop, f"B waited {waited:.2f}s: until A's traffic stopped"   # A drained for it
+        await asyncio.gather(*users)
+        assert len(served_a) >= 4 and all(n >= 1 for n in served_a)          # every A request completed
+        assert _state(url_a)["submitted_asleep"] == _state(url_b)["submitted_asleep"] == 0
