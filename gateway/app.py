@@ -35,6 +35,7 @@ from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
 from gateway.observe import RequestObserver
 from gateway.passthrough import passthrough_router
+from gateway.pooling import SwapController
 from gateway.registry import Registry
 from gateway.relay import Relay, make_upstream_pool
 from gateway.slo import SloBook
@@ -74,6 +75,7 @@ class Gateway:
         self.access_log = AccessLog() if config.logging.access_log else None
         self.tracing: Tracing | None = Tracing(config.tracing) if config.tracing.enabled else None
         self.kv_events = KvEventsService(config, self.registry, self.metrics.registry)  # exact prefix-cache view
+        self.pooling = SwapController(config, self.registry, self.store, self.metrics)   # shared hosts
         self.relay: Relay | None = None
         self.dispatcher: Dispatcher | None = None
 
@@ -93,6 +95,11 @@ class Gateway:
         self.dispatcher.observer = RequestObserver.make(self.access_log, self.tracing)
         self.dispatcher.kv_events = self.kv_events
         await self.registry.start(self.upstream)
+        if self.pooling.enabled:
+            self.dispatcher.pooling = self.pooling
+            self.pooling.waiting = lambda d=self.dispatcher: {m for m, rt in d.runtimes.items() if len(rt.queue)}
+            self.pooling.on_unservable = self.dispatcher.kick
+            await self.pooling.start(self.upstream)
         await self.kv_events.start(self.upstream)
         await self.learner.start()
         await self.batch.start(self.dispatcher)
@@ -104,6 +111,7 @@ class Gateway:
         await self.autoscaler.stop()
         await self.kv_events.stop()
         await self.learner.stop()
+        await self.pooling.stop()
         await self.registry.stop()
         await self.auth.stop()
         upstream, self.upstream = self.upstream, None

@@ -70,6 +70,8 @@ def demo(
                                   "(0: gateway port + 1)."),
     pd: str | None = typer.Option(None, "--pd", help="P:D, e.g. 2:2 — prefill and decode workers."),
     autoscale: bool = typer.Option(False, "--autoscale", help="Run the autoscaler with the sim actuator."),
+    num_models: int = typer.Option(1, "--num-models", help="M > 1: M models sharing the --workers hosts, one "
+                                   "awake per host, swapped through sleep mode (shared_hosts)."),
     log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
     slo_ttft_ms: float = typer.Option(1000.0, "--slo-ttft-ms", help="The fleet's TTFT SLO (attainment metrics)."),
     slo_tpot_ms: float = typer.Option(50.0, "--slo-tpot-ms", help="The fleet's time-per-output-token SLO."),
@@ -84,6 +86,13 @@ def demo(
         chosen = policy if policy != "least_requests" else None
         run_deployment_demo(deployment, port=port, base_port=base_port or port + 1, time_scale=time_scale,
                             policy=chosen, log_format=log_format)
+        return
+    if num_models > 1:
+        from gateway.demo import run_pooled_demo
+
+        run_pooled_demo(port=port, workers=workers, num_models=num_models, policy=policy, profile=profile,
+                        model=model, time_scale=time_scale, base_port=base_port or port + 1, log_format=log_format,
+                        slo={"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms})
         return
     from gateway.demo import run_demo
 

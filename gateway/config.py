@@ -262,6 +262,79 @@ class ServicePriorityConfig(_Strict):
         return v
 
 
+SharedSleepLevel = Literal[1, 2]
+
+
+class SharedEngineConfig(_Strict):
+    """One model's engine on a shared host: a vLLM server started with --enable-sleep-mode (dev-mode endpoints
+    /sleep, /wake_up, /is_sleeping: docs/reference/vllm-interface.md §6.1)."""
+
+    url: str
+    id: str | None = None           # its worker id; default `<host>:<model with / as _>`
+    profile: str = ""               # the engine's performance profile (as workers[].profile)
+    cap: int | None = Field(None, ge=1)
+    weight_gb: float | None = Field(None, gt=0)   # the model's weights, for the derived swap cost
+    load_s: float | None = Field(None, ge=0)      # overrides the derived wake-up (swap in) seconds
+    offload_s: float | None = Field(None, ge=0)   # overrides the derived sleep (swap out) seconds
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        return check_worker_url(v)
+
+    @field_validator("id")
+    @classmethod
+    def _id_chars(cls, v: str | None) -> str | None:
+        if v is not None and not WORKER_ID_RE.match(v):
+            raise ValueError("must be 1-128 characters from A-Z a-z 0-9 . _ : -")
+        return v
+
+
+class SharedHostConfig(_Strict):
+    """A worker host (one GPU or TP group) holding several models' engines, at most `max_awake` of them awake
+    at once (its memory); the gateway's swap controller (gateway/pooling.py) puts engines to sleep and wakes
+    them as requests arrive (issue 20)."""
+
+    id: str
+    engines: dict[str, SharedEngineConfig | str] = Field(min_length=1)   # model -> engine (or just its URL)
+    max_awake: int = Field(1, ge=1)
+    link_gb_per_s: float = Field(25.0, gt=0)      # host <-> GPU bandwidth (PCIe 4.0 x16 ~ 25 GB/s)
+    wake_overhead_s: float = Field(0.0, ge=0)     # the engine's fixed wake-up cost on top of the weight copy
+    sleep_level: SharedSleepLevel = 1             # /sleep?level=: 1 offloads the weights to CPU, 2 discards them
+    swap_timeout_s: float = Field(60.0, gt=0)     # a /sleep or /wake_up answering nothing this long has failed
+    # With no idle engine: once a model has waited this long, the least busy engine stops taking requests and is
+    # swapped out when its last one ends (policies/pooling/swapping.py); null: only idle engines are swapped out
+    # (ServerlessLLM's rule: a model with steady traffic then keeps its host while others wait until refused;
+    # both attained 1.000 on bench/results/pooling.md's "Live" point).
+    drain_after_s: float | None = Field(1.0, ge=0)
+
+    @field_validator("id")
+    @classmethod
+    def _id_chars(cls, v: str) -> str:
+        if not WORKER_ID_RE.match(v):
+            raise ValueError("must be 1-128 characters from A-Z a-z 0-9 . _ : -")
+        return v
+
+    @field_validator("engines", mode="after")
+    @classmethod
+    def _engine_objects(cls, v: dict[str, SharedEngineConfig | str]) -> dict[str, SharedEngineConfig | str]:
+        return {m: SharedEngineConfig(url=e) if isinstance(e, str) else e for m, e in v.items()}
+
+    def engine(self, model: str) -> SharedEngineConfig:
+        e = self.engines[model]
+        assert isinstance(e, SharedEngineConfig)
+        return e
+
+    def worker_id(self, model: str) -> str:
+        e = self.engine(model)
+        return e.id or f"{self.id}:{re.sub(r'[^A-Za-z0-9._:-]', '_', model)}"[:128]
+
+    def workers(self) -> list[WorkerConfig]:
+        """One worker per engine, labelled with its host."""
+        return [WorkerConfig(id=self.worker_id(m), url=self.engine(m).url, models=[m], profile=self.engine(m).profile,
+                             cap=self.engine(m).cap, labels={"shared_host": self.id}) for m in self.engines]
+
+
 class HealthConfig(_Strict):
     interval_s: float = Field(2.0, gt=0)
     timeout_s: float = Field(1.0, gt=0)
@@ -533,6 +606,7 @@ class GatewayConfig(BaseSettings):
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     deployment: DeploymentConfig | None = None  # a `fleetgate plan` result (capacity plan of the fleet)
     service_priority: ServicePriorityConfig = Field(default_factory=ServicePriorityConfig)
+    shared_hosts: list[SharedHostConfig] = Field(default_factory=list)   # many models per host (gateway/pooling.py)
     scrape_interval_s: float = Field(0.5, gt=0)
     discovery_interval_s: float = Field(10.0, gt=0)  # re-read /v1/models of workers without configured models
 
@@ -554,9 +628,24 @@ class GatewayConfig(BaseSettings):
             if w.id in seen:
                 raise ValueError(f"workers[{i}].id: duplicate worker id {w.id!r}")
             seen.add(w.id)
+        hosts: set[str] = set()
+        for i, h in enumerate(self.shared_hosts):
+            if h.id in hosts:
+                raise ValueError(f"shared_hosts[{i}].id: duplicate shared host id {h.id!r}")
+            hosts.add(h.id)
+            for m in h.engines:
+                wid = h.worker_id(m)
+                if wid in seen:
+                    raise ValueError(f"shared_hosts[{i}].engines.{m}: worker id {wid!r} is already taken "
+                                     "(give the engine its own `id`)")
+                seen.add(wid)
         if self.redis_url is not None and not re.match(r"^(redis|rediss|unix)://", self.redis_url):
             raise ValueError(f"redis_url: expected redis://host:port/db, got {self.redis_url!r}")
         return self
+
+    def all_workers(self) -> list[WorkerConfig]:
+        """The configured workers and every shared host's engines."""
+        return [*self.workers, *(w for h in self.shared_hosts for w in h.workers())]
 
     def model_settings(self, model: str) -> tuple[str, dict[str, Any], SloConfig]:
         """(policy name, params, SLO) for a model, falling back to the defaults."""
@@ -793,6 +882,9 @@ def summarize(cfg: GatewayConfig) -> str:
         f"api keys: {len(cfg.api_keys) + len(cfg.auth.keys) or 'none (open)'}; "
         f"admin API: {'on' if cfg.auth.admin_key else 'off (no auth.admin_key)'}",
     ]
+    if cfg.shared_hosts:
+        lines.append("shared hosts: " + "; ".join(f"{h.id} ({', '.join(h.engines)}; max_awake {h.max_awake})"
+                                                  for h in cfg.shared_hosts))
     if cfg.deployment is not None:
         lines.append("deployment: " + ", ".join(f"{g.count}x {g.model} on {g.tp}x {g.gpu} ({g.role})"
                                                 for g in cfg.deployment.groups))

@@ -34,6 +34,7 @@ READY_TIMEOUT_S = 60.0
 # attainment series (fleetgate_slo_attainment_ratio) have samples and fall when the fleet is overloaded.
 DEMO_SLO_TTFT_MS = 1000.0
 DEMO_SLO_TPOT_MS = 50.0
+DEFAULT_POOLED_QUEUE_S = 30.0  # `demo --num-models`: a request may wait behind a few swaps
 DEMO_START_CAP, DEMO_MAX_CAP = 4, 8  # `demo --autoscale`: requests in flight per simulated worker (see below)
 def demo_admin_key() -> str:
     """The demo's admin key: FLEETGATE_ADMIN_KEY if set, else a new one (printed in the banner)."""
@@ -87,13 +88,16 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
 
 
 def _serve_with_fleet(cfg: Any, cmd: list[str], urls: list[str], port: int, model: str, admin_key: str,
-                      cleanup: list[Path]) -> None:
+                      cleanup: list[Path], banner: str | None = None) -> None:
     """Start the simulated fleet (`cmd`), wait for every worker, run the gateway until Ctrl-C, stop the fleet."""
     print(f"starting {len(urls)} simulated vLLM worker(s): {shlex.join(cmd[1:])}", flush=True)
     sim = subprocess.Popen(cmd, cwd=ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     try:
         _wait_healthy(sim, urls)
-        _print_banner(port, model, urls, admin_key)
+        if banner is not None:
+            print(banner, flush=True)
+        else:
+            _print_banner(port, model, urls, admin_key)
         from gateway.server import run
 
         run(cfg)
@@ -157,6 +161,69 @@ def run_deployment_demo(deployment: Path, port: int = 8000, base_port: int = 800
            "--time-scale", str(time_scale)]
     urls = [w["url"] for w in workers]
     _serve_with_fleet(cfg, cmd, urls, port, model_spec(instances[0].model).hf_id, admin_key, [workdir])
+
+
+def run_pooled_demo(port: int = 8000, workers: int = 2, num_models: int = 4, policy: str = "least_requests",
+                    profile: str = "llama3-8b-h100", model: str = "meta-llama/Llama-3.1-8B-Instruct",
+                    time_scale: float = 1.0, base_port: int = 8001, log_format: str = "text",
+                    slo: dict[str, float] | None = None) -> None:
+    """`fleetgate demo --num-models M --workers N`: M models sharing N hosts (config `shared_hosts:`, one awake
+    model per host). Each host runs one simulated engine per model (sleep mode on: the simulator's /sleep and
+    /wake_up, its wake-up taking the profile's `wake_up_s` in model time, so / --time-scale here); the gateway's
+    swap controller wakes a model's engine when its requests arrive (gateway/pooling.py)."""
+    from simulator.profiles import load_profile
+
+    try:
+        setup_logging("info", log_format)
+    except ValueError as e:
+        _fail(f"--log-format: {e}")
+    if workers < 1 or num_models < 1:
+        _fail(f"--workers and --num-models must be at least 1, got {workers} and {num_models}.")
+    n = workers * num_models
+    if not (base_port > 0 and base_port + n - 1 < 65536):
+        _fail(f"--base-port {base_port} leaves no room for {n} engine port(s).")
+    if port and base_port <= port < base_port + n:
+        _fail(f"the gateway port {port} collides with the simulator ports {base_port}-{base_port + n - 1}.")
+    _require_free([(port, "gateway (--port)")] + [(base_port + i, "simulated engine (--base-port)") for i in range(n)])
+    try:
+        prof = load_profile(profile)
+    except (OSError, ValueError) as e:
+        _fail(f"--profile: {e}")
+    models = [f"{model}-{j}" for j in range(num_models)]
+    servers, hosts, urls = [], [], []
+    for h in range(workers):
+        engines = {}
+        for j, m in enumerate(models):
+            url = f"http://127.0.0.1:{base_port + h * num_models + j}"
+            servers.append({"name": f"host{h}-m{j}", "model": m})
+            engines[m] = {"url": url, "profile": profile, "weight_gb": prof.weight_bytes / 1e9,
+                          "load_s": prof.wake_up_s / time_scale}
+            urls.append(url)
+        hosts.append({"id": f"host{h}", "max_awake": 1, "engines": engines,
+                      "link_gb_per_s": prof.host_link_bytes_per_s / 1e9})
+    admin_key = demo_admin_key()
+    try:
+        cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy,
+                          slo=slo or {"ttft_ms": DEMO_SLO_TTFT_MS, "tpot_ms": DEMO_SLO_TPOT_MS},
+                          auth={"admin_key": admin_key}, shared_hosts=hosts, scrape_interval_s=0.2,
+                          limits={"queue_timeout_s": max(DEFAULT_POOLED_QUEUE_S, 4 * prof.wake_up_s / time_scale)})
+    except ConfigError as e:
+        _fail("; ".join(e.problems))
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="fleetgate-pooled-", delete=False) as f:
+        yaml.safe_dump({"defaults": {"profile": profile}, "servers": servers}, f)
+    fleet_file = Path(f.name)
+    cmd = [sys.executable, "-m", "gateway.cli", "sim", "--fleet", str(fleet_file), "--base-port", str(base_port),
+           "--time-scale", str(time_scale)]
+    base = f"http://127.0.0.1:{port}" if port else "http://127.0.0.1:<port printed below>"
+    banner = "\n".join(
+        [f"\nfleetgate demo: {num_models} model(s) sharing {workers} host(s), one model awake per host at a time",
+         f"(a swap: the idle engine sleeps, the wanted one wakes in {prof.wake_up_s / time_scale:g} s); "
+         f"gateway {base}, admin key {admin_key}", "Send requests to any model; the first one to a sleeping "
+         "model waits for its swap:", ""]
+        + [f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' "
+           f"-d '{{\"model\": \"{m}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'" for m in models]
+        + ["", f"  curl -s {base}/metrics | grep -E '^fleetgate_(model_swaps_total|engine_state)'", ""])
+    _serve_with_fleet(cfg, cmd, urls, port, models[0], admin_key, [fleet_file], banner)
 
 
 def _run_autoscale_demo(port: int, workers: int, policy: str, profile: str, model: str, time_scale: float,

@@ -147,6 +147,7 @@ class Dispatcher:
         self.observer: observe.RequestObserver | None = None  # access log / tracing (gateway/observe.py)
         self.kv_events: Any = None  # gateway/kv_events.py KvEventsService: the exact prefix-cache view
         self.services = ServiceOrder(config.service_priority)   # service-aware priority (gateway/services.py)
+        self.pooling: Any = None    # gateway/pooling.py SwapController when shared hosts are configured
 
     # --- per-model state ------------------------------------------------------------------------
     def runtime(self, model: str) -> ModelRuntime:
@@ -173,6 +174,12 @@ class Dispatcher:
 
     def _wake_all(self) -> None:
         for rt in self.runtimes.values():
+            rt.queue.kick()
+
+    def kick(self, model: str) -> None:
+        """Try the model's waiting requests again (e.g. a shared host's engine failed to wake)."""
+        rt = self.runtimes.get(model)
+        if rt is not None:
             rt.queue.kick()
 
     def _wake_for(self, worker_id: str | None) -> None:
@@ -509,8 +516,13 @@ class Dispatcher:
         return await self._place_or_retry(ctx)
 
     def _check_serving(self, model: str) -> None:
-        """Waiting helps only while some healthy worker can answer the model (prefill workers alone cannot)."""
+        """Waiting helps only while some healthy worker can answer the model (prefill workers alone cannot),
+        or a sleeping engine of it on a shared host can be woken (gateway/pooling.py: asked to)."""
         if not any(ws.rec.role != ROLE_PREFILL for ws in self.registry.candidates(model)):
+            pooling = self.pooling
+            if pooling is not None and pooling.handles(model) and pooling.servable(model):
+                pooling.demand(model)
+                return
             raise errors.no_worker(model, self.retry_after_s)
 
     async def _place_or_retry(self, ctx: RequestContext) -> tuple[bool, float | None]:

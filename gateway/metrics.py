@@ -19,6 +19,7 @@ from prometheus_client.core import Metric
 
 from engine_adapters.types import SLEEP_STATES as ENGINE_STATES
 
+SWAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # vllm:e2e_request_latency_seconds (docs/reference/vllm-interface.md §3.2)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
@@ -143,6 +144,13 @@ class GatewayMetrics:
                                   "1 for the worker engine's sleep state per served model (awake, paused, "
                                   "weights_offloaded, discard_all), from its vllm:engine_sleep_state.",
                                   ["worker", "model", "state"], registry=r)
+        # Shared hosts (gateway/pooling.py): model swaps and how long one took (sleep of the engine swapped out, if
+        # any, plus the wake-up of the one swapped in).
+        self.model_swaps = Counter("fleetgate_model_swaps", "Engines swapped on shared hosts: direction in (woken) "
+                                   "or out (put to sleep).", ["model", "direction"], registry=r)
+        self.swap_seconds = Histogram("fleetgate_swap_seconds", "Time a model swap on a shared host took (the "
+                                      "engine put to sleep, if any, and the one woken).", ["host"],
+                                      buckets=SWAP_BUCKETS, registry=r)
         self.upstream_errors = Counter("fleetgate_upstream_errors", "Failures talking to a worker, by kind.",
                                        ["worker", "kind"], registry=r)
         self.retries = Counter("fleetgate_retries", "Requests re-sent to another worker after a failure.",

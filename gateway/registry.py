@@ -53,6 +53,7 @@ class WorkerState:
     reported: bool | None = None  # the health last logged (None: nothing yet), so each change is logged once
     held_until: float = 0.0  # suspected hung: no health check restores it before this (time.monotonic())
     errors_in_row: int = 0  # requests that failed on it since its last success (outlier ejection)
+    held: bool = False  # the swap controller keeps it out: asleep or on its way there (gateway/pooling.py)
     # url prefixes, computed once
     chat_url: str = ""
     completions_url: str = ""
@@ -67,9 +68,9 @@ class WorkerState:
 
     @property
     def awake(self) -> bool:
-        """The engine is not asleep or paused (its last scraped vllm:engine_sleep_state): a sleeping engine
-        takes no requests (docs/reference/vllm-interface.md §6.1)."""
-        return self.metrics.sleep_state == AWAKE
+        """The engine is not asleep or paused (its last scraped vllm:engine_sleep_state) nor held by the swap
+        controller: a sleeping engine takes no requests (docs/reference/vllm-interface.md §6.1)."""
+        return not self.held and self.metrics.sleep_state == AWAKE
 
     def view(self, inflight: int, inflight_tokens: int) -> WorkerView:
         m = self.metrics
@@ -108,7 +109,7 @@ class Registry:
     # --- lifecycle --------------------------------------------------------------------------------
     async def start(self, upstream: UpstreamPool) -> None:
         self.upstream = upstream
-        for w in self.config.workers:
+        for w in self.config.all_workers():
             await self.store.upsert_worker(record_from_config(w))
         await self.sync()
         await self.probe_all()
@@ -204,6 +205,20 @@ class Registry:
         await self.store.upsert_worker(self._shared_record(ws))
         self._rebuild()  # listeners wake waiting requests: a cap may have grown
         return ws
+
+    def set_sleep(self, worker_id: str, held: bool, sleep_state: str | None = None) -> None:
+        """The swap controller (gateway/pooling.py) holds a worker out of rotation (before and while it sleeps) or
+        lets it back; `sleep_state` is what its engine now is, until the next scrape says again."""
+        ws = self.workers.get(worker_id)
+        if ws is None:
+            return
+        was = ws.awake
+        ws.held = held
+        if sleep_state is not None:
+            ws.metrics.sleep_state = sleep_state
+            self.metrics.set_engine_state(ws.id, ws.models, sleep_state)
+        if ws.awake != was:
+            self._rebuild()
 
     def on_eject(self, fn: Callable[[str, bool], object]) -> None:
         """Call `fn(worker_id, suspected)` whenever a worker leaves rotation for failing (its exchanges can be

@@ -70,7 +70,8 @@ async def status(gw: Gateway) -> dict[str, Any]:
             doc = await gw.batch.with_counts(doc)
             batches.append({k: doc.get(k) for k in ("id", "status", "endpoint", "created_at", "request_counts")})
     return {"time": time.time(), "replica": gw.store.replica_id, "fleet": fleet, "models": models,
-            "autoscale": autoscale, "batches": batches}
+            "autoscale": autoscale, "batches": batches,
+            "shared_hosts": gw.pooling.describe() if gw.pooling.enabled else []}
 
 
 def status_router() -> APIRouter:

@@ -108,6 +108,7 @@ class EngineDriver:
         self._drop_kv_due = False
         self._waking: asyncio.Future | None = None
         self._pre_engine_aborts = 0
+        self.submitted_asleep = 0  # requests that arrived while the engine slept (a router should send none)
         self._pending: list[tuple[float, int, RequestHandle]] = []   # heap by model time of engine entry
         self._seq = itertools.count()
         self.lag_resyncs = 0      # times the host fell more than MAX_LAG_WALL_S behind the model clock
@@ -154,6 +155,8 @@ class EngineDriver:
                          arrival=arrival, remote_decode=remote_decode, remote_prefill=remote_kv_delay is not None,
                          kv_ready_at=enqueue_at + (remote_kv_delay or 0.0), token_ids=token_ids)
         h = RequestHandle(req, arrival, enqueue_at)
+        if self._sleeping:
+            self.submitted_asleep += 1
         self._handles[request_id] = h
         heapq.heappush(self._pending, (enqueue_at, next(self._seq), h))
         self._wakeup.set()
@@ -406,7 +409,7 @@ class EngineDriver:
                    sleep_state=self.sleep_state,
                    num_gpu_blocks=core.num_gpu_blocks, block_size=core.block_size,
                    pending=sum(1 for _, _, h in self._pending if not h.finished),
-                   pinned_kv=len(self._pinned), lag_resyncs=self.lag_resyncs, lost_model_s=self.lost_model_s,
+                   pinned_kv=len(self._pinned), submitted_asleep=self.submitted_asleep, lag_resyncs=self.lag_resyncs, lost_model_s=self.lost_model_s,
                    stats={
                        "prompt_tokens": core.stats.prompt_tokens, "generation_tokens": core.stats.generation_tokens,
                        "prefix_cache_queries": core.stats.prefix_cache_queries,

@@ -27,11 +27,12 @@ from tests.helpers import MODEL, free_port, poll, poll_sync, require_command
 
 ROOT = Path(__file__).resolve().parents[1]
 PD_MODEL = "pd-llama"
+POOLED = ("pooled-a", "pooled-b")   # two models sharing one host, max_awake 1: every other request swaps
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
     board = json.loads((ROOT / "deploy/grafana/dashboards/fleetgate.json").read_text())
-    return [(p["title"], t["expr"]) for p in board["panels"] for t in p["targets"]]
+    return [(p["title"], t["expr"]) for p in board["panels"] for t in p.get("targets", ())]
 
 
 def alert_rules() -> list[dict]:
@@ -56,7 +57,8 @@ async def test_every_panel_and_alert_returns_data_from_a_real_prometheus(tmp_pat
     fleet_file.write_text(yaml.safe_dump({"defaults": {"time_scale": 10}, "servers": [
         {"name": "m0", "model": MODEL}, {"name": "m1", "model": MODEL},
         {"name": "p0", "model": PD_MODEL, "role": "kv_producer"},
-        {"name": "d0", "model": PD_MODEL, "role": "kv_consumer"}]}))
+        {"name": "d0", "model": PD_MODEL, "role": "kv_consumer"},
+        {"name": "s0", "model": POOLED[0]}, {"name": "s1", "model": POOLED[1]}]}))
     fleet = FleetProcess(fleet_file=fleet_file)
     prom: subprocess.Popen | None = None
     try:
@@ -68,6 +70,8 @@ async def test_every_panel_and_alert_returns_data_from_a_real_prometheus(tmp_pat
                         {"id": "prefill-0", "url": urls[2], "role": "prefill"},
                         {"id": "decode-0", "url": urls[3], "role": "decode"},
                         {"id": "ghost", "url": f"http://127.0.0.1:{free_port()}", "models": [MODEL]}],
+            "shared_hosts": [{"id": "gpu-shared", "max_awake": 1,
+                              "engines": {POOLED[0]: urls[4], POOLED[1]: urls[5]}}],
             # Queued requests (waits of 0.1-1 s) miss the TTFT target as well as w0's the TPOT one: the burn
             # alert fires whatever share of the traffic the slow w0 gets on a faster or slower machine.
             "slo": {"ttft_ms": 300, "tpot_ms": 10},
@@ -201,6 +205,7 @@ async def _traffic(url: str) -> None:
             await client.chat.completions.create(model=model, messages=messages, max_tokens=40)
 
     tasks = [asyncio.create_task(user(PD_MODEL, "long prompt " * 200, i % 2 == 0)) for i in range(2)]
+    tasks += [asyncio.create_task(user(m, "swap me", False)) for m in POOLED]   # the shared host takes turns
     deadline = time.monotonic() + 20
     i = 0
     while time.monotonic() < deadline:

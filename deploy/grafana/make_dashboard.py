@@ -86,22 +86,42 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
      [("sum by (state) (max by (worker, model, state) (fleetgate_engine_state))", "{{state}}")]),
 ]
 
+# A row of its own: models sharing hosts, swapped by the gateway's swap controller (gateway/pooling.py).
+POOLED_ROW = "Pooled serving (shared hosts)"
+POOLED_PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("Model swaps/s (in: woken, out: put to sleep)", "ops",
+     [("sum by (model, direction) (rate(fleetgate_model_swaps_total[1m]))", "{{model}} {{direction}}")]),
+    ("Swap time (sleep of the engine swapped out + wake-up)", "s",
+     [("histogram_quantile(0.5, sum by (le) (rate(fleetgate_swap_seconds_bucket[1m])))", "p50"),
+      ("histogram_quantile(0.99, sum by (le) (rate(fleetgate_swap_seconds_bucket[1m])))", "p99")]),
+    ("Engines awake per model", "short",
+     [('sum by (model) (max by (worker, model) (fleetgate_engine_state{state="awake"}))', "{{model}}")]),
+]
+
+
+def _panel(pid: int, title: str, unit: str, targets: list[tuple[str, str]], x: int, y: int) -> dict:
+    return {
+        "id": pid,
+        "type": "timeseries",
+        "title": title,
+        "datasource": {"type": "prometheus", "uid": "prometheus"},
+        "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "targets": [
+            {"refId": chr(ord("A") + j), "expr": expr, "legendFormat": legend}
+            for j, (expr, legend) in enumerate(targets)
+        ],
+    }
+
 
 def build() -> dict:
-    panels = []
-    for i, (title, unit, targets) in enumerate(PANELS):
-        panels.append({
-            "id": i + 1,
-            "type": "timeseries",
-            "title": title,
-            "datasource": {"type": "prometheus", "uid": "prometheus"},
-            "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
-            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-            "targets": [
-                {"refId": chr(ord("A") + j), "expr": expr, "legendFormat": legend}
-                for j, (expr, legend) in enumerate(targets)
-            ],
-        })
+    panels = [_panel(i + 1, title, unit, targets, 12 * (i % 2), 8 * (i // 2))
+              for i, (title, unit, targets) in enumerate(PANELS)]
+    y = 8 * ((len(PANELS) + 1) // 2)
+    panels.append({"id": len(panels) + 1, "type": "row", "title": POOLED_ROW, "collapsed": False,
+                   "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+    for i, (title, unit, targets) in enumerate(POOLED_PANELS):
+        panels.append(_panel(len(panels) + 1, title, unit, targets, 12 * (i % 2), y + 1 + 8 * (i // 2)))
     return {
         "uid": "fleetgate",
         "title": "fleetgate",

@@ -1,0 +1,377 @@
+"""The swap controller: several models' engines on shared hosts (config `shared_hosts:`), at most `max_awake`
+of a host's engines awake at once, woken as requests arrive (issue 20, request-level swapping).
+
+A request for a model none of whose engines is awake waits in the model's admission queue as any request
+without room does (gateway/dispatch.py asks `demand` instead of answering 503). The decision of which engine to
+put to sleep and which to wake is `policies/pooling/swapping.py` (pure, FCFS, an idle engine swapped out, or
+after `drain_after_s` a busy one drained first); this module carries it out:
+
+1. the engine swapped out leaves rotation first (`Registry.set_sleep`), then the controller waits until no
+   request of any replica is in flight on it, then POST /sleep?level=L&mode=wait (vLLM 0.33: pause, let
+   in-flight requests finish, then sleep; docs/reference/vllm-interface.md §6.1);
+2. POST /wake_up on the engine swapped in; when it answers it rejoins rotation and the queue drains onto it.
+
+A wake-up that fails (the engine died) marks the engine failed for a while; another host holding the model is
+tried, and when none is left the waiting requests get the OpenAI-style 503 of a model without workers.
+With Redis, a host's swaps are serialised across gateway replicas by a lease per host (`swap:<host>`, the
+autoscaler's lease mechanism), so only one replica drives a host at a time; the replica swapping publishes
+which engines it holds out of rotation (document `pool:host:<id>`), every replica applies that every
+`HOLD_SYNC_S`, and the swapping replica waits two of those and two refreshes of the shared in-flight view after
+publishing before it waits for the engine to drain, so no replica routes a request to an engine about to sleep (one a scrape has not yet seen asleep).
+
+Swap costs (`swap_costs`) come from the engine's weights and the host's link (Aegaeon appendix A.2 eq. 4 with
+vLLM's sleep-mode reload, policies/pooling/costs.py), unless the config overrides them; the controller uses them
+for its timeouts and reports them in the status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+import orjson
+
+from engine_adapters.types import AWAKE
+from gateway.config import GatewayConfig, SharedHostConfig
+from gateway.metrics import GatewayMetrics
+from gateway.registry import Registry
+from gateway.state.base import StateStore
+from gateway.upstream import UpstreamPool
+from policies.pooling.costs import REINIT_SLEEP, SwapCost, swap_cost
+from policies.pooling.swapping import EngineView, HostView, RequestLevelSwaps, SwapStep
+
+log = logging.getLogger("fleetgate.pooling")
+
+GB = 1e9
+PLAN_POLL_S = 0.02           # while demand waits: re-plan this often (engines go idle on any replica)
+DRAIN_POLL_S = 0.01
+HOLD_SYNC_S = 0.1            # with Redis: how often each replica reads the hosts' published holds
+LEVEL_STATE = {1: "weights_offloaded", 2: "discard_all"}   # vllm:engine_sleep_state per /sleep level
+
+
+def swap_costs(host: SharedHostConfig) -> dict[str, SwapCost]:
+    """Each model's swap cost on the host: vLLM sleep level 1 (weights offloaded over the host link and copied
+    back on wake, plus the engine's wake overhead: policies/pooling/costs.py `swap_cost`), or the configured
+    `load_s` / `offload_s`. A model without `weight_gb` costs only the wake overhead unless overridden."""
+    out = {}
+    for model in host.engines:
+        e = host.engine(model)
+        base = (swap_cost(e.weight_gb * GB, host.link_gb_per_s * GB, REINIT_SLEEP, host.wake_overhead_s)
+                if e.weight_gb is not None else SwapCost(host.wake_overhead_s, 0.0))
+        out[model] = SwapCost(e.load_s if e.load_s is not None else base.load_s,
+                              e.offload_s if e.offload_s is not None else base.offload_s)
+    return out
+
+
+class SwapController:
+    def __init__(self, config: GatewayConfig, registry: Registry, store: StateStore, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.registry = registry
+        self.store = store
+        self.metrics = metrics
+        self.hosts = {h.id: h for h in config.shared_hosts}
+        self.costs = {h.id: swap_costs(h) for h in config.shared_hosts}
+        self.model_hosts: dict[str, list[str]] = {}
+        for h in config.shared_hosts:
+            for m in h.engines:
+                self.model_hosts.setdefault(m, []).append(h.id)
+        self.planner = RequestLevelSwaps()
+        self.upstream: UpstreamPool | None = None
+        self.switching: set[str] = set()
+        self.waking: set[str] = set()               # worker ids a swap under way wakes (they count as awake)
+        self.failed_until: dict[str, float] = {}    # worker id -> monotonic time its failed wake-up is forgotten
+        self.last_busy: dict[str, float] = {}       # worker id -> when it was last seen with requests in flight
+        self.swaps = 0
+        self.waiting: Callable[[], Collection[str]] = frozenset   # models with requests queued (set by the dispatcher)
+        self.on_unservable: Callable[[str], None] = lambda model: None
+        self._loop_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._fail_hold_s = max(5.0, 3 * config.health.interval_s)
+        self.shared = bool(config.redis_url)
+        self.holds: dict[str, dict[str, bool]] = {h: {} for h in self.hosts}   # host -> worker -> held (ours)
+        self._sync_task: asyncio.Task | None = None
+        self.driving: set[str] = set()              # hosts whose swap lease this replica holds now
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.hosts)
+
+    def handles(self, model: str) -> bool:
+        return model in self.model_hosts
+
+    def worker_id(self, host: str, model: str) -> str:
+        return self.hosts[host].worker_id(model)
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    async def start(self, upstream: UpstreamPool) -> None:
+        """Learn which engines sleep (GET /is_sleeping) and put to sleep the awake ones beyond each host's
+        `max_awake` (the first ones configured stay awake)."""
+        self.upstream = upstream
+        await asyncio.gather(*(self._settle(h) for h in self.hosts.values()))
+        if self.shared and self.hosts:
+            self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop(), name="fg-swap-holds")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._loop_task, self._sync_task, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    async def _settle(self, host: SharedHostConfig) -> None:
+        asleep = await asyncio.gather(*(self._is_sleeping(host.engine(m).url) for m in host.engines))
+        lease = f"swap:{host.id}"
+        if not await self.store.acquire_lease(lease, self.store.replica_id, 2 * host.swap_timeout_s):
+            lease = ""      # another replica swaps on it now: only learn what sleeps
+        try:
+            awake = 0
+            for model, sleeping in zip(host.engines, asleep, strict=True):
+                wid = host.worker_id(model)
+                if sleeping is None:
+                    continue     # unreachable: the health checks keep it out
+                if sleeping:
+                    self.registry.set_sleep(wid, True, LEVEL_STATE[host.sleep_level])
+                    self.holds[host.id][wid] = True
+                elif awake < host.max_awake or not lease:
+                    awake += 1
+                else:
+                    await self._sleep(host, model)
+            if lease:
+                await self._publish(host.id)
+        finally:
+            if lease:
+                await self.store.release_lease(lease, self.store.replica_id)
+
+    # --- holds shared between replicas (Redis) ------------------------------------------------------
+    async def _publish(self, host: str) -> None:
+        if self.shared:
+            await self.store.put_doc(f"pool:host:{host}", {"holds": self.holds[host]})
+
+    async def _sync_loop(self) -> None:
+        while True:
+            try:
+                await self.sync_holds()
+            except Exception:  # noqa: BLE001 - Redis down: the scrapes still tell sleeping engines
+                log.debug("reading shared-host holds failed", exc_info=True)
+            await asyncio.sleep(HOLD_SYNC_S)
+
+    async def sync_holds(self) -> None:
+        """Apply the holds another replica published for hosts this replica is not swapping on."""
+        for hid in self.hosts:
+            if hid not in self.driving:     # where this replica swaps now, its own holds are the truth
+                await self._apply_holds(hid)
+        if self._stranded():
+            self._ensure_planning()
+
+    async def _apply_holds(self, hid: str) -> None:
+        """The holds last published for host `hid`: True held out (asleep or on its way), False awake."""
+        doc = await self.store.get_doc(f"pool:host:{hid}")
+        holds = doc.get("holds") if isinstance(doc, dict) else None
+        if not isinstance(holds, dict):
+            return
+        for wid, held in holds.items():
+            ws = self.registry.workers.get(wid)
+            if ws is None or not isinstance(held, bool):
+                continue
+            if held and not ws.held:
+                self.registry.set_sleep(wid, True)
+            elif not held and (ws.held or ws.metrics.sleep_state != AWAKE):
+                self.registry.set_sleep(wid, False, AWAKE)   # woken by the publisher (its scrape here may lag)
+            self.holds[hid][wid] = held
+
+    def _stranded(self) -> list[str]:
+        """Models with a request in flight on an engine its scrape says sleeps, no swap under way on its host:
+        another replica placed it just before it saw the hold (the race the hold sync narrows but cannot close
+        without a Redis call per request). Waking the model serves it rather than strand it."""
+        inflight = self.store.inflight()
+        out = []
+        for hid, host in self.hosts.items():
+            if hid in self.switching:
+                continue
+            for model in host.engines:
+                ws = self.registry.workers.get(host.worker_id(model))
+                f = inflight.get(ws.id) if ws is not None else None
+                if f is not None and f.requests and ws.metrics.sleep_state != AWAKE:
+                    out.append(model)
+        return out
+
+    # --- what the dispatcher asks (no I/O) -----------------------------------------------------------
+    def servable(self, model: str) -> bool:
+        """Some engine of the model could be woken: healthy, and its last wake-up did not fail lately."""
+        now = time.monotonic()
+        for h in self.model_hosts.get(model, ()):
+            ws = self.registry.workers.get(self.worker_id(h, model))
+            if ws is not None and ws.healthy and ws.active and self.failed_until.get(ws.id, 0.0) <= now:
+                return True
+        return False
+
+    def demand(self, model: str) -> None:
+        """Requests for `model` wait with none of its engines awake: plan a swap (now and until it is met)."""
+        self.planner.want(model, time.monotonic())
+        self._ensure_planning()
+
+    def _ensure_planning(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._plan_loop(), name="fg-swaps")
+
+    # --- planning ----------------------------------------------------------------------------------
+    async def _plan_loop(self) -> None:
+        try:
+            while True:
+                self.plan_once()
+                if not (self.planner.demand or self.switching):
+                    return
+                await asyncio.sleep(PLAN_POLL_S)
+        except Exception:  # noqa: BLE001 - a bug here must not kill the gateway; waiting requests time out
+            log.exception("swap planning failed")
+
+    def plan_once(self) -> list[SwapStep]:
+        now = time.monotonic()
+        for model in self._stranded():
+            self.planner.want(model, now)
+        steps = self.planner.plan(self.views(), self.waiting(), now)
+        for step in steps:
+            self.switching.add(step.host)
+            # the model counts as awake there from now: its demand is met, no other host swaps for it meanwhile
+            self.waking.add(self.worker_id(step.host, step.wake))
+            t = asyncio.get_running_loop().create_task(self._swap(step), name=f"fg-swap-{step.host}")
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+        return steps
+
+    def views(self) -> dict[str, HostView]:
+        now = time.monotonic()
+        inflight = self.store.inflight()
+        out = {}
+        for hid, host in self.hosts.items():
+            engines = {}
+            for model in host.engines:
+                wid = host.worker_id(model)
+                ws = self.registry.workers.get(wid)
+                f = inflight.get(wid)
+                busy = f.requests if f is not None else 0
+                if busy:
+                    self.last_busy[wid] = now
+                usable = ws is not None and ws.healthy and ws.active and self.failed_until.get(wid, 0.0) <= now
+                awake = ws is not None and (ws.awake or wid in self.waking)
+                engines[model] = EngineView(awake, busy, self.last_busy.get(wid, 0.0), usable)
+            out[hid] = HostView(host.max_awake, engines, hid in self.switching, host.drain_after_s)
+        return out
+
+    # --- carrying a swap out -------------------------------------------------------------------------
+    async def _swap(self, step: SwapStep) -> None:
+        host = self.hosts[step.host]
+        lease = f"swap:{host.id}"
+        t0 = time.perf_counter()
+        held = False
+        try:
+            held = await self.store.acquire_lease(lease, self.store.replica_id, 2 * host.swap_timeout_s)
+            if not held:
+                return      # another replica swaps on this host now; the plan loop asks again
+            if self.shared:     # the plan may predate what the last lease holder did: re-read it, re-check
+                await self._apply_holds(host.id)
+                others = [self.registry.workers.get(host.worker_id(m)) for m in host.engines
+                          if m != step.wake and m not in step.sleep]
+                awake = [ws for ws in others if ws is not None and ws.awake]
+                if len(awake) >= host.max_awake:
+                    return
+            self.driving.add(host.id)
+            for victim in step.sleep:
+                if not await self._sleep(host, victim):
+                    return
+            await self._wake(host, step.wake)
+            self.metrics.swap_seconds.labels(host.id).observe(time.perf_counter() - t0)
+        except Exception:  # noqa: BLE001
+            log.exception("swap on %s failed", host.id)
+        finally:
+            self.waking.discard(host.worker_id(step.wake))
+            self.driving.discard(host.id)
+            if held:
+                with contextlib.suppress(Exception):
+                    await self.store.release_lease(lease, self.store.replica_id)
+            self.switching.discard(host.id)
+
+    async def _sleep(self, host: SharedHostConfig, model: str) -> bool:
+        """Out of rotation, wait until nothing is in flight on it, then sleep; False (and back in rotation)
+        when it does not drain or the engine refuses."""
+        wid = host.worker_id(model)
+        self.registry.set_sleep(wid, True)
+        self.holds[host.id][wid] = True
+        if self.shared:     # every replica stops placing on it, and its last placements reach our view
+            await self._publish(host.id)
+            await asyncio.sleep(2 * HOLD_SYNC_S + 2 * getattr(self.store, "refresh_interval_s", HOLD_SYNC_S))
+        deadline = time.monotonic() + host.swap_timeout_s
+        while True:
+            f = self.store.inflight().get(wid)
+            if f is None or f.requests == 0:
+                break
+            if time.monotonic() > deadline:
+                log.warning("engine %s did not go idle within %gs; not swapped out", wid, host.swap_timeout_s)
+                await self._unhold(host.id, wid)
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        url = f"{host.engine(model).url}/sleep?level={host.sleep_level}&mode=wait"
+        if not await self._post(url, host.swap_timeout_s):
+            log.warning("engine %s refused to sleep; left awake", wid)
+            await self._unhold(host.id, wid)
+            return False
+        self.registry.set_sleep(wid, True, LEVEL_STATE[host.sleep_level])
+        self.metrics.model_swaps.labels(model, "out").inc()
+        log.info("engine %s (%s on %s) asleep", wid, model, host.id)
+        return True
+
+    async def _wake(self, host: SharedHostConfig, model: str) -> bool:
+        wid = host.worker_id(model)
+        ok = await self._post(f"{host.engine(model).url}/wake_up", host.swap_timeout_s)
+        if not ok:
+            self.failed_until[wid] = time.monotonic() + self._fail_hold_s
+            self.registry.report_failure(wid)
+            log.warning("engine %s (%s on %s) did not wake up", wid, model, host.id)
+            if not self.servable(model):
+                self.planner.served(model)       # nothing left to wake: its waiting requests get a 503
+            self.on_unservable(model)
+            return False
+        self.last_busy[wid] = time.monotonic()
+        self.registry.set_sleep(wid, False, AWAKE)
+        self.holds[host.id][wid] = False
+        await self._publish(host.id)
+        self.planner.served(model)
+        self.swaps += 1
+        self.metrics.model_swaps.labels(model, "in").inc()
+        log.info("engine %s (%s on %s) awake", wid, model, host.id)
+        return True
+
+    async def _unhold(self, host: str, wid: str) -> None:
+        self.registry.set_sleep(wid, False)
+        self.holds[host][wid] = False
+        await self._publish(host)
+
+    async def _post(self, url: str, timeout_s: float) -> bool:
+        assert self.upstream is not None
+        try:
+            r = await self.upstream.fetch(url, timeout_s, b"POST")
+        except (TimeoutError, OSError):
+            return False
+        return r.status == 200
+
+    async def _is_sleeping(self, url: str) -> bool | None:
+        assert self.upstream is not None
+        try:
+            r = await self.upstream.fetch(url + "/is_sleeping", self.config.health.timeout_s)
+            return bool(orjson.loads(r.body).get("is_sleeping")) if r.status == 200 else None
+        except (TimeoutError, OSError, ValueError, AttributeError):
+            return None
+
+    # --- reporting -----------------------------------------------------------------------------------
+    def describe(self) -> list[dict[str, Any]]:
+        views = self.views()
+        return [{"id": hid, "max_awake": h.max_awake, "switching": hid in self.switching,
+                 "engines": {m: {"worker": h.worker_id(m), "awake": views[hid].engines[m].awake,
+                                 "busy": views[hid].engines[m].busy,
+                                 "load_s": self.costs[hid][m].load_s, "offload_s": self.costs[hid][m].offload_s}
+                             for m in h.engines}} for hid, h in self.hosts.items()]
