@@ -216,6 +216,8 @@ class LiveRow:
     live: float
     live_completed: int
     note: str
+    beyond_context: int = 0       # prompts of max_model_len tokens or more: refused by vLLM, sent by neither side
+    sim_refused: int = 0          # the simulator's count of the same (it refuses them with vLLM's 400)
 
 
 def live_plan(model: str, rate: float, run: DeploymentRun, k: float) -> LiveRow:
@@ -236,7 +238,13 @@ def live_plan(model: str, rate: float, run: DeploymentRun, k: float) -> LiveRow:
     groups = _groups(plan)
     spec = service_spec(r, services[0], 0)
     workload = build_workload(spec)
-    simulated = simulate_deployment(groups, services, r).summary()["slo_attainment"]   # the same requests
+    sim_model = simulate_deployment(groups, services, r).per_model[services[0].model].to_dict()  # the same requests
+    simulated = sim_model["slo_attainment"]
+    # A prompt the model's context cannot hold is refused by vLLM (400) on any deployment: the simulator refuses
+    # it at arrival and leaves it out of attainment (policies/placement.py `servable`), so the live side does not
+    # send it at all (sending it only measures the 400 path) and the table counts it on both sides.
+    context = group_profile(groups[0].model, groups[0].gpu, groups[0].tp).max_model_len
+    sendable = [w for w in workload if w.prompt_tokens < context]
     with tempfile.TemporaryDirectory(prefix="fleetgate-plan-") as tmp:
         paths = []
         for g in groups:
@@ -245,11 +253,12 @@ def live_plan(model: str, rate: float, run: DeploymentRun, k: float) -> LiveRow:
             path.write_text(yaml.safe_dump(prof))
             paths += [str(path)] * g.count
         side = asyncio.run(live_run(paths, group_profile(groups[0].model, groups[0].gpu, groups[0].tp).model,
-                                    run.policy, {}, workload, k, history(spec, workload), False,
+                                    run.policy, {}, sendable, k, history(spec, workload), False,
                                     spec.queue_lookahead, slo_ttft_s=run.slo_ttft_s, slo_atgt_s=run.slo_tpot_s))
     shape = ", ".join(f"{g.count}x {g.model} TP{g.tp} {g.gpu}" for g in groups)
     print(f"(e) {shape}: simulated {simulated:.3f}, live {side.attainment:.3f}", file=sys.stderr, flush=True)
-    return LiveRow(shape, len(workload), simulated, side.attainment, side.completed, side.note)
+    return LiveRow(shape, len(workload), simulated, side.attainment, side.completed, side.note,
+                   len(workload) - len(sendable), int(sim_model["rejected_too_long"]))
 
 
 # ---- (d) speed ---------------------------------------------------------------------------------------------------
@@ -335,20 +344,41 @@ def report(a: list[TpRow], b: list[CostRow], c: list[SizingRow], d: tuple[float,
               + f"; ${plan['predicted']['cost_per_hour']:.2f}/h, {plan['predicted']['gpus']} GPUs, predicted attainment "
               f"{plan['predicted']['slo_attainment']:.3f} (target {TARGET}: "
               f"{'met' if plan['meets_target'] else 'not reached within the 64 GPUs'}).", ""]
-    lines += ["## (e) One plan live through the gateway", "",
-              f"The plan for {args.sizing_model} at {args.live_rate:g} req/s on A100s ({e.shape}), its {e.requests} "
-              f"requests (seed {args.seed}) replayed through the gateway in front of `fleetgate sim` workers running "
-              f"the plan's derived profiles at time scale K = {args.time_scale:g} (bench/live_check.py's live side: "
-              "the gateway's own SLO counters, SLOs and coefficients divided by K).", "",
-              "| plan | simulated attainment | live attainment | difference (pp) | live completed | notes |",
-              "|---|---|---|---|---|---|",
-              f"| {e.shape} | {e.simulated:.3f} | {e.live:.3f} | {(e.live - e.simulated) * 100:+.1f} | "
-              f"{e.live_completed}/{e.requests} | {e.note} |", ""]
+    lines += section_e(e, args)
     lines += [NOTES, ""]
     if png is not None:
         lines += [f"![TP ranking and equal-cost throughput]({png.name})", ""]
     lines += [f"Wall time of the whole run: {args.wall_s:.0f} s (machine shared with other jobs).", ""]
     return "\n".join(lines)
+
+
+def section_e(e: LiveRow, args: argparse.Namespace) -> list[str]:
+    sent = e.requests - e.beyond_context
+    return ["## (e) One plan live through the gateway", "",
+            f"The plan for {args.sizing_model} at {args.live_rate:g} req/s on A100s ({e.shape}), its {e.requests} "
+            f"requests (seed {args.seed}) replayed through the gateway in front of `fleetgate sim` workers running "
+            f"the plan's derived profiles at time scale K = {args.time_scale:g} (bench/live_check.py's live side: "
+            "the gateway's own SLO counters, SLOs and coefficients divided by K). Prompts of the model's context "
+            "length or more are refused by vLLM (400) on any deployment: the simulator refuses them at arrival and "
+            "leaves them out of its attainment, so the live side does not send them; both sides' counts are shown.",
+            "",
+            "| plan | requests | beyond the context: refused in the simulator / not sent live | simulated attainment "
+            "| live attainment | difference (pp) | live completed | notes |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {e.shape} | {e.requests} | {e.sim_refused} / {e.beyond_context} | {e.simulated:.3f} | {e.live:.3f} | "
+            f"{(e.live - e.simulated) * 100:+.1f} | {e.live_completed}/{sent} | {e.note or 'none failed'} |", ""]
+
+
+def rerun_section_e(path: Path, e: LiveRow, args: argparse.Namespace, cmd: str, commit: str) -> None:
+    """Replace section (e) of an existing report with this run's, saying which command and commit produced it."""
+    from bench.report import machine_info
+
+    text = path.read_text()
+    start, end = text.index("## (e) "), text.index("\nNotes:")
+    stamp = (f"Section (e) rerun alone: `{cmd}`, commit `{commit}`, {machine_info()}, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} (the other sections are the run above's).")
+    body = "\n".join([*section_e(e, args)[:2], stamp, "", *section_e(e, args)[2:]])
+    path.write_text(text[:start] + body + text[end:])
 
 
 NOTES = """Notes:
@@ -411,6 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--time-scale", type=float, default=5.0, help="K of the live run (model seconds per wall second)")
     ap.add_argument("--out", type=Path, default=RESULTS_MD)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--only", choices=["e"], help="run one section and replace it in the existing report")
     args = ap.parse_args(argv)
     steps = 5
     if args.quick:
@@ -425,6 +456,15 @@ def main(argv: list[str] | None = None) -> None:
                         slo_tpot_s=args.slo_tpot_ms / 1000)
     t0 = time.perf_counter()
     commit = git_commit()          # the code this run starts with (a commit during the run does not change it)
+    cmd = "python -m bench.plan" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    if args.only == "e":
+        e = live_plan(args.sizing_model, args.live_rate, run, args.time_scale)
+        if args.no_write:
+            print("\n".join(section_e(e, args)))
+        else:
+            rerun_section_e(args.out, e, args, cmd, commit)
+            print(f"rewrote section (e) of {args.out}", file=sys.stderr)
+        return
     with stderr_progress("bench.plan") as progress:
         a = tp_ranking(args.tp_requests, args.seeds)
         progress(1, 5)
@@ -444,7 +484,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     png = args.out.with_suffix(".png")
     plot(a, b, png)
-    cmd = "python -m bench.plan" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     write_report(args.out, "Capacity planning (`fleetgate plan`)", cmd, report(a, b, c, d, e, args, png), commit=commit)
     print(f"wrote {args.out} and {png}", file=sys.stderr)
 
