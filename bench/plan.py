@@ -261,6 +261,65 @@ def live_plan(model: str, rate: float, run: DeploymentRun, k: float) -> LiveRow:
                    len(workload) - len(sendable), int(sim_model["rejected_too_long"]))
 
 
+# ---- (f) the held-out prediction error against score seeds and window length -----------------------------------
+@dataclass
+class ErrorRow:
+    duration: float
+    seeds: int
+    shape: str
+    gpus: int
+    predicted: float
+    heldout: float               # seed + 1, as long as one score: the (c) target's held-out run
+    heldout_mean: float          # seeds + 1 .. + 4 (context: the held-out side's own spread)
+    heldout_range: tuple[float, float]
+    plan_wall_s: float
+
+
+def prediction_error(model: str, rate: float, durations: list[float], seed_counts: list[int], run: DeploymentRun,
+                     max_gpus: int = 32) -> list[ErrorRow]:
+    """(c)'s worst point planned again with more scoring seeds and longer windows; the held-out side unchanged."""
+    services = list(parse_models([model]))
+    out = []
+    for dur in durations:
+        for n in seed_counts:
+            r = replace(run, rate=rate, duration=dur)
+            t0 = time.perf_counter()
+            plan = make_plan(PlanRequest(tuple(services), parse_gpus([f"a100:{max_gpus}"]), r, "cost", None, TARGET,
+                                         score_seeds=n))
+            wall = time.perf_counter() - t0
+            groups = _groups(plan)
+            held = [simulate_deployment(groups, services, replace(r, seed=run.seed + k)).summary()["slo_attainment"]
+                    for k in (1, 2, 3, 4)]
+            out.append(ErrorRow(dur, n, ", ".join(f"{g.count}x TP{g.tp}" for g in groups), plan["predicted"]["gpus"],
+                                plan["predicted"]["slo_attainment"], held[0], sum(held) / len(held),
+                                (min(held), max(held)), wall))
+            print(f"(f) {dur:g} s x {n} seeds: {out[-1].shape}, predicted {out[-1].predicted:.3f}, held-out "
+                  f"{held[0]:.3f} (mean of 4 {out[-1].heldout_mean:.3f}), {wall:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def section_f(f: list[ErrorRow], args: argparse.Namespace) -> list[str]:
+    lines = [f"## (f) Held-out prediction error against score seeds and window length ({args.sizing_model}, "
+             f"{args.error_rate:g} req/s)", "",
+             "(c)'s worst point planned again with more traffic per score: `--score-seeds N` pools seeds 0, 1000, ..., "
+             "each score replays `window` seconds. The held-out side is (c)'s, unchanged: seed 1, as long as one score; "
+             "the mean and range over seeds 1-4 show the held-out run's own spread (context, not the target).", "",
+             "| window | score seeds | plan | GPUs | predicted | held-out (seed 1) | diff (pp) | held-out seeds 1-4 mean "
+             "[min, max] | planning wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in f:
+        lines.append(f"| {r.duration:g} s | {r.seeds} | {r.shape} | {r.gpus} | {r.predicted:.3f} | {r.heldout:.3f} | "
+                     f"{abs(r.predicted - r.heldout) * 100:.1f} | {r.heldout_mean:.3f} [{r.heldout_range[0]:.3f}, "
+                     f"{r.heldout_range[1]:.3f}] | {r.plan_wall_s:.0f} |")
+    under = [r for r in f if abs(r.predicted - r.heldout) * 100 <= ATTAINMENT_PP * 100]
+    if under:
+        cheapest = min(under, key=lambda r: r.plan_wall_s)
+        lines += ["", f"Within {ATTAINMENT_PP * 100:g} pp: {len(under)} of {len(f)} settings; the quickest "
+                  f"{cheapest.duration:g} s x {cheapest.seeds} seeds ({cheapest.plan_wall_s:.0f} s of planning)."]
+    else:
+        lines += ["", f"Within {ATTAINMENT_PP * 100:g} pp: none of the {len(f)} settings."]
+    return [*lines, ""]
+
+
 # ---- (d) speed ---------------------------------------------------------------------------------------------------
 def speed(run: DeploymentRun) -> tuple[float, dict]:
     models = ["llama3-8b:4", "llama2-7b:2", "mistral-7b:2", "qwen2.5-7b:1", "llama2-13b:2", "qwen2.5-14b:1",
@@ -369,15 +428,22 @@ def section_e(e: LiveRow, args: argparse.Namespace) -> list[str]:
             f"{(e.live - e.simulated) * 100:+.1f} | {e.live_completed}/{sent} | {e.note or 'none failed'} |", ""]
 
 
-def rerun_section_e(path: Path, e: LiveRow, args: argparse.Namespace, cmd: str, commit: str) -> None:
-    """Replace section (e) of an existing report with this run's, saying which command and commit produced it."""
+def rerun_section(path: Path, letter: str, lines: list[str], cmd: str, commit: str) -> None:
+    """Put one section (its heading first in `lines`) into an existing report, replacing the one with that letter
+    or, if new, before the notes; it says which command and commit produced it."""
     from bench.report import machine_info
 
     text = path.read_text()
-    start, end = text.index("## (e) "), text.index("\nNotes:")
-    stamp = (f"Section (e) rerun alone: `{cmd}`, commit `{commit}`, {machine_info()}, "
+    stamp = (f"Section ({letter}) run alone: `{cmd}`, commit `{commit}`, {machine_info()}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} (the other sections are the run above's).")
-    body = "\n".join([*section_e(e, args)[:2], stamp, "", *section_e(e, args)[2:]])
+    body = "\n".join([*lines[:2], stamp, "", *lines[2:]]) + "\n"
+    head = f"## ({letter}) "
+    if head in text:
+        start = text.index(head)
+        nxt = [i for i in (text.find("\n## (", start + 1), text.find("\nNotes:", start)) if i >= 0]
+        end = min(nxt) + 1
+    else:
+        start = end = text.index("Notes:")
     path.write_text(text[:start] + body + text[end:])
 
 
@@ -441,7 +507,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--time-scale", type=float, default=5.0, help="K of the live run (model seconds per wall second)")
     ap.add_argument("--out", type=Path, default=RESULTS_MD)
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--only", choices=["e"], help="run one section and replace it in the existing report")
+    ap.add_argument("--only", choices=["e", "f"], help="run one section and put it into the existing report "
+                    "((f), the held-out error against score seeds and windows, runs only this way)")
+    ap.add_argument("--error-rate", type=float, default=8.0, help="(f): the rate of (c)'s worst point")
+    ap.add_argument("--error-durations", default="90,300,600")
+    ap.add_argument("--error-seeds", default="2,4,8")
     args = ap.parse_args(argv)
     steps = 5
     if args.quick:
@@ -457,13 +527,18 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     commit = git_commit()          # the code this run starts with (a commit during the run does not change it)
     cmd = "python -m bench.plan" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
-    if args.only == "e":
-        e = live_plan(args.sizing_model, args.live_rate, run, args.time_scale)
-        if args.no_write:
-            print("\n".join(section_e(e, args)))
+    if args.only is not None:
+        if args.only == "e":
+            lines = section_e(live_plan(args.sizing_model, args.live_rate, run, args.time_scale), args)
         else:
-            rerun_section_e(args.out, e, args, cmd, commit)
-            print(f"rewrote section (e) of {args.out}", file=sys.stderr)
+            lines = section_f(prediction_error(args.sizing_model, args.error_rate,
+                                               [float(x) for x in args.error_durations.split(",") if x],
+                                               [int(x) for x in args.error_seeds.split(",") if x], run), args)
+        if args.no_write:
+            print("\n".join(lines))
+        else:
+            rerun_section(args.out, args.only, lines, cmd, commit)
+            print(f"wrote section ({args.only}) of {args.out}", file=sys.stderr)
         return
     with stderr_progress("bench.plan") as progress:
         a = tp_ranking(args.tp_requests, args.seeds)

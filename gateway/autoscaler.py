@@ -19,6 +19,8 @@ The replica holding the lease `autoscaler` (state store, TTL `lease_ttl_s`, rene
   the interactive+mixed workers labelled interactive (labels are free, Chiron section 3), and publishes the
   result as `autoscale:state`.
 Every other replica exports the leader's `autoscale:state`, so all replicas show the same numbers.
+With `replan.enabled` the leader re-plans the fleet from observed traffic instead of acting on the pool sizes
+(gateway/replanner.py; the pool sizes are still computed and exported).
 
 Gateway-level rule beyond the policy: when batch work is queued and no worker may run it (no mixed or
 batch worker, none starting), the batch pool gets one worker ("bootstrap"): the policy needs a measured

@@ -154,12 +154,8 @@ class Replan:
     changes: dict[str, int] = field(default_factory=dict)   # group key -> count delta
 
     @property
-    def gpus(self) -> int:
-        return sum(g.gpus for g in self.groups)
-
-    @property
     def cost_per_hour(self) -> float:
-        return sum(g.cost_per_hour for g in self.groups)
+        return _cost(self.groups)
 
 
 def plan_changes(current: Sequence[InstanceGroup], new: Sequence[InstanceGroup]) -> dict[str, int]:
@@ -196,7 +192,7 @@ def replan(demands: Sequence[ServiceDemand], stocks: Sequence[GpuStock], slo: Sl
                       closed_form_attainment(cur_scale, target))
     new = tuple(g for g in best.groups if g.count) + keep
     new_scale = coverage(plan_capacity(new, demands, slo), demands)
-    cur_cost = sum(g.cost_per_hour for g in current)
+    cur_cost = _cost(current)
     changes = plan_changes(current, new)
     if not changes:
         return Replan(tuple(current), False, "the plan is unchanged", cur_scale,
