@@ -170,9 +170,11 @@ def replan(demands: Sequence[ServiceDemand], stocks: Sequence[GpuStock], slo: Sl
            budget: float | None = None, headroom: float = 1.0, min_saving: float = 0.1,
            mixed_only: bool = False) -> Replan:
     """One round (module docstring). `headroom` > 1 plans for that multiple of the observed rates. A model of the
-    current plan without observed demand keeps its groups (no traffic seen is no reason to remove a service).
+    current plan without observed demand (none seen, or a rate of 0) keeps its groups: no traffic in one window is
+    no reason to remove a service, and the others are planned around it.
     `mixed_only`: only plans of mixed-role instances (an actuator that starts no prefill/decode pairs)."""
-    planned = [ServiceDemand(d.model, d.rate * headroom, d.mean_input, d.mean_output, d.input_sq) for d in demands]
+    planned = [ServiceDemand(d.model, d.rate * headroom, d.mean_input, d.mean_output, d.input_sq) for d in demands
+               if d.rate > 0]
     seen = {d.model for d in planned}
     keep = tuple(g for g in current if g.model not in seen)
     cur_scale = coverage(plan_capacity(current, demands, slo), demands)

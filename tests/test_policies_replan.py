@@ -62,6 +62,10 @@ def test_a_rate_step_grows_the_model_and_a_fall_shrinks_it_back_and_noise_change
     assert grown.changed and gpus(grown, "llama3-8b") > gpus(first, "llama3-8b")
     assert gpus(grown, "llama2-7b") == gpus(first, "llama2-7b")
     assert "covers" in grown.reason and coverage(plan_capacity(grown.groups, step, SLO), step) >= 1.0
+    idle = replan([ServiceDemand("llama3-8b", 12.0, 1000, 100), ServiceDemand("llama2-7b", 0.0, 1000, 100)],
+                  A100, SLO, first.groups)                     # a model without traffic keeps its instances
+    assert idle.changed and gpus(idle, "llama2-7b") == gpus(first, "llama2-7b")
+    assert gpus(idle, "llama3-8b") > gpus(first, "llama3-8b")
     back = replan(base, A100, SLO, grown.groups)
     assert back.changed and "cheaper" in back.reason and back.cost_per_hour < grown.cost_per_hour
 
