@@ -1,13 +1,13 @@
 """Re-planning in the autoscaler's leader (gateway/replanner.py, config `replan:`): the gateway on Redis starts a
-plan's instances as simulated vLLM servers (the sim actuator), two models' traffic flows through it with the
-official client, one model's rate steps to 3x, and the leader re-plans within its interval bounds and grows that
-model's group through the actuator, without a failed request."""
+plan's instances as simulated vLLM servers (the sim actuator), two models' traffic flows through it, one model's
+rate steps to 3x, and the leader re-plans within its interval bounds and grows that model's GPUs through the
+actuator, without a failed request; with two replicas, the leader plans from both replicas' traffic and the other
+replica exports the leader's plan. Redis database 11 (this file's), keys under a prefix of each test's own."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any
 
 import httpx
@@ -16,9 +16,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ConfigError, load_config
 from simulator.tokenizer import synthetic_text
-from tests.helpers import ADMIN, MODEL, poll, require_command, running_gateway
+from tests.helpers import ADMIN, MODEL, poll, running_gateway
 
 REDIS_DB11 = "redis://127.0.0.1:6379/11"        # this file's database (re-planning tests)
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """conftest's redis_url (reachability check included) on database 11; redis_prefix cleans up under it."""
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_DB11, socket_connect_timeout=1, socket_timeout=1).ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis is not reachable at {REDIS_DB11} ({exc}). Start it with `redis-server --daemonize yes "
+                    "--port 6379`.")
+    return REDIS_DB11
 OTHER = "meta-llama/Llama-2-7b-chat-hf"          # llama2-7b
 K = 2.0                                          # model seconds per wall second of the simulated fleet
 GROUP_B = "llama2-7b/a100/tp1/mixed"
@@ -34,9 +47,9 @@ def metric_values(text: str, name: str) -> dict[tuple[tuple[str, str], ...], flo
             for s in fam.samples if s.name == name}
 
 
-def replan_config(**replan: Any) -> dict[str, Any]:
+def replan_config(prefix: str, **replan: Any) -> dict[str, Any]:
     return {
-        "redis_url": REDIS_DB11, "redis_key_prefix": f"fgtest-replan-{uuid.uuid4().hex[:8]}:",
+        "redis_url": REDIS_DB11, "redis_key_prefix": prefix,
         "workers": [], "scrape_interval_s": 0.1, "health": {"interval_s": 0.2},
         # SLOs in wall seconds (model-time 1 s TTFT, 20 ms TPOT); priors from the derived profiles.
         "slo": {"ttft_ms": 1000 / K, "tpot_ms": 20 / K}, "learning": {"time_scale": K, "interval_s": 0.05},
@@ -50,13 +63,13 @@ def replan_config(**replan: Any) -> dict[str, Any]:
     }
 
 
-async def test_a_traffic_step_grows_that_models_group_through_the_actuator_without_failed_requests() -> None:
-    require_command("redis-server", "the Redis server (apt-get install redis-server)")
+async def test_a_traffic_step_grows_that_models_group_through_the_actuator_without_failed_requests(
+        redis_prefix: str) -> None:
     prompt = synthetic_text(1000, "replan")     # ~1000 prompt tokens, 100 output tokens per request
     # Closed-form capacity of one llama3-8b TP1 A100 instance at these lengths and SLOs: ~3.4 req/s (model
     # time). Model A at 2 req/s is covered by its one instance; at 6 req/s (3x) it needs two.
     base_a, base_b = 2.0 * K, 1.0 * K          # wall req/s (K model seconds pass per wall second)
-    async with running_gateway(**replan_config()) as gw, \
+    async with running_gateway(**replan_config(redis_prefix)) as gw, \
             httpx.AsyncClient(base_url=gw.url, headers=ADMIN, timeout=60) as http:
         rp = gw.gateway.autoscaler.replanner
         assert rp is not None
@@ -122,6 +135,57 @@ async def test_a_traffic_step_grows_that_models_group_through_the_actuator_witho
     assert metric_values(text, "fleetgate_plan_cost_per_hour")[()] == pytest.approx(1.8 * gpus)
     assert 1.5 <= metric_values(text, "fleetgate_replan_interval_seconds")[()] <= 6.0
     assert 0 < metric_values(text, "fleetgate_plan_predicted_attainment")[()] <= 1
+
+
+async def test_the_leader_plans_from_every_replicas_traffic_and_the_other_replica_exports_its_plan(
+        sim_fleet: Any, redis_prefix: str) -> None:
+    fleet = sim_fleet(2, time_scale=20)
+    cfg = replan_config(redis_prefix, time_scale=1.0, min_finished=3)
+    cfg["workers"] = [{"id": f"w{i}", "url": u} for i, u in enumerate(fleet.urls)]
+    cfg["autoscale"]["actuator"] = {"kind": "none"}        # export only: the plan is computed, not carried out
+    async with running_gateway(replica_id="r1", **cfg) as g1, running_gateway(replica_id="r2", **cfg) as g2, \
+            httpx.AsyncClient(headers=ADMIN, timeout=30) as http:
+        pair = [g1, g2]
+        leader = await poll(lambda: next((g for g in pair if g.gateway.autoscaler.leader), None), 10, "a leader")
+        other = g2 if leader is g1 else g1
+        rp = leader.gateway.autoscaler.replanner
+        sent = [0]
+
+        async def send(stop: asyncio.Event) -> None:
+            k = 0
+            while not stop.is_set():
+                k += 1
+                r = await http.post(pair[k % 2].url + "/v1/completions",
+                                    json={"model": MODEL, "prompt": "hello " * 50, "max_tokens": 20})
+                assert r.status_code == 200
+                sent[0] += 1
+                await asyncio.sleep(0.1)
+
+        stop = asyncio.Event()
+        users = [asyncio.create_task(send(stop)) for _ in range(3)]
+        try:
+            first = len(rp.history)
+            done = await poll(lambda: [h for h in rp.history[first + 1:] if h["demands"].get("llama3-8b")], 15,
+                              "a round that saw a full interval of both replicas' traffic")
+        finally:
+            stop.set()
+            await asyncio.gather(*users)
+        seen = done[0]["demands"]["llama3-8b"]
+        names = ("fleetgate_plan_gpus", "fleetgate_plan_cost_per_hour", "fleetgate_replan_interval_seconds",
+                 "fleetgate_plan_predicted_attainment")
+
+        async def same_numbers() -> list[tuple[float, ...]] | None:
+            texts = [(await http.get(g.url + "/metrics")).text for g in (leader, other)]
+            values = [tuple(metric_values(t, n).get((), -1.0) for n in names) for t in texts]
+            return values if values[0] == values[1] and min(values[0]) > 0 else None
+
+        exported = await poll(same_numbers, 5, "both replicas to export the leader's plan", every=0.1)
+        assert other.gateway.autoscaler.replanner.history == []          # only the leader re-plans
+    # ~3 users x ~8 requests/s through the two replicas: the leader's rate counts both halves (one replica alone
+    # would see half of it).
+    assert 15 <= seen <= 45, seen
+    gpus, cost = exported[0][:2]
+    assert gpus >= 1 and cost == pytest.approx(1.8 * gpus)           # A100s at their list price
 
 
 def test_replan_config_is_checked() -> None:
