@@ -16,22 +16,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ConfigError, load_config
 from simulator.tokenizer import synthetic_text
-from tests.helpers import ADMIN, MODEL, poll, running_gateway
+from tests.helpers import ADMIN, MODEL, poll, require_redis, running_gateway
 
 REDIS_DB11 = "redis://127.0.0.1:6379/11"        # this file's database (re-planning tests)
 
 
 @pytest.fixture
 def redis_url() -> str:
-    """conftest's redis_url (reachability check included) on database 11; redis_prefix cleans up under it."""
-    import redis
-
-    try:
-        redis.Redis.from_url(REDIS_DB11, socket_connect_timeout=1, socket_timeout=1).ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"Redis is not reachable at {REDIS_DB11} ({exc}). Start it with `redis-server --daemonize yes "
-                    "--port 6379`.")
-    return REDIS_DB11
+    """conftest's redis_url on this file's database 11 (redis_prefix cleans up under it)."""
+    return require_redis(REDIS_DB11)
 OTHER = "meta-llama/Llama-2-7b-chat-hf"          # llama2-7b
 K = 2.0                                          # model seconds per wall second of the simulated fleet
 GROUP_B = "llama2-7b/a100/tp1/mixed"
