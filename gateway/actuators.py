@@ -334,7 +334,10 @@ class SimActuator(ManagedActuator):
                 await self.drain(wid)
 
     async def _drain_after(self, boots: list[asyncio.Task], drains: list[str]) -> None:
-        await asyncio.gather(*boots, return_exceptions=True)
+        failed = [r for r in await asyncio.gather(*boots, return_exceptions=True) if isinstance(r, BaseException)]
+        if failed:   # keep the old instances serving; the next apply starts the missing ones again
+            log.warning("%d new instance(s) failed to start (%s); not draining %s", len(failed), failed[0], drains)
+            return
         for wid in drains:
             if wid in self.workers:
                 await self.drain(wid)

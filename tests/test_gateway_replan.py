@@ -63,7 +63,7 @@ async def test_a_traffic_step_grows_that_models_group_through_the_actuator_witho
     # time). Model A at 2 req/s is covered by its one instance; at 6 req/s (3x) it needs two.
     base_a, base_b = 2.0 * K, 1.0 * K          # wall req/s (K model seconds pass per wall second)
     async with running_gateway(**replan_config(redis_prefix)) as gw, \
-            httpx.AsyncClient(base_url=gw.url, headers=ADMIN, timeout=60) as http:
+            httpx.AsyncClient(base_url=gw.url, headers=ADMIN, timeout=20) as http:
         rp = gw.gateway.autoscaler.replanner
         assert rp is not None
         rotation = gw.gateway.registry.rotation
