@@ -216,6 +216,8 @@ class LiveRow:
     live: float
     live_completed: int
     note: str
+    beyond_context: int = 0       # prompts of max_model_len tokens or more: refused by vLLM, sent by neither side
+    sim_refused: int = 0          # the simulator's count of the same (it refuses them with vLLM's 400)
 
 
 def live_plan(model: str, rate: float, run: DeploymentRun, k: float) -> LiveRow:
@@ -236,7 +238,13 @@ def live_plan(model: str, rate: float, run: DeploymentRun, k: float) -> LiveRow:
     groups = _groups(plan)
     spec = service_spec(r, services[0], 0)
     workload = build_workload(spec)
-    simulated = simulate_deployment(groups, services, r).summary()["slo_attainment"]   # the same requests
+    sim_model = simulate_deployment(groups, services, r).per_model[services[0].model].to_dict()  # the same requests
+    simulated = sim_model["slo_attainment"]
+    # A prompt the model's context cannot hold is refused by vLLM (400) on any deployment: the simulator refuses
+    # it at arrival and leaves it out of attainment (policies/placement.py `servable`), so the live side does not
+    # send it at all (sending it only measures the 400 path) and the table counts it on both sides.
+    context = group_profile(groups[0].model, groups[0].gpu, groups[0].tp).max_model_len
+    sendable = [w for w in workload if w.prompt_tokens < context]
     with tempfile.TemporaryDirectory(prefix="fleetgate-plan-") as tmp:
         paths = []
         for g in groups:
@@ -245,11 +253,71 @@ def live_plan(model: str, rate: float, run: DeploymentRun, k: float) -> LiveRow:
             path.write_text(yaml.safe_dump(prof))
             paths += [str(path)] * g.count
         side = asyncio.run(live_run(paths, group_profile(groups[0].model, groups[0].gpu, groups[0].tp).model,
-                                    run.policy, {}, workload, k, history(spec, workload), False,
+                                    run.policy, {}, sendable, k, history(spec, workload), False,
                                     spec.queue_lookahead, slo_ttft_s=run.slo_ttft_s, slo_atgt_s=run.slo_tpot_s))
     shape = ", ".join(f"{g.count}x {g.model} TP{g.tp} {g.gpu}" for g in groups)
     print(f"(e) {shape}: simulated {simulated:.3f}, live {side.attainment:.3f}", file=sys.stderr, flush=True)
-    return LiveRow(shape, len(workload), simulated, side.attainment, side.completed, side.note)
+    return LiveRow(shape, len(workload), simulated, side.attainment, side.completed, side.note,
+                   len(workload) - len(sendable), int(sim_model["rejected_too_long"]))
+
+
+# ---- (f) the held-out prediction error against score seeds and window length -----------------------------------
+@dataclass
+class ErrorRow:
+    duration: float
+    seeds: int
+    shape: str
+    gpus: int
+    predicted: float
+    heldout: float               # seed + 1, as long as one score: the (c) target's held-out run
+    heldout_mean: float          # seeds + 1 .. + 4 (context: the held-out side's own spread)
+    heldout_range: tuple[float, float]
+    plan_wall_s: float
+
+
+def prediction_error(model: str, rate: float, durations: list[float], seed_counts: list[int], run: DeploymentRun,
+                     max_gpus: int = 32) -> list[ErrorRow]:
+    """(c)'s worst point planned again with more scoring seeds and longer windows; the held-out side unchanged."""
+    services = list(parse_models([model]))
+    out = []
+    for dur in durations:
+        for n in seed_counts:
+            r = replace(run, rate=rate, duration=dur)
+            t0 = time.perf_counter()
+            plan = make_plan(PlanRequest(tuple(services), parse_gpus([f"a100:{max_gpus}"]), r, "cost", None, TARGET,
+                                         score_seeds=n))
+            wall = time.perf_counter() - t0
+            groups = _groups(plan)
+            held = [simulate_deployment(groups, services, replace(r, seed=run.seed + k)).summary()["slo_attainment"]
+                    for k in (1, 2, 3, 4)]
+            out.append(ErrorRow(dur, n, ", ".join(f"{g.count}x TP{g.tp}" for g in groups), plan["predicted"]["gpus"],
+                                plan["predicted"]["slo_attainment"], held[0], sum(held) / len(held),
+                                (min(held), max(held)), wall))
+            print(f"(f) {dur:g} s x {n} seeds: {out[-1].shape}, predicted {out[-1].predicted:.3f}, held-out "
+                  f"{held[0]:.3f} (mean of 4 {out[-1].heldout_mean:.3f}), {wall:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def section_f(f: list[ErrorRow], args: argparse.Namespace) -> list[str]:
+    lines = [f"## (f) Held-out prediction error against score seeds and window length ({args.sizing_model}, "
+             f"{args.error_rate:g} req/s)", "",
+             "(c)'s worst point planned again with more traffic per score: `--score-seeds N` pools seeds 0, 1000, ..., "
+             "each score replays `window` seconds. The held-out side is (c)'s, unchanged: seed 1, as long as one score; "
+             "the mean and range over seeds 1-4 show the held-out run's own spread (context, not the target).", "",
+             "| window | score seeds | plan | GPUs | predicted | held-out (seed 1) | diff (pp) | held-out seeds 1-4 mean "
+             "[min, max] | planning wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in f:
+        lines.append(f"| {r.duration:g} s | {r.seeds} | {r.shape} | {r.gpus} | {r.predicted:.3f} | {r.heldout:.3f} | "
+                     f"{abs(r.predicted - r.heldout) * 100:.1f} | {r.heldout_mean:.3f} [{r.heldout_range[0]:.3f}, "
+                     f"{r.heldout_range[1]:.3f}] | {r.plan_wall_s:.0f} |")
+    under = [r for r in f if abs(r.predicted - r.heldout) * 100 <= ATTAINMENT_PP * 100]
+    if under:
+        cheapest = min(under, key=lambda r: r.plan_wall_s)
+        lines += ["", f"Within {ATTAINMENT_PP * 100:g} pp: {len(under)} of {len(f)} settings; the quickest "
+                  f"{cheapest.duration:g} s x {cheapest.seeds} seeds ({cheapest.plan_wall_s:.0f} s of planning)."]
+    else:
+        lines += ["", f"Within {ATTAINMENT_PP * 100:g} pp: none of the {len(f)} settings."]
+    return [*lines, ""]
 
 
 # ---- (d) speed ---------------------------------------------------------------------------------------------------
@@ -335,20 +403,48 @@ def report(a: list[TpRow], b: list[CostRow], c: list[SizingRow], d: tuple[float,
               + f"; ${plan['predicted']['cost_per_hour']:.2f}/h, {plan['predicted']['gpus']} GPUs, predicted attainment "
               f"{plan['predicted']['slo_attainment']:.3f} (target {TARGET}: "
               f"{'met' if plan['meets_target'] else 'not reached within the 64 GPUs'}).", ""]
-    lines += ["## (e) One plan live through the gateway", "",
-              f"The plan for {args.sizing_model} at {args.live_rate:g} req/s on A100s ({e.shape}), its {e.requests} "
-              f"requests (seed {args.seed}) replayed through the gateway in front of `fleetgate sim` workers running "
-              f"the plan's derived profiles at time scale K = {args.time_scale:g} (bench/live_check.py's live side: "
-              "the gateway's own SLO counters, SLOs and coefficients divided by K).", "",
-              "| plan | simulated attainment | live attainment | difference (pp) | live completed | notes |",
-              "|---|---|---|---|---|---|",
-              f"| {e.shape} | {e.simulated:.3f} | {e.live:.3f} | {(e.live - e.simulated) * 100:+.1f} | "
-              f"{e.live_completed}/{e.requests} | {e.note} |", ""]
+    lines += section_e(e, args)
     lines += [NOTES, ""]
     if png is not None:
         lines += [f"![TP ranking and equal-cost throughput]({png.name})", ""]
     lines += [f"Wall time of the whole run: {args.wall_s:.0f} s (machine shared with other jobs).", ""]
     return "\n".join(lines)
+
+
+def section_e(e: LiveRow, args: argparse.Namespace) -> list[str]:
+    sent = e.requests - e.beyond_context
+    return ["## (e) One plan live through the gateway", "",
+            f"The plan for {args.sizing_model} at {args.live_rate:g} req/s on A100s ({e.shape}), its {e.requests} "
+            f"requests (seed {args.seed}) replayed through the gateway in front of `fleetgate sim` workers running "
+            f"the plan's derived profiles at time scale K = {args.time_scale:g} (bench/live_check.py's live side: "
+            "the gateway's own SLO counters, SLOs and coefficients divided by K). Prompts of the model's context "
+            "length or more are refused by vLLM (400) on any deployment: the simulator refuses them at arrival and "
+            "leaves them out of its attainment, so the live side does not send them; both sides' counts are shown.",
+            "",
+            "| plan | requests | beyond the context: refused in the simulator / not sent live | simulated attainment "
+            "| live attainment | difference (pp) | live completed | notes |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {e.shape} | {e.requests} | {e.sim_refused} / {e.beyond_context} | {e.simulated:.3f} | {e.live:.3f} | "
+            f"{(e.live - e.simulated) * 100:+.1f} | {e.live_completed}/{sent} | {e.note or 'none failed'} |", ""]
+
+
+def rerun_section(path: Path, letter: str, lines: list[str], cmd: str, commit: str) -> None:
+    """Put one section (its heading first in `lines`) into an existing report, replacing the one with that letter
+    or, if new, before the notes; it says which command and commit produced it."""
+    from bench.report import machine_info
+
+    text = path.read_text()
+    stamp = (f"Section ({letter}) run alone: `{cmd}`, commit `{commit}`, {machine_info()}, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} (the other sections are the run above's).")
+    body = "\n".join([*lines[:2], stamp, "", *lines[2:]]) + "\n"
+    head = f"## ({letter}) "
+    if head in text:
+        start = text.index(head)
+        nxt = [i for i in (text.find("\n## (", start + 1), text.find("\nNotes:", start)) if i >= 0]
+        end = min(nxt) + 1
+    else:
+        start = end = text.index("Notes:")
+    path.write_text(text[:start] + body + text[end:])
 
 
 NOTES = """Notes:
@@ -411,6 +507,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--time-scale", type=float, default=5.0, help="K of the live run (model seconds per wall second)")
     ap.add_argument("--out", type=Path, default=RESULTS_MD)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--only", choices=["e", "f"], help="run one section and put it into the existing report "
+                    "((f), the held-out error against score seeds and windows, runs only this way)")
+    ap.add_argument("--error-rate", type=float, default=8.0, help="(f): the rate of (c)'s worst point")
+    ap.add_argument("--error-durations", default="90,300,600")
+    ap.add_argument("--error-seeds", default="2,4,8")
     args = ap.parse_args(argv)
     steps = 5
     if args.quick:
@@ -425,6 +526,20 @@ def main(argv: list[str] | None = None) -> None:
                         slo_tpot_s=args.slo_tpot_ms / 1000)
     t0 = time.perf_counter()
     commit = git_commit()          # the code this run starts with (a commit during the run does not change it)
+    cmd = "python -m bench.plan" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    if args.only is not None:
+        if args.only == "e":
+            lines = section_e(live_plan(args.sizing_model, args.live_rate, run, args.time_scale), args)
+        else:
+            lines = section_f(prediction_error(args.sizing_model, args.error_rate,
+                                               [float(x) for x in args.error_durations.split(",") if x],
+                                               [int(x) for x in args.error_seeds.split(",") if x], run), args)
+        if args.no_write:
+            print("\n".join(lines))
+        else:
+            rerun_section(args.out, args.only, lines, cmd, commit)
+            print(f"wrote section ({args.only}) of {args.out}", file=sys.stderr)
+        return
     with stderr_progress("bench.plan") as progress:
         a = tp_ranking(args.tp_requests, args.seeds)
         progress(1, 5)
@@ -444,7 +559,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     png = args.out.with_suffix(".png")
     plot(a, b, png)
-    cmd = "python -m bench.plan" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     write_report(args.out, "Capacity planning (`fleetgate plan`)", cmd, report(a, b, c, d, e, args, png), commit=commit)
     print(f"wrote {args.out} and {png}", file=sys.stderr)
 

@@ -5,6 +5,8 @@
 - `sim`: simulated vLLM servers started in this process (simulator/fleet.py, one server per worker,
   on a free port), taking traffic after `cold_start_s`. For `fleetgate demo --autoscale` and tests; the
   workers live in the leader's process, so run one gateway replica with it.
+  With re-planning (gateway/replanner.py) it starts a plan's instance groups instead (`apply_groups`: each
+  group's derived profile and model, label `group`), and drains the instances a new plan drops.
 - `webhook`: every tick, POST to `url`
       {"replica", "desired": {pool: n}, "current": {pool: n}, "draining": [ids], "release": [ids]}
   and read back the fleet {"workers": [{"id", "url", "pool", "state": "ready" | "starting", "cap"?}]}. Ready
@@ -26,9 +28,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -36,6 +40,8 @@ import orjson
 from gateway.state.base import WorkerRecord
 from gateway.upstream import encode_headers
 from policies.autoscale.global_ import POOL_BATCH, POOL_INTERACTIVE, POOL_MIXED, POOLS
+from policies.planning import InstanceGroup
+from policies.replan import group_key
 from policies.types import ROLE_MIXED
 
 if TYPE_CHECKING:
@@ -207,6 +213,7 @@ class _SimWorker:
     fleet: Any = None                  # simulator.fleet.SimFleet
     task: asyncio.Task | None = None   # boot (start + cold start + register)
     ready: bool = False
+    group: InstanceGroup | None = None  # the plan group it is an instance of (re-planning), else cfg's profile
 
 
 class SimActuator(ManagedActuator):
@@ -216,6 +223,8 @@ class SimActuator(ManagedActuator):
         super().__init__(ctx)
         self.cfg = cfg
         self.workers: dict[str, _SimWorker] = {}
+        self._profile_dir: Path | None = None    # derived profiles of plan groups (YAML files the servers load)
+        self._pending_drains: set[asyncio.Task] = set()   # drains waiting for a new plan's instances
 
     def owns(self, ws: WorkerState) -> bool:
         return ws.id in self.workers
@@ -238,12 +247,12 @@ class SimActuator(ManagedActuator):
     async def provision(self, pool: str) -> None:
         self._spawn(pool, self.cfg.cold_start_s)
 
-    def _spawn(self, pool: str, cold_start_s: float) -> asyncio.Task:
+    def _spawn(self, pool: str, cold_start_s: float, group: InstanceGroup | None = None) -> asyncio.Task:
         # sim-<n>, the lowest n free: stable names and ports (base_port + n). No pool in the name: the
         # autoscaler relabels workers between the interactive and mixed pools as it goes.
         n = next(i for i in itertools.count() if f"sim-{i}" not in self.workers)
         wid = f"sim-{n}"
-        w = self.workers[wid] = _SimWorker(pool, time.monotonic())
+        w = self.workers[wid] = _SimWorker(pool, time.monotonic(), group=group)
         w.task = asyncio.create_task(self._boot(wid, w, n, cold_start_s), name=f"fg-sim-boot-{wid}")
         log.info("starting simulated worker %s (pool %s, cold start %.1f s)", wid, pool, cold_start_s)
         return w.task
@@ -253,19 +262,85 @@ class SimActuator(ManagedActuator):
 
         cfg = self.cfg
         port = cfg.base_port + n if cfg.base_port else 0
-        w.fleet = SimFleet(specs_from_options(1, port, cfg.profile, cfg.model, cfg.time_scale, cfg.seed + n))
+        profile, model, labels = cfg.profile, cfg.model, {"pool": w.pool}
+        if w.group is not None:
+            profile, model = self._group_profile(w.group)
+            labels["group"] = group_key(w.group)
+        w.fleet = SimFleet(specs_from_options(1, port, profile, model, cfg.time_scale, cfg.seed + n))
         try:
             await asyncio.to_thread(w.fleet.start)
             await asyncio.sleep(cold_start_s)  # a real worker loads weights meanwhile; it is billed already
-            await self.ctx.registry.add(WorkerRecord(id=wid, url=w.fleet.urls[0], labels={"pool": w.pool},
-                                                     profile=w.fleet.servers[0].profile.name, cap=cfg.cap,
-                                                     source="autoscaler"))
+            await self.ctx.registry.add(WorkerRecord(
+                id=wid, url=w.fleet.urls[0], labels=labels, cap=cfg.cap, source="autoscaler",
+                profile=profile if w.group is not None else w.fleet.servers[0].profile.name,
+                models=[model] if w.group is not None and model else []))
             w.ready = True
             log.info("simulated worker %s ready at %s (pool %s)", wid, w.fleet.urls[0], w.pool)
         except BaseException:
             self.workers.pop(wid, None)
             await asyncio.to_thread(w.fleet.stop)
             raise
+
+    def _group_profile(self, g: InstanceGroup) -> tuple[str, str]:
+        """(profile YAML path, served model name) of a plan group's instances (policies/hardware.py derives it)."""
+        import tempfile
+
+        import yaml
+
+        from policies.hardware import derive_profile
+
+        if self._profile_dir is None:
+            self._profile_dir = Path(tempfile.mkdtemp(prefix="fleetgate-replan-"))
+        prof = derive_profile(g.model, g.gpu, g.tp)
+        path = self._profile_dir / f"{prof['name']}.yaml"
+        if not path.exists():
+            path.write_text(yaml.safe_dump(prof))
+        return str(path), str(prof["model"])
+
+    async def apply_groups(self, groups: Iterable[InstanceGroup], cold_start_s: float | None = None,
+                           wait: bool = False) -> None:
+        """Move the fleet to a plan (re-planning, gateway/replanner.py): start the missing instances of each group
+        (its derived profile and model), and for a group with too many, cancel those still starting and drain the
+        least loaded of the rest, exactly as a scale-in (a group the plan no longer has goes to 0). `wait`: return
+        once the new instances are registered."""
+        want = {group_key(g): g for g in groups}
+        cold = self.cfg.cold_start_s if cold_start_s is None else cold_start_s
+        have: dict[str, list[str]] = {}
+        for wid, w in sorted(self.workers.items(), key=lambda kv: kv[1].started):
+            if w.group is not None and wid not in self._draining:
+                have.setdefault(group_key(w.group), []).append(wid)
+        boots = [self._spawn(POOL_MIXED, cold, g) for key, g in want.items()
+                 for _ in range(g.count - len(have.get(key, ())))]
+        if wait:                                  # `wait`: until the new instances are in the registry
+            for t in boots:
+                await t
+        drains: list[str] = []
+        for key, wids in have.items():
+            extra = len(wids) - (want[key].count if key in want else 0)
+            for wid in reversed(wids):           # still starting: cancel, the latest first
+                if extra > 0 and not self.workers[wid].ready and await self.cancel(wid):
+                    extra -= 1
+            ready = sorted((wid for wid in wids if wid in self.workers and self.workers[wid].ready),
+                           key=self.ctx.inflight)
+            drains += ready[:max(extra, 0)]
+        if boots and drains:
+            # Make before break: a plan that reshapes a model (TP1 -> TP2) drains the old instances only once the
+            # new ones take traffic, else the model would have no worker meanwhile (503s).
+            task = asyncio.create_task(self._drain_after(boots, drains), name="fg-replan-drain")
+            self._pending_drains.add(task)
+            task.add_done_callback(self._pending_drains.discard)
+        else:
+            for wid in drains:
+                await self.drain(wid)
+
+    async def _drain_after(self, boots: list[asyncio.Task], drains: list[str]) -> None:
+        failed = [r for r in await asyncio.gather(*boots, return_exceptions=True) if isinstance(r, BaseException)]
+        if failed:   # keep the old instances serving; the next apply starts the missing ones again
+            log.warning("%d new instance(s) failed to start (%s); not draining %s", len(failed), failed[0], drains)
+            return
+        for wid in drains:
+            if wid in self.workers:
+                await self.drain(wid)
 
     async def cancel(self, worker_id: str) -> bool:
         w = self.workers.get(worker_id)
@@ -283,6 +358,8 @@ class SimActuator(ManagedActuator):
             await asyncio.to_thread(w.fleet.stop)
 
     async def stop(self) -> None:
+        for t in list(self._pending_drains):
+            t.cancel()
         await super().stop()
         for wid, w in list(self.workers.items()):
             if w.task is not None and not w.task.done():
@@ -293,6 +370,9 @@ class SimActuator(ManagedActuator):
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(w.fleet.stop)
             self.workers.pop(wid, None)
+        if self._profile_dir is not None:
+            shutil.rmtree(self._profile_dir, ignore_errors=True)
+            self._profile_dir = None
 
 
 # --- webhook ------------------------------------------------------------------------------------------

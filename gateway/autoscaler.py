@@ -19,6 +19,8 @@ The replica holding the lease `autoscaler` (state store, TTL `lease_ttl_s`, rene
   the interactive+mixed workers labelled interactive (labels are free, Chiron section 3), and publishes the
   result as `autoscale:state`.
 Every other replica exports the leader's `autoscale:state`, so all replicas show the same numbers.
+With `replan.enabled` the leader re-plans the fleet from observed traffic instead of acting on the pool sizes
+(gateway/replanner.py; the pool sizes are still computed and exported).
 
 Gateway-level rule beyond the policy: when batch work is queued and no worker may run it (no mixed or
 batch worker, none starting), the batch pool gets one worker ("bootstrap"): the policy needs a measured
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.actuators import Actuator, ActuatorContext, make_actuator, pool_label
 from gateway.outage import LoopErrors, stop_task
+from gateway.replanner import Replanner
 from gateway.state.base import EngineMetrics
 from policies.autoscale.global_ import (
     POOL_BATCH,
@@ -132,6 +135,8 @@ class Autoscaler:
         if cfg.actuator.kind == "sim":
             params.setdefault("cold_start_s", cfg.actuator.sim.cold_start_s)
         self.scaler = GlobalAutoscaler(GlobalConfig(**params))
+        # Re-planning (config `replan:`): the leader moves the fleet to plans; pool sizes are then exported only.
+        self.replanner = Replanner(config, store, metrics, self.actuator) if config.replan.enabled else None
         self.leader = False
         self.state: dict[str, Any] = {}
         self.actions: Counter[str] = Counter()           # "pool|direction|reason" -> workers (leader, cumulative)
@@ -156,6 +161,8 @@ class Autoscaler:
         self.dispatcher = dispatcher
         if self.cfg.enabled:
             await self.actuator.start()
+        if self.replanner is not None:
+            await self.replanner.start(dispatcher)
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="fg-autoscaler")
 
@@ -223,9 +230,12 @@ class Autoscaler:
         if self.dispatcher is not None:
             waiting = sum(len(rt.queue) for rt in self.dispatcher.runtimes.values())
             shortfall = self.dispatcher.learner.shortfall_total()
-        return {"t": now_wall, "workers": workers, "dispatched": self.batch.router.interactive_dispatched,
-                "batch_tokens": self.batch.batch_tokens, "out": [out.n, out.total, out.total_sq], "waiting": waiting,
-                "shortfall": shortfall}
+        doc = {"t": now_wall, "workers": workers, "dispatched": self.batch.router.interactive_dispatched,
+               "batch_tokens": self.batch.batch_tokens, "out": [out.n, out.total, out.total_sq], "waiting": waiting,
+               "shortfall": shortfall}
+        if self.replanner is not None:
+            doc["replan"] = self.replanner.traffic_doc()
+        return doc
 
     # --- Chiron Algorithm 1 (leader) ------------------------------------------------------------------
     def _slo_for(self, pool: str) -> float:
@@ -283,6 +293,8 @@ class Autoscaler:
             await self.store.put_doc(DOC_STATE, self.state)
         elif self.cfg.enabled:
             self.state = await self.store.get_doc(DOC_STATE) or {}
+            if self.replanner is not None:
+                await self.replanner.export_shared()
         else:
             self.state = await self._observe_only(now)
         self._export(self.state)
@@ -399,7 +411,11 @@ class Autoscaler:
             self.recent_actions.append({"t": now, "pool": a.pool, "direction": a.direction, "count": a.count,
                                         "reason": a.reason, "busy": round(obs.interactive_busy, 3)})
             log.info("scale %s %s %+d (%s)", a.pool, a.direction, a.count if a.direction == "up" else -a.count, a.reason)
-        if self.actuator.kind != "none":
+        if self.replanner is not None:
+            stale = 3 * self.cfg.interval_s + self.cfg.lease_ttl_s
+            docs = await self.store.get_docs(DOC_LOAD)
+            await self.replanner.tick(now, {k: d for k, d in docs.items() if now - d.get("t", 0.0) <= stale})
+        elif self.actuator.kind != "none":
             await self.actuator.apply(desired)
             await self._relabel(desired[POOL_INTERACTIVE])
         active = self.ctx.active_by_pool()

@@ -517,6 +517,31 @@ class AutoscaleConfig(_Strict):
             raise ValueError(str(e)) from None
         return v
 
+class ReplanConfig(_Strict):
+    """Re-planning from observed traffic by the autoscaler's leader (gateway/replanner.py, policies/replan.py):
+    the closed-form plan over `gpus` every interval, the interval adapted by SeaLLM eq. 8 (section 4.3)."""
+
+    enabled: bool = False
+    gpus: list[str] = Field(default_factory=list)     # the stock, TYPE:COUNT[:PRICE] as `fleetgate plan --gpus`
+    interval_s: float = Field(60.0, gt=0)             # I_0, the first interval
+    min_interval_s: float = Field(10.0, gt=0)
+    max_interval_s: float = Field(600.0, gt=0)
+    beta: float = Field(0.1, gt=0, lt=1)              # SeaLLM eq. 8 (0.1 in its section 6.1)
+    target: float = Field(0.95, gt=0, le=1)           # SLO attainment a covered plan is estimated to reach
+    objective: Literal["cost", "throughput"] = "cost"
+    budget_per_hour: float | None = Field(None, gt=0)
+    headroom: float = Field(1.0, ge=1.0)              # plan for this multiple of the observed rates
+    min_saving: float = Field(0.1, ge=0, lt=1)        # move to a cheaper plan only when it saves this fraction
+    min_finished: int = Field(10, ge=1)               # finished requests a window needs for its length means
+    time_scale: float | None = Field(None, gt=0)      # model seconds per wall second (default: the sim actuator's)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ReplanConfig:
+        if not self.min_interval_s <= self.interval_s <= self.max_interval_s:
+            raise ValueError("need min_interval_s <= interval_s <= max_interval_s")
+        return self
+
+
 _FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("fleetgate_file", default=None)
 
 
@@ -601,6 +626,7 @@ class GatewayConfig(BaseSettings):
     pd: PdConfig = Field(default_factory=PdConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    replan: ReplanConfig = Field(default_factory=ReplanConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
@@ -732,7 +758,7 @@ def semantic_problems(cfg: GatewayConfig) -> list[str]:
     """Checks that need more than types: policy names and their parameters."""
     from policies.base import make_policy, policy_names
 
-    problems: list[str] = key_problems(cfg) + deployment_problems(cfg)
+    problems: list[str] = key_problems(cfg) + deployment_problems(cfg) + replan_problems(cfg)
     try:
         known = policy_names()
     except ImportError as e:  # the policy package is incomplete; report, don't crash
@@ -754,6 +780,25 @@ def semantic_problems(cfg: GatewayConfig) -> list[str]:
             continue
         if policy.needs_perf_models:
             problems += unmodelled_workers(cfg, where, name)
+    return problems
+
+
+def replan_problems(cfg: GatewayConfig) -> list[str]:
+    """Re-planning runs in the autoscaler's leader, over a GPU stock, against the configured SLO."""
+    rc = cfg.replan
+    if not rc.enabled:
+        return []
+    from policies.replan import parse_stock
+
+    problems = []
+    if not cfg.autoscale.enabled:
+        problems.append("replan.enabled needs autoscale.enabled (the autoscaler's leader re-plans)")
+    if cfg.slo.ttft_ms is None or cfg.slo.tpot_ms is None:
+        problems.append("replan.enabled needs slo.ttft_ms and slo.tpot_ms (the plan is sized for them)")
+    try:
+        parse_stock(rc.gpus)
+    except ValueError as e:
+        problems.append(f"replan.gpus: {e}")
     return problems
 
 

@@ -291,6 +291,8 @@ class Learner:
         self._policies: list[tuple[str, Policy]] = []   # (model, policy): every policy the gateway built
         self._active: dict[str, _Active] = {}
         self._done: deque[tuple] = deque(maxlen=100_000)
+        # model -> [finished, prompt tokens, prompt tokens², output tokens] since start (gateway/replanner.py)
+        self.traffic: dict[str, list[float]] = {}
         self._prefill_logs: dict[str, _PrefillLog] = {}
         self._prefill_wait: list[tuple] = []
         self._shortfall_seen: dict[tuple[str, int], tuple[int, float]] = {}  # (model, policy) -> (no_fits, rise)
@@ -481,6 +483,13 @@ class Learner:
         workers = self.registry.workers
         while done:
             model, l_in, n, wid, t_sent, t_first, t_last = done.popleft()
+            t = self.traffic.get(model)
+            if t is None:
+                t = self.traffic[model] = [0.0, 0.0, 0.0, 0.0]
+            t[0] += 1
+            t[1] += l_in
+            t[2] += l_in * l_in
+            t[3] += n
             ws = workers.get(wid)
             if ws is None or t_first is None:
                 continue

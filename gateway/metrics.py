@@ -212,6 +212,13 @@ class GatewayMetrics:
             buf = self._counters[key] = _CounterBuffer(self._child(self.requests, model, policy, str(status)))
         buf.add()
 
+    def requests_by_model(self) -> dict[str, float]:
+        """Requests answered so far per model, any status (what the re-planner reads as arrivals)."""
+        out: dict[str, float] = {}
+        for (model, _policy, _status), buf in self._counters.items():
+            out[model] = out.get(model, 0.0) + buf.child._value.get() + buf.n  # noqa: SLF001 - the child's count
+        return out
+
     def observe_duration(self, model: str, seconds: float) -> None:
         self._histogram(self.duration, model).add(seconds)
 

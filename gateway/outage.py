@@ -62,11 +62,17 @@ class LoopErrors:
 
 
 async def stop_task(task: asyncio.Task | None) -> None:
-    """Cancel a loop's task and wait for it to end."""
-    if task is not None:
+    """Cancel a loop's task and wait for it to end. The cancellation is repeated while the task runs on: on Python
+    3.11 a cancel that lands as an `asyncio.timeout` inside the loop expires can be taken for the timeout (the
+    loop's `suppress(TimeoutError)` then swallows it) and the loop goes on; a gateway's shutdown waited forever
+    on such a batch-runner loop under load (seen in tests/test_gateway_replan.py teardowns)."""
+    if task is None:
+        return
+    while not task.done():
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await asyncio.wait({task}, timeout=1.0)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def quiet_loop(interval: float, fn: Callable[[], Awaitable[object]], log: logging.Logger, what: str) -> None:

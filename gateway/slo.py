@@ -178,6 +178,14 @@ class SloBook:
             w = self._windows[key] = _Window(self.window_s)
         w.add(time.monotonic(), met)
 
+    def totals(self) -> dict[str, tuple[int, int]]:
+        """Per model, requests judged since start over every class: (met, missed)."""
+        out: dict[str, tuple[int, int]] = {}
+        for (model, _cls), w in list(self._windows.items()):
+            met, missed = out.get(model, (0, 0))
+            out[model] = (met + w.total_met, missed + w.total_missed)
+        return out
+
     def attainment(self, model: str, request_class: str = CLASS_INTERACTIVE) -> float | None:
         """The windowed ratio (None: no judged request in the window)."""
         w = self._windows.get((model, request_class))

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from policies.hardware import TP_DEGREES, GpuSpec, ModelSpec, derive_profile, fits, model_spec
+from policies.hardware import TP_DEGREES, GpuSpec, ModelSpec, derive_profile, fits, gpu_spec, model_spec
 from policies.perf_model import PerfModel
 from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL
 
@@ -129,6 +129,30 @@ class Candidate:
     def scale(self, demands: Sequence[ServiceDemand]) -> float:
         """How many times the offered traffic the plan sustains (the least served service decides)."""
         return min((self.capacity.get(d.model, 0.0) / d.rate for d in demands if d.rate > 0), default=0.0)
+
+
+def parse_stock(items: Sequence[str], flag: str = "") -> list[GpuStock]:
+    """`TYPE:COUNT[:PRICE]` items (USD per GPU-hour; default from policies/hardware.py), one per GPU type;
+    `flag` names where they came from in error messages (e.g. "--gpus")."""
+    where = f"{flag} " if flag else ""
+    if not items:
+        raise ValueError(f"give at least one {where}TYPE:COUNT[:price]")
+    out: list[GpuStock] = []
+    for item in items:
+        parts = str(item).split(":")
+        if len(parts) not in (2, 3):
+            raise ValueError(f"{where}{item!r}: expected TYPE:COUNT or TYPE:COUNT:PRICE")
+        try:
+            count = int(parts[1])
+            price = float(parts[2]) if len(parts) == 3 else None
+        except ValueError:
+            raise ValueError(f"{where}{item!r}: COUNT must be an integer and PRICE a number") from None
+        if not 0 < count <= 4096:
+            raise ValueError(f"{where}{item!r}: COUNT must be 1..4096")
+        out.append(GpuStock(gpu_spec(parts[0], price), count))
+    if len({s.gpu.name for s in out}) != len(out):
+        raise ValueError(f"each GPU type may be given once{' in ' + flag if flag else ''}")
+    return out
 
 
 # ---- one instance ---------------------------------------------------------------------------------------------

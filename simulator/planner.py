@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from policies.hardware import gpu_spec, model_spec
+from policies.hardware import model_spec
 from policies.planning import (
     COST,
     Candidate,
@@ -27,6 +27,7 @@ from policies.planning import (
     candidates,
     grow,
     instance_options,
+    parse_stock,
 )
 from policies.types import ROLE_DECODE, ROLE_PREFILL
 from simulator.deployment import DeploymentRun, ServiceShare, simulate_deployment
@@ -95,24 +96,7 @@ def parse_models(items: Sequence[str]) -> tuple[ServiceShare, ...]:
 
 def parse_gpus(items: Sequence[str]) -> tuple[GpuStock, ...]:
     """`TYPE:COUNT[:PRICE]` (price in USD per GPU-hour; default from policies/hardware.py)."""
-    if not items:
-        raise ValueError("give at least one --gpus TYPE:COUNT[:price]")
-    out = []
-    for item in items:
-        parts = item.split(":")
-        if len(parts) not in (2, 3):
-            raise ValueError(f"--gpus {item!r}: expected TYPE:COUNT or TYPE:COUNT:PRICE")
-        try:
-            count = int(parts[1])
-            price = float(parts[2]) if len(parts) == 3 else None
-        except ValueError:
-            raise ValueError(f"--gpus {item!r}: COUNT must be an integer and PRICE a number") from None
-        if not 0 < count <= 4096:
-            raise ValueError(f"--gpus {item!r}: COUNT must be 1..4096")
-        out.append(GpuStock(gpu_spec(parts[0], price), count))
-    if len({s.gpu.name for s in out}) != len(out):
-        raise ValueError("each GPU type may be given once in --gpus")
-    return tuple(out)
+    return tuple(parse_stock(items, "--gpus"))
 
 
 def offered_rate(run: DeploymentRun) -> float:

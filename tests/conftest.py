@@ -37,7 +37,7 @@ import redis
 from openai import AsyncOpenAI
 
 from simulator.fleet import FleetProcess, ServerSpec, SimFleet, fleet_from_dict
-from tests.helpers import REDIS_URL, GatewayProcess
+from tests.helpers import REDIS_URL, GatewayProcess, require_redis
 
 FAST_TIME_SCALE = 20.0
 _FLEET_FILE_OPTIONS = ("profile", "model", "time_scale", "seed")
@@ -120,12 +120,7 @@ async def make_client() -> AsyncIterator[Callable[..., AsyncOpenAI]]:
 def redis_url() -> str:
     """FLEETGATE_TEST_REDIS_URL (default db 15 on 127.0.0.1:6379); the test fails, saying what to start, when
     that Redis does not answer."""
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1, socket_timeout=1).ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"Redis is not reachable at {REDIS_URL} ({exc}). Start it with `redis-server --daemonize yes "
-                    "--port 6379` or `docker run -p 6379:6379 redis:7`, or point FLEETGATE_TEST_REDIS_URL at one.")
-    return REDIS_URL
+    return require_redis(REDIS_URL)
 
 
 @pytest.fixture

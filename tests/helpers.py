@@ -151,6 +151,19 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0
                           timeout=timeout, env=env)
 
 
+def require_redis(url: str) -> str:
+    """`url` if that Redis answers; else the test fails, saying what to start."""
+    import pytest
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1).ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis is not reachable at {url} ({exc}). Start it with `redis-server --daemonize yes "
+                    "--port 6379` or `docker run -p 6379:6379 redis:7`, or point FLEETGATE_TEST_REDIS_URL at one.")
+    return url
+
+
 def require_command(name: str, package: str | None = None) -> str:
     """The path of a command a test drives for real; the test fails (never skips) without it, saying what to
     install (.ci/run and the machine provide these)."""
