@@ -143,6 +143,7 @@ def test_cache_pricing_counts_only_uncached_prefill_in_ttft_and_the_queue():
     assert place(over, req(3, l_in=100, cached_prefix_tokens={"w0": 10_000}), ws, 0.0) == "w0"
     assert over.worker_load("w0")["pending_prefill_tokens"] == pytest.approx(0)
 
+
 # --- (c) TTFT via eq. 2 -----------------------------------------------------------------------------
 def test_ttft_constraint_by_hand():
     p = policy(CLOCK, slack="off")
