@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,7 +235,10 @@ def fleetgate_config(urls: list[str], k: float, path: Path, policy: str = "least
     path.write_text(yaml.safe_dump(cfg))
 
 
-async def run_arm(arm: Arm, reqs: list[WorkloadRequest], texts: list[str], workers: int, k: float) -> ArmRun:
+@contextlib.contextmanager
+def arm_on_fleet(arm: Arm, workers: int, k: float) -> Iterator[tuple[str, list[str]]]:
+    """`arm` started in front of a fresh fleet of `workers` x PROFILE at time scale k (KV events on, fleetgate
+    configured with the workers' profiles and the KV-event view); yields (router URL, worker URLs)."""
     kv_base = free_port_run(workers)
     kv = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_base}"})
     extra = ["--kv-events-config", kv, "--kv-events-format", "0.33", "--prefix-caching-hash-algo", "sha256_cbor"]
@@ -244,10 +249,15 @@ async def run_arm(arm: Arm, reqs: list[WorkloadRequest], texts: list[str], worke
             fleetgate_config(fleet.urls, k, cfg, arm.policy, POLICY_PARAMS.get(arm.name))
             arm = Arm(arm.name, arm.kind, arm.policy, config=str(cfg))
         with started([arm], fleet.urls, "fgpeers-sched:", cpus=ROUTER_CORE) as (running,):
-            await asyncio.sleep(1.0)   # KV-event subscriptions, first scrapes
-            h0, q0 = prefix_counters(fleet.urls)
-            outcomes, span = await replay(running.url, reqs, texts, k)
-            h1, q1 = prefix_counters(fleet.urls)
+            time.sleep(1.0)   # KV-event subscriptions, first scrapes
+            yield running.url, list(fleet.urls)
+
+
+async def run_arm(arm: Arm, reqs: list[WorkloadRequest], texts: list[str], workers: int, k: float) -> ArmRun:
+    with arm_on_fleet(arm, workers, k) as (url, worker_urls):
+        h0, q0 = prefix_counters(worker_urls)
+        outcomes, span = await replay(url, reqs, texts, k)
+        h1, q1 = prefix_counters(worker_urls)
     return ArmRun(arm.name, outcomes, span, h1 - h0, q1 - q0)
 
 
