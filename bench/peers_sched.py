@@ -339,7 +339,7 @@ def sweep_body(args: argparse.Namespace, arms: list[Arm], reqs: list[WorkloadReq
         results = [sweep_rate(a.name, run, args.workers, sorted(args.rates)) for a in arms]
         png = out.with_name(out.stem + "_rate.png")
         plot(results, "rate", png, f"SLO attainment vs arrival-rate multiplier, {args.workers} workers")
-        rows, verdict = rate_table(results, sorted(args.rates))
+        rows, verdict = rate_table(results, sorted(args.rates), len(reqs) / reqs[-1].arrival)
         body += [f"### Goodput at {TARGET:.0%} SLO attainment, {args.workers} workers (rate multipliers "
                  f"{', '.join(f'{m:g}' for m in sorted(args.rates))})", "", *rows, "", verdict, "",
                  f"![attainment vs rate]({png.name})", ""]

@@ -90,11 +90,16 @@ def test_the_rate_sweep_finds_the_largest_rate_at_99_and_compares_goodput_with_t
     res = [sweep_rate(arm, run, 8, grid) for arm in ("fleetgate a", "sglang-router b", "vllm-router c",
                                                      "fleetgate d")]
     assert [(r.answer, r.bound) for r in res] == [(1.2, ""), (0.8, ""), (0.5, "<"), (1.5, ">")]
-    rows, verdict = rate_table(res, grid)
-    # goodput at the answer: 4.0 x rate; the best peer is sglang-router b (3.2), vllm-router c never reached 99%
+    rows, verdict = rate_table(res, grid, base_rate=4.0)
+    # goodput at the answer: 4.0 x rate; the best peer is sglang-router b (3.2); vllm-router c never reached 99%:
+    # credited with the offered rate at x0.5 (2.0) as an upper bound
     assert "| fleetgate a | 1.2 | 4.800 | 1.50x |" in rows[2]
-    assert "| vllm-router c | < 0.5 | 0.000 | 0.00x |" in rows[4]
+    assert "| vllm-router c | < 0.5 | < 2.000 | - |" in rows[4]
     assert "**met**" in verdict and "fleetgate d 6.000 met req/s = 1.88x sglang-router b (3.200)" in verdict
+    # No peer reaches 99% anywhere on the grid: ratios to the bound are lower bounds
+    rows, verdict = rate_table([res[0], res[2]], grid, base_rate=4.0)
+    assert "| fleetgate a | 1.2 | 4.800 | >= 2.40x |" in rows[2]
+    assert "**met**" in verdict and ">= 2.40x vllm-router c, whose goodput at 99% is below 2.000" in verdict
 
 
 def test_sweep_modes_run_live_end_to_end(tmp_path):
