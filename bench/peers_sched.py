@@ -322,6 +322,31 @@ def probe_runner(reqs: list[WorkloadRequest], texts: list[str], k: float) -> Run
     return run
 
 
+def virtual_time_rows(reqs: list[WorkloadRequest], sizes: list[int]) -> list[str]:
+    """aladdin with and without cache pricing on the same window in the virtual-time simulator (ClusterSim, the
+    engines feeding the exact view synchronously; bench/prefix.py's queue settings, profile priors, no online
+    fitting): deterministic, so it separates the policy from the live runs' noise."""
+    from bench.prefix import QUEUE_LOOKAHEAD, QUEUE_POLL_S
+    from policies.base import make_policy
+    from policies.length_predictor import LengthPredictor
+    from simulator.cluster import ClusterSim
+
+    rows = ["| workers | aladdin: attainment | hit rate | TTFT p50 s | aladdin + cache pricing: attainment "
+            "| hit rate | TTFT p50 s |", "|---|---|---|---|---|---|---|"]
+    for n in sizes:
+        cells = []
+        for price in (False, True):
+            pred = LengthPredictor()
+            pol = make_policy("aladdin", predictor=pred, learn_lengths=False, price_cache=price)
+            sim = ClusterSim(PROFILE, n, pol, slo_tpot_s=SLO_TPOT_S, predicted_output_tokens=pred,
+                             queue_poll_s=QUEUE_POLL_S, queue_lookahead=QUEUE_LOOKAHEAD)
+            d = sim.run(list(reqs)).to_dict()
+            cells.append(f"{d['slo_attainment']:.1%} | {d['prefix_cache_hit_rate']:.1%} | {d['ttft_p50']:.2f}")
+        rows.append(f"| {n} | {' | '.join(cells)} |")
+        log(rows[-1])
+    return rows
+
+
 def sweep_body(args: argparse.Namespace, arms: list[Arm], reqs: list[WorkloadRequest], texts: list[str],
                out: Path) -> list[str]:
     """The --sweep-workers / --sweep-rate sections (and their plots beside `out`)."""
@@ -361,10 +386,15 @@ def main() -> None:
                     help="per arm at --workers, the largest arrival-rate multiplier keeping 99%% and its goodput")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5],
                     help="the rate multipliers --sweep-rate bisects over")
+    ap.add_argument("--virtual-time", type=int, nargs="+", metavar="N",
+                    help="only print aladdin with and without cache pricing in virtual time at these fleet sizes")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "peers_sched.md"))
     args = ap.parse_args()
     n = 120 if args.quick else args.requests
     reqs = trace_window(args.start, n)
+    if args.virtual_time:
+        print("\n".join(virtual_time_rows(reqs, args.virtual_time)))
+        return
     cache: dict[int, str] = {}
     texts = [prompt_text(r, cache) for r in reqs]
     arms = [a for a in ARMS if not args.arms or a.name in args.arms]

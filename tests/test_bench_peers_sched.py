@@ -123,3 +123,12 @@ def test_sweep_modes_run_live_end_to_end(tmp_path):
     assert "--sweep-workers --workers-range 0 2 --sweep-rate --rates 0.5 1" in text
     assert (tmp_path / "sched_workers.png").stat().st_size > 1000
     assert (tmp_path / "sched_rate.png").stat().st_size > 1000
+
+
+def test_the_virtual_time_check_runs_aladdin_with_and_without_cache_pricing():
+    from bench.peers_sched import virtual_time_rows
+
+    rows = virtual_time_rows(trace_window(3000, 30), [2])
+    assert len(rows) == 3 and rows[2].startswith("| 2 | ")
+    cells = [c.strip() for c in rows[2].strip("|").split("|")]
+    assert len(cells) == 7 and all(c.endswith("%") for c in (cells[1], cells[2], cells[4], cells[5]))
