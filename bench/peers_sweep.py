@@ -177,9 +177,10 @@ def rate_table(results: Sequence[SweepResult], grid: Sequence[float],
             ans = f"< {grid[0]:g}"
         else:
             ans = f"{res.answer:g}"
-        gp = f"< {good[res.arm]:.3f}" if res.arm in bounded else f"{good[res.arm]:.3f}"
+        unknown = res.bound == "<" and res.arm not in bounded   # a fleetgate arm below the grid: no goodput
+        gp = "-" if unknown else f"< {good[res.arm]:.3f}" if res.arm in bounded else f"{good[res.arm]:.3f}"
         ratio = (f"{at_least}{good[res.arm] / peers[best_peer]:.2f}x"
-                 if best_peer and peers[best_peer] > 0 and res.arm not in bounded else "-")
+                 if best_peer and peers[best_peer] > 0 and res.arm not in bounded and not unknown else "-")
         probes = ", ".join(f"{p.rate:g}: {p.attainment:.1%}" + (f" ({p.misses})" if p.misses else "")
                            for p in sorted(res.probes, key=lambda p: p.rate))
         rows.append(f"| {res.arm} | {ans} | {gp} | {ratio} | {probes} |")
