@@ -44,6 +44,17 @@ def bisect_smallest(ok: Any, lo: int, hi: int) -> int:
     return hi
 
 
+def delete_redis_keys(url: str, prefix: str) -> None:
+    """Delete a run's own keys (those starting with `prefix`) from the Redis at `url`."""
+    import redis
+
+    r = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    keys = list(r.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        r.delete(*keys)
+    r.close()
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 

@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.harness import REPO, free_port, log, pinned, running_process
+from bench.harness import REPO, delete_redis_keys, free_port, log, pinned, running_process
 from bench.loadgen import RunResult, chat_body, process_tree_cpu_seconds, run_closed_loop
 from bench.peer_env import PEER_PACKAGES, ensure_peer_env, peer_command
 from bench.report import write_report
@@ -221,8 +221,13 @@ async def run_all(arms: Sequence[Arm], sizes: Sizes, rounds: int) -> list[Phase]
         with null_backends() as backends, started(arms, backends, prefix) as running:
             direct_url = backends[0] + "/v1/chat/completions"
             warm = chat_body(MODEL, "Say hi.", 1, stream=False)
+            warm_stream = chat_body(MODEL, "Tell a story.", OUTPUT_TOKENS, stream=True)
             for ra in running:   # connection pools, caches, lazy imports
                 await run_closed_loop(ra.url + "/v1/chat/completions", lambda i: warm, concurrency=8, requests=200)
+                # streamed too: fleetgate's first fit of its performance models (which imports scipy, ~0.5 s of
+                # CPU once per process) comes with its first streamed requests, not inside a measured phase
+                await run_closed_loop(ra.url + "/v1/chat/completions", lambda i: warm_stream, concurrency=8,
+                                      requests=200, stream=True)
             phases: list[Phase] = []
             for rnd, i in round_order(len(running), rounds):
                 log(f"round {rnd}: {running[i].arm.name} (load {os.getloadavg()[0]:.2f})")
@@ -231,18 +236,8 @@ async def run_all(arms: Sequence[Arm], sizes: Sizes, rounds: int) -> list[Phase]
         if affinity is not None:   # a caller (a test session) keeps its cores
             os.sched_setaffinity(0, affinity)
         if any(a.redis for a in arms):
-            _delete_keys(prefix)
+            delete_redis_keys(REDIS_URL, prefix)
     return phases
-
-
-def _delete_keys(prefix: str) -> None:
-    import redis
-
-    r = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5, socket_timeout=5)
-    keys = list(r.scan_iter(match=prefix + "*", count=1000))
-    if keys:
-        r.delete(*keys)
-    r.close()
 
 
 # --- report ----------------------------------------------------------------------------------------------------

@@ -44,19 +44,23 @@ class Point:
     n_token: int | None            # ... at 99% per-token deadline attainment
     at_best: dict                  # the run at n_request (or at the cap)
     runs: int
+    seed: int = 0
 
 
-def _run(profile: str, lam: float, m: int, mode: str, n: int, duration: float, seed: int) -> PooledResult:
+def _run(profile: str, lam: float, m: int, mode: str, n: int, duration: float, seed: int,
+         **opts: bool) -> PooledResult:
     return simulate_pooled(PooledSpec(num_models=m, rate=m * lam, workers=n, pooling=mode, profile=profile,
-                                      duration=duration, seed=seed))
+                                      duration=duration, seed=seed, **opts))
 
 
-def fewest_workers(profile: str, lam: float, m: int, mode: str, duration: float, seed: int, cap: int) -> Point:
+def fewest_workers(profile: str, lam: float, m: int, mode: str, duration: float, seed: int, cap: int,
+                   **opts: bool) -> Point:
+    """`opts`: PooledSpec's mechanism switches (prefetch, kv_overlap), the same for every mode of a run."""
     cache: dict[int, PooledResult] = {}
 
     def run(n: int) -> PooledResult:
         if n not in cache:
-            cache[n] = _run(profile, lam, m, mode, n, duration, seed)
+            cache[n] = _run(profile, lam, m, mode, n, duration, seed, **opts)
         return cache[n]
 
     lo = 2 if mode == "aegaeon" else 1
@@ -78,8 +82,51 @@ def fewest_workers(profile: str, lam: float, m: int, mode: str, duration: float,
 
     n_req = search("slo_attainment")
     n_tok = search("token_slo_attainment")
-    best = run(n_req if n_req is not None else cap).to_dict()
-    return Point(profile, lam, m, mode, n_req, n_tok, best, len(cache))
+    res = run(n_req if n_req is not None else cap)
+    best = res.to_dict() | quota_check(res)
+    return Point(profile, lam, m, mode, n_req, n_tok, best, len(cache), seed)
+
+
+def quota_check(res: PooledResult) -> dict:
+    """Eq. 2-3's quotas against the per-request TPOT SLO, from an aegaeon run's decode rounds (empty for other
+    modes). Over whole rounds a batch's mean time per token is alpha x TBT (policies/pooling/aegaeon.py,
+    `decode_alpha`); a request that waits W for its batch's turn meets a mean-TPOT target d only with at least
+    W / (d - t) output tokens. `short_tokens` is that L* for the mean wait (R - q_i) and step time t; the shares are
+    of completed requests below it and of the missed requests below it; `ttft_misses` the misses late on TTFT."""
+    rounds = [r for r in res.decode_rounds if len(r.quotas) > 1]
+    if not rounds:
+        return {}
+    d = res.spec.slo_tpot_s
+    waits = [r.round_s - q for r in rounds for q in r.quotas]
+    steps = [t for r in rounds for t in r.step_times]
+    wait, step = sum(waits) / len(waits), sum(steps) / len(steps)
+    short = wait / (d - step) if d > step else math.inf
+    done = [r for r in res.sim.results if r.completed]
+    missed = [r for r in res.sim.results if not r.slo_met]
+    return {"quota_alpha_max": max(r.alpha for r in rounds), "quota_wait_s": wait, "short_tokens": short,
+            "short_share": sum(r.output_tokens < short for r in done) / max(1, len(done)),
+            "misses": len(missed), "short_misses": sum(r.output_tokens < short for r in missed),
+            "ttft_misses": sum(r.ttft is None or r.ttft > r.slo_ttft_s for r in missed)}
+
+
+def quota_report(points: list[Point]) -> str:
+    rows = [p for p in points if "short_tokens" in p.at_best]
+    if not rows:
+        return ""
+    lines = ["## Eq. 2-3's quotas against the per-request TPOT SLO", "",
+             "Over whole rounds every decode batch gets one token per alpha x TBT on average (eq. 2 with eq. 3's alpha;"
+             " derivation in policies/pooling/aegaeon.py `decode_alpha`), so a long request's mean TPOT meets the"
+             " 100 ms target whenever alpha <= 1. A request that waits W for its batch's turn needs at least"
+             " L* = W / (TBT - t) output tokens to meet it. At aegaeon's fewest-workers run (per request) of each"
+             " point, first seed; rounds of two or more batches:", "",
+             "| profile | lambda | M | N | max alpha | mean wait for the turn s | L* tokens | completed below L* |"
+             " misses | misses below L* | misses late on TTFT |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in rows:
+        d = p.at_best
+        lines.append(f"| {p.profile} | {p.lam:g} | {p.models} | {d['workers']} | {d['quota_alpha_max']:.2f} |"
+                     f" {d['quota_wait_s']:.2f} | {d['short_tokens']:.1f} | {d['short_share']:.1%} | {d['misses']} |"
+                     f" {d['short_misses']} | {d['ttft_misses']} |")
+    return "\n".join(lines)
 
 
 def _n(n: int | None, cap: int) -> str:
@@ -96,7 +143,9 @@ def report(points: list[Point], args: argparse.Namespace, cap_of: dict, png: str
         f"M models of uniform popularity, Poisson arrivals of lambda req/s each, ShareGPT lengths (Llama-2 tokenizer)"
         f" that fit the context, {args.duration:g} s of arrivals then drain, seed {args.seed}. SLO: TTFT 10 s and"
         " TBT (mean TPOT) 100 ms, Aegaeon section 7.1. Swap cost in every mode: eq. 4 (weights / 25 GB/s host link"
-        " x 0.625). Aegaeon: 6/16 of the workers prefill (section 7.2), MAX_GPSIZE 8, Q_MAX 4 s.",
+        " x 0.625). Aegaeon: 6/16 of the workers prefill (section 7.2), MAX_GPSIZE 8, Q_MAX 4 s."
+        f" Weight prefetch (section 5.2, every swapping mode): {'off' if args.no_prefetch else 'on'};"
+        f" Aegaeon's KV swap-in overlapped with the previous turn (section 5.3): {'off' if args.no_kv_overlap else 'on'}.",
         "",
         "Profiles: `llama2-13b-a100` (Llama-2-13B on A100-80GB, shipped) and `llama3-8b-h100` (Llama-3.1-8B on"
         " H100, shipped, standing in for the paper's 7-8B class on H800); no new profile was derived.",
@@ -141,6 +190,46 @@ def report(points: list[Point], args: argparse.Namespace, cap_of: dict, png: str
                      f" {d['expected_active_models']:.2f} |")
     lines += ["", f"![pooling]({png})"]
     return "\n".join(lines)
+
+
+def seeds_report(points: list[Point], cap_of: dict, seeds: list[int]) -> str:
+    """Per point, the fewest workers of every seed and aegaeon's ratio over request-level swapping per seed."""
+    lines = ["## Seeds: spread of the fewest workers and of the target ratio", "",
+             f"Seeds {', '.join(map(str, seeds))}; each cell lists the seeds in that order.", "",
+             "| profile | lambda | M | mode | N@99% req | N@99% tok | hidden swaps / swaps | decode round s | alpha |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    by: dict[tuple, dict[int, Point]] = {}
+    for p in points:
+        by.setdefault((p.profile, p.lam, p.models, p.mode), {})[p.seed] = p
+    for key, per in by.items():
+        cap = cap_of[key[:3]]
+        ps = [per[s] for s in seeds if s in per]
+        rounds = [p.at_best.get("decode_round_s_mean") for p in ps]
+        alphas = [p.at_best.get("decode_alpha_mean") for p in ps]
+        lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | {key[3]} | {' / '.join(_n(p.n_request, cap) for p in ps)}"
+                     f" | {' / '.join(_n(p.n_token, cap) for p in ps)}"
+                     f" | {' / '.join(_hidden(p) for p in ps)}"
+                     f" | {' / '.join(_f(r) for r in rounds)} | {' / '.join(_f(a) for a in alphas)} |")
+    lines += ["", "| profile | lambda | M | ratio req per seed | ratio tok per seed | req min-max | tok min-max |",
+              "|---|---|---|---|---|---|---|"]
+    for key in sorted({k[:3] for k in by}):
+        r, a = by.get((*key, "request"), {}), by.get((*key, "aegaeon"), {})
+        common = [s for s in seeds if s in r and s in a]
+        if not common:
+            continue
+        cap = cap_of[key]
+        cells = []
+        for attr in ("n_request", "n_token"):
+            vals = [(getattr(r[s], attr) or cap) / getattr(a[s], attr) for s in common if getattr(a[s], attr)]
+            txt = " / ".join(_ratio(getattr(r[s], attr), getattr(a[s], attr), cap) for s in common)
+            cells.append((txt, f"{min(vals):.2f}-{max(vals):.2f}x" if vals else "-"))
+        lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} |"
+                     f" {cells[1][1]} |")
+    return "\n".join(lines)
+
+
+def _hidden(p: Point) -> str:
+    return f"{p.at_best['hidden_swaps']}/{p.at_best['swaps']}"
 
 
 def _f(v: float | None) -> str:
@@ -206,6 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", default=",".join(POOLING_MODES))
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seeds", default="", help="Comma-separated seeds (overrides --seed): adds a spread section; "
+                    "the main tables show the first seed.")
+    ap.add_argument("--no-prefetch", action="store_true", help="Aegaeon section 5.2's weight prefetch off (all modes).")
+    ap.add_argument("--no-kv-overlap", action="store_true", help="Section 5.3's overlapped KV swap-in off.")
     ap.add_argument("--out", default="pooling")
     args = ap.parse_args(argv)
     if args.quick:
@@ -214,6 +307,9 @@ def main(argv: list[str] | None = None) -> None:
     lambdas = [float(x) for x in args.lambdas.split(",")]
     models = [int(x) for x in args.models.split(",")]
     modes = [m for m in args.modes.split(",") if m]
+    seeds = [int(x) for x in args.seeds.split(",") if x] or [args.seed]
+    args.seed = seeds[0]
+    opts = {"prefetch": not args.no_prefetch, "kv_overlap": not args.no_kv_overlap}
     points: list[Point] = []
     cap_of: dict = {}
     t0 = time.time()
@@ -224,15 +320,21 @@ def main(argv: list[str] | None = None) -> None:
                 cap = 2 * m
                 cap_of[(prof, lam, m)] = cap
                 for mode in modes:
-                    p = fewest_workers(prof, lam, m, mode, args.duration, args.seed, cap)
-                    points.append(p)
-                    print(f"{prof} lambda={lam:g} M={m} {mode}: N@req={p.n_request} N@tok={p.n_token} "
-                          f"({p.runs} runs, {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+                    for seed in seeds:
+                        p = fewest_workers(prof, lam, m, mode, args.duration, seed, cap, **opts)
+                        points.append(p)
+                        print(f"{prof} lambda={lam:g} M={m} {mode} seed={seed}: N@req={p.n_request} "
+                              f"N@tok={p.n_token} ({p.runs} runs, {time.time() - t0:.0f} s)", file=sys.stderr,
+                              flush=True)
+    main_points = [p for p in points if p.seed == seeds[0]]
     png = RESULTS / f"{args.out}.png"
-    plot(points, png)
+    plot(main_points, png)
     cmd = "python -m bench.pooling " + " ".join(argv if argv is not None else sys.argv[1:])
     write_report(RESULTS / f"{args.out}.md", "Pooled serving: models per worker by pooling mode", cmd.strip(),
-                 report(points, args, cap_of, png.name) + f"\n\nWall time: {time.time() - t0:.0f} s.\n", commit=commit)
+                 report(main_points, args, cap_of, png.name)
+                 + (f"\n\n{quota_report(main_points)}" if quota_report(main_points) else "")
+                 + (f"\n\n{seeds_report(points, cap_of, seeds)}" if len(seeds) > 1 else "")
+                 + f"\n\nWall time: {time.time() - t0:.0f} s.\n", commit=commit)
     print(f"wrote {RESULTS / (args.out + '.md')}")
 
 

@@ -52,3 +52,15 @@ def write_report(path: Path, title: str, command: str, body: str, commit: str | 
         f"- date: {now}\n\n"
     )
     path.write_text(header + body.rstrip() + "\n")
+
+
+def write_section(path: Path, heading: str, command: str, body: str, commit: str | None = None) -> None:
+    """Replace (or append) the section `## heading` at the end of an existing report, with its own command,
+    commit, machine and date: for a report whose sections come from different runs."""
+    now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    marker = f"## {heading}\n"
+    old = path.read_text() if path.exists() else ""
+    head = old.split(marker, 1)[0].rstrip()
+    section = (f"{marker}\n- command: `{command}`\n- commit: `{commit or git_commit()}`\n"
+               f"- machine: {machine_info()}\n- date: {now}\n\n{body.rstrip()}\n")
+    path.write_text((head + "\n\n" if head else "") + section)

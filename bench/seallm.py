@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.report import git_commit, write_report
+from bench.report import git_commit, write_report, write_section
+from simulator.pooled import PooledSpec, simulate_pooled
 from simulator.simulate import SimSpec, simulate
 
 ROOT = Path(__file__).parents[1]
@@ -50,6 +51,20 @@ BAND = (0.90, 0.95)
 LOAD_FACTORS = (0.8, 1.0, 1.1, 1.2)
 TARGET_RATIO = 2.0
 ARRIVALS = {"poisson": ("poisson", 1.0), "bursty (gamma cv 3)": ("gamma", 3.0)}
+
+# SeaLLM's own setting (--pooled): the services are different models sharing GPUs, one service per batch.
+POOLED_HEADING = "Pooled: services as different models taking turns on shared GPUs (SeaLLM's setting)"
+POOLED_PNG = ROOT / "bench" / "results" / "seallm_pooled.png"
+POOLED_ORDERS = ("fcfs", "round_robin", "seallm")
+POOLED_WORKERS = 2
+SLO_DEFAULT, SLO_AEGAEON = (0.6, 0.03), (10.0, 0.1)
+# name -> (pooling mode, models, SLO): the services co-resident (SeaLLM's setting) under two SLOs, and taking
+# turns by request-level swapping (six models, more than two H100s hold; a host switches model only when idle).
+POOLED_SETTINGS = {
+    "co-resident, SLO TTFT 0.6 s / TPOT 30 ms": ("multiplex", 4, SLO_DEFAULT),
+    "co-resident, SLO TTFT 10 s / TBT 100 ms": ("multiplex", 4, SLO_AEGAEON),
+    "request-level swapping, 6 models, SLO TTFT 10 s / TBT 100 ms": ("request", 6, SLO_AEGAEON),
+}
 
 
 @dataclass
@@ -119,23 +134,32 @@ def ratio(fcfs: float, other: float) -> float:
     return fcfs / other if other > 0 else float("inf")
 
 
-def run_grid(arrival_name: str, seeds: list[int], duration: float, start_rate: float, log: Callable[[str], None]
-             ) -> tuple[float, float, list[tuple[float, float]], list[Run]]:
-    arrival, cv = ARRIVALS[arrival_name]
+def pooled_spec(rate: float, order: str, seed: int, duration: float, slo: tuple[float, float],
+                pooling: str = "multiplex", models: int = 4) -> PooledSpec:
+    """SeaLLM's setting in the pooled simulator: the services are models (their own length distributions, cycled)
+    co-resident on `POOLED_WORKERS` H100s with one shared KV pool (SeaLLM sections 4.4 and 5: all weights stay in
+    GPU memory), one service per step, `order` choosing which (section 4.2); with `pooling="request"` they take
+    turns by request-level swapping instead, `order` choosing the next model of an idle host."""
+    return PooledSpec(num_models=models, rate=rate, workers=POOLED_WORKERS, pooling=pooling,
+                      profile=PROFILE, traces=SERVICES, duration=duration, seed=seed, slo_ttft_s=slo[0],
+                      slo_tpot_s=slo[1], service_priority=order, shared_kv=pooling == "multiplex")
 
+
+def run_grid(name: str, seeds: list[int], orders: tuple[str, ...], summary: Callable[[float, str, int], dict],
+             start_rate: float, log: Callable[[str], None]) -> tuple[float, float, list[tuple[float, float]], list[Run]]:
+    """Find the rate where FCFS attains 90-95% (mean over the seeds), then run every order at LOAD_FACTORS of it.
+    `summary(rate, order, seed)` runs one simulation and returns its summary dict."""
     def fcfs_attainment(rate: float) -> float:
-        return statistics.fmean(simulate(spec(rate, "fcfs", seed, duration, arrival, cv)).to_dict()["slo_attainment"]
-                                for seed in seeds)
+        return statistics.fmean(summary(rate, "fcfs", seed)["slo_attainment"] for seed in seeds)
 
     rate, att, tried = find_load(fcfs_attainment, start_rate)
-    log(f"{arrival_name}: FCFS attains {att:.3f} at {rate:.3f} req/s (tried {len(tried)} rates)")
+    log(f"{name}: FCFS attains {att:.3f} at {rate:.3f} req/s (tried {len(tried)} rates)")
     runs = []
     for factor in LOAD_FACTORS:
-        for order in ORDERS:
+        for order in orders:
             for seed in seeds:
                 r = rate * factor
-                runs.append(Run(arrival_name, r, order, seed, simulate(spec(r, order, seed, duration, arrival,
-                                                                            cv)).to_dict()))
+                runs.append(Run(name, r, order, seed, summary(r, order, seed)))
             log(f"  {factor:.1f}x {order}: done")
     return rate, att, tried, runs
 
@@ -144,11 +168,12 @@ def _mean(runs: list[Run], attr: str) -> float:
     return statistics.fmean(getattr(r, attr) for r in runs)
 
 
-def tables(found: dict[str, tuple[float, float, list[tuple[float, float]]]], runs: list[Run]) -> tuple[str, list[str]]:
+def tables(found: dict[str, tuple[float, float, list[tuple[float, float]]]], runs: list[Run],
+           orders: tuple[str, ...] = ORDERS, level: str = "##", suffix: str = " arrivals") -> tuple[str, list[str]]:
     """The report's body and its headline lines."""
     lines, heads = [], []
     for arrival_name, (rate, att, tried) in found.items():
-        lines.append(f"## {arrival_name} arrivals\n")
+        lines.append(f"{level} {arrival_name}{suffix}\n")
         lines.append(f"Load search (FCFS, mean over the seeds): "
                      f"{', '.join(f'{r:.2f} req/s -> {a:.3f}' for r, a in tried)}. "
                      f"**The load: {rate:.2f} req/s** (FCFS attainment {att:.3f}).\n")
@@ -159,7 +184,7 @@ def tables(found: dict[str, tuple[float, float, list[tuple[float, float]]]], run
         for factor in LOAD_FACTORS:
             at = [r for r in mine if abs(r.rate - rate * factor) < 1e-9]
             base = [r for r in at if r.order == "fcfs"]
-            for order in ORDERS:
+            for order in orders:
                 rs = [r for r in at if r.order == order]
                 m, p = _mean(rs, "norm_mean"), _mean(rs, "norm_p99")
                 rm, rp = ratio(_mean(base, "norm_mean"), m), ratio(_mean(base, "norm_p99"), p)
@@ -177,7 +202,7 @@ def tables(found: dict[str, tuple[float, float, list[tuple[float, float]]]], run
         names = sorted(at[0].summary["services"])
         lines.append("| order | " + " | ".join(names) + " |")
         lines.append("|---|" + "---|" * len(names))
-        for order in ORDERS:
+        for order in orders:
             rs = [r for r in at if r.order == order]
             cells = []
             for n in names:
@@ -189,7 +214,8 @@ def tables(found: dict[str, tuple[float, float, list[tuple[float, float]]]], run
     return "\n".join(lines), heads
 
 
-def plot(found: dict[str, tuple[float, float, list[tuple[float, float]]]], runs: list[Run], path: Path) -> None:
+def plot(found: dict[str, tuple[float, float, list[tuple[float, float]]]], runs: list[Run], path: Path,
+         orders: tuple[str, ...] = ORDERS) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -197,7 +223,7 @@ def plot(found: dict[str, tuple[float, float, list[tuple[float, float]]]], runs:
     fig, axes = plt.subplots(2, len(found), figsize=(6 * len(found), 8), squeeze=False)
     for col, (arrival_name, (rate, _, _)) in enumerate(found.items()):
         mine = [r for r in runs if r.arrival == arrival_name]
-        for order in ORDERS:
+        for order in orders:
             xs = [rate * f for f in LOAD_FACTORS]
             pts = [[r for r in mine if r.order == order and abs(r.rate - x) < 1e-9] for x in xs]
             axes[0][col].plot(xs, [_mean(p, "norm_mean") for p in pts], marker="o", label=order)
@@ -234,11 +260,64 @@ NOTES = """**Why the gain is small at this load, and where it grows** (read with
 """
 
 
+POOLED_NOTES = """Setting (chosen before the runs, the same for every order): the services `{services}` are four
+models, each with its own length distribution (`code`: simulator/services.py's synthetic stream), equal shares of
+the total rate, Poisson arrivals; {workers} x `{profile}` hosts, the models' weights all resident (SeaLLM section 5:
+"the weights of the shared LLMs are all stored in the GPU memory") with one shared KV pool (section 4.4; the
+simulator splits it evenly between the engines of a host), so three 8B models fit an H100 beside one 128k context
+and the four services take six slots (two services get a second copy; requests go to the copy with the fewest
+requests). Each step runs ONE service's batch (section 4.2: requests of one service batched together), no swaps.
+The order picks which: `fcfs` the service holding the oldest request (AlpaServe's order: a long request holds the
+GPU until it is done), `round_robin` the services in turn step by step (MuxServe's temporal order), `seallm` the
+service holding the request with the smallest doubling-budget priority O_r = Q_r L_s (policies/service_priority.py;
+within a service vLLM's priority scheduling with the priority at arrival). Two SLOs, each with its own load where
+FCFS attains 90-95%: the project's default and Aegaeon's. A third setting has the services take turns by
+request-level swapping instead (six models, the four distributions cycled, on the same two hosts: one model awake
+per host, a host switches only when idle, with Aegaeon's swap cost and prefetch; the order picks the model of an
+idle host's next load). Seeds {seeds}, {duration:g} s of arrivals each.
+Normalized latency = e2e / output tokens per completed request. Plot: seallm_pooled.png.
+"""
+
+
+def main_pooled(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    """SeaLLM's setting in the pooled simulator (POOLED_NOTES)."""
+    seeds = [0] if args.quick else list(range(args.seeds))
+    duration = 200.0 if args.quick else args.duration
+    names = SERVICES.split(",")
+    commit = git_commit()
+    found, runs = {}, []
+    for slo_name, (pooling, models, slo) in POOLED_SETTINGS.items():
+        def summary(rate: float, order: str, seed: int, slo: tuple[float, float] = slo, pooling: str = pooling,
+                    models: int = models) -> dict:
+            d = simulate_pooled(pooled_spec(rate, order, seed, duration, slo, pooling, models)).to_dict()
+            d["services"] = {f"{names[k % len(names)]}" + (f" #{k // len(names) + 1}" if models > len(names) else ""): v
+                             for k, v in ((int(m.split("-")[1]), v) for m, v in d.get("services", {}).items())}
+            return d
+        rate, att, tried, rs = run_grid(slo_name, seeds, POOLED_ORDERS, summary, start_rate=0.05, log=log)
+        found[slo_name] = (rate, att, tried)
+        runs += rs
+    body, heads = tables(found, runs, POOLED_ORDERS, level="###", suffix="")
+    for h in heads:
+        print(h)
+    if args.quick:
+        return 0
+    plot(found, runs, POOLED_PNG, POOLED_ORDERS)
+    text = (POOLED_NOTES.format(services=SERVICES, workers=POOLED_WORKERS, profile=PROFILE,
+                                seeds=", ".join(map(str, seeds)), duration=duration)
+            + "\n**Headline**\n\n" + "\n".join(f"- {h}" for h in heads) + "\n\n" + body)
+    write_section(RESULTS_MD, POOLED_HEADING, "python -m bench.seallm --pooled"
+                  + (f" --seeds {args.seeds}" if args.seeds != 2 else "")
+                  + (f" --duration {duration:g}" if duration != 400 else ""), text, commit)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="Poisson only, one seed, 300 s runs; no files.")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--duration", type=float, default=400.0, help="Simulated seconds of arrivals per run.")
+    ap.add_argument("--pooled", action="store_true", help="SeaLLM's own setting instead (services = different "
+                    "models taking turns on shared GPUs): writes its section of seallm.md and seallm_pooled.png.")
     args = ap.parse_args(argv)
     seeds = [0] if args.quick else list(range(args.seeds))
     duration = 300.0 if args.quick else args.duration
@@ -248,9 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if args.pooled:
+        return main_pooled(args, log)
     found, runs = {}, []
     for name in arrivals:
-        rate, att, tried, rs = run_grid(name, seeds, duration, start_rate=8.0, log=log)
+        arrival, cv = ARRIVALS[name]
+        rate, att, tried, rs = run_grid(
+            name, seeds, ORDERS, lambda r, o, s, a=arrival, c=cv: simulate(spec(r, o, s, duration, a, c)).to_dict(),
+            start_rate=8.0, log=log)
         found[name] = (rate, att, tried)
         runs += rs
     body, heads = tables(found, runs)

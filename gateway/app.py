@@ -57,7 +57,8 @@ class Gateway:
                  adapter: EngineAdapter | None = None) -> None:
         self.config = config
         if store is None:
-            opts: dict[str, Any] = {"key_prefix": config.redis_key_prefix} if config.redis_url else {}
+            opts: dict[str, Any] = ({"key_prefix": config.redis_key_prefix, "lease_block": config.redis_lease_block}
+                                    if config.redis_url else {})
             store = make_store(config.redis_url, config.replica_id, **opts)
         self.store = store
         self.shared_state = bool(config.redis_url)

@@ -170,6 +170,12 @@ def simulate(
     pooling: str | None = typer.Option(None, "--pooling", help="Pooled: dedicated, request, multiplex or aegaeon."),
     reinit: str = typer.Option("optimized", "--reinit", help="Pooled swap cost: optimized (Aegaeon eq. 4) or "
                                "sleep (vLLM sleep level 1 offload + reload + wake)."),
+    prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Pooled: load the next model's weights "
+                                  "during the current work when memory allows (Aegaeon section 5.2)."),
+    kv_overlap: bool = typer.Option(True, "--kv-overlap/--no-kv-overlap", help="Pooled aegaeon: swap the next "
+                                    "batch's KV in during the current turn (Aegaeon section 5.3)."),
+    shared_kv: bool = typer.Option(False, "--shared-kv", help="Pooled multiplex: the models share one KV pool "
+                                   "(SeaLLM section 4.4), so more fit a host."),
 ) -> None:
     """Virtual-time cluster simulation: the gateway's placement step and admission queue, the same engine model,
     no sockets. Attainment is over servable requests; progress goes to stderr. With --pooling (and --num-models),
@@ -198,7 +204,8 @@ def simulate(
                                pooling=pooling or "aegaeon", profile=profile, traces=trace or "sharegpt",
                                duration=duration or 300.0, seed=seed,
                                slo_ttft_s=(slo_ttft_ms or 10000.0) / 1000.0, slo_tpot_s=(slo_tpot_ms or 100.0) / 1000.0,
-                               reinit=reinit)
+                               reinit=reinit, prefetch=prefetch, kv_overlap=kv_overlap,
+                               service_priority=service_priority, shared_kv=shared_kv)
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None

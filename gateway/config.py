@@ -511,6 +511,9 @@ class GatewayConfig(BaseSettings):
     default_policy_params: dict[str, Any] = Field(default_factory=dict)
     redis_url: str | None = None
     redis_key_prefix: str = Field("fg:", min_length=1)  # several fleets (or tests) can share one Redis
+    # Slots a replica leases from Redis per worker at a time and hands out locally (gateway/state/redis_store.py
+    # "Leases"); 1: one Redis call per reservation and one per release.
+    redis_lease_block: int = Field(8, ge=1)
     replica_id: str | None = None
     api_keys: list[str] = Field(default_factory=list)  # inference keys without limits (see auth.keys)
     auth: AuthConfig = Field(default_factory=AuthConfig)

@@ -74,8 +74,13 @@ def logfmt_value(v: Any) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
 
 
+_search_quotes = _NEEDS_QUOTES.search
+
+
 def _logfmt(fields: dict[str, Any]) -> str:
-    return " ".join(f"{k}={logfmt_value(v)}" for k, v in fields.items())
+    # Plain strings and ints inline (most of an access line's fields): logfmt_value's result, without its call.
+    return " ".join([k + "=" + (v if type(v) is str and v and not _search_quotes(v)
+                                else str(v) if type(v) is int else logfmt_value(v)) for k, v in fields.items()])
 
 
 # Each formatter also writes an access-log line straight from its fields (`format_access`, the same line `format`
@@ -103,6 +108,7 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__(_TEXT_FORMAT)
+        self._second, self._stamp = -1, ""
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -113,8 +119,10 @@ class TextFormatter(logging.Formatter):
         return f"{line} (suppressed {suppressed} similar)" if suppressed else line
 
     def format_access(self, created: float, fields: dict[str, Any]) -> str:
-        stamp = time.strftime(self.default_time_format, time.localtime(created))
-        return f"{stamp},{int(created % 1 * 1000):03d} INFO {ACCESS_LOGGER}: request {_logfmt(fields)}"
+        second = int(created)
+        if second != self._second:  # the date and time change once a second: format them once a second
+            self._second, self._stamp = second, time.strftime(self.default_time_format, time.localtime(created))
+        return f"{self._stamp},{int(created % 1 * 1000):03d} INFO {ACCESS_LOGGER}: request {_logfmt(fields)}"
 
 
 class FleetgateHandler(logging.StreamHandler):

@@ -54,10 +54,18 @@ from policies.pooling.aegaeon import (
     DecodeWorkLists,
     GroupedPrefill,
     PrefillJob,
+    RoundPlan,
     Turn,
 )
-from policies.pooling.baselines import RequestSwapping, RoundRobin, resident_capacity, static_placement
+from policies.pooling.baselines import (
+    RequestSwapping,
+    RoundRobin,
+    resident_capacity,
+    shared_kv_capacity,
+    static_placement,
+)
 from policies.pooling.costs import REINIT_OPTIMIZED, expected_active_models, kv_copy_time_s, swap_cost
+from policies.service_priority import SERVICE_PRIORITIES, ServiceScheduler, make_service_scheduler
 from simulator.cluster import RequestResult, SimResult
 from simulator.engine import EngineConfig, EngineCore, SimRequest
 from simulator.pooled_workload import (
@@ -95,6 +103,10 @@ class PooledSpec:
     prefill_fraction: float = AEGAEON_PREFILL_FRACTION
     q_max_s: float = Q_MAX_S
     max_group_size: int = MAX_GPSIZE
+    prefetch: bool = True                # section 5.2: load the next model's weights during the current work
+    kv_overlap: bool = True              # section 5.3: aegaeon's KV swap-in overlapped with the previous turn
+    service_priority: str | None = None  # multiplex / request: which model (service) runs next (SeaLLM)
+    shared_kv: bool = False              # multiplex: models share one KV pool (SeaLLM section 4.4)
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLING_MODES:
@@ -105,6 +117,12 @@ class PooledSpec:
             raise ValueError("--workers must be >= 1")
         if self.pooling == "aegaeon" and self.workers < 2:
             raise ValueError("--pooling aegaeon needs at least 2 workers (one prefill, one decode)")
+        if self.service_priority is not None:
+            if self.service_priority not in SERVICE_PRIORITIES:
+                raise ValueError(f"--service-priority must be one of {', '.join(SERVICE_PRIORITIES)}, "
+                                 f"got {self.service_priority!r}")
+            if self.pooling not in ("multiplex", "request"):
+                raise ValueError("--service-priority applies to --pooling multiplex or request")
         if not 0 < self.prefill_fraction < 1:
             raise ValueError("prefill_fraction must be in (0, 1)")
         if self.rate <= 0 or self.duration <= 0 or self.drain_s < 0:
@@ -137,6 +155,8 @@ class PooledResult:
     unserved_models: int
     token_slo_attainment: float = 0.0
     per_model_attainment: dict[str, float] = field(default_factory=dict)
+    hidden_swaps: int = 0                # swaps whose weight load a prefetch hid completely
+    decode_rounds: list[RoundPlan] = field(default_factory=list)   # aegaeon: every round planned
 
     def to_dict(self) -> dict[str, Any]:
         out = self.sim.to_dict()
@@ -147,7 +167,13 @@ class PooledResult:
             "active_models_mean": self.active_models_mean, "expected_active_models": self.expected_active_models,
             "unserved_models": self.unserved_models, "reinit": self.spec.reinit,
             "token_slo_attainment": self.token_slo_attainment,
+            "prefetch": self.spec.prefetch, "kv_overlap": self.spec.kv_overlap, "hidden_swaps": self.hidden_swaps,
         })
+        if self.spec.service_priority is not None:
+            out["service_priority"] = self.spec.service_priority
+        if self.decode_rounds:
+            out["decode_round_s_mean"] = sum(r.round_s for r in self.decode_rounds) / len(self.decode_rounds)
+            out["decode_alpha_mean"] = sum(r.alpha for r in self.decode_rounds) / len(self.decode_rounds)
         if self.spec.pooling == "aegaeon":
             p, d = self.spec.split()
             out["prefill_workers"], out["decode_workers"] = p, d
@@ -173,6 +199,11 @@ class _Host:
     ran_this_round: bool = False
     round_batches: int = 0                      # batches in the current decode round
     after_swap: list[str] = field(default_factory=list)   # request ids to add once the swap is done
+    pf_model: str | None = None                 # a prefetch of this model's weights (section 5.2) ...
+    pf_done: float = 0.0                        # ... is on the GPU from then on
+    pf_batch: str | None = None                 # a decode batch's KV swapped in ahead of its turn (section 5.3) ...
+    pf_kv_done: float = 0.0                     # ... in from then on
+    live: dict[str, set[str]] = field(default_factory=dict)   # with a service priority: engine -> its requests
 
     @property
     def busy(self) -> bool:
@@ -206,6 +237,11 @@ class PooledSim:
         self.tokens_met = 0                             # output tokens before their per-token deadline
         self.hosts: list[_Host] = []
         self.placement: dict[str, list[str]] = {}
+        self.hidden_swaps = 0
+        self.rounds: list[RoundPlan] = []
+        self.sched: ServiceScheduler | None = (make_service_scheduler(spec.service_priority)
+                                               if spec.service_priority is not None else None)
+        self._prefetching = spec.prefetch and spec.reinit == REINIT_OPTIMIZED
         mode = spec.pooling
         if mode in ("dedicated", "multiplex"):
             self._setup_static(mode)
@@ -224,16 +260,19 @@ class PooledSim:
 
     def _setup_static(self, mode: str) -> None:
         prof = self.profile
-        per_host = 1 if mode == "dedicated" else max(1, resident_capacity(
+        fit = shared_kv_capacity if self.spec.shared_kv else resident_capacity
+        per_host = 1 if mode == "dedicated" else max(1, fit(
             self._memory_bytes(), prof.weight_bytes, prof.kv_bytes_per_token, prof.max_model_len))
         self.hosts = [_Host(f"w{i}", "mixed") for i in range(self.spec.workers)]
         self.placement = static_placement(self.wl.rates, [h.id for h in self.hosts], per_host)
         blocks = int((self._memory_bytes() - per_host * prof.weight_bytes)
                      / per_host / (prof.kv_bytes_per_token * prof.block_size))
         by_id = {h.id: h for h in self.hosts}
+        policy = "priority" if self.spec.service_priority == "seallm" else "fcfs"
         for model, hosts in self.placement.items():
             for hid in hosts:
-                by_id[hid].engines[model] = EngineCore(prof, EngineConfig(num_gpu_blocks=blocks))
+                by_id[hid].engines[model] = EngineCore(prof, EngineConfig(num_gpu_blocks=blocks,
+                                                                          scheduling_policy=policy))
         for h in self.hosts:
             h.rr = RoundRobin(sorted(h.engines))
 
@@ -261,11 +300,18 @@ class PooledSim:
         ctx = (eng.num_gpu_blocks - eng.num_free_blocks) * eng.block_size if eng is not None else 0
         return self.profile.step_time(0, seqs, max(ctx, seqs), 0.0)
 
+    @staticmethod
+    def _kv_tokens(eng: EngineCore | None) -> int:
+        return 0 if eng is None else (eng.num_gpu_blocks - eng.num_free_blocks) * eng.block_size
+
     def _kv_reload_s(self, eng: EngineCore | None) -> float:
-        if eng is None:
-            return 0.0
-        tokens = (eng.num_gpu_blocks - eng.num_free_blocks) * eng.block_size
-        return kv_copy_time_s(tokens, self.profile.kv_bytes_per_token, self.profile.host_link_bytes_per_s)
+        return kv_copy_time_s(self._kv_tokens(eng), self.profile.kv_bytes_per_token, self.profile.host_link_bytes_per_s)
+
+    def _free_bytes(self, h: _Host, key: str | None) -> float:
+        """GPU memory beside the resident weights and the KV of engine `key` (the one running now)."""
+        prof = self.profile
+        return self._memory_bytes() - prof.weight_bytes - self._kv_tokens(
+            h.engines.get(key) if key is not None else None) * prof.kv_bytes_per_token
 
     def _switch_cost(self, prev: DecodeBatch, nxt: DecodeBatch) -> float:
         weights = self.swap.total_s if prev.model != nxt.model else 0.0
@@ -324,6 +370,7 @@ class PooledSim:
             unserved_models=sum(1 for m in self.wl.rates if self.spec.pooling in ("dedicated", "multiplex")
                                 and m not in self.placement),
             per_model_attainment={m: met / n for m, (met, n) in per_model.items() if n},
+            hidden_swaps=self.hidden_swaps, decode_rounds=self.rounds,
             token_slo_attainment=self.tokens_met / max(1, sum(r.output_tokens for r in self.wl.requests)))
 
     # ---- active models (Theorem 3.1's m) ----------------------------------------------------------------
@@ -355,6 +402,9 @@ class PooledSim:
         mode = self.spec.pooling
         res = self.results[r.request_id]
         res.dispatched = now
+        if self.sched is not None:
+            res.service = r.model
+            self.sched.arrived(r.request_id, r.model, now)
         if mode in ("dedicated", "multiplex"):
             hosts = [self._by_id[h] for h in self.placement.get(r.model, ())]
             if not hosts:
@@ -371,12 +421,37 @@ class PooledSim:
                 self._add(h, r.model, self._sim_request(r, now), now)
             else:
                 self._next(h, now)
+                if h.busy:
+                    self._prefetch(h, self.swapping.peek(h.id, self._pick), now)
         else:
-            host = self.grouped.place(PrefillJob(r.request_id, r.model, r.prompt_tokens))
-            self._next(self._by_id[host], now)
+            h = self._by_id[self.grouped.place(PrefillJob(r.request_id, r.model, r.prompt_tokens))]
+            self._next(h, now)
+            if h.busy:
+                self._prefetch(h, self.grouped.peek_model(h.id), now)
 
     def _sim_request(self, r: ModelRequest, now: float) -> SimRequest:
-        return SimRequest(r.request_id, r.prompt_tokens, [], r.output_tokens, r.output_tokens, arrival=now)
+        prio = self.sched.engine_priority(r.request_id, now) if self.sched is not None else 0
+        return SimRequest(r.request_id, r.prompt_tokens, [], r.output_tokens, r.output_tokens, arrival=now,
+                          priority=prio)
+
+    def _pick(self, queue: Any) -> str:
+        """Request-level swapping's next model: the oldest queued request's, or with a service priority the
+        model of the queued request it ranks first (SeaLLM section 4.2)."""
+        if self.sched is None:
+            return queue[0][1]
+        key = self.sched.key
+        return min(queue, key=lambda q: key(q[0], self.now))[1]
+
+    def _prefetch(self, h: _Host, model: str | None, now: float) -> None:
+        """Start copying `model`'s weights onto host h beside the running model (Aegaeon section 5.2, quick
+        model loading: prefetched into the self-managed buffer right after the running model when VRAM allows),
+        so the coming switch waits only for what is not copied yet. The same mechanism in every swapping mode
+        (request-level swapping knows its next model from its queue as well). A prefetch of another model in
+        flight is dropped for this one."""
+        if (not self._prefetching or model is None or model in (h.resident_model, h.pf_model)
+                or self._free_bytes(h, h.resident_model) < self.profile.weight_bytes):
+            return
+        h.pf_model, h.pf_done = model, now + self.swap.load_s
 
     def _engine(self, h: _Host, key: str) -> EngineCore:
         eng = h.engines.get(key)
@@ -389,6 +464,8 @@ class PooledSim:
         cut at its next iteration boundary."""
         self._engine(h, key).add(sreq, now)
         self._host_of[sreq.request_id] = h
+        if self.sched is not None:
+            h.live.setdefault(key, set()).add(sreq.request_id)
         if not h.busy:
             self._next(h, now)
         elif h.step_end is not None and h.step_end > now:
@@ -433,9 +510,14 @@ class PooledSim:
         eng = h.engines[key]
         start = h.step_start
         h.step_end = h.step_key = None
+        if h.pf_model is not None or h.pf_batch is not None:
+            self._keep_room(h, key)
         for ev in eng.finish_step(now):
             if ev.new_tokens:
                 self._tokens(ev.request_id, ev.new_tokens, start, now)
+                if self.sched is not None:
+                    self.sched.progressed(ev.request_id, self.requests[ev.request_id].prompt_tokens,
+                                          self._emitted[ev.request_id], now)
             if ev.finished:
                 self._finished(h, key, ev.record, now)
         self._next(h, now)
@@ -444,8 +526,13 @@ class PooledSim:
         """Bring `model` onto host h (the current model goes to sleep); the host is busy meanwhile."""
         cost = extra_s
         if model != h.resident_model:
-            cost += self.swap.load_s + (self.swap.offload_s if h.resident_model is not None else 0.0)
+            load = self.swap.load_s
+            if h.pf_model == model:           # prefetched: wait only for what is not on the GPU yet
+                load = max(0.0, h.pf_done - now)
+                self.hidden_swaps += load == 0.0
+            cost += load + (self.swap.offload_s if h.resident_model is not None else 0.0)
             self.swaps += 1
+        h.pf_model = None
         h.resident_model = model
         self.swap_seconds += cost
         h.swap_end = now + cost
@@ -478,7 +565,14 @@ class PooledSim:
             self._next_request(h, now)
         else:
             with_work = [k for k, e in h.engines.items() if e.has_work()]
-            key = h.rr.next(with_work) if h.rr is not None else None
+            if self.sched is not None and self.spec.service_priority != "round_robin" and len(with_work) > 1:
+                # One service per step, the one holding the request the order ranks first (SeaLLM section 4.2:
+                # requests of one service batched together, the highest priority first; FCFS: the oldest).
+                key_of = self.sched.key
+                key = min(with_work, key=lambda k: min((key_of(rid, now) for rid in h.live.get(k, ())),
+                                                       default=(math.inf,)))
+            else:
+                key = h.rr.next(with_work) if h.rr is not None else None
             if key is not None:
                 self._step(h, key, now, macro=len(with_work) == 1)
 
@@ -489,8 +583,9 @@ class PooledSim:
 
     def _next_request(self, h: _Host, now: float) -> None:
         if self._step_resident(h, now, macro=True):
+            self._prefetch(h, self.swapping.peek(h.id, self._pick), now)
             return
-        nxt = self.swapping.next_load(h.id)
+        nxt = self.swapping.next_load(h.id, self._pick)
         if nxt is None:
             return
         model, rids = nxt
@@ -514,8 +609,9 @@ class PooledSim:
             self._swap_in(h, job.model, now)
             self._engine(h, job.model).add(prefill, now)     # runs once the weights are in
             self._host_of[r.request_id] = h
-            return
-        self._add(h, job.model, prefill, now)
+        else:
+            self._add(h, job.model, prefill, now)
+        self._prefetch(h, self.grouped.peek_model(h.id), now)
 
     def _next_decode(self, h: _Host, now: float) -> None:
         wl = self.worklists
@@ -525,6 +621,7 @@ class PooledSim:
             if t is not None and wl.batches.get(t.batch_id) is not None:
                 if h.turn_end is None:
                     h.turn_end = now + t.quota_s
+                    self._prefetch_decode(h, t, now)
                 if now < h.turn_end and self._step(h, t.batch_id, now, macro=True, limit=h.turn_end):
                     h.ran_this_round = True
                     return
@@ -536,6 +633,8 @@ class PooledSim:
                 h.ran_this_round = False
                 turns = wl.round(h.id, self._decode_step_time, self.spec.slo_tpot_s, self._switch_cost,
                                  h.resident_key)
+                if turns and wl.last_round is not None:
+                    self.rounds.append(wl.last_round)
                 h.round_batches = len(turns)
                 if not turns:
                     return
@@ -547,10 +646,47 @@ class PooledSim:
                 continue
             h.turn = t
             reload = self._kv_reload_s(eng) if h.resident_key not in (None, t.batch_id) else 0.0
+            if reload and h.pf_batch == t.batch_id:     # swapped in during the previous turn (section 5.3)
+                reload = min(reload, max(0.0, h.pf_kv_done - now))
+            h.pf_batch = None
             h.resident_key = t.batch_id
             if b.model != h.resident_model or reload > 0:
                 self._swap_in(h, b.model, now, reload)
                 return
+
+    def _keep_room(self, h: _Host, key: str) -> None:
+        """The running batch's KV grew: what was prefetched beside it and no longer fits is dropped (the KV of
+        running requests comes first), the KV before the weights."""
+        prof = self.profile
+        free = self._free_bytes(h, key)
+        weights = prof.weight_bytes if h.pf_model is not None else 0.0
+        if h.pf_batch is not None and free < weights + self._kv_tokens(h.engines.get(h.pf_batch)) \
+                * prof.kv_bytes_per_token:
+            h.pf_batch = None
+        if free < weights:
+            h.pf_model = None
+
+    def _prefetch_decode(self, h: _Host, t: Turn, now: float) -> None:
+        """A turn starts: bring what the next turn needs while this one decodes. Its model's weights (section 5.2,
+        as `_prefetch`), then over the same host link its batch's KV (section 5.3: swap-in overlapped with
+        compute; swap-out is never charged, it is overlapped in every configuration), each only if the GPU has
+        room beside the running batch. Without room, or with the options off, the switch pays in full."""
+        nb = self.worklists.batches.get(h.turns[0].batch_id) if h.turns else \
+            self.worklists.following(h.id, t.batch_id)
+        if nb is None or nb.batch_id == t.batch_id:
+            return
+        prof = self.profile
+        free = self._free_bytes(h, t.batch_id)
+        start = now
+        if nb.model != h.resident_model and self._prefetching and free >= prof.weight_bytes:
+            if h.pf_model != nb.model:          # (a copy of this model already under way goes on)
+                h.pf_model, h.pf_done = nb.model, now + self.swap.load_s
+            free -= prof.weight_bytes
+            start = h.pf_done
+        tokens = self._kv_tokens(h.engines.get(nb.batch_id))
+        if self.spec.kv_overlap and tokens and free >= tokens * prof.kv_bytes_per_token:
+            h.pf_batch = nb.batch_id
+            h.pf_kv_done = start + kv_copy_time_s(tokens, prof.kv_bytes_per_token, prof.host_link_bytes_per_s)
 
     def _idle_decode(self, h: _Host, now: float) -> bool:
         """A whole round ran nothing: unless some batch can run now, wait for the earliest KV arrival on this host
@@ -592,7 +728,12 @@ class PooledSim:
 
     def _done(self, r: ModelRequest, res: RequestResult, finished: float, n_out: int, reason: str, now: float) -> None:
         res.finished, res.output_tokens, res.finish_reason = finished, n_out, reason
-        res.worker_id = self._host_of.pop(r.request_id).id
+        h = self._host_of.pop(r.request_id)
+        res.worker_id = h.id
+        if self.sched is not None:
+            self.sched.finished(r.request_id, r.prompt_tokens, n_out, now, completed=res.completed)
+            for rids in h.live.values():
+                rids.discard(r.request_id)
         self._leave(r.model, now)
 
     def _to_decode(self, r: ModelRequest, now: float) -> None:

@@ -6,8 +6,8 @@
 Each of M models gets a Poisson stream. Popularity is Zipf-skewed: model i (1-based) gets a share of the total
 rate proportional to 1 / i^s (s = 0: every model the same rate, Aegaeon's per-model lambda; section 2.2 reports
 production traffic far more skewed). Each model draws its (prompt, output) lengths from one of the shipped
-traces (cycled over the models), keeping only rows that fit the model's context, and carries the SLO of its
-class (here one SLO for all: Aegaeon section 7.1 uses TTFT 10 s and TBT 100 ms).
+traces or the synthetic `code` stream of simulator/services.py (cycled over the models), keeping only rows
+that fit the model's context, and carries the SLO of its class (here one SLO for all: Aegaeon section 7.1 uses TTFT 10 s and TBT 100 ms).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from simulator.services import code_lengths
 from simulator.workload import WorkloadRequest, poisson_arrivals, trace_rows
 
 
@@ -105,8 +106,16 @@ def multi_model_workload(mix: ModelMix, duration: float, seed: int = 0) -> Multi
     return MultiModelWorkload(out, rates, traces, means)
 
 
+CODE_ROWS = 10_000     # the synthetic `code` lengths are drawn once (fixed seed) into a table of this many rows
+
+
 def _fitting_rows(trace: str, max_model_len: int) -> Sequence[tuple[int, int]]:
-    rows = [(p, o) for p, o in trace_rows(trace) if p + o < max_model_len]
+    if trace == "code":          # simulator/services.py's code-completion stream (Splitwise's medians)
+        rng = random.Random(0)
+        source = [code_lengths(rng) for _ in range(CODE_ROWS)]
+    else:
+        source = trace_rows(trace)
+    rows = [(p, o) for p, o in source if p + o < max_model_len]
     if not rows:
         raise ValueError(f"trace {trace!r} has no request that fits a context of {max_model_len} tokens")
     return rows

@@ -62,7 +62,8 @@ def parse_services(text: str) -> list[ServiceSpec]:
     return out
 
 
-def _code_lengths(rng: random.Random) -> tuple[int, int]:
+def code_lengths(rng: random.Random) -> tuple[int, int]:
+    """One (prompt, output) pair of the synthetic code service (module docstring)."""
     p = rng.lognormvariate(math.log(CODE_PROMPT_MEDIAN), CODE_PROMPT_SIGMA)
     o = rng.lognormvariate(math.log(CODE_OUTPUT_MEDIAN), CODE_OUTPUT_SIGMA)
     return min(max(1, round(p)), CODE_MAX_TOKENS), min(max(1, round(o)), CODE_MAX_TOKENS)
@@ -83,7 +84,7 @@ def service_workload(services: list[ServiceSpec], rate: float, duration: float, 
             if t >= duration:
                 break
             if rows is None:
-                p, o = _code_lengths(rng)
+                p, o = code_lengths(rng)
                 row = None
             else:
                 row = rng.randrange(len(rows))

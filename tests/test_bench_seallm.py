@@ -36,3 +36,26 @@ def test_ratio_and_specs():
         ["fcfs", "round_robin", "seallm", "seallm"]
     with pytest.raises(ValueError):
         spec(1.0, "lottery", 0, 10.0, "poisson", 1.0)
+
+
+def test_pooled_spec_is_seallms_setting():
+    from bench.seallm import POOLED_WORKERS, SERVICES, pooled_spec
+
+    s = pooled_spec(2.0, "seallm", 1, 100.0, (10.0, 0.1))
+    r = pooled_spec(1.0, "fcfs", 0, 10.0, (10.0, 0.1), "request", 6)
+    assert (r.pooling, r.num_models, r.shared_kv) == ("request", 6, False)
+    assert (s.pooling, s.shared_kv, s.service_priority, s.workers) == ("multiplex", True, "seallm", POOLED_WORKERS)
+    assert s.num_models == len(SERVICES.split(",")) and s.traces == SERVICES and (s.slo_ttft_s, s.slo_tpot_s) == (10.0, 0.1)
+
+
+def test_write_section_replaces_its_own_section_only(tmp_path):
+    from bench.report import write_section
+
+    path = tmp_path / "r.md"
+    path.write_text("# Title\n\nfirst run's body\n")
+    write_section(path, "Second", "python -m x --b", "body one", commit="abc")
+    write_section(path, "Second", "python -m x --b", "body two", commit="def")
+    text = path.read_text()
+    assert text.startswith("# Title\n\nfirst run's body\n\n## Second\n")
+    assert "body two" in text and "body one" not in text and text.count("## Second") == 1
+    assert "- command: `python -m x --b`" in text and "- commit: `def`" in text and "- machine: " in text

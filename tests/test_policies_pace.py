@@ -44,3 +44,19 @@ def test_missing_measures_are_skipped_and_workers_are_separate() -> None:
     assert f.limits("b") == (60.0, 30.0)
     f.forget("a")
     assert f.limits("a") == (60.0, 30.0)
+
+
+def test_the_quantile_is_numpys() -> None:
+    """The p99 read from the top of the window equals numpy.quantile's default (linear) method."""
+    import random
+    from collections import deque
+
+    import numpy as np
+
+    from policies.pace import quantile
+
+    rng = random.Random(7)
+    for n in (1, 2, 8, 9, 100, 255, 256):
+        d = deque(rng.random() * 10 for _ in range(n))
+        for q in (0.0, 0.5, 0.9, 0.99, 1.0):
+            assert abs(quantile(d, q) - float(np.quantile(list(d), q))) <= 1e-12 * 10, (n, q)

@@ -11,6 +11,7 @@ from policies.pooling.aegaeon import (
     DecodeWorkLists,
     GroupedPrefill,
     PrefillJob,
+    decode_alpha,
     decode_quotas,
 )
 from policies.pooling.baselines import (
@@ -18,6 +19,7 @@ from policies.pooling.baselines import (
     RequestSwapping,
     RoundRobin,
     resident_capacity,
+    shared_kv_capacity,
     static_placement,
 )
 from policies.pooling.costs import expected_active_models, kv_copy_time_s, swap_cost, switch_time_s
@@ -178,3 +180,59 @@ def test_request_swapping_spreads_over_hosts():
     assert rs.next_load("h0") == ("A", ["r1"]) and rs.next_load("h1") == ("B", ["r2"])
     assert rs.place("r3", "B") == Placed("h1", True)
     assert rs.place("r4", "C").host == "h0"              # h0: 1 in flight, h1: 2
+
+
+@pytest.mark.parametrize("steps, c", [((0.025, 0.025, 0.025), 3.0), ((0.02, 0.05), 1.3), ((0.017, 0.03, 0.06), 0.2),
+                                      ((0.09, 0.09), 2.0)])
+def test_quota_mean_tpot_is_alpha_times_tbt(steps, c):
+    # Our check of eq. 2-3 against a per-request TPOT: over a whole round every batch decodes q_i / t_i tokens in
+    # R = c + sum q, i.e. one token per alpha x d on average, whatever alpha eq. 3 picked (floor 0.5 or not).
+    d = 0.1
+    q = decode_quotas(steps, d, c)
+    alpha = decode_alpha(steps, d, c)
+    rnd = c + sum(q)
+    for qi, t in zip(q, steps, strict=True):
+        assert rnd / (qi / t) == pytest.approx(alpha * d)
+    assert decode_alpha((0.025,) * 3, 0.1, 3.0, q_max_s=3.0) == pytest.approx(1.0)     # section 4.3's example
+    assert decode_alpha((0.01,), 0.1, 0.0) == 0.5
+
+
+def test_prefetch_targets_next_group_and_following_batch():
+    gp = GroupedPrefill(["p0"], lambda j: 0.1, lambda m: 0.5)
+    assert gp.peek_model("p0") is None
+    for i, m in enumerate(("A", "B", "A")):
+        gp.place(PrefillJob(f"r{i}", m, 10))
+    assert gp.peek_model("p0") == "A"
+    gp.next_job("p0"), gp.next_job("p0")          # both A jobs (one group)
+    assert gp.peek_model("p0") == "B"
+    wl = DecodeWorkLists(["d0"], lambda m: 100)
+    a = wl.place("x", "A", 80)
+    b = wl.place("y", "B", 80)
+    assert wl.following("d0", a.batch_id) is b and wl.following("d0", b.batch_id) is a
+    assert wl.following("d0", None) is a
+    assert DecodeWorkLists(["d1"], lambda m: 1).following("d1", None) is None
+    turns = wl.round("d0", lambda bt: 0.02, 0.1, lambda p, n: 0.5)
+    plan = wl.last_round
+    assert plan is not None and plan.quotas == tuple(t.quota_s for t in turns)
+    assert plan.round_s == pytest.approx(1.0 + sum(plan.quotas))
+
+
+def test_shared_kv_capacity_fits_three_8b_models_per_h100():
+    # SeaLLM's unified KV cache (section 4.4): 73.2 GB for weights and KV, 16.06 GB per 8B model, one 128k context
+    # of 17.2 GB in all -> 3 models; separate caches (one 128k context each) -> 2.
+    mem, w, kv = 73.2e9, 16.06e9, 131072
+    assert shared_kv_capacity(mem, w, kv, 131072) == 3
+    assert resident_capacity(mem, w, kv, 131072) == 2
+    with pytest.raises(ValueError):
+        shared_kv_capacity(mem, 0, kv, 1)
+
+
+def test_request_swapping_pick_chooses_the_next_model():
+    rs = RequestSwapping(["h"])
+    for rid, m in (("r1", "A"), ("r2", "B"), ("r3", "B")):
+        rs.place(rid, m)
+    assert rs.peek("h") == "A"                                  # FCFS: the oldest queued request's model
+    shortest_first = lambda queue: max(queue, key=lambda q: q[0])[1]   # noqa: E731 (any order the caller has)
+    assert rs.peek("h", shortest_first) == "B"
+    assert rs.next_load("h", shortest_first) == ("B", ["r2", "r3"])
+    assert rs.peek("h") == "A" and RequestSwapping(["g"]).peek("g") is None

@@ -49,19 +49,19 @@ def test_multi_model_workload_rates_lengths_and_slo():
         ModelMix(4, 4.0), 100, seed=4).requests
 
 
-def _two_models(pooling: str, workers: int) -> tuple[PooledSim, dict]:
+def _two_models(pooling: str, workers: int, **opts: object) -> tuple[PooledSim, dict]:
     """Model A gets a long request at t=0; model B a short one at t=1: the head-of-line case of section 3.1."""
     reqs = [ModelRequest("a", 0.0, 500, 800, max_tokens=800, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-00"),
             ModelRequest("b", 1.0, 200, 20, max_tokens=20, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-01")]
     wl = MultiModelWorkload(reqs, {"model-00": 0.1, "model-01": 0.1}, {"model-00": "x", "model-01": "x"},
                             {"model-00": 300.0, "model-01": 300.0})
-    sim = PooledSim(PooledSpec(num_models=2, workers=workers, pooling=pooling, duration=2.0), wl)
+    sim = PooledSim(PooledSpec(num_models=2, workers=workers, pooling=pooling, duration=2.0, **opts), wl)
     res = sim.run()
     return sim, {r.request_id: r for r in res.sim.results} | {"_res": res}
 
 
 def test_request_level_swapping_blocks_the_second_model_until_the_first_is_done():
-    sim, rs = _two_models("request", workers=1)
+    sim, rs = _two_models("request", workers=1, prefetch=False)
     a, b = rs["a"], rs["b"]
     assert a.completed and b.completed
     assert rs["_res"].swaps == 2                                   # A in, then B in (only once A finished)
@@ -150,3 +150,113 @@ def test_cli_contract_pooled_json():
 def test_cli_bad_pooled_input_exits_2(args, message):
     p = fleetgate("simulate", *args)
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_request_level_prefetch_hides_the_switch_behind_the_running_request():
+    # Section 5.2's prefetch, given to request-level swapping too: B is queued at t=1 while A decodes, its
+    # weights come in beside A's (room on the GPU), so the switch at A's end waits for nothing.
+    sim, rs = _two_models("request", workers=1)
+    a, b, res = rs["a"], rs["b"], rs["_res"]
+    assert res.swaps == 2 and res.hidden_swaps == 1
+    assert res.swap_seconds == pytest.approx(SWAP_S)                   # only A's first load
+    assert a.finished <= b.first_token < a.finished + SWAP_S
+
+
+def test_prefetch_needs_room_beside_the_running_batch():
+    # Twelve 3000-token prompts of A hold ~30 GB of KV: with A's 26 GB of weights the A100 has no room for B's
+    # until most of them are done.
+    reqs = [ModelRequest(f"a{i}", 0.0, 3000, 500, max_tokens=500, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-00")
+            for i in range(12)]
+    reqs.append(ModelRequest("b", 1.0, 200, 20, max_tokens=20, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-01"))
+    wl = MultiModelWorkload(reqs, {"model-00": 0.1, "model-01": 0.1}, {}, {})
+    res = PooledSim(PooledSpec(num_models=2, workers=1, pooling="request", duration=2.0), wl).run()
+    assert res.swaps == 2 and res.hidden_swaps == 0
+    assert res.swap_seconds > 1.5 * SWAP_S               # B's load mostly not hidden (A's first load is never)
+
+
+def test_aegaeon_prefetch_and_kv_overlap_shorten_the_switches():
+    # The same two-model run with sections 5.2-5.3 off and on: every switch costs the full weights (plus the
+    # batch's KV) without them; with them decode switches are (partly) hidden.
+    _, off = _two_models("aegaeon", workers=2, prefetch=False, kv_overlap=False)
+    _, on = _two_models("aegaeon", workers=2)
+    assert off["_res"].hidden_swaps == 0
+    assert on["_res"].swaps == off["_res"].swaps and on["_res"].swap_seconds < off["_res"].swap_seconds
+    assert on["a"].finished <= off["a"].finished and on["b"].completed
+    rounds = on["_res"].decode_rounds
+    assert rounds and all(r.alpha >= 0.5 and r.round_s >= sum(r.quotas) for r in rounds)
+    d = on["_res"].to_dict()
+    assert d["prefetch"] and d["kv_overlap"] and d["decode_round_s_mean"] > 0 and d["decode_alpha_mean"] >= 0.5
+
+
+def _services_on_one_host(order: str) -> dict:
+    """Two 8B services co-resident on one H100 (shared KV, SeaLLM section 4.4): service A a 3000-token answer at
+    t=0, service B a 20-token one at t=1. One service per step."""
+    reqs = [ModelRequest("a", 0.0, 200, 3000, max_tokens=3000, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-00"),
+            ModelRequest("b", 1.0, 200, 20, max_tokens=20, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-01")]
+    wl = MultiModelWorkload(reqs, {"model-00": 0.1, "model-01": 0.1}, {}, {})
+    res = PooledSim(PooledSpec(num_models=2, workers=1, pooling="multiplex", profile="llama3-8b-h100",
+                               duration=2.0, service_priority=order, shared_kv=True), wl).run()
+    return {r.request_id: r for r in res.sim.results} | {"_res": res}
+
+
+def test_service_order_on_a_shared_host():
+    fcfs, rr, db = (_services_on_one_host(o) for o in ("fcfs", "round_robin", "seallm"))
+    # FCFS: B's service runs only once A's request (older) is done: head-of-line blocking across services.
+    assert fcfs["b"].first_token >= fcfs["a"].finished
+    # Round robin: the services alternate step by step.
+    assert rr["b"].finished < rr["b"].arrival + 1.0 < rr["a"].finished
+    # Doubling budget: A keeps the GPU while within its first budget (prior L = 256, Q = 512 iterations), then
+    # its budget doubles, its priority Q'L drops below B's fresh one, and B runs before A is done.
+    assert db["a"].first_token < db["b"].first_token < db["a"].finished and db["b"].finished < db["a"].finished
+    assert db["b"].first_token > db["b"].arrival + 1.0          # not at once: A was within its budget
+    d = db["_res"].to_dict()
+    assert d["service_priority"] == "seallm" and d["norm_latency_mean"] > 0 and d["swaps"] == 0
+
+
+def test_shared_kv_fits_more_services_per_host():
+    # 8B on an H100: two copies with a 128k context each (separate caches), three with one shared pool.
+    sep = PooledSim(PooledSpec(num_models=3, workers=1, pooling="multiplex", profile="llama3-8b-h100"),
+                    multi_model_workload(ModelMix(3, 0.3, max_model_len=131072), 10, 1))
+    shared = PooledSim(PooledSpec(num_models=3, workers=1, pooling="multiplex", profile="llama3-8b-h100",
+                                  shared_kv=True), multi_model_workload(ModelMix(3, 0.3, max_model_len=131072), 10, 1))
+    assert len(sep.placement) == 2 and len(shared.placement) == 3
+
+
+@pytest.mark.parametrize("order, first", [("fcfs", "long"), ("seallm", "short")])
+def test_request_level_swapping_next_model_by_service_priority(order, first):
+    # One host busy with model 2 for ~5 s (under the 10 s starvation threshold); meanwhile a request of model 0 (a service whose requests are long)
+    # and then one of model 1 (short) queue. FCFS brings model 0 next; the doubling budget, whose profiles have
+    # learned the two services, brings model 1 (smallest O_r = Q_r L_s).
+    reqs = [ModelRequest("busy", 0.0, 100, 250, max_tokens=250, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-02"),
+            ModelRequest("long", 1.0, 100, 400, max_tokens=400, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-00"),
+            ModelRequest("short", 2.0, 100, 20, max_tokens=20, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-01")]
+    rates = {"model-00": 0.1, "model-01": 0.1, "model-02": 0.1}
+    sim = PooledSim(PooledSpec(num_models=3, workers=1, pooling="request", duration=3.0, service_priority=order),
+                    MultiModelWorkload(reqs, rates, {}, {}))
+    for _ in range(20):
+        sim.sched.finished("x", 0, 0, 0.0)      # unknown ids teach nothing
+        sim.sched.profile("model-00").observe(400.0)
+        sim.sched.profile("model-01").observe(20.0)
+    res = {r.request_id: r for r in sim.run().sim.results}
+    other = "short" if first == "long" else "long"
+    assert res["busy"].finished < res[first].first_token < res[other].first_token
+
+
+def test_cli_pooled_service_priority_and_mechanism_flags():
+    p = fleetgate("simulate", "--num-models", "4", "--rate", "1", "--workers", "2", "--pooling", "multiplex",
+                  "--shared-kv", "--service-priority", "seallm", "--profile", "llama3-8b-h100",
+                  "--trace", "sharegpt,arxiv,azure_conv,code", "--duration", "60", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["service_priority"] == "seallm" and out["swaps"] == 0 and out["norm_latency_mean"] > 0
+    assert set(out["services"]) == {"model-00", "model-01", "model-02", "model-03"}
+    p = fleetgate("simulate", "--num-models", "6", "--rate", "0.6", "--workers", "3", "--pooling", "aegaeon",
+                  "--no-prefetch", "--no-kv-overlap", "--duration", "30", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["prefetch"] is False and out["kv_overlap"] is False and out["hidden_swaps"] == 0
+    p = fleetgate("simulate", "--num-models", "4", "--rate", "1", "--workers", "2", "--pooling", "aegaeon",
+                  "--service-priority", "seallm")
+    assert p.returncode == 2 and "applies to --pooling multiplex or request" in p.stderr
+    p = fleetgate("simulate", "--num-models", "4", "--rate", "1", "--pooling", "request", "--service-priority", "lottery")
+    assert p.returncode == 2 and "--service-priority must be one of" in p.stderr

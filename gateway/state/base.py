@@ -90,6 +90,11 @@ class StateStore(JobStore, ABC):
     @abstractmethod
     async def release(self, worker_id: str, request_id: str) -> None: ...
 
+    def release_nowait(self, worker_id: str, request_id: str) -> bool:
+        """Release at once when no I/O is needed (True: done, `release` must not follow); False: call `release`.
+        Spares the hot path a coroutine (and, with a networked store, the task shielding it from cancellation)."""
+        return False
+
     @abstractmethod
     def inflight(self) -> dict[str, Inflight]:
         """Cached in-flight reservations per worker, summed over replicas (no I/O)."""

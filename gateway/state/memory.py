@@ -85,9 +85,12 @@ class MemoryStore(MemoryJobs, StateStore):
         return True
 
     async def release(self, worker_id: str, request_id: str) -> None:
+        self.release_nowait(worker_id, request_id)
+
+    def release_nowait(self, worker_id: str, request_id: str) -> bool:
         held = self._reservations.get(worker_id)
         if not held or request_id not in held:
-            return  # unknown or already released: releasing twice is harmless
+            return True  # unknown or already released: releasing twice is harmless
         tokens = held.pop(request_id)
         cur = self._inflight[worker_id]
         self._inflight[worker_id] = Inflight(cur.requests - 1, cur.tokens - tokens)
@@ -96,6 +99,7 @@ class MemoryStore(MemoryJobs, StateStore):
             t.holds -= 1
             if t.holds <= 0:
                 self._buckets.unhold(t)
+        return True
 
     # --- per-key limits --------------------------------------------------------------------------------
     def open_ticket(self, ticket: Ticket) -> None:

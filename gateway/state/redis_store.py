@@ -3,10 +3,13 @@
 Keys (prefix `fg:` by default; docs/design.md "Shared state"):
   fg:workers            hash  worker id -> JSON WorkerRecord
   fg:metrics            hash  worker id -> JSON EngineMetrics
-  fg:res:<worker>       zset  "<replica>|<request_id>" scored by lease expiry (ms, Redis TIME)
+  fg:res:<worker>       zset  "<replica>|<request_id>" (or a leased slot, "<replica>|<n>~") scored by lease
+                              expiry (ms, Redis TIME)
   fg:resworkers         set   workers that may have reservations (so the refresh needs no SCAN)
   fg:load:<replica>     hash  "r:<worker>" -> requests, "t:<worker>" -> tokens this replica holds;
-                              PEXPIRE'd with the lease and rewritten from local truth by each heartbeat
+                              PEXPIRE'd with the lease and rewritten from local truth by each heartbeat (and,
+                              with leases, by each refresh)
+  fg:waiters            set   replicas with requests waiting in their admission queues
   fg:replicas           zset  replica id scored by lease expiry (ms)
   fg:docs               hash  document key -> JSON (fitted models, predictor state, admin-made API keys)
   fg:alive              str   this store's epoch: a random id written once; gone means Redis lost its data
@@ -17,6 +20,17 @@ Admission is one Lua script (DESIGN principle 3): drop expired members, compare 
 ZADD. Each replica re-scores its own members every lease_ttl/3, so a SIGKILLed replica's reservations
 expire after the TTL while a live one's never do. Token counts live in the per-replica load hash
 (the zset counts requests; tokens of dead replicas vanish when their hash's TTL runs out).
+
+Leases (`lease_block` > 1, the gateway's default: config `redis_lease_block`): a reservation that finds no
+free slot of this replica's on the worker takes up to `lease_block` slots in one script (as many as the cap
+leaves, and only one while another replica has requests waiting), one for the request and the rest kept
+free here; later reservations take a free slot with no Redis call, and a release puts its slot back among the
+free ones, also with no call. Leased slots are zset members like reservations, so the cap counts them, the
+heartbeat re-scores them (a dead replica's lease expires after the TTL) and writes them back into a Redis that
+restarted empty. Free slots go back to Redis (one script, which announces the release to waiting replicas) when
+they have gone unused for `lease_idle_s`, beyond one spare block, at once while another replica has requests
+waiting (seen by the refresh, so within `refresh_interval_s`), and on close. Other replicas' in-flight requests
+are then read from their load hashes, which each refresh rewrites from this replica's counts.
 
 `inflight()` is a cache: every `refresh_interval_s` one script returns, atomically, each worker's
 ZCARD, other replicas' tokens and this replica's own counts; the cache is
@@ -90,6 +104,44 @@ local cap = tonumber(ARGV[2])
 if cap >= 0 and redis.call('ZCARD', KEYS[1]) >= cap then return 0 end
 local ttl = tonumber(ARGV[3])
 """ + _TAKE_SLOT + """return 1
+"""
+
+# KEYS: res:<worker>, resworkers, replicas, waiters, load:<replica>
+# ARGV: replica, cap (-1 = none), ttl_ms, worker, block, first sequence number, then this replica's requests and
+# tokens on the worker with the new one (its load hash, so other replicas see them before the next refresh).
+# Returns the slots leased (0: full).
+_LEASE = _NOW_MS + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local want = tonumber(ARGV[5])
+if redis.call('SCARD', KEYS[4]) > redis.call('SISMEMBER', KEYS[4], ARGV[1]) then want = 1 end
+local cap = tonumber(ARGV[2])
+if cap >= 0 then
+  local free = cap - redis.call('ZCARD', KEYS[1])
+  if free < want then want = free end
+end
+if want <= 0 then return 0 end
+local ttl, seq = tonumber(ARGV[3]), tonumber(ARGV[6])
+for j = 0, want - 1 do redis.call('ZADD', KEYS[1], now + ttl, ARGV[1] .. '|' .. string.format('%d', seq + j) .. '~') end
+redis.call('SADD', KEYS[2], ARGV[4])
+redis.call('ZADD', KEYS[3], 'GT', now + ttl, ARGV[1])
+redis.call('HSET', KEYS[5], 'r:' .. ARGV[4], ARGV[7], 't:' .. ARGV[4], ARGV[8])
+redis.call('PEXPIRE', KEYS[5], ttl)
+return want
+"""
+
+# Give leased slots back. KEYS: res:<worker>, waiters, load:<replica>; ARGV: channel, "replica|worker", worker,
+# this replica's requests and tokens on it now (its load hash, read by a woken replica's refresh), ttl_ms, then the
+# members.
+_RETURN = """
+local n = redis.call('ZREM', KEYS[1], unpack(ARGV, 7))
+if tonumber(ARGV[4]) > 0 then
+  redis.call('HSET', KEYS[3], 'r:' .. ARGV[3], ARGV[4], 't:' .. ARGV[3], ARGV[5])
+  redis.call('PEXPIRE', KEYS[3], ARGV[6])
+else
+  redis.call('HDEL', KEYS[3], 'r:' .. ARGV[3], 't:' .. ARGV[3])
+end
+if redis.call('SCARD', KEYS[2]) > 0 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
+return n
 """
 
 # Settle finished requests' token reservations: ARGV[i] = n, then n x (tenant, tpm, tokens to give back).
@@ -201,20 +253,34 @@ if n > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
 return n
 """
 
-# ARGV: prefix, replica, then settlements. Returns the epoch (false: none), then flat
-# [worker, zcard, other replicas' tokens, own requests] per worker.
+# ARGV: prefix, replica, then settlements, then ttl_ms, m (-1: leave this replica's load hash alone), then m x
+# (field, value) to write it with. Returns the epoch (false: none), how many other replicas have requests waiting,
+# then flat [worker, zcard, other replicas' tokens, own requests, other replicas' requests] per worker.
 _REFRESH = _NOW_MS + _SETTLE + """
 local P, me = ARGV[1], ARGV[2]
-settle_all(P, now, 3)
+local i = settle_all(P, now, 3)
+local ttl, m = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+i = i + 2
+if m >= 0 then
+  local lk = P .. 'load:' .. me
+  redis.call('DEL', lk)
+  for _ = 1, m do
+    redis.call('HSET', lk, ARGV[i], ARGV[i + 1])
+    i = i + 2
+  end
+  if m > 0 then redis.call('PEXPIRE', lk, ttl) end
+end
 redis.call('ZREMRANGEBYSCORE', P .. 'replicas', '-inf', now)
-local tok = {}
+local tok, req = {}, {}
 for _, rep in ipairs(redis.call('ZRANGE', P .. 'replicas', 0, -1)) do
   if rep ~= me then
     local h = redis.call('HGETALL', P .. 'load:' .. rep)
     for j = 1, #h, 2 do
-      if string.sub(h[j], 1, 2) == 't:' then
-        local w = string.sub(h[j], 3)
+      local kind, w = string.sub(h[j], 1, 2), string.sub(h[j], 3)
+      if kind == 't:' then
         tok[w] = (tok[w] or 0) + tonumber(h[j + 1])
+      elseif kind == 'r:' then
+        req[w] = (req[w] or 0) + tonumber(h[j + 1])
       end
     end
   end
@@ -224,7 +290,8 @@ local h = redis.call('HGETALL', P .. 'load:' .. me)
 for j = 1, #h, 2 do
   if string.sub(h[j], 1, 2) == 'r:' then own[string.sub(h[j], 3)] = tonumber(h[j + 1]) end
 end
-local out = {redis.call('GET', P .. 'alive')}
+local out = {redis.call('GET', P .. 'alive'),
+             redis.call('SCARD', P .. 'waiters') - redis.call('SISMEMBER', P .. 'waiters', me)}
 for _, w in ipairs(redis.call('SMEMBERS', P .. 'resworkers')) do
   local key = P .. 'res:' .. w
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
@@ -234,6 +301,7 @@ for _, w in ipairs(redis.call('SMEMBERS', P .. 'resworkers')) do
   out[#out + 1] = c
   out[#out + 1] = tok[w] or 0
   out[#out + 1] = own[w] or 0
+  out[#out + 1] = req[w] or 0
 end
 return out
 """
@@ -288,9 +356,13 @@ class RedisStore(RedisJobs, StateStore):
         refresh_interval_s: float = 0.1,
         socket_timeout_s: float = 1.0,
         max_connections: int = 64,
+        lease_block: int = 1,
+        lease_idle_s: float = 1.0,
     ) -> None:
         if lease_ttl_s <= 0 or refresh_interval_s <= 0:
             raise ValueError("lease_ttl_s and refresh_interval_s must be positive")
+        if lease_block < 1 or lease_idle_s <= 0:
+            raise ValueError("lease_block must be at least 1 and lease_idle_s positive")
         self.url = url
         self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         if "|" in self.replica_id:
@@ -310,10 +382,20 @@ class RedisStore(RedisJobs, StateStore):
         # Last refresh: other replicas' load per worker. The served view is others + own.
         self._others: dict[str, Inflight] = {}
         self._view: dict[str, Inflight] = {}
+        # Leases: the leased slot each lease-held reservation uses, free leased slots per worker (members), when a
+        # worker's free slots were last added to or taken from, the next slot number; other replicas waiting.
+        self.lease_block = lease_block
+        self.lease_idle_s = lease_idle_s
+        self._slot_of: dict[tuple[str, str], str] = {}
+        self._free: dict[str, list[str]] = {}
+        self._free_touched: dict[str, float] = {}
+        self._lease_seq = 0
+        self._others_waiting = False
         # Releases to replay: ones that raced an in-flight heartbeat, and ones made while Redis was down.
         self._hb_running = False
         self._released_during_hb: list[tuple[str, str, int]] = []
-        self._pending_release: list[tuple[str, str, int]] = []
+        self._returned_during_hb: list[tuple[str, str]] = []      # leased slots: (worker, member)
+        self._pending_release: list[tuple[str, str]] = []         # (worker, member)
         # Last known registry and metrics, served while Redis is down; registry writes made meanwhile.
         self._workers_cache: dict[str, WorkerRecord] = {}
         self._metrics_cache: dict[str, EngineMetrics] = {}
@@ -370,6 +452,8 @@ class RedisStore(RedisJobs, StateStore):
         self._reserve_script = client.register_script(_RESERVE)
         self._keyed_reserve_script = client.register_script(_KEYED_RESERVE)
         self._release_script = client.register_script(_RELEASE)
+        self._lease_script = client.register_script(_LEASE)
+        self._return_script = client.register_script(_RETURN)
         self._heartbeat_script = client.register_script(_HEARTBEAT)
         self._refresh_script = client.register_script(_REFRESH)
         self._get_docs_script = client.register_script(_GET_DOCS)
@@ -411,8 +495,8 @@ class RedisStore(RedisJobs, StateStore):
         if self._ok:
             try:
                 pipe = r.pipeline(transaction=False)
-                for wid, rid in self._own:
-                    pipe.zrem(self._k(f"res:{wid}"), self._member(rid))
+                for wid, member in self._held():
+                    pipe.zrem(self._k(f"res:{wid}"), member)
                 pipe.delete(self._k(f"load:{self.replica_id}"))
                 pipe.zrem(self._k("replicas"), self.replica_id)
                 await pipe.execute()
@@ -420,6 +504,8 @@ class RedisStore(RedisJobs, StateStore):
                 log.warning("could not remove this replica's reservations from Redis on close: %s", exc)
         self._own.clear()
         self._own_by_worker.clear()
+        self._slot_of.clear()
+        self._free.clear()
         self._ok = False
         await r.aclose()
 
@@ -464,8 +550,8 @@ class RedisStore(RedisJobs, StateStore):
                     time.monotonic() - self._down_since)
         r = self._client()
         pipe = r.pipeline(transaction=False)
-        for wid, rid, _tokens in self._pending_release:
-            pipe.zrem(self._k(f"res:{wid}"), self._member(rid))
+        for wid, member in self._pending_release:
+            pipe.zrem(self._k(f"res:{wid}"), member)
         for wid, rec in self._pending_registry.items():
             if rec is None:
                 pipe.hdel(self._k("workers"), wid)
@@ -544,6 +630,8 @@ class RedisStore(RedisJobs, StateStore):
                     await self._client().ping()
                     await self._mark_up()
                 await self._refresh()
+                if self._free:
+                    await self._trim_leases()
                 failing = False
             except _DOWN_ERRORS as exc:
                 self._mark_down(exc)
@@ -640,12 +728,13 @@ class RedisStore(RedisJobs, StateStore):
         self._local_buckets.hold(t)
 
     async def _heartbeat(self) -> None:
-        args: list[str | int] = [self.prefix, self.replica_id, self._ttl_ms, len(self._own)]
-        for wid, rid in self._own:
-            args += (wid, self._member(rid))
-        held = [t for t in self._tickets.values() if t.holds > 0 and t.limits.max_concurrency is not None]
-        args.append(len(held))
-        for t in held:
+        held = list(self._held())
+        args: list[str | int] = [self.prefix, self.replica_id, self._ttl_ms, len(held)]
+        for wid, member in held:
+            args += (wid, member)
+        limited = [t for t in self._tickets.values() if t.holds > 0 and t.limits.max_concurrency is not None]
+        args.append(len(limited))
+        for t in limited:
             args += (t.tenant_id, self._member(t.request_id))
         for wid, cur in self._own_by_worker.items():
             if cur.requests:
@@ -657,6 +746,12 @@ class RedisStore(RedisJobs, StateStore):
         finally:
             self._hb_running = False
             raced, self._released_during_hb = self._released_during_hb, []
+            returned, self._returned_during_hb = self._returned_during_hb, []
+        if returned:  # leased slots given back while the heartbeat may have re-added them
+            pipe = self._client().pipeline(transaction=False)
+            for wid, member in returned:
+                pipe.zrem(self._k(f"res:{wid}"), member)
+            await pipe.execute()
         for wid, rid, tokens in raced:  # released while the heartbeat may have re-added them: release again
             await self._release_script(
                 keys=[self._k(f"res:{wid}"), self._k(f"load:{self.replica_id}")],
@@ -665,22 +760,94 @@ class RedisStore(RedisJobs, StateStore):
 
     async def _refresh(self) -> None:
         q, settle = self._take_settlements()
+        leasing = self.lease_block > 1
+        load: list[str | int] = [-1]
+        if leasing:  # no call per reservation tells Redis this replica's load: each refresh does
+            load = [0]
+            for wid, cur in self._own_by_worker.items():
+                if cur.requests:
+                    load += (f"r:{wid}", cur.requests, f"t:{wid}", cur.tokens)
+            load[0] = (len(load) - 1) // 2
         try:
-            flat = await self._refresh_script(args=[self.prefix, self.replica_id, *settle])
+            flat = await self._refresh_script(args=[self.prefix, self.replica_id, *settle, self._ttl_ms, *load])
         except BaseException:
             self._settle_q[:0] = q
             raise
         self._check_epoch(flat[0])
+        self._others_waiting = int(flat[1]) > 0
         others: dict[str, Inflight] = {}
-        for i in range(1, len(flat), 4):
+        for i in range(2, len(flat), 5):
             wid, total, other_tokens, own_then = flat[i], int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3])
-            others[wid] = Inflight(max(0, total - own_then), max(0, other_tokens))
+            # Leased slots count in the zset but are not requests: with leases, the other replicas' own counts.
+            other_requests = int(flat[i + 4]) if leasing else total - own_then
+            others[wid] = Inflight(max(0, other_requests), max(0, other_tokens))
         self._others = others
         view = dict(others)
         for wid, own in self._own_by_worker.items():
             o = view.get(wid)
             view[wid] = own if o is None else Inflight(o.requests + own.requests, o.tokens + own.tokens)
         self._view = view
+
+    # --- leases ---------------------------------------------------------------------------------------
+    def _held(self) -> list[tuple[str, str]]:
+        """(worker, member) of every slot this replica holds in Redis: its reservations and its free leased slots."""
+        held = [(wid, self._slot_of.get((wid, rid)) or self._member(rid)) for wid, rid in self._own]
+        for wid, free in self._free.items():
+            held += ((wid, m) for m in free)
+        return held
+
+    async def _lease(self, worker_id: str, cap: int | None, tokens: int) -> list[str] | None:
+        """Lease up to `lease_block` slots on the worker (None: Redis unreachable, [] the worker is full)."""
+        seq = self._lease_seq
+        self._lease_seq += self.lease_block  # reserved before the await: a concurrent lease numbers its own
+        own = self._own_by_worker.get(worker_id) or Inflight()
+        try:
+            got = await self._lease_script(
+                keys=[self._k(f"res:{worker_id}"), self._k("resworkers"), self._k("replicas"), self._k("waiters"),
+                      self._k(f"load:{self.replica_id}")],
+                args=[self.replica_id, -1 if cap is None else cap, self._ttl_ms, worker_id, self.lease_block, seq,
+                      own.requests + 1, own.tokens + tokens],
+                client=self._client())
+        except _DOWN_ERRORS as exc:
+            self._mark_down(exc)
+            return None
+        return [f"{self.replica_id}|{seq + j}~" for j in range(int(got))]
+
+    def _keep_free(self, worker_id: str, members: list[str]) -> None:
+        self._free.setdefault(worker_id, []).extend(members)
+        self._free_touched[worker_id] = time.monotonic()
+
+    async def _return_slots(self, worker_id: str, members: list[str]) -> None:
+        """Give leased slots back to Redis (announced to replicas with requests waiting)."""
+        if self._hb_running:
+            self._returned_during_hb += ((worker_id, m) for m in members)
+        if self._ok:
+            own = self._own_by_worker.get(worker_id) or Inflight()
+            try:
+                await self._return_script(keys=[self._k(f"res:{worker_id}"), self._k("waiters"),
+                                                self._k(f"load:{self.replica_id}")],
+                                          args=[self._k("released"), f"{self.replica_id}|{worker_id}", worker_id,
+                                                own.requests, own.tokens, self._ttl_ms, *members],
+                                          client=self._client())
+                return
+            except _DOWN_ERRORS as exc:
+                self._mark_down(exc)
+        self._pending_release += ((worker_id, m) for m in members)
+
+    async def _trim_leases(self) -> None:
+        """Free slots back to Redis: all of them while another replica waits or once unused for lease_idle_s,
+        else those beyond one spare block."""
+        now = time.monotonic()
+        for wid in list(self._free):
+            free = self._free[wid]
+            idle = now - self._free_touched.get(wid, 0.0) >= self.lease_idle_s
+            keep = 0 if self._others_waiting or idle else self.lease_block
+            if len(free) > keep:
+                give = free[keep:]
+                del free[keep:]
+                if not free:
+                    del self._free[wid]
+                await self._return_slots(wid, give)
 
     # --- local accounting -----------------------------------------------------------------------
     def _add_local(self, worker_id: str, request_id: str, tokens: int) -> None:
@@ -711,7 +878,27 @@ class RedisStore(RedisJobs, StateStore):
         ticket = self._tickets.get(request_id) if self._tickets else None
         if ticket is not None:
             return await self._try_reserve_keyed(ticket, worker_id, request_id, cap, tokens)
-        if self._ok:
+        if self.lease_block > 1:
+            free = self._free.get(worker_id)
+            if free:  # a slot this replica already leased: no Redis call
+                self._slot_of[(worker_id, request_id)] = free.pop()
+                self._free_touched[worker_id] = time.monotonic()
+                self._add_local(worker_id, request_id, tokens)
+                return True
+            if self._ok:
+                slots = await self._lease(worker_id, cap, tokens)
+                if slots is not None:
+                    if not slots:
+                        return False
+                    if (worker_id, request_id) in self._own:  # reserved meanwhile: keep them all
+                        self._keep_free(worker_id, slots)
+                        return True
+                    self._slot_of[(worker_id, request_id)] = slots[0]
+                    if len(slots) > 1:
+                        self._keep_free(worker_id, slots[1:])
+                    self._add_local(worker_id, request_id, tokens)
+                    return True
+        elif self._ok:
             try:
                 got = await self._reserve_script(
                     keys=[
@@ -758,12 +945,30 @@ class RedisStore(RedisJobs, StateStore):
         self._hold(t)
         return True
 
+    def release_nowait(self, worker_id: str, request_id: str) -> bool:
+        """A leased slot goes back among the free ones with no Redis call (unless another replica waits)."""
+        key = (worker_id, request_id)
+        if key not in self._slot_of or not self._ok or self._others_waiting:
+            return False
+        self._remove_local(worker_id, self._own.pop(key))
+        self._keep_free(worker_id, [self._slot_of.pop(key)])
+        return True
+
     async def release(self, worker_id: str, request_id: str) -> None:
+        if self.release_nowait(worker_id, request_id):
+            return
         r = self._client()
         tokens = self._own.pop((worker_id, request_id), None)
         if tokens is None:
             return  # unknown or already released
         self._remove_local(worker_id, tokens)
+        slot = self._slot_of.pop((worker_id, request_id), None)
+        if slot is not None:  # a leased slot: kept for the next request here, unless another replica waits
+            if self._ok and not self._others_waiting:
+                self._keep_free(worker_id, [slot])
+            else:
+                await self._return_slots(worker_id, [slot])
+            return
         keys = [self._k(f"res:{worker_id}"), self._k(f"load:{self.replica_id}"), self._k("waiters")]
         t = self._tickets.get(request_id) if self._tickets else None
         if t is not None:
@@ -775,14 +980,14 @@ class RedisStore(RedisJobs, StateStore):
         if self._hb_running:
             self._released_during_hb.append((worker_id, request_id, tokens))
         if not self._ok:
-            self._pending_release.append((worker_id, request_id, tokens))
+            self._pending_release.append((worker_id, self._member(request_id)))
             return
         try:
             await self._release_script(keys=keys, args=[self._member(request_id), worker_id, tokens,
                                                          self._k("released"), self.replica_id], client=r)
         except _DOWN_ERRORS as exc:
             self._mark_down(exc)
-            self._pending_release.append((worker_id, request_id, tokens))
+            self._pending_release.append((worker_id, self._member(request_id)))
 
     def inflight(self) -> dict[str, Inflight]:
         return dict(self._view)

@@ -100,6 +100,10 @@ class GroupedPrefill:
             queue.popleft()
         return job
 
+    def peek_model(self, instance: str) -> str | None:
+        """The model of the next job `next_job` would return (what a prefetch should bring; section 5.2)."""
+        return next((g.model for g in self.queues[instance] if g.jobs), None)
+
     def remove(self, request_id: str) -> bool:
         """Drop a queued job (its client went away); True if it was queued."""
         for queue in self.queues.values():
@@ -114,24 +118,39 @@ class GroupedPrefill:
         return sum(len(g.jobs) for g in self.queues[instance])
 
 
+def decode_alpha(step_times: Sequence[float], tbt_s: float, switch_total_s: float, q_max_s: float = Q_MAX_S) -> float:
+    """Eq. 3: alpha = max(c / (min_k n_k * Q_MAX) + sum_k 1/n_k, 0.5), n_k = d / t_k.
+
+    What it means for a request's mean TPOT (our derivation from eq. 2, used to check the quota against a
+    per-request TPOT SLO): batch i decodes q_i / t_i = c / (d (alpha - S)) tokens per round (S = sum_k 1/n_k),
+    the round lasts R = c + sum_k q_k = c alpha / (alpha - S), so over whole rounds every batch's mean time per
+    output token is R / (q_i / t_i) = alpha x d. The mean TPOT of a long request meets the TBT target iff
+    alpha <= 1; a request of L tokens that waits W for its batch's turn (up to R - q_i) meets it only if
+    W <= L (d - t_i), which short answers cannot when rounds are long."""
+    if not step_times:
+        return MIN_ALPHA
+    if tbt_s <= 0 or q_max_s <= 0 or switch_total_s < 0 or any(t <= 0 for t in step_times):
+        raise ValueError("tbt_s, q_max_s and step times must be > 0, switch_total_s >= 0")
+    n = [tbt_s / t for t in step_times]
+    return max(switch_total_s / (min(n) * q_max_s) + sum(1.0 / x for x in n), MIN_ALPHA)
+
+
 def decode_quotas(step_times: Sequence[float], tbt_s: float, switch_total_s: float,
                   q_max_s: float = Q_MAX_S) -> list[float]:
     """Eq. 2-3 of section 4.3: the time quota of each batch of a round.
 
     n_k = d / t_k (d the TBT target, t_k batch k's step time) is how many steps of slack one step earns;
-    alpha = max(c / (min_k n_k * Q_MAX) + sum_k 1/n_k, 0.5) is the reciprocal of the round's estimated SLO
-    attainment (c: the round's total switching time), and q_i = c / (n_i (alpha - sum_k 1/n_k)).
+    alpha (`decode_alpha`, eq. 3) is the reciprocal of the round's estimated SLO attainment (c: the round's
+    total switching time), and q_i = c / (n_i (alpha - sum_k 1/n_k)).
     With nothing to switch (c = 0) every batch gets Q_MAX: the round is all execution.
     """
     if not step_times:
         return []
-    if tbt_s <= 0 or q_max_s <= 0 or switch_total_s < 0 or any(t <= 0 for t in step_times):
-        raise ValueError("tbt_s, q_max_s and step times must be > 0, switch_total_s >= 0")
+    alpha = decode_alpha(step_times, tbt_s, switch_total_s, q_max_s)
     if switch_total_s == 0:
         return [q_max_s] * len(step_times)
     n = [tbt_s / t for t in step_times]
     inv = sum(1.0 / x for x in n)
-    alpha = max(switch_total_s / (min(n) * q_max_s) + inv, MIN_ALPHA)
     return [switch_total_s / (x * (alpha - inv)) for x in n]
 
 
@@ -157,6 +176,21 @@ class Turn:
     quota_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    """What `DecodeWorkLists.round` planned last: the round's switching time c, eq. 3's alpha, the batches' step
+    times and quotas (for reports: R = c + sum q, each batch's wait R - q_i)."""
+
+    switch_s: float
+    alpha: float
+    step_times: tuple[float, ...]
+    quotas: tuple[float, ...]
+
+    @property
+    def round_s(self) -> float:
+        return self.switch_s + sum(self.quotas)
+
+
 class DecodeWorkLists:
     """Algorithm 2 over the decode instances. `capacity_tokens(model)` is the KV a batch of that model may hold
     (the GPU's KV cache when the model runs alone)."""
@@ -171,6 +205,7 @@ class DecodeWorkLists:
         self.batches: dict[str, DecodeBatch] = {}
         self._batch_of: dict[str, DecodeBatch] = {}
         self._ids = itertools.count()
+        self.last_round: RoundPlan | None = None
 
     def place(self, request_id: str, model: str, tokens: int) -> DecodeBatch:
         """Algorithm 2 line 2: a batch of the model with KV room, else a new batch on the shortest work list."""
@@ -203,6 +238,15 @@ class DecodeWorkLists:
             del self.batches[b.batch_id]
         return b
 
+    def following(self, instance: str, batch_id: str | None) -> DecodeBatch | None:
+        """The batch after `batch_id` in the instance's work list, cyclically: the next round's first turn when a
+        round ends (rounds continue the round robin), what a prefetch during the last turn should bring."""
+        batches = self.work[instance]
+        if not batches:
+            return None
+        i = next((k for k, b in enumerate(batches) if b.batch_id == batch_id), -1)
+        return batches[(i + 1) % len(batches)]
+
     def round(self, instance: str, step_time: Callable[[DecodeBatch], float], tbt_s: float,
               switch_cost: Callable[[DecodeBatch, DecodeBatch], float], last_batch_id: str | None = None) -> list[Turn]:
         """Lines 5-8: reorder the work list so one model's batches are adjacent (first-seen order), and give each
@@ -220,5 +264,7 @@ class DecodeWorkLists:
         if last is not None:
             batches[:] = batches[last + 1:] + batches[:last + 1]
         c = sum(switch_cost(batches[i - 1], b) for i, b in enumerate(batches)) if len(batches) > 1 else 0.0
-        quotas = decode_quotas([step_time(b) for b in batches], tbt_s, c, self.q_max_s)
+        steps = [step_time(b) for b in batches]
+        quotas = decode_quotas(steps, tbt_s, c, self.q_max_s)
+        self.last_round = RoundPlan(c, decode_alpha(steps, tbt_s, c, self.q_max_s), tuple(steps), tuple(quotas))
         return [Turn(b.batch_id, b.model, q) for b, q in zip(batches, quotas, strict=True)]

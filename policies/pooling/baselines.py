@@ -14,7 +14,7 @@ compares against, pure like every policy.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -25,6 +25,15 @@ def resident_capacity(memory_bytes: float, weight_bytes: float, kv_bytes_per_tok
     if weight_bytes <= 0 or kv_bytes_per_token <= 0:
         raise ValueError("weight_bytes and kv_bytes_per_token must be > 0")
     return max(0, int(memory_bytes // (weight_bytes + kv_bytes_per_token * min_kv_tokens)))
+
+
+def shared_kv_capacity(memory_bytes: float, weight_bytes: float, kv_bytes_per_token: float,
+                       min_kv_tokens: int) -> int:
+    """How many models fit awake on one host when their KV cache is one shared pool (SeaLLM section 4.4, the
+    unified KV cache): every model's weights plus room for one longest request's KV in all."""
+    if weight_bytes <= 0 or kv_bytes_per_token <= 0:
+        raise ValueError("weight_bytes and kv_bytes_per_token must be > 0")
+    return max(0, int((memory_bytes - kv_bytes_per_token * min_kv_tokens) // weight_bytes))
 
 
 def static_placement(rates: Mapping[str, float], hosts: Sequence[str], per_host: int) -> dict[str, list[str]]:
@@ -115,13 +124,22 @@ class RequestSwapping:
     def idle(self, host: str) -> bool:
         return self.inflight[host] == 0
 
-    def next_load(self, host: str) -> tuple[str, list[str]] | None:
-        """With the host's engine idle: the model of its oldest queued request and every queued request of
-        that model, now in flight (None: nothing queued)."""
+    def peek(self, host: str, pick: Callable[[Sequence[tuple[str, str]]], str] | None = None) -> str | None:
+        """The model `next_load` would bring next (None: nothing queued); what a prefetch should bring."""
+        queue = self.queues[host]
+        if not queue:
+            return None
+        return pick(queue) if pick is not None else queue[0][1]
+
+    def next_load(self, host: str, pick: Callable[[Sequence[tuple[str, str]]], str] | None = None
+                  ) -> tuple[str, list[str]] | None:
+        """With the host's engine idle: the model of its oldest queued request (or the one `pick` chooses from
+        the queue's (request id, model) pairs: a service priority) and every queued request of that model, now
+        in flight (None: nothing queued)."""
         queue = self.queues[host]
         if not queue or self.inflight[host]:
             return None
-        model = queue[0][1]
+        model = self.peek(host, pick)
         taken = [rid for rid, m in queue if m == model]
         self.queues[host] = deque((rid, m) for rid, m in queue if m != model)
         self.current[host] = model
