@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +47,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.harness import REPO, free_port, log
 from bench.loadgen import quantile
 from bench.peers import Arm, started
+from bench.peers_sweep import (
+    TARGET,
+    Probe,
+    RunPoint,
+    plot,
+    rate_table,
+    scaled,
+    sweep_rate,
+    sweep_workers,
+    workers_table,
+    workers_verdict,
+)
 from bench.prefix import SLO_TPOT_S, best_hit_rate, mooncake_workload, with_slos
 from bench.report import write_report
 from simulator.fleet import FleetProcess
@@ -55,6 +69,7 @@ from simulator.workload import WorkloadRequest
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROFILE = "llama3-8b-h100"
 FLEET_CORE, ROUTER_CORE = "1", "0"
+ALADDIN_KV = "fleetgate aladdin + KV events"
 ARMS: tuple[Arm, ...] = (
     Arm("vllm-router round_robin", "vllm-router", "round_robin"),
     Arm("vllm-router power_of_two", "vllm-router", "power_of_two"),
@@ -63,7 +78,11 @@ ARMS: tuple[Arm, ...] = (
     Arm("fleetgate least_requests", "fleetgate", "least_requests"),
     Arm("fleetgate precise_prefix", "fleetgate", "precise_prefix"),
     Arm("fleetgate aladdin", "fleetgate", "aladdin"),
+    Arm(ALADDIN_KV, "fleetgate", "aladdin"),
 )
+# fleetgate arms' policy parameters beyond the defaults: aladdin prices each worker's cached prefix from the
+# workers' KV events (policies/aladdin.py price_cache; the gateway fills the view for policies that ask).
+POLICY_PARAMS: dict[str, dict[str, object]] = {ALADDIN_KV: {"price_cache": True}}
 
 
 @dataclass
@@ -84,6 +103,23 @@ class ArmRun:
 
     def met(self, reqs: list[WorkloadRequest]) -> int:
         return sum(1 for o, r in zip(self.outcomes, reqs, strict=True) if meets(o, r))
+
+
+def miss_causes(run: ArmRun, reqs: list[WorkloadRequest]) -> str:
+    """Which requests missed their SLO: failed, TTFT over (with those prompts' mean length), TPOT over only."""
+    failed, ttft, tpot = 0, [], 0
+    for o, r in zip(run.outcomes, reqs, strict=True):
+        if meets(o, r):
+            continue
+        if not o.ok or o.ttft_s is None:
+            failed += 1
+        elif o.ttft_s > (r.slo_ttft_s or 0):
+            ttft.append(r.prompt_tokens)
+        else:
+            tpot += 1
+    parts = ([f"{failed} failed"] if failed else []) + ([f"{len(ttft)} TTFT (mean prompt "
+                                                         f"{statistics.fmean(ttft) / 1000:.0f}k)"] if ttft else [])
+    return ", ".join(parts + ([f"{tpot} TPOT"] if tpot else []))
 
 
 def meets(o: Outcome, r: WorkloadRequest) -> bool:
@@ -184,18 +220,25 @@ def free_port_run(n: int) -> int:
                 sock.close()
 
 
-def fleetgate_config(urls: list[str], k: float, path: Path) -> None:
-    """Workers with their profile (aladdin's priors), time-scaled learning and scraping, the KV-event view."""
-    cfg = {
+def fleetgate_config(urls: list[str], k: float, path: Path, policy: str = "least_requests",
+                     params: dict[str, object] | None = None) -> None:
+    """Workers with their profile (aladdin's priors), time-scaled learning and scraping, the KV-event view, the
+    policy's parameters."""
+    cfg: dict[str, object] = {
         "workers": [{"id": f"w{i}", "url": u, "profile": PROFILE} for i, u in enumerate(urls)],
         "learning": {"time_scale": k},
         "scrape_interval_s": 0.5 / k,
         "kv_events": {"enabled": True, "hash_algo": "sha256_cbor", "hash_style": "0.32", "tokenizer": "sim"},
     }
+    if params:   # with the policy they belong to (the config is validated before --policy overrides it)
+        cfg["default_policy"], cfg["default_policy_params"] = policy, params
     path.write_text(yaml.safe_dump(cfg))
 
 
-async def run_arm(arm: Arm, reqs: list[WorkloadRequest], texts: list[str], workers: int, k: float) -> ArmRun:
+@contextlib.contextmanager
+def arm_on_fleet(arm: Arm, workers: int, k: float) -> Iterator[tuple[str, list[str]]]:
+    """`arm` started in front of a fresh fleet of `workers` x PROFILE at time scale k (KV events on, fleetgate
+    configured with the workers' profiles and the KV-event view); yields (router URL, worker URLs)."""
     kv_base = free_port_run(workers)
     kv = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_base}"})
     extra = ["--kv-events-config", kv, "--kv-events-format", "0.33", "--prefix-caching-hash-algo", "sha256_cbor"]
@@ -203,13 +246,18 @@ async def run_arm(arm: Arm, reqs: list[WorkloadRequest], texts: list[str], worke
                       extra_args=extra) as fleet, tempfile.TemporaryDirectory(prefix="fleetgate-peers-") as tmp:
         if arm.kind == "fleetgate":
             cfg = Path(tmp) / "gateway.yaml"
-            fleetgate_config(fleet.urls, k, cfg)
+            fleetgate_config(fleet.urls, k, cfg, arm.policy, POLICY_PARAMS.get(arm.name))
             arm = Arm(arm.name, arm.kind, arm.policy, config=str(cfg))
         with started([arm], fleet.urls, "fgpeers-sched:", cpus=ROUTER_CORE) as (running,):
-            await asyncio.sleep(1.0)   # KV-event subscriptions, first scrapes
-            h0, q0 = prefix_counters(fleet.urls)
-            outcomes, span = await replay(running.url, reqs, texts, k)
-            h1, q1 = prefix_counters(fleet.urls)
+            time.sleep(1.0)   # KV-event subscriptions, first scrapes
+            yield running.url, list(fleet.urls)
+
+
+async def run_arm(arm: Arm, reqs: list[WorkloadRequest], texts: list[str], workers: int, k: float) -> ArmRun:
+    with arm_on_fleet(arm, workers, k) as (url, worker_urls):
+        h0, q0 = prefix_counters(worker_urls)
+        outcomes, span = await replay(url, reqs, texts, k)
+        h1, q1 = prefix_counters(worker_urls)
     return ArmRun(arm.name, outcomes, span, h1 - h0, q1 - q0)
 
 
@@ -250,6 +298,79 @@ def headline(runs: list[ArmRun], reqs: list[WorkloadRequest]) -> str:
             "point, not goodput at 99% attainment (no rate sweep), and one run per arm.")
 
 
+def probe_runner(reqs: list[WorkloadRequest], texts: list[str], k: float) -> RunPoint:
+    """One live run of an arm (by name) at a fleet size and arrival-rate multiplier, as a sweep Probe; a point
+    both sweeps ask for (--workers at rate 1) runs once."""
+    by_name = {a.name: a for a in ARMS}
+    done: dict[tuple[str, int, float], Probe] = {}
+
+    def run(name: str, workers: int, rate: float) -> Probe:
+        if (name, workers, rate) in done:
+            return done[name, workers, rate]
+        window = scaled(reqs, rate)
+        log(f"{name}: {workers} workers, rate x{rate:g}, {len(reqs)} requests at time scale {k:g} "
+            f"(load {os.getloadavg()[0]:.2f})")
+        r = asyncio.run(run_arm(by_name[name], window, texts, workers, k))
+        met = r.met(window)
+        p = Probe(name, workers, rate, met / len(window), met / r.span_s if r.span_s else 0.0,
+                  r.hits / r.queries if r.queries else 0.0, miss_causes(r, window))
+        log(f"  -> attainment {p.attainment:.1%}, goodput {p.goodput:.3f}, hit rate {p.hit_rate:.1%}"
+            + (f"; misses: {p.misses}" if p.misses else ""))
+        done[name, workers, rate] = p
+        return p
+
+    return run
+
+
+def virtual_time_rows(reqs: list[WorkloadRequest], sizes: list[int]) -> list[str]:
+    """aladdin with and without cache pricing on the same window in the virtual-time simulator (ClusterSim, the
+    engines feeding the exact view synchronously; bench/prefix.py's queue settings, profile priors, no online
+    fitting): deterministic, so it separates the policy from the live runs' noise."""
+    from bench.prefix import QUEUE_LOOKAHEAD, QUEUE_POLL_S
+    from policies.base import make_policy
+    from policies.length_predictor import LengthPredictor
+    from simulator.cluster import ClusterSim
+
+    rows = ["| workers | aladdin: attainment | hit rate | TTFT p50 s | aladdin + cache pricing: attainment "
+            "| hit rate | TTFT p50 s |", "|---|---|---|---|---|---|---|"]
+    for n in sizes:
+        cells = []
+        for price in (False, True):
+            pred = LengthPredictor()
+            pol = make_policy("aladdin", predictor=pred, learn_lengths=False, price_cache=price)
+            sim = ClusterSim(PROFILE, n, pol, slo_tpot_s=SLO_TPOT_S, predicted_output_tokens=pred,
+                             queue_poll_s=QUEUE_POLL_S, queue_lookahead=QUEUE_LOOKAHEAD)
+            d = sim.run(list(reqs)).to_dict()
+            cells.append(f"{d['slo_attainment']:.1%} | {d['prefix_cache_hit_rate']:.1%} | {d['ttft_p50']:.2f}")
+        rows.append(f"| {n} | {' | '.join(cells)} |")
+        log(rows[-1])
+    return rows
+
+
+def sweep_body(args: argparse.Namespace, arms: list[Arm], reqs: list[WorkloadRequest], texts: list[str],
+               out: Path) -> list[str]:
+    """The --sweep-workers / --sweep-rate sections (and their plots beside `out`)."""
+    run = probe_runner(reqs, texts, args.time_scale)
+    body: list[str] = []
+    if args.sweep_workers:
+        lo, hi = args.workers_range
+        results = [sweep_workers(a.name, run, lo, hi) for a in arms]
+        png = out.with_name(out.stem + "_workers.png")
+        plot(results, "workers", png, f"SLO attainment vs workers, {len(reqs)} Mooncake requests")
+        body += [f"### Workers needed for {TARGET:.0%} SLO attainment (fleet sizes searched in ({lo}, {hi}])", "",
+                 *workers_table(results, lo, hi), "", workers_verdict(results, ALADDIN_KV, hi), "",
+                 f"![attainment vs workers]({png.name})", ""]
+    if args.sweep_rate:
+        results = [sweep_rate(a.name, run, args.workers, sorted(args.rates)) for a in arms]
+        png = out.with_name(out.stem + "_rate.png")
+        plot(results, "rate", png, f"SLO attainment vs arrival-rate multiplier, {args.workers} workers")
+        rows, verdict = rate_table(results, sorted(args.rates), len(reqs) / reqs[-1].arrival)
+        body += [f"### Goodput at {TARGET:.0%} SLO attainment, {args.workers} workers (rate multipliers "
+                 f"{', '.join(f'{m:g}' for m in sorted(args.rates))})", "", *rows, "", verdict, "",
+                 f"![attainment vs rate]({png.name})", ""]
+    return body
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="120 requests (a smoke run)")
@@ -258,32 +379,55 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--arms", nargs="*", help="only these arms (names as in the report)")
+    ap.add_argument("--sweep-workers", action="store_true",
+                    help="per arm, the fewest workers in (LO, HI] reaching 99%% attainment (bisection)")
+    ap.add_argument("--workers-range", type=int, nargs=2, default=(4, 12), metavar=("LO", "HI"))
+    ap.add_argument("--sweep-rate", action="store_true",
+                    help="per arm at --workers, the largest arrival-rate multiplier keeping 99%% and its goodput")
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5],
+                    help="the rate multipliers --sweep-rate bisects over")
+    ap.add_argument("--virtual-time", type=int, nargs="+", metavar="N",
+                    help="only print aladdin with and without cache pricing in virtual time at these fleet sizes")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "peers_sched.md"))
     args = ap.parse_args()
     n = 120 if args.quick else args.requests
     reqs = trace_window(args.start, n)
+    if args.virtual_time:
+        print("\n".join(virtual_time_rows(reqs, args.virtual_time)))
+        return
     cache: dict[int, str] = {}
     texts = [prompt_text(r, cache) for r in reqs]
     arms = [a for a in ARMS if not args.arms or a.name in args.arms]
-    runs = []
     loads = [os.getloadavg()[0]]
-    for arm in arms:
-        log(f"{arm.name}: {len(reqs)} requests at time scale {args.time_scale:g} (load {os.getloadavg()[0]:.2f})")
-        runs.append(asyncio.run(run_arm(arm, reqs, texts, args.workers, args.time_scale)))
+    setting = (f"Requests {args.start}-{args.start + len(reqs) - 1} of the Mooncake trace ({reqs[-1].arrival:.0f} "
+               f"model seconds, mean prompt {statistics.fmean(r.prompt_tokens for r in reqs):,.0f} tokens, best "
+               f"possible prefix-cache hit rate {best_hit_rate(reqs):.1%}), {PROFILE} workers simulated at time "
+               f"scale {args.time_scale:g}")
+    slo_note = ("Times are model seconds (wall x K). A request meets its SLO when it completed, its TTFT <= 0.5 s "
+                "+ 2 x its uncached prefill time and its TPOT <= 100 ms (bench/prefix.py).")
+    sweep = args.sweep_workers or args.sweep_rate
+    if sweep:
+        sections = sweep_body(args, arms, reqs, texts, Path(args.out))
         loads.append(os.getloadavg()[0])
-    body = "\n".join([
-        f"Requests {args.start}-{args.start + len(reqs) - 1} of the Mooncake trace ({reqs[-1].arrival:.0f} model "
-        f"seconds, mean prompt {statistics.fmean(r.prompt_tokens for r in reqs):,.0f} tokens, best possible "
-        f"prefix-cache hit rate {best_hit_rate(reqs):.1%}), {args.workers} x {PROFILE} "
-        f"simulated at time scale {args.time_scale:g}; one run per arm, in the order below. Machine load (1-minute "
-        f"average) {min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cores.", "",
-        *table(runs, reqs), "",
-        headline(runs, reqs), "",
-        "Times are model seconds (wall x K). A request meets its SLO when it completed, its TTFT <= 0.5 s + 2 x "
-        "its uncached prefill time and its TPOT <= 100 ms (bench/prefix.py).",
-    ])
+        body = "\n".join([f"{setting}; one live run per probe. Machine load (1-minute average) "
+                          f"{min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cores.", "", *sections, slo_note])
+    else:
+        runs = []
+        for arm in arms:
+            log(f"{arm.name}: {len(reqs)} requests at time scale {args.time_scale:g} (load {os.getloadavg()[0]:.2f})")
+            runs.append(asyncio.run(run_arm(arm, reqs, texts, args.workers, args.time_scale)))
+            loads.append(os.getloadavg()[0])
+        body = "\n".join([
+            f"{setting}, {args.workers} of them; one run per arm, in the order below. Machine load (1-minute "
+            f"average) {min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cores.", "",
+            *table(runs, reqs), "",
+            headline(runs, reqs), "", slo_note,
+        ])
     cmd = (f"python -m bench.peers_sched --workers {args.workers} --start {args.start} --requests {n} "
            f"--time-scale {args.time_scale:g}"
+           + (f" --sweep-workers --workers-range {args.workers_range[0]} {args.workers_range[1]}"
+              if args.sweep_workers else "")
+           + (f" --sweep-rate --rates {' '.join(f'{m:g}' for m in args.rates)}" if args.sweep_rate else "")
            + (f" --arms {' '.join(repr(a) for a in args.arms)}" if args.arms else ""))
     write_report(Path(args.out), "fleetgate and the peer routers: scheduling quality", cmd, body)
     print(Path(args.out).read_text())

@@ -64,6 +64,13 @@ Choices beyond the paper (each a parameter):
     the `fallback` baseline ("best_effort") instead of waiting forever.
   * Engine-reported load (WorkerView running/waiting/kv_usage) beyond the ledger's (other gateway
     replicas) is counted in (b) and (e).
+  * Cache pricing (`price_cache=True`, issue 22 item 3): the policy then declares `needs_kv_blocks`, so the
+    gateway (from the engines' KV events) and the simulator fill RequestFeatures.cached_prefix_tokens, and
+    on each worker only the prompt tokens its prefix cache does not hold count as prefill work in (c), (d)
+    and the ledger's prefill queue (eq. 2's k1·l plus the quadratic term's k1q·(l_in² − cached²): the
+    uncached tokens still attend to the cached ones). A cached prefix then wins a placement exactly when
+    the TTFT or slack it saves is what makes a worker fit (or gives it the most headroom). (b) and (e)
+    still count the whole context: cached blocks are decoded over and held like any other.
 """
 
 from __future__ import annotations
@@ -244,6 +251,7 @@ class AladdinPolicy(Policy):
         fallback: str | None = "least_requests",
         max_miss_rate: float = 0.1,
         miss_window: int = 64,
+        price_cache: bool = False,
     ) -> None:
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"gamma (strictness knob) must be in [0, 1], got {gamma}")
@@ -286,6 +294,8 @@ class AladdinPolicy(Policy):
         self.fallback = make_policy(fallback) if fallback else None
         self.max_miss_rate, self._miss_alpha = float(max_miss_rate), 1.0 / miss_window
         self.fallbacks = 0
+        self.price_cache = bool(price_cache)
+        self.needs_kv_blocks = self.price_cache   # the caller fills cached_prefix_tokens only when asked
         self._head = np.zeros(0)
         self._kv_head = np.zeros(0)
         self._cdf_cache: dict[str, tuple[int, np.ndarray]] = {}
@@ -651,7 +661,8 @@ class AladdinPolicy(Policy):
             return Decision(None, "no_workers")
         rows = self._rows_for_views(workers)
         self._advance(rows, now)
-        ok, norm = self._feasible(request, rows, now)
+        cached = self._cached_for(request, workers)
+        ok, norm = self._feasible(request, rows, now, cached=cached)
         untrusted = self._miss[rows] > self.max_miss_rate
         if untrusted.any() and self.fallback is not None:
             ok &= ~untrusted
@@ -663,7 +674,7 @@ class AladdinPolicy(Policy):
             d = self._least_risk(request, workers, rows, norm, at_deadline=True)
             if d is not None:
                 return d
-        alone = self._fits_alone(request, rows)
+        alone = self._fits_alone(request, rows, cached)
         if not alone.any():
             # Not even an empty worker meets its SLO (say a prompt whose prefill alone exceeds the TTFT
             # target): waiting cannot help, so it goes where the least work is, as a best effort.
@@ -676,7 +687,7 @@ class AladdinPolicy(Policy):
             # No worker meets its TTFT any more (waiting only adds to the estimate: the wait grows as fast
             # as queued prefill can drain): place it where it harms nobody else's SLO ((b), (d), (e)) as
             # soon as there is such a worker.
-            late, norm = self._feasible(request, rows, now, check_ttft=False)
+            late, norm = self._feasible(request, rows, now, check_ttft=False, cached=cached)
             if late.any():
                 self.late += 1
                 return self._best_fit(request, workers, late, norm, "late")
@@ -751,28 +762,41 @@ class AladdinPolicy(Policy):
         self.deadline_placements += 1
         return Decision(workers[int(best)].id, "deadline" if at_deadline else "late")
 
+    def _cached_for(self, request: RequestFeatures, workers: Sequence[WorkerView]) -> np.ndarray | float:
+        """Prompt tokens each candidate's prefix cache holds for the request (0 without cache pricing)."""
+        view = request.cached_prefix_tokens
+        if not self.price_cache or not view:
+            return 0.0
+        top = max(int(request.prompt_tokens), 0)
+        return np.array([min(max(int(view.get(w.id, 0)), 0), top) for w in workers], dtype=float)
+
+    def _prefill_work(self, rows: np.ndarray | int, l_in: float, cached: np.ndarray | float) -> Any:
+        """Prefill work of a prompt of l_in tokens of which `cached` are in the prefix cache, in linear-token
+        units (perf_model's k1·l + k1q·l², the quadratic part over the uncached tokens' attention)."""
+        return (l_in - cached) + self._k1q[rows] / self._k1[rows] * (l_in * l_in - cached * cached)
+
     def _waited(self, request: RequestFeatures, now: float) -> float:
         """Time the request already spent waiting for a placement (it counts against its TTFT)."""
         if not self.count_wait or not request.arrival > 0:
             return 0.0
         return max(now - request.arrival, 0.0)
 
-    def _fits_alone(self, request: RequestFeatures, rows: np.ndarray) -> np.ndarray:
+    def _fits_alone(self, request: RequestFeatures, rows: np.ndarray, cached: np.ndarray | float = 0.0) -> np.ndarray:
         """Constraints (b), (c), (e) for the request on an empty worker of each candidate's profile."""
         slo = target_for(request, self.slo)
         l_in = float(max(request.prompt_tokens, 0))
         lp, _ = self._predicted(request)
         k2, c2, c3 = self._k2[rows], self._c2[rows], self._c3[rows]
         ok_b = l_in + self.gamma * lp <= self.theta * (slo.atgt_s - c2 - c3) / k2           # eq. 4, b = 1
-        k1 = self._k1[rows]
-        pre = self._c1[rows] + np.maximum(self._pf[rows], k1 * l_in + self._k1q[rows] * l_in * l_in)
+        pre = self._c1[rows] + np.maximum(self._pf[rows], self._k1[rows] * self._prefill_work(rows, l_in, cached))
         ok_c = pre <= slo.ttft_s                                                             # eq. 2
         ok_e = self._h[rows] * (l_in + lp) + self._j[rows] <= self._M[rows]                  # eq. 1
         return ok_b & ok_c & ok_e
 
-    def _feasible(self, request: RequestFeatures, rows: np.ndarray, now: float,
-                  check_ttft: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """Constraints (b)-(e) for every candidate row at once, and their capacity_norm."""
+    def _feasible(self, request: RequestFeatures, rows: np.ndarray, now: float, check_ttft: bool = True,
+                  cached: np.ndarray | float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """Constraints (b)-(e) for every candidate row at once, and their capacity_norm; `cached`: the prompt
+        tokens each row's prefix cache holds (`_cached_for`)."""
         g, th = self.gamma, self.theta
         slo = target_for(request, self.slo)
         l_in = float(max(request.prompt_tokens, 0))
@@ -792,14 +816,15 @@ class AladdinPolicy(Policy):
         t_dec = np.minimum(self._min_tdec[rows], slo.atgt_s)
         limit = th * (t_dec - c2 * b - c3) / k2                       # (b) via eq. 4
         queued = np.maximum(self._P[rows] - self._C[rows], 0.0)       # prefill work, in linear-token units
-        work = l_in + self._k1q[rows] / k1 * l_in * l_in
+        work = self._prefill_work(rows, l_in, cached)   # the uncached part (price_cache) or all of it
+        l_new = l_in - cached
         pre = c1 + np.maximum(self._pf[rows], k1 * (queued + work))    # eq. 2 over queued + new
         # TTFT also pays what it waited, the decode step in flight and, in every prefill chunk, the ongoing
         # decodes (vLLM V1 batches them with the chunk): (chunks + 1) decode steps of eq. 3.
         n_dec = self._n_dec[rows]
         t_d = np.where(n_dec > 0, k2 * (self._s_in_dec[rows] + n_dec * (self._G[rows] + 1.0) - self._s_g0[rows])
                        + c2 * n_dec + c3, 0.0)
-        ttft = self._waited(request, now) + pre + (np.ceil((queued + l_in) / self.chunk) + 1.0) * t_d
+        ttft = self._waited(request, now) + pre + (np.ceil((queued + l_new) / self.chunk) + 1.0) * t_d
         z = 0.0
         if self.tail:
             busy = int(np.count_nonzero(n_all)) + 1
@@ -816,7 +841,7 @@ class AladdinPolicy(Policy):
             slack = (self._Tg * (G + 1.0)[:, None] - now + self._minkey[rows]).min(axis=1)
             F = self._length_cdf(request.model) if self.slack == SLACK_RISK else None
             if F is not None:
-                risk = self._stall_risk(F, rows, now, pre / th, queued, t_d, l_in, slo.atgt_s)
+                risk = self._stall_risk(F, rows, now, pre / th, queued, t_d, l_in, slo.atgt_s, l_new)
                 ok_d = risk <= self.stall_risk
             else:
                 if self.slack in (SLACK_LIFETIME, SLACK_RISK):  # risk mode without length data: lifetime
@@ -850,7 +875,8 @@ class AladdinPolicy(Policy):
         return ok, norm
 
     def _stall_risk(self, F: np.ndarray, rows: np.ndarray, now: float, need: np.ndarray,
-                    queued: np.ndarray, t_d: np.ndarray, l_in: float, t_slo: float) -> np.ndarray:
+                    queued: np.ndarray, t_d: np.ndarray, l_in: float, t_slo: float,
+                    l_new: np.ndarray | float) -> np.ndarray:
         """Risk mode of (d): the expected number of ongoing requests whose ATGT the new prefill breaks.
 
         The prefill stalls every decode on the worker by `need` (= t_pre / θ). A request that has saved
@@ -860,7 +886,7 @@ class AladdinPolicy(Policy):
         conditional distribution), x = (need − S) / gain. Summed over the worker's youngest decodes (old
         ones have saved enough) and its not yet started requests (S = 0, g = 1), which only the part of the
         new prompt beyond the prefill chunk their own prefill ends in stalls (vLLM batches prompts up to
-        max_num_batched_tokens per step)."""
+        max_num_batched_tokens per step). l_new: the new prompt's uncached tokens per row (its prefill)."""
         n = len(rows)
         n_dec = self._n_dec[rows]
         step = np.where(n_dec > 0, t_d, self._c3[rows]) + self._k2[rows] * l_in + self._c2[rows]
@@ -877,7 +903,7 @@ class AladdinPolicy(Policy):
             risk += np.bincount(ri, weights=p, minlength=n)
         # The not yet started requests (S = 0, one token): stalled by the prompt beyond their last chunk.
         pend = self._n_all[rows] - n_dec
-        beyond = queued + l_in - np.ceil(queued / self.chunk) * self.chunk
+        beyond = queued + l_new - np.ceil(queued / self.chunk) * self.chunk
         pi = np.nonzero((pend > 0) & (beyond > 0))[0]
         if len(pi):
             x = self._k1[rows[pi]] * beyond[pi] / self.theta * inv_gain[pi]
@@ -944,7 +970,8 @@ class AladdinPolicy(Policy):
         req = _Req(rid, request.model, max(int(request.prompt_tokens), 0), lp, var, slo.atgt_s, slo.ttft_s,
                    self._group(slo.atgt_s), request.max_tokens)
         req.g0 = float(self._G[r])
-        self._P[r] += req.l_in + self._k1q[r] / self._k1[r] * req.l_in * req.l_in  # prefill work (perf_model)
+        cached = min(max(int(request.cached_prefix_tokens.get(worker_id, 0)), 0), req.l_in) if self.price_cache else 0
+        self._P[r] += self._prefill_work(r, float(req.l_in), float(cached))  # prefill work (perf_model)
         req.pend_end = float(self._P[r])
         row.pending.append(req)
         if len(row.pending) == 1:
@@ -1181,7 +1208,7 @@ class AladdinPolicy(Policy):
         ids = [v.id for v in workers]
         feas: dict[str, np.ndarray] = {}
         for rid, (_, req) in queued.items():
-            feas[rid] = self._feasible(req, rows, now)[0]
+            feas[rid] = self._feasible(req, rows, now, cached=self._cached_for(req, workers))[0]
         errors = self.worker_errors()
         coeffs = {v.id: (float(self._k2[r]), float(self._c2[r])) for v, r in zip(workers, rows, strict=True)}
         placements = {rid: (w, self._predicted(req)[0]) for rid, (w, req) in queued.items()}

@@ -117,6 +117,33 @@ def test_engine_reported_load_counts_against_atgt():
     assert p.choose(req(0), views(1, running=17), 0.0).worker_id is None
 
 
+
+# --- cache pricing (price_cache: issue 22 item 3) ---------------------------------------------------------
+def test_cache_pricing_is_opt_in_and_asks_for_the_kv_view():
+    assert AladdinPolicy().needs_kv_blocks is False
+    assert make_policy("aladdin", price_cache=True).needs_kv_blocks is True
+
+
+def test_cache_pricing_counts_only_uncached_prefill_in_ttft_and_the_queue():
+    ws = views(2)
+    hit = {"w1": 500}                       # w1's prefix cache holds 500 of the prompt's 700 tokens
+    plain = policy(CLOCK, slack="off")      # 1 ms per prompt token, TTFT target 0.6 s
+    # Without pricing (the view ignored even when given): 0.7 s everywhere, nobody fits.
+    assert plain.choose(req(0, l_in=700, cached_prefix_tokens=hit), ws, 0.0).reason == "best_effort"
+    priced = policy(CLOCK, slack="off", price_cache=True)
+    # With it: 0.2 s on w1, 0.7 s on w0, so w1, whichever way the fit rule ranks the two.
+    assert place(priced, req(0, l_in=700, cached_prefix_tokens=hit), ws, 0.0) == "w1"
+    assert priced.worker_load("w1")["pending_prefill_tokens"] == pytest.approx(200)
+    # A second hit queues behind 200 tokens, not 700: 0.4 s on w1, still within the TTFT.
+    assert place(priced, req(1, l_in=700, cached_prefix_tokens=hit), ws, 0.0) == "w1"
+    # A miss of 500 tokens: w1 would take 0.4 + 0.5 s, w0 is idle (0.5 s): w0.
+    assert place(priced, req(2, l_in=500), ws, 0.0) == "w0"
+    # A view larger than the prompt is clamped to it (a stale or foreign index must not make work negative).
+    over = policy(CLOCK, slack="off", price_cache=True)
+    assert place(over, req(3, l_in=100, cached_prefix_tokens={"w0": 10_000}), ws, 0.0) == "w0"
+    assert over.worker_load("w0")["pending_prefill_tokens"] == pytest.approx(0)
+
+
 # --- (c) TTFT via eq. 2 -----------------------------------------------------------------------------
 def test_ttft_constraint_by_hand():
     p = policy(CLOCK, slack="off")
