@@ -221,8 +221,10 @@ class _PrefillLog:
     def __init__(self) -> None:
         self.rows: list[tuple[float, float, float]] = []
 
-    def add(self, t_first: float, t_sent: float, l_in: float) -> None:
-        bisect.insort(self.rows, (t_first, t_sent, l_in))
+    def add(self, t_first: float, t_sent: float, l_in: float, l_sq: float | None = None) -> None:
+        """l_in: the prompt tokens the worker prefilled; l_sq: their quadratic work (l_in² without a cached prefix,
+        l_in² − cached² with one: the new tokens attend to the cached ones)."""
+        bisect.insort(self.rows, (t_first, t_sent, l_in, l_in * l_in if l_sq is None else l_sq))
         if len(self.rows) > 2 * TRACE_KEEP:
             del self.rows[:TRACE_KEEP]
 
@@ -230,16 +232,16 @@ class _PrefillLog:
         """Prompt tokens (Σl, Σl²) of the other requests prefilled while this one waited: first token in
         (t_sent, t_first] and sent before t_first (Aladdin eq. 2's Σl_in of the prefill it shared)."""
         rows = self.rows
-        lo = bisect.bisect_right(rows, (t_sent, math.inf, math.inf))
-        hi = bisect.bisect_right(rows, (t_first, math.inf, math.inf))
+        lo = bisect.bisect_right(rows, (t_sent, math.inf, math.inf, math.inf))
+        hi = bisect.bisect_right(rows, (t_first, math.inf, math.inf, math.inf))
         total = sq = 0.0
         me = False
-        for tf, ts, l_in in rows[lo:hi]:
+        for tf, ts, l_in, l_sq in rows[lo:hi]:
             if tf == t_first and ts == t_sent and not me:
                 me = True  # the request itself
             elif ts < t_first:
                 total += l_in
-                sq += l_in * l_in
+                sq += l_sq
         return total, sq
 
 
@@ -388,7 +390,8 @@ class Learner:
         n = result.usage.completion_tokens if result.usage is not None else result.tokens
         if self.enabled and n > 0:
             self._done.append((feats.model, feats.prompt_tokens, n, worker_id, t_sent,
-                               result.first_token_at, result.last_token_at))
+                               result.first_token_at, result.last_token_at,
+                               feats.cached_prefix_tokens.get(worker_id, 0)))
         return max(n, 0)
 
     def observe_length(self, model: str, prompt_tokens: int, output_tokens: int) -> None:
@@ -482,7 +485,7 @@ class Learner:
             return
         workers = self.registry.workers
         while done:
-            model, l_in, n, wid, t_sent, t_first, t_last = done.popleft()
+            model, l_in, n, wid, t_sent, t_first, t_last, cached = done.popleft()
             t = self.traffic.get(model)
             if t is None:
                 t = self.traffic[model] = [0.0, 0.0, 0.0, 0.0]
@@ -500,8 +503,13 @@ class Learner:
                 log_ = self._prefill_logs.get(wid)
                 if log_ is None:
                     log_ = self._prefill_logs[wid] = _PrefillLog()
-                log_.add(t_first, t_sent, float(l_in))
-                self._prefill_wait.append((wid, prof, t_sent, t_first, float(l_in)))
+                # The prefill the worker did: with a KV-event view (policies that price the cache ask for it) the
+                # prefix it already held is not prefilled again; fitting the whole prompt would make a cache hit
+                # look like a fast GPU and, with cache pricing, discount the cached prefix twice.
+                cached = min(max(cached, 0), l_in - 1) if l_in > 0 else 0
+                new, new_sq = float(l_in - cached), float(l_in * l_in - cached * cached)
+                log_.add(t_first, t_sent, new, new_sq)
+                self._prefill_wait.append((wid, prof, t_sent, t_first, new, new_sq))
             if t_last is not None and n >= MIN_DECODE_TOKENS and t_last > t_first:
                 atgt = (t_last - t_first) / (n - 1)
                 tr = self._traces.get(wid)
@@ -530,10 +538,10 @@ class Learner:
         now = time.perf_counter()
         keep = []
         for item in self._prefill_wait:
-            wid, prof, t_sent, t_first, l_in = item
+            wid, prof, t_sent, t_first, l_in, l_sq = item
             if t_first < oldest.get(wid, math.inf) or now - t_first > PREFILL_SETTLE_MAX_S:
                 shared, shared_sq = self._prefill_logs[wid].others_between(t_sent, t_first)
-                prof.prefill.append((l_in + shared, l_in * l_in + shared_sq, t_first - t_sent))
+                prof.prefill.append((l_in + shared, l_sq + shared_sq, t_first - t_sent))
                 prof.new += 1
                 prof.dirty = True
             else:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import yaml
 
+from engine_adapters.base import Usage
 from gateway.config import ConfigError, load_config
 from gateway.learning import (
     _PrefillLog,
@@ -21,9 +22,11 @@ from gateway.learning import (
     profile_prior,
     scale_time,
 )
+from gateway.relay import RelayResult
 from gateway.server import GatewayServer
 from policies.length_predictor import LengthPredictor
 from policies.perf_model import PerfModel
+from policies.types import RequestFeatures
 from simulator.fleet import FleetProcess
 from simulator.profiles import profile_yaml
 from simulator.tokenizer import synthetic_text
@@ -222,3 +225,32 @@ def test_prefill_log_counts_prompts_prefilled_while_a_request_waited() -> None:
     assert log.others_between(0.2, 1.5) == (100.0 + 70.0, 100.0**2 + 70.0**2)  # A's and D's prefills fell in B's wait
     assert log.others_between(0.0, 1.0) == (0.0, 0.0)     # A waited for nobody
     assert log.others_between(2.0, 3.0) == (0.0, 0.0)
+
+
+def test_prefill_log_takes_the_quadratic_work_of_a_partly_cached_prompt() -> None:
+    log = _PrefillLog()
+    log.add(1.0, 0.0, 100.0, 1000.0**2 - 900.0**2)   # A: 1,000-token prompt, 900 of them cached
+    log.add(1.5, 0.2, 300.0)                          # B: nothing cached
+    assert log.others_between(0.2, 1.5) == (100.0, 1000.0**2 - 900.0**2)
+
+
+async def test_a_cached_prefix_is_not_fitted_as_prefill_work(sim_fleet) -> None:
+    """With a KV-event view the worker's cached prefix is known at placement: the prefill observation is the
+    uncached part (linear and attention terms), so cache hits neither look like a fast GPU nor, when the policy
+    prices the cache, get discounted twice (the learner fitted the whole prompt before)."""
+    fleet = sim_fleet(1, time_scale=20)
+    async with gateway(fleet.urls, "llama3-8b-h100", learning=FAST) as gw:
+        learner = gw.gateway.learner
+        for p in learner._profiles.values():   # noqa: SLF001 - observe exactly the two requests below
+            p.prefill.clear()
+        t0 = time.perf_counter()
+        for rid, cached in (("hit", {"w0": 896}), ("miss", {})):
+            feats = RequestFeatures(request_id=rid, model=MODEL, prompt_tokens=1000, cached_prefix_tokens=cached)
+            result = RelayResult(status=200, usage=Usage(prompt_tokens=1000, completion_tokens=8), tokens=8,
+                                 first_token_at=t0 + 0.5, last_token_at=t0 + 0.6)
+            assert learner.finished(feats, "w0", t0, result) == 8
+            t0 += 10.0   # far apart: neither shared the other's prefill
+        learner._ingest()   # noqa: SLF001
+        learner._settle_prefills()   # noqa: SLF001
+        rows = sorted(tuple(r) for p in learner._profiles.values() for r in p.prefill)   # noqa: SLF001
+        assert rows == [(104.0, 1000.0**2 - 896.0**2, pytest.approx(0.5)), (1000.0, 1000.0**2, pytest.approx(0.5))]
