@@ -205,9 +205,11 @@ def build_serve_config(config: Path | None = None, host: str | None = None, port
                        workers: Sequence[str] = (), policy: str | None = None,
                        redis_url: str | None = None, log_format: str | None = None,
                        log_level: str | None = None) -> GatewayConfig:
-    """The config file (and environment), with the command line's values on top."""
-    base = load_config(config)
-    overrides: dict[str, Any] = {}
+    """The config file (and environment), with the command line's values on top. `--policy` applies before the
+    file is checked, so a file whose policy parameters are for that policy is valid with it."""
+    first = {"default_policy": policy} if policy is not None else {}
+    base = load_config(config, **first)
+    overrides: dict[str, Any] = dict(first)
     if log_format is not None or log_level is not None:
         overrides["logging"] = {**base.logging.model_dump(), **({"format": log_format} if log_format else {}),
                                 **({"level": log_level} if log_level else {})}
@@ -226,11 +228,9 @@ def build_serve_config(config: Path | None = None, host: str | None = None, port
     if host is not None or port is not None:
         overrides["listen"] = {"host": host if host is not None else base.listen.host,
                                "port": port if port is not None else base.listen.port}
-    if policy is not None:
-        overrides["default_policy"] = policy
     if redis_url is not None:
         overrides["redis_url"] = redis_url
-    return load_config(config, **overrides) if overrides else base
+    return load_config(config, **overrides) if overrides.keys() - first.keys() else base
 
 
 def _worker_id(url: str, taken: set[str]) -> str:

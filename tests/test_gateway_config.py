@@ -115,6 +115,18 @@ def test_serve_command_line_on_top_of_the_file() -> None:
     assert cfg.default_policy == "round_robin" and cfg.redis_url.endswith("/15")
 
 
+def test_serve_policy_flag_applies_before_the_files_policy_parameters_are_checked(tmp_path: Path) -> None:
+    """A file with aladdin's parameters (and the default policy) is served with `--policy aladdin`; it was refused
+    because the file was checked against its own default policy before the flag applied."""
+    f = tmp_path / "gw.yaml"
+    f.write_text("workers:\n  - {id: a, url: 'http://127.0.0.1:9', profile: llama3-8b-h100}\n"
+                 "default_policy_params: {price_cache: true}\n")
+    with pytest.raises(ConfigError, match="price_cache"):
+        build_serve_config(f)
+    cfg = build_serve_config(f, policy="aladdin")
+    assert cfg.default_policy == "aladdin" and cfg.default_policy_params == {"price_cache": True}
+
+
 def test_slo_aware_policies_refuse_workers_without_a_model(tmp_path) -> None:
     """aladdin and hetero place by each worker's own performance model: a profile nobody declared is refused,
     never silently replaced by another GPU's coefficients."""
