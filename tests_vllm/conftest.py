@@ -31,6 +31,9 @@ from tests.helpers import poll_sync
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
+# A second name per server (vLLM serves every --served-model-name): two distinct "models" without a third
+# server, for the shared-host test (tests_vllm/test_shared_hosts.py). Responses and metrics still say MODEL.
+ALIASES = {"prio": "tiny-a", "plain": "tiny-b"}
 # Server start (~40-60 s for two) happens inside the first test that needs them; every wait inside a test
 # is bounded on its own, this is only the backstop.
 TEST_TIMEOUT_S = 300
@@ -158,9 +161,10 @@ def kv_events_args(ports: tuple[int, int]) -> list[str]:
 def vllm_fleet(request: pytest.FixtureRequest, step_trace_dir: Path,
                kv_event_ports: dict[str, tuple[int, int]]) -> Iterator[VllmFleet]:
     specs = [
-        ServerSpec("prio", cpu=0, priority_scheduling=True, max_num_seqs=1, dev_mode=True,
+        ServerSpec("prio", cpu=0, priority_scheduling=True, max_num_seqs=1, dev_mode=True, aliases=[ALIASES["prio"]],
                    extra_args=kv_events_args(kv_event_ports["prio"])),
         ServerSpec("plain", cpu=1 % (os.cpu_count() or 1), dev_mode=True, env=hook_env(step_trace_dir),
+                   aliases=[ALIASES["plain"]],
                    extra_args=kv_events_args(kv_event_ports["plain"])),
     ]
     fleet = VllmFleet(specs)
@@ -211,18 +215,19 @@ class Gateway:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _gateway_ready(url: str) -> bool:
+def _gateway_ready(url: str, model: str = MODEL) -> bool:
     try:
         resp = httpx.get(url + "/v1/models", timeout=2)
     except httpx.HTTPError:
         return False
-    return resp.status_code == 200 and any(m.get("id") == MODEL for m in resp.json().get("data", []))
+    return resp.status_code == 200 and any(m.get("id") == model for m in resp.json().get("data", []))
 
 
 @contextlib.contextmanager
-def run_gateway(worker_urls: list[str], policy: str | None = None, config: Path | None = None) -> Iterator[Gateway]:
+def run_gateway(worker_urls: list[str], policy: str | None = None, config: Path | None = None,
+                model: str = MODEL) -> Iterator[Gateway]:
     """`fleetgate serve` on a free port in front of `worker_urls` (and/or a config file's workers); ready once
-    it lists the model."""
+    it lists `model`."""
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if config is not None:
@@ -241,7 +246,7 @@ def run_gateway(worker_urls: list[str], policy: str | None = None, config: Path 
         gw = Gateway(f"http://127.0.0.1:{port}", proc, log_path)
         try:
             deadline = time.monotonic() + GATEWAY_READY_S
-            while not _gateway_ready(gw.url):
+            while not _gateway_ready(gw.url, model):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"gateway not ready (exit code {proc.poll()}); log:\n{gw.log_tail()}")
                 time.sleep(0.1)

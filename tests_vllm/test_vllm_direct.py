@@ -7,14 +7,14 @@ import time
 
 import httpx
 
-from tests_vllm.conftest import MODEL, direct_client, engine_metric, wait_until
+from tests_vllm.conftest import ALIASES, MODEL, direct_client, engine_metric, wait_until
 
 
 def test_servers_serve_the_tiny_model(vllm_fleet) -> None:  # noqa: ANN001
-    for server in vllm_fleet.servers.values():
+    for name, server in vllm_fleet.servers.items():
         assert httpx.get(server.url + "/health", timeout=5).status_code == 200
         models = httpx.get(server.url + "/v1/models", timeout=5).json()["data"]
-        assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 1024)]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 1024), (ALIASES[name], 1024)]
         # Each server keeps its scratch files (ZMQ sockets) in its own TMPDIR inside the run dir.
         assert server.tmpdir.is_relative_to(vllm_fleet.run_dir)
 
