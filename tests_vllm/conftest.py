@@ -136,6 +136,13 @@ def engine_metric(url: str, name: str, **match: str) -> float:
     return metric_sum(text, name, **match)
 
 
+def is_sleeping(url: str) -> bool:
+    """A dev-mode server's GET /is_sleeping."""
+    resp = httpx.get(url + "/is_sleeping", timeout=5)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["is_sleeping"]
+
+
 # --- the real vLLM servers -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")

@@ -26,17 +26,19 @@ from pathlib import Path
 
 import httpx
 
-from tests_vllm.conftest import ALIASES, Gateway, engine_metric, metric_sum, run_gateway, wait_until
+from tests_vllm.conftest import (
+    ALIASES,
+    Gateway,
+    engine_metric,
+    is_sleeping,
+    metric_sum,
+    run_gateway,
+    wait_until,
+)
 
 HOST = "cpu0"
 SEQUENCE = ("a", "b", "a", "b", "a", "b")
 TOKENS = 16
-
-
-def _sleeping(url: str) -> bool:
-    resp = httpx.get(url + "/is_sleeping", timeout=5)
-    assert resp.status_code == 200, resp.text
-    return resp.json()["is_sleeping"]
 
 
 def _ops(url: str, operation: str) -> float:
@@ -72,14 +74,14 @@ class Monitor:
             self.errors.append(exc)
 
     def round(self) -> None:
-        a1, b, a2 = _sleeping(self.urls["a"]), _sleeping(self.urls["b"]), _sleeping(self.urls["a"])
+        a1, b, a2 = is_sleeping(self.urls["a"]), is_sleeping(self.urls["b"]), is_sleeping(self.urls["a"])
         if not (a1 or b or a2):
             self.violations.append(f"round {self.rounds}: both engines awake")
         for key in ("a", "b"):
-            before = _sleeping(self.urls[key])
+            before = is_sleeping(self.urls[key])
             inflight = metric_sum(self.gw.metrics(), "fleetgate_worker_inflight", worker=self.workers[key])
             engine = _engine_requests(self.urls[key])
-            if before and _sleeping(self.urls[key]):
+            if before and is_sleeping(self.urls[key]):
                 self.seen_asleep.add(key)
                 if inflight or engine:
                     self.violations.append(f"round {self.rounds}: engine {key} asleep with {inflight} requests "
@@ -101,15 +103,15 @@ def test_gateway_switches_two_real_engines_on_one_host(prio_server, plain_server
     urls = {"a": prio_server.url, "b": plain_server.url}
     models = {"a": ALIASES["prio"], "b": ALIASES["plain"]}
     for url in urls.values():
-        wait_until(lambda u=url: not _sleeping(u) and _engine_requests(u) == 0, 30, "both servers awake and idle")
+        wait_until(lambda u=url: not is_sleeping(u) and _engine_requests(u) == 0, 30, "both servers awake and idle")
     done = {k: engine_metric(u, "vllm:request_success_total") for k, u in urls.items()}
     ops = {(k, op): _ops(u, op) for k, u in urls.items() for op in ("sleep", "wake")}
     try:
         with run_gateway([], config=_config(tmp_path, urls), model=models["a"]) as gw:
             workers = {k: f"{HOST}:{models[k]}" for k in urls}
             # max_awake 1: the controller keeps the first engine configured awake, puts the second to sleep
-            wait_until(lambda: _sleeping(urls["b"]), 30, "the second engine put to sleep at start")
-            assert _sleeping(urls["a"]) is False
+            wait_until(lambda: is_sleeping(urls["b"]), 30, "the second engine put to sleep at start")
+            assert is_sleeping(urls["a"]) is False
             monitor = Monitor(gw, urls, workers)
             thread = threading.Thread(target=monitor.run, daemon=True)
             thread.start()
@@ -119,7 +121,7 @@ def test_gateway_switches_two_real_engines_on_one_host(prio_server, plain_server
                     r = client.completions.create(model=models[key], prompt=f"turn {key}", max_tokens=TOKENS,
                                                   temperature=0, extra_body={"ignore_eos": True})
                     assert r.usage.completion_tokens == TOKENS and r.choices[0].finish_reason == "length"
-                    assert _sleeping(urls[key]) is False and _sleeping(urls["b" if key == "a" else "a"]) is True
+                    assert is_sleeping(urls[key]) is False and is_sleeping(urls["b" if key == "a" else "a"]) is True
                     # the monitor also covers the time between requests: two more rounds before the next one
                     seen = monitor.rounds
                     wait_until(lambda s=seen: monitor.rounds >= s + 2 or monitor.errors, 30, "two monitor rounds")
@@ -144,7 +146,7 @@ def test_gateway_switches_two_real_engines_on_one_host(prio_server, plain_server
             assert finished == {"a": 3, "b": 3}, finished
     finally:  # the other tests share these servers: leave both awake (the gateway has stopped by now)
         for url in urls.values():
-            if _sleeping(url):
+            if is_sleeping(url):
                 wake = httpx.post(url + "/wake_up", timeout=60)
                 assert wake.status_code == 200, wake.text
         for url in urls.values():

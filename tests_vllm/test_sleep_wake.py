@@ -12,16 +12,11 @@ from tests_vllm.conftest import (
     Background,
     completion_call,
     engine_metric,
+    is_sleeping,
     metric_samples,
     run_gateway,
     wait_until,
 )
-
-
-def _sleeping(url: str) -> bool:
-    resp = httpx.get(url + "/is_sleeping", timeout=5)
-    assert resp.status_code == 200, resp.text
-    return resp.json()["is_sleeping"]
 
 
 def _sleep_state(url: str, state: str) -> float:
@@ -32,13 +27,13 @@ def test_request_blocks_while_asleep_and_finishes_after_wake_up(plain_server) ->
     url = plain_server.url
     with run_gateway([url]) as gw:
         wait_until(lambda: engine_metric(url, "vllm:num_requests_running") == 0, 30, "the server to be idle")
-        assert _sleeping(url) is False
+        assert is_sleeping(url) is False
 
         resp = httpx.post(url + "/sleep", params={"level": 1}, timeout=30)
         assert resp.status_code == 200, resp.text
         assert resp.json().get("status") == "sleeping"
         try:
-            assert _sleeping(url) is True
+            assert is_sleeping(url) is True
             wait_until(lambda: _sleep_state(url, "weights_offloaded") == 1 and _sleep_state(url, "awake") == 0,
                        5, "engine_sleep_state to say weights_offloaded")
             call = Background(completion_call(gw.client(), 8, prompt="wake"))
@@ -51,7 +46,7 @@ def test_request_blocks_while_asleep_and_finishes_after_wake_up(plain_server) ->
             wake = httpx.post(url + "/wake_up", timeout=30)
         assert wake.status_code == 200, wake.text
         assert wake.json().get("status") == "awake"
-        assert _sleeping(url) is False
+        assert is_sleeping(url) is False
         resp = call.wait(60)
 
     assert resp.choices[0].finish_reason == "length"
