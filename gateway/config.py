@@ -23,6 +23,13 @@ from policies.admission import DEFAULT_QUEUE_LOOKAHEAD, DEFAULT_QUEUE_SIZE, DEFA
 from policies.pace import PaceSettings
 
 WORKER_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def check_worker_id(v: str) -> str:
+    """A worker or shared-host id: safe in Redis keys, metric labels and URLs."""
+    if not WORKER_ID_RE.match(v):
+        raise ValueError("must be 1-128 characters from A-Z a-z 0-9 . _ : -")
+    return v
 MiB = 1024 * 1024
 
 
@@ -63,9 +70,7 @@ class WorkerConfig(_Strict):
     @field_validator("id")
     @classmethod
     def _id_chars(cls, v: str) -> str:
-        if not WORKER_ID_RE.match(v):
-            raise ValueError("must be 1-128 characters from A-Z a-z 0-9 . _ : -")
-        return v
+        return check_worker_id(v)
 
     @field_validator("url")
     @classmethod
@@ -285,9 +290,7 @@ class SharedEngineConfig(_Strict):
     @field_validator("id")
     @classmethod
     def _id_chars(cls, v: str | None) -> str | None:
-        if v is not None and not WORKER_ID_RE.match(v):
-            raise ValueError("must be 1-128 characters from A-Z a-z 0-9 . _ : -")
-        return v
+        return v if v is None else check_worker_id(v)
 
 
 class SharedHostConfig(_Strict):
@@ -311,9 +314,7 @@ class SharedHostConfig(_Strict):
     @field_validator("id")
     @classmethod
     def _id_chars(cls, v: str) -> str:
-        if not WORKER_ID_RE.match(v):
-            raise ValueError("must be 1-128 characters from A-Z a-z 0-9 . _ : -")
-        return v
+        return check_worker_id(v)
 
     @field_validator("engines", mode="after")
     @classmethod
