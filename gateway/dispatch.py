@@ -597,12 +597,10 @@ class Dispatcher:
         request ended there (with `output_tokens` when it completed, and whether it met its SLO). Wakes the
         queues the worker serves."""
         try:
-            if self.store.release_nowait(ws.id, feats.request_id):  # no I/O needed (a leased slot, memory)
-                pass
-            elif self.shield_release:  # a networked store: a cancelled client must not leak the slot
-                await asyncio.shield(self.store.release(ws.id, feats.request_id))
-            else:
-                await self.store.release(ws.id, feats.request_id)
+            if not self.store.release_nowait(ws.id, feats.request_id):  # no I/O needed: a leased slot, memory
+                release = self.store.release(ws.id, feats.request_id)
+                # a networked store: a cancelled client must not leak the slot
+                await (asyncio.shield(release) if self.shield_release else release)
         finally:
             if feedback:
                 self.learner.released(feats.request_id)
