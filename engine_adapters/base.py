@@ -79,3 +79,13 @@ class EngineAdapter(ABC):
     @abstractmethod
     def parse_models(self, payload: bytes) -> list[dict[str, Any]]:
         """Model cards (each with at least an `id`) from the models endpoint's body."""
+
+    def sleep_path(self, level: int, mode: str) -> str:
+        """The dev-mode sleep endpoint (vLLM 0.33: level 0 pauses the scheduler only, `mode=keep` keeps the
+        in-flight requests paused; docs/reference/vllm-interface.md §6.1)."""
+        return f"/sleep?level={level}&mode={mode}"
+
+    def sleep_fallback(self, level: int, status: int) -> int | None:
+        """The level to try when the engine refused `level` with `status` (None: none). A vLLM without level 0
+        answers 400 (`level` then means 1 or 2 only): pausing goes through level 1 there."""
+        return 1 if level == 0 and status == 400 else None

@@ -76,6 +76,7 @@ class Gateway:
         self.tracing: Tracing | None = Tracing(config.tracing) if config.tracing.enabled else None
         self.kv_events = KvEventsService(config, self.registry, self.metrics.registry)  # exact prefix-cache view
         self.pooling = SwapController(config, self.registry, self.store, self.metrics)   # shared hosts
+        self.pooling.learner = self.learner
         self.relay: Relay | None = None
         self.dispatcher: Dispatcher | None = None
 

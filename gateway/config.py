@@ -21,6 +21,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from policies.admission import DEFAULT_QUEUE_LOOKAHEAD, DEFAULT_QUEUE_SIZE, DEFAULT_QUEUE_TIMEOUT_S
 from policies.pace import PaceSettings
+from policies.pooling.aegaeon import Q_MAX_S
 
 WORKER_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -310,6 +311,12 @@ class SharedHostConfig(_Strict):
     # (ServerlessLLM's rule: a model with steady traffic then keeps its host while others wait until refused;
     # both attained 1.000 on bench/results/pooling.md's "Live" point).
     drain_after_s: float | None = Field(1.0, ge=0)
+    # request: an engine is swapped only once idle or drained (policies/pooling/swapping.py). turns: Aegaeon's
+    # decode turns (gateway/turns.py): one engine runs at a time, each model with requests in flight gets a
+    # time quota per round (eq. 2-3, at most q_max_s) and the others are paused (/sleep?mode=keep) meanwhile
+    scheduling: Literal["request", "turns"] = "request"
+    q_max_s: float = Field(Q_MAX_S, gt=0)             # turns: the largest quota of a turn (Aegaeon's Q_MAX)
+    tbt_ms: float | None = Field(None, gt=0)      # turns: the TBT target d of eq. 2-3; default slo.tpot_ms
 
     @field_validator("id")
     @classmethod
@@ -666,9 +673,21 @@ class GatewayConfig(BaseSettings):
                     raise ValueError(f"shared_hosts[{i}].engines.{m}: worker id {wid!r} is already taken "
                                      "(give the engine its own `id`)")
                 seen.add(wid)
+            if h.scheduling == "turns" and self.turn_tbt_s(h) is None:
+                raise ValueError(f"shared_hosts[{i}].scheduling: turns needs a TBT target for its quotas "
+                                 f"(Aegaeon eq. 2-3): set shared_hosts[{i}].tbt_ms or slo.tpot_ms")
         if self.redis_url is not None and not re.match(r"^(redis|rediss|unix)://", self.redis_url):
             raise ValueError(f"redis_url: expected redis://host:port/db, got {self.redis_url!r}")
         return self
+
+    def turn_tbt_s(self, host: SharedHostConfig) -> float | None:
+        """A turns host's TBT target in seconds: its `tbt_ms`, else the tightest slo.tpot_ms of its models."""
+        if host.tbt_ms is not None:
+            return host.tbt_ms / 1000
+        tpots = [self.models[m].slo.tpot_ms if m in self.models and self.models[m].slo.tpot_ms is not None
+                 else self.slo.tpot_ms for m in host.engines]
+        known = [t for t in tpots if t is not None]
+        return min(known) / 1000 if known else None
 
     def all_workers(self) -> list[WorkerConfig]:
         """The configured workers and every shared host's engines."""

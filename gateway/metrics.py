@@ -151,6 +151,9 @@ class GatewayMetrics:
         self.swap_seconds = Histogram("fleetgate_swap_seconds", "Time a model swap on a shared host took (the "
                                       "engine put to sleep, if any, and the one woken).", ["host"],
                                       buckets=SWAP_BUCKETS, registry=r)
+        self.turns = Counter("fleetgate_turns", "Decode turns started on shared hosts with scheduling: turns "
+                             "(Aegaeon section 4.3; gateway/turns.py), per host and model.", ["host", "model"],
+                             registry=r)
         self.upstream_errors = Counter("fleetgate_upstream_errors", "Failures talking to a worker, by kind.",
                                        ["worker", "kind"], registry=r)
         self.retries = Counter("fleetgate_retries", "Requests re-sent to another worker after a failure.",

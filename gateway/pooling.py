@@ -19,6 +19,10 @@ which engines it holds out of rotation (document `pool:host:<id>`), every replic
 `HOLD_SYNC_S`, and the swapping replica waits two of those and two refreshes of the shared in-flight view after
 publishing before it waits for the engine to drain, so no replica routes a request to an engine about to sleep (one a scrape has not yet seen asleep).
 
+A host with `scheduling: turns` is not swapped at request level: gateway/turns.py drives Aegaeon's decode
+turns on it (one `TurnDriver` per such host, started and stopped here); this controller only tells the
+registry to route to its engines whatever their sleep state, and handles their failed wake-ups as its own.
+
 Swap costs (`swap_costs`) come from the engine's weights and the host's link (Aegaeon appendix A.2 eq. 4 with
 vLLM's sleep-mode reload, policies/pooling/costs.py), unless the config overrides them; the controller uses them
 for its timeouts and reports them in the status.
@@ -39,18 +43,19 @@ from engine_adapters.types import AWAKE
 from gateway.config import GatewayConfig, SharedHostConfig
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
-from gateway.state.base import StateStore
+from gateway.state.base import Inflight, StateStore
+from gateway.turns import LEVEL_STATE, TurnDriver
 from gateway.upstream import UpstreamPool
 from policies.pooling.costs import REINIT_SLEEP, SwapCost, swap_cost
 from policies.pooling.swapping import EngineView, HostView, RequestLevelSwaps, SwapStep
 
 log = logging.getLogger("fleetgate.pooling")
+_NONE = Inflight()
 
 GB = 1e9
 PLAN_POLL_S = 0.02           # while demand waits: re-plan this often (engines go idle on any replica)
 DRAIN_POLL_S = 0.01
 HOLD_SYNC_S = 0.1            # with Redis: how often each replica reads the hosts' published holds
-LEVEL_STATE = {1: "weights_offloaded", 2: "discard_all"}   # vllm:engine_sleep_state per /sleep level
 
 
 def swap_costs(host: SharedHostConfig) -> dict[str, SwapCost]:
@@ -73,10 +78,14 @@ class SwapController:
         self.registry = registry
         self.store = store
         self.metrics = metrics
-        self.hosts = {h.id: h for h in config.shared_hosts}
         self.costs = {h.id: swap_costs(h) for h in config.shared_hosts}
+        self.hosts = {h.id: h for h in config.shared_hosts if h.scheduling == "request"}   # swapped per request
+        self.learner: Any = None     # gateway/learning.py Learner (turns: the decode step estimate), set by the app
+        self.turns = {h.id: TurnDriver(self, h, config.turn_tbt_s(h) or 0.0)
+                      for h in config.shared_hosts if h.scheduling == "turns"}
+        self._routable: frozenset[str] = frozenset()   # turns engines the registry routes to asleep (not failed)
         self.model_hosts: dict[str, list[str]] = {}
-        for h in config.shared_hosts:
+        for h in self.hosts.values():
             for m in h.engines:
                 self.model_hosts.setdefault(m, []).append(h.id)
         self.planner = RequestLevelSwaps()
@@ -98,7 +107,7 @@ class SwapController:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.hosts)
+        return bool(self.hosts or self.turns)
 
     def handles(self, model: str) -> bool:
         return model in self.model_hosts
@@ -114,8 +123,12 @@ class SwapController:
         await asyncio.gather(*(self._settle(h) for h in self.hosts.values()))
         if self.shared and self.hosts:
             self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop(), name="fg-swap-holds")
+        self.refresh_routable(time.monotonic())
+        for driver in self.turns.values():
+            driver.start()
 
     async def stop(self) -> None:
+        await asyncio.gather(*(d.stop() for d in self.turns.values()))
         tasks = [t for t in (self._loop_task, self._sync_task, *self._tasks) if t is not None]
         for t in tasks:
             t.cancel()
@@ -346,18 +359,40 @@ class SwapController:
         log.info("engine %s (%s on %s) awake", wid, model, host.id)
         return True
 
+    # --- turns hosts (gateway/turns.py) ----------------------------------------------------------------
+    def refresh_routable(self, now: float) -> None:
+        """The registry routes to every turns engine whatever its sleep state, except one whose wake-up failed
+        lately."""
+        wids = frozenset(d.host.worker_id(m) for d in self.turns.values() for m in d.host.engines
+                         if self.failed_until.get(d.host.worker_id(m), 0.0) <= now)
+        if wids != self._routable:
+            self._routable = wids
+            self.registry.route_while_asleep(wids)
+
+    def wake_failed(self, model: str, wid: str) -> None:
+        """A turns engine did not wake: out of rotation for a while (its waiting requests may get a 503)."""
+        now = time.monotonic()
+        self.failed_until[wid] = now + self._fail_hold_s
+        self.registry.report_failure(wid)
+        self.refresh_routable(now)
+        self.on_unservable(model)
+
     async def _unhold(self, host: str, wid: str) -> None:
         self.registry.set_sleep(wid, False)
         self.holds[host][wid] = False
         await self._publish(host)
 
     async def _post(self, url: str, timeout_s: float) -> bool:
+        return await self._post_status(url, timeout_s) == 200
+
+    async def _post_status(self, url: str, timeout_s: float) -> int | None:
+        """The status of an empty POST, None when the engine did not answer."""
         assert self.upstream is not None
         try:
             r = await self.upstream.fetch(url, timeout_s, b"POST")
         except (TimeoutError, OSError):
-            return False
-        return r.status == 200
+            return None
+        return r.status
 
     async def _is_sleeping(self, url: str) -> bool | None:
         assert self.upstream is not None
@@ -370,7 +405,13 @@ class SwapController:
     # --- reporting -----------------------------------------------------------------------------------
     def describe(self) -> list[dict[str, Any]]:
         views = self.views()
-        return [{"id": hid, "max_awake": h.max_awake, "switching": hid in self.switching,
+        turns = [{"id": hid, "scheduling": "turns", "max_awake": d.host.max_awake, "q_max_s": d.host.q_max_s,
+                  "tbt_s": d.keeper.tbt_s, **d.describe(),
+                  "engines": {m: {"worker": d.host.worker_id(m), "awake": m == d.running,
+                                  "busy": (self.store.inflight().get(d.host.worker_id(m)) or _NONE).requests,
+                                  "load_s": self.costs[hid][m].load_s, "offload_s": self.costs[hid][m].offload_s}
+                              for m in d.host.engines}} for hid, d in self.turns.items()]
+        return turns + [{"id": hid, "scheduling": "request", "max_awake": h.max_awake, "switching": hid in self.switching,
                  "engines": {m: {"worker": h.worker_id(m), "awake": views[hid].engines[m].awake,
                                  "busy": views[hid].engines[m].busy,
                                  "load_s": self.costs[hid][m].load_s, "offload_s": self.costs[hid][m].offload_s}

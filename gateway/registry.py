@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +101,7 @@ class Registry:
         self._background: set[asyncio.Task] = set()  # one-off probes of workers adopted by sync
         self.upstream: UpstreamPool | None = None  # the gateway's one client to workers (set by start)
         self._listeners: list[Callable[[], None]] = []
+        self._route_asleep: set[str] = set()   # engines on turns hosts: they queue requests while paused/asleep
         self._eject_listeners: list[Callable[[str, bool], object]] = []
         self._probe_timeout = config.health.timeout_s
         self._scrape_timeout = max(0.2, min(2.0, config.scrape_interval_s * 2))
@@ -220,6 +221,12 @@ class Registry:
         if ws.awake != was:
             self._rebuild()
 
+    def route_while_asleep(self, worker_ids: Collection[str]) -> None:
+        """These workers' engines take requests while paused or asleep and run them after the wake-up (shared
+        hosts with `scheduling: turns`, gateway/turns.py): they stay in rotation whatever their sleep state."""
+        self._route_asleep = set(worker_ids)
+        self._rebuild()
+
     def on_eject(self, fn: Callable[[str, bool], object]) -> None:
         """Call `fn(worker_id, suspected)` whenever a worker leaves rotation for failing (its exchanges can be
         given up): `suspected` when its own pace said it hung (suspect), not when health checks failed."""
@@ -298,7 +305,7 @@ class Registry:
             cards = {c["id"]: c for c in ws.cards}
             for m in ws.models:
                 known.setdefault(m, cards.get(m) or _card(m))
-                if ws.healthy and ws.active and ws.awake:
+                if ws.healthy and ws.active and (ws.awake or ws.id in self._route_asleep):
                     pools.setdefault((m, ws.rec.role), []).append(ws)
                     candidates.setdefault(m, []).append(ws)
                     if ws.rec.role == ROLE_MIXED:

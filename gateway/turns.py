@@ -1,0 +1,236 @@
+"""Aegaeon's decode turns enforced live on a shared host (config `shared_hosts[].scheduling: turns`, issue 20
+item 2; Aegaeon SOSP 2025 section 4.3).
+
+On a turns host every engine takes its model's requests at any time: the gateway keeps routing to an engine
+while it is paused or asleep between turns (vLLM queues them and runs them after the wake-up, as does the
+simulated engine; `Registry.route_while_asleep`). At most one engine of the host runs at a time. A loop per
+host (`TurnDriver`) only does I/O; what runs when is `policies/pooling/turns.py` `HostTurns` (pure), whose rounds
+and quotas are `aegaeon.DecodeWorkLists.round` / `decode_quotas` (eq. 2-3), the code the simulator's aegaeon mode
+uses:
+
+- the work list: the models with requests in flight on the host (the state store's in-flight view, every
+  replica's), one batch per model; the TBT target d is the host's `tbt_ms` (default the models' slo.tpot_ms),
+  a batch's step time the learner's decode estimate for its size (Aladdin eq. 3 of the engine's profile) or,
+  without one, d itself (every quota is then Q_MAX); the switch cost from a to b is a's `offload_s` plus b's
+  `load_s` (`pooling.swap_costs`; at level 0 nothing moves: 0) or the host's measured switch time if larger;
+- a switch: POST /sleep?level=L&mode=keep on the engine whose turn ended (its in-flight requests stay,
+  paused), then POST /wake_up on the next. L = 0 (pause the scheduler only; weights and KV stay) when every
+  engine of the host fits in its memory (`max_awake` >= engines), else the host's `sleep_level` (weights out).
+  An engine answering level 0 with 400 (a vLLM without it) is paused at level 1 from then on
+  (`EngineAdapter.sleep_fallback`).
+
+Simulator only: with L >= 1 stock vLLM drops the paused requests' KV cache, so they recompute their context
+after the wake-up (the simulated engine does the same), whereas Aegaeon keeps the KV in host memory and copies
+it back (its section 5); the live gateway cannot move KV, only the simulator models Aegaeon's KV swap.
+
+A wake-up that fails marks the engine failed for a while (out of rotation, its model left out of the work
+list); waiting requests for a model with no engine left get the OpenAI-style 503, as on request-level hosts.
+With Redis only the replica holding the host's lease (`swap:<host>`, renewed every tick) drives its turns;
+the others just route (their requests reach the engines whatever their state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from engine_adapters.types import AWAKE
+from gateway.config import SharedHostConfig
+from policies.pooling.turns import HostTurns
+
+if TYPE_CHECKING:
+    from gateway.pooling import SwapController
+
+log = logging.getLogger("fleetgate.turns")
+
+TURN_POLL_S = 0.01       # how often a turn's end (quota spent, nothing in flight) is checked
+LEASE_POLL_S = 0.5       # a replica without the host's lease asks for it this often
+LEVEL_STATE = {0: "paused", 1: "weights_offloaded", 2: "discard_all"}   # vllm:engine_sleep_state per /sleep level
+SWITCH_EWMA = 0.3        # weight of the latest switch in the host's measured switch time
+
+
+class TurnDriver:
+    """The turn loop of one host (module docstring)."""
+
+    def __init__(self, ctl: SwapController, host: SharedHostConfig, tbt_s: float) -> None:
+        self.ctl = ctl
+        self.host = host
+        self.keeper = HostTurns(host.id, tbt_s, host.q_max_s)
+        self.level = 0 if host.max_awake >= len(host.engines) else host.sleep_level
+        self.levels: dict[str, int] = {}          # model -> level its engine is paused at (after a fallback)
+        self.running: str | None = None           # the model whose engine is awake (this replica's knowledge)
+        self.known = False                        # `running` learnt since the lease was taken
+        self.holding = False
+        self.switches = 0
+        self.switch_s = 0.0                       # measured switch time (EWMA)
+        self._lease_at = 0.0
+        self._task: asyncio.Task | None = None
+
+    @property
+    def lease(self) -> str:
+        return f"swap:{self.host.id}"
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"fg-turns-{self.host.id}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.holding:
+            with contextlib.suppress(Exception):
+                await self.ctl.store.release_lease(self.lease, self.ctl.store.replica_id)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a bug here must not kill the gateway; the engines keep their requests
+                log.exception("turns on %s failed", self.host.id)
+                self.known = False
+                await asyncio.sleep(LEASE_POLL_S)
+            await asyncio.sleep(TURN_POLL_S)
+
+    async def tick(self) -> None:
+        if not await self._hold_lease():
+            return
+        if not self.known:
+            await self._learn()
+        now = time.monotonic()
+        work = self._work(now)
+        d = self.keeper.decide(now, work, self._step_time, self._switch_cost)
+        if d.model is None or d.model not in work:
+            return                      # nothing to run, or the one to run failed meanwhile
+        if d.new_turn:
+            self.ctl.metrics.turns.labels(self.host.id, d.model).inc()
+        if d.model != self.running:
+            await self._switch(self.running, d.model)
+        if d.new_turn:
+            self.keeper.switched(time.monotonic())
+
+    # --- what the keeper is told ---------------------------------------------------------------------
+    def usable(self, model: str, now: float) -> bool:
+        ws = self.ctl.registry.workers.get(self.host.worker_id(model))
+        return ws is not None and ws.healthy and ws.active and self.ctl.failed_until.get(ws.id, 0.0) <= now
+
+    def _work(self, now: float) -> dict[str, int]:
+        """Requests in flight per usable engine (every replica's)."""
+        inflight = self.ctl.store.inflight()
+        out = {}
+        for m in self.host.engines:
+            if self.usable(m, now):
+                f = inflight.get(self.host.worker_id(m))
+                out[m] = f.requests if f is not None else 0
+        return out
+
+    def _step_time(self, model: str, n: int) -> float:
+        """One decode step of `n` requests of `model`: the learner's estimate for the engine's profile, else the
+        TBT target (the batch is taken to use all its slack)."""
+        profile = self.host.engine(model).profile
+        learner = self.ctl.learner
+        pm = learner.model_for(profile) if learner is not None and profile else None
+        if pm is None:
+            return self.keeper.tbt_s
+        f = self.ctl.store.inflight().get(self.host.worker_id(model))
+        ctx = f.tokens / f.requests if f is not None and f.requests else 0.0
+        return max(pm.decode_step(max(n, 1), ctx), 1e-6)
+
+    def _switch_cost(self, a: str, b: str) -> float:
+        costs = self.ctl.costs[self.host.id]
+        moved = costs[a].offload_s + costs[b].load_s if self._level(a) >= 1 else 0.0
+        return max(moved, self.switch_s)
+
+    def _level(self, model: str) -> int:
+        return self.levels.get(model, self.level)
+
+    # --- I/O -----------------------------------------------------------------------------------------
+    async def _hold_lease(self) -> bool:
+        now = time.monotonic()
+        if now < self._lease_at:
+            return self.holding
+        store = self.ctl.store
+        held = await store.acquire_lease(self.lease, store.replica_id, 2 * self.host.swap_timeout_s)
+        self._lease_at = now + (TURN_POLL_S * 10 if held else LEASE_POLL_S)
+        if held != self.holding:
+            log.info("turns on %s %s", self.host.id, "driven here" if held else "driven by another replica")
+            self.known = self.known and held
+        self.holding = held
+        (self.ctl.driving.add if held else self.ctl.driving.discard)(self.host.id)
+        return held
+
+    async def _learn(self) -> None:
+        """Which engine is awake: keep one (the keeper's current, else the first), pause the others."""
+        asleep = await asyncio.gather(*(self.ctl._is_sleeping(self.host.engine(m).url) for m in self.host.engines))
+        awake = [m for m, s in zip(self.host.engines, asleep, strict=True) if s is False]
+        keep = self.keeper.current if self.keeper.current in awake else (awake[0] if awake else None)
+        for m, s in zip(self.host.engines, asleep, strict=True):
+            wid = self.host.worker_id(m)
+            if m == keep:
+                self.ctl.registry.set_sleep(wid, False, AWAKE)
+            elif s is False:
+                await self._pause(m)
+            elif s:
+                self.ctl.registry.set_sleep(wid, False, LEVEL_STATE[self._level(m)])
+        self.running = keep
+        self.known = True
+
+    async def _switch(self, old: str | None, new: str) -> bool:
+        t0 = time.perf_counter()
+        if old is not None and not await self._pause(old):
+            return False
+        self.running = None
+        if not await self._wake(new):
+            return False
+        self.running = new
+        took = time.perf_counter() - t0
+        self.switches += 1
+        self.switch_s = took if self.switches == 1 else (1 - SWITCH_EWMA) * self.switch_s + SWITCH_EWMA * took
+        self.ctl.metrics.swap_seconds.labels(self.host.id).observe(took)
+        return True
+
+    async def _pause(self, model: str) -> bool:
+        """/sleep?level=L&mode=keep: its requests stay, paused; a 400 at level 0 retries at the fallback level."""
+        level = self._level(model)
+        url = self.host.engine(model).url
+        adapter = self.ctl.registry.adapter
+        while True:
+            status = await self.ctl._post_status(url + adapter.sleep_path(level, "keep"), self.host.swap_timeout_s)
+            if status == 200:
+                break
+            fallback = adapter.sleep_fallback(level, status) if status is not None else None
+            if fallback is None:
+                log.warning("engine %s refused to pause (%s); its turn goes on", self.host.worker_id(model), status)
+                return False
+            log.info("engine %s refused level %d; paused at level %d from now on", self.host.worker_id(model),
+                     level, fallback)
+            level = self.levels[model] = fallback
+        self.ctl.registry.set_sleep(self.host.worker_id(model), False, LEVEL_STATE[level])
+        self.ctl.metrics.model_swaps.labels(model, "out").inc()
+        return True
+
+    async def _wake(self, model: str) -> bool:
+        wid = self.host.worker_id(model)
+        if not await self.ctl._post(f"{self.host.engine(model).url}/wake_up", self.host.swap_timeout_s):
+            self.ctl.wake_failed(model, wid)
+            log.warning("engine %s (%s on %s) did not wake up for its turn", wid, model, self.host.id)
+            return False
+        self.ctl.registry.set_sleep(wid, False, AWAKE)
+        self.ctl.metrics.model_swaps.labels(model, "in").inc()
+        return True
+
+    # --- reporting -----------------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        k = self.keeper
+        plan = k.last_round
+        left = max(0.0, k.turn_end - time.monotonic()) if k.turn_end is not None else None
+        return {"driving": self.holding, "level": self.level, "running": self.running, "switches": self.switches,
+                "switch_s": round(self.switch_s, 4),
+                "turn": {"model": k.current, "quota_s": k.quota_s, "left_s": left},
+                "round": None if plan is None else {"models": k.order, "quotas_s": list(plan.quotas),
+                                                    "switch_s": plan.switch_s, "alpha": plan.alpha}}

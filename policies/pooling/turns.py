@@ -1,0 +1,129 @@
+"""Decode turns on one shared host (Aegaeon, SOSP 2025, section 4.3), pure: which model's engine runs now and
+until when. The caller (the gateway's turn loop, gateway/turns.py; the simulator could drive the same object)
+passes its clock, the models with requests in flight on the host, the batches' step times and the switch
+costs; it carries the switches out and says when a new turn's engine runs (`switched`).
+
+One batch per model (instance = the host): the work list is `aegaeon.DecodeWorkLists` and a round's quotas are
+its `round` (eq. 2-3 through `decode_quotas`). The turn-boundary rules, ours where the paper is silent:
+
+- a model alone with work runs without a quota (no round, no switch) for as long as it is alone;
+- when a second model gets work, a round starts with the running model first (its turn starts then, so the
+  work it had alone is not charged), the others in work-list order;
+- a turn ends when its quota is spent (counted from the end of the switch that started it) or when its model
+  has nothing in flight; the next turn of the round whose model still has work follows (empty batches are
+  skipped);
+- a model that gets work during a round joins the next one; the next round starts with the model after the
+  one that ran last (round robin across rounds);
+- with no work at all nothing switches: the engine that ran last stays awake.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from policies.pooling.aegaeon import Q_MAX_S, DecodeBatch, DecodeWorkLists, RoundPlan, Turn
+
+
+@dataclass(frozen=True, slots=True)
+class TurnDecision:
+    """`model`: the model whose engine should run now (None: none yet); `quota_s`: its turn's quota (None: it
+    runs alone, or nothing has work); `new_turn`: a turn starts with this decision (count it)."""
+
+    model: str | None
+    quota_s: float | None
+    new_turn: bool = False
+
+
+class HostTurns:
+    """The turn keeper of one host (module docstring). `tbt_s`: the TBT target d of eq. 2-3."""
+
+    def __init__(self, host: str, tbt_s: float, q_max_s: float = Q_MAX_S) -> None:
+        if tbt_s <= 0 or q_max_s <= 0:
+            raise ValueError("tbt_s and q_max_s must be > 0")
+        self.host = host
+        self.tbt_s = tbt_s
+        self.lists = DecodeWorkLists([host], lambda model: 1, q_max_s)   # KV room for one entry: a batch per model
+        self.current: str | None = None
+        self.quota_s: float | None = None
+        self.turn_end: float | None = None
+        self.pending: deque[Turn] = deque()
+        self.order: list[str] = []          # the models of the last round, in turn order
+        self.rounds = 0
+
+    @property
+    def last_round(self) -> RoundPlan | None:
+        return self.lists.last_round
+
+    def decide(self, now: float, work: Mapping[str, int], step_time: Callable[[str, int], float],
+               switch_cost: Callable[[str, str], float]) -> TurnDecision:
+        """The model to run now. `work`: requests in flight per model (models not usable left out);
+        `step_time(model, n)`: one decode step of the model's batch of n; `switch_cost(a, b)`: seconds from
+        a's engine running to b's."""
+        active = {m for m, n in work.items() if n > 0}
+        self._sync(active)
+        if not active:
+            self.pending.clear()
+            self.quota_s = self.turn_end = None
+            return TurnDecision(self.current, None)
+        if len(active) == 1:
+            (model,) = active
+            self.pending.clear()
+            new = model != self.current
+            self.current, self.quota_s, self.turn_end = model, None, None
+            return TurnDecision(model, None, new)
+        if self.current in active:
+            if self.turn_end is None and self.quota_s is None:    # it ran alone: a round starts with it
+                return self._start(now, self._round(step_time, work, switch_cost, first=self.current))
+            if self.turn_end is None or now < self.turn_end:      # its switch is under way, or quota left
+                return TurnDecision(self.current, self.quota_s)
+        while self.pending and self.pending[0].model not in active:
+            self.pending.popleft()                                # skip batches emptied meanwhile
+        if not self.pending:
+            self.pending = deque(self._round(step_time, work, switch_cost, first=self._next_model(active)))
+        return self._start(now, self.pending)
+
+    def switched(self, now: float) -> None:
+        """The new turn's engine runs (the switch to it is done, or none was needed): its quota counts from now.
+        The caller says so after every decision with `new_turn`."""
+        if self.quota_s is not None:
+            self.turn_end = now + self.quota_s
+
+    def _start(self, now: float, turns: deque[Turn]) -> TurnDecision:
+        turn = turns.popleft()
+        self.pending = turns
+        self.current, self.quota_s, self.turn_end = turn.model, turn.quota_s, None   # `switched` starts the clock
+        return TurnDecision(turn.model, turn.quota_s, True)
+
+    def _sync(self, active: set[str]) -> None:
+        """One batch per model with work in the work list, none for the others."""
+        for b in list(self.lists.work[self.host]):
+            if b.model not in active:
+                self.lists.remove(b.model)
+        for m in sorted(active):
+            if self.lists.batch_of(m) is None:
+                self.lists.place(m, m, 1)
+
+    def _round(self, step_time: Callable[[str, int], float], work: Mapping[str, int],
+               switch_cost: Callable[[str, str], float], first: str) -> deque[Turn]:
+        """Algorithm 2 lines 5-8 over the models with work (eq. 2-3 quotas), rotated to start with `first`."""
+        self.rounds += 1
+
+        def step(b: DecodeBatch) -> float:
+            return step_time(b.model, work[b.model])
+
+        turns = self.lists.round(self.host, step, self.tbt_s, lambda a, b: switch_cost(a.model, b.model))
+        i = next(k for k, t in enumerate(turns) if t.model == first)
+        turns = turns[i:] + turns[:i]
+        self.order = [t.model for t in turns]
+        return deque(turns)
+
+    def _next_model(self, active: set[str]) -> str:
+        """The model after the one that ran last, in the last round's order (new models after those)."""
+        order = [m for m in self.order if m in active or m == self.current]
+        order += [b.model for b in self.lists.work[self.host] if b.model not in order]
+        if self.current in order:
+            i = order.index(self.current)
+            order = order[i + 1:] + order[:i + 1]
+        return next(m for m in order if m in active)

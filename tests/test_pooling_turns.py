@@ -1,0 +1,220 @@
+"""Aegaeon's decode turns enforced live on a shared host (`shared_hosts[].scheduling: turns`, gateway/turns.py;
+turn rules in policies/pooling/turns.py, quotas from policies/pooling/aegaeon.py eq. 2-3). Real HTTP, simulated
+vLLM servers with sleep mode (they keep requests that arrive while asleep and run them after the wake-up), the
+official openai client; the engines' own /is_sleeping says which one runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from gateway.config import ConfigError, load_config
+from policies.pooling.aegaeon import Q_MAX_S, decode_quotas
+from policies.pooling.turns import HostTurns
+from tests.helpers import metric
+from tests.helpers import running_gateway as gateway
+
+A, B, C = "pool/model-a", "pool/model-b", "pool/model-c"
+QUOTA_S = 0.3
+
+
+def _turns_host(urls: dict[str, str], **host: object) -> dict:
+    engines = {m: {"url": u, "load_s": 0.05, "offload_s": 0.05} for m, u in urls.items()}
+    return {"shared_hosts": [{"id": "gpu0", "max_awake": 1, "scheduling": "turns", "q_max_s": QUOTA_S,
+                              "engines": engines, **host}],
+            "slo": {"tpot_ms": 100}, "scrape_interval_s": 0.05, "limits": {"queue_timeout_s": 30}}
+
+
+async def _stream(oa, model: str, max_tokens: int) -> tuple[list[float], str | None, int]:
+    """Chunk arrival times, finish reason and completion tokens of one streamed completion."""
+    times: list[float] = []
+    finish, tokens = None, 0
+    stream = await oa.completions.create(model=model, prompt="tell me a long story", max_tokens=max_tokens,
+                                         stream=True, stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.monotonic())
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return times, finish, tokens
+
+
+class _AwakeWatch:
+    """Polls both engines' /is_sleeping: how often both were seen awake at once."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.both = 0
+        self.samples = 0
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient() as c:
+            while True:
+                states = await asyncio.gather(*(c.get(u + "/is_sleeping") for u in self.urls))
+                awake = [not r.json()["is_sleeping"] for r in states]
+                self.samples += 1
+                self.both += sum(awake) > 1
+                await asyncio.sleep(0.005)
+
+
+def _runs(times: dict[str, list[float]]) -> list[tuple[str, float, float]]:
+    """The merged chunk timeline as runs of one model: (model, first, last)."""
+    events = sorted((t, m) for m, ts in times.items() for t in ts)
+    runs: list[tuple[str, float, float]] = []
+    for t, m in events:
+        if runs and runs[-1][0] == m:
+            runs[-1] = (m, runs[-1][1], t)
+        else:
+            runs.append((m, t, t))
+    return runs
+
+
+async def test_two_models_decode_in_turns_one_engine_awake_at_a_time(sim_fleet, make_client) -> None:
+    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=2)
+    url_a, url_b = fleet.urls
+    async with gateway(**_turns_host({A: url_a, B: url_b})) as gw:
+        oa = make_client(gw.url, max_retries=0, timeout=60)
+        watch = _AwakeWatch([url_a, url_b])
+        watcher = asyncio.create_task(watch.run())
+        t0 = time.monotonic()
+        (ta, fa, na), (tb, fb, nb) = await asyncio.gather(_stream(oa, A, 400), _stream(oa, B, 400))
+        took = time.monotonic() - t0
+        watcher.cancel()
+        assert (fa, na, fb, nb) == ("length", 400, "length", 400)
+        assert watch.samples > 50 and watch.both == 0, (watch.both, watch.samples)   # never both awake
+        runs = _runs({A: ta, B: tb})
+        # the streams interleave in turns: A pauses while B advances and back, many times over
+        assert len(runs) >= 6, [(m[-1], round(b - a, 2)) for m, a, b in runs]
+        inner = runs[1:-1]
+        assert all(b - a < 3 * QUOTA_S for _, a, b in inner), [(m[-1], round(b - a, 2)) for m, a, b in runs]
+        async with httpx.AsyncClient() as c:
+            text = (await c.get(gw.url + "/metrics")).text
+            host = (await c.get(gw.url + "/ui/status.json")).json()["shared_hosts"][0]
+        ins = sum(metric(text, "fleetgate_model_swaps_total", {"model": m, "direction": "in"}) or 0 for m in (A, B))
+        turns = sum(metric(text, "fleetgate_turns_total", {"host": "gpu0", "model": m}) or 0 for m in (A, B))
+        # both models busy for most of the run: about one switch per quota (plus the switch itself)
+        expect = took / (QUOTA_S + host["switch_s"])
+        print(f"took {took:.2f}s, switches in {ins}, expected ~{expect:.1f}, switch_s {host['switch_s']}, "
+              f"runs {[(m[-1], round(b - a, 2)) for m, a, b in runs]}")
+        assert 0.5 * expect <= ins <= 1.5 * expect + 2, (ins, expect, took)
+        assert turns >= ins - 1
+        assert host["scheduling"] == "turns" and host["level"] == 1     # max_awake 1 < 2 engines: weights out
+        plan = host["round"]        # eq. 2-3 with c = both switches (offload + load each way, or measured if longer)
+        assert plan["switch_s"] >= 2 * (0.05 + 0.05)
+        assert plan["quotas_s"] == pytest.approx(decode_quotas([0.1, 0.1], 0.1, plan["switch_s"], QUOTA_S))
+        assert metric(text, "fleetgate_swap_seconds_count", {"host": "gpu0"}) == host["switches"]
+        paused = [metric(text, "fleetgate_engine_state", {"model": m, "state": "weights_offloaded"}) for m in (A, B)]
+        assert sorted(paused) == [0, 1], paused    # the engine whose turn ended last is paused (level 1)
+
+
+async def test_a_model_alone_never_switches(sim_fleet, make_client) -> None:
+    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=2)
+    url_a, url_b = fleet.urls
+    async with gateway(**_turns_host({A: url_a, B: url_b})) as gw:
+        oa = make_client(gw.url, max_retries=0, timeout=60)
+        results = await asyncio.gather(*(_stream(oa, B, 400) for _ in range(3)))
+        assert [(f, n) for _, f, n in results] == [("length", 400)] * 3
+        assert results[0][0][-1] - results[0][0][0] > 3 * QUOTA_S      # longer than a quota, yet no switch
+        async with httpx.AsyncClient() as c:
+            text = (await c.get(gw.url + "/metrics")).text
+        # B was asleep at start (max_awake 1): one switch to it, none after
+        assert metric(text, "fleetgate_model_swaps_total", {"model": B, "direction": "in"}) == 1
+        assert (metric(text, "fleetgate_model_swaps_total", {"model": A, "direction": "in"}) or 0) == 0
+        assert httpx.get(url_b + "/is_sleeping").json()["is_sleeping"] is False
+
+
+def test_turns_config() -> None:
+    eng = {A: "http://127.0.0.1:9001", B: "http://127.0.0.1:9002"}
+    with pytest.raises(ConfigError) as e:
+        load_config(None, shared_hosts=[{"id": "g", "engines": eng, "scheduling": "turns"}])
+    assert "shared_hosts[0].scheduling: turns needs a TBT target" in "\n".join(e.value.problems)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, shared_hosts=[{"id": "g", "engines": eng, "scheduling": "tokens"}])
+    assert "shared_hosts[0].scheduling" in "\n".join(e.value.problems)
+    cfg = load_config(None, slo={"tpot_ms": 80}, shared_hosts=[{"id": "g", "engines": eng, "scheduling": "turns"}])
+    h = cfg.shared_hosts[0]
+    assert (h.q_max_s, cfg.turn_tbt_s(h)) == (Q_MAX_S, 0.08)
+    cfg = load_config(None, slo={"tpot_ms": 80}, models={B: {"slo": {"tpot_ms": 40}}},
+                      shared_hosts=[{"id": "g", "engines": eng, "scheduling": "turns"}])
+    assert cfg.turn_tbt_s(cfg.shared_hosts[0]) == 0.04                     # the tightest of its models
+    cfg = load_config(None, shared_hosts=[{"id": "g", "engines": eng, "scheduling": "turns", "tbt_ms": 50}])
+    assert cfg.turn_tbt_s(cfg.shared_hosts[0]) == 0.05
+    assert load_config(None, shared_hosts=[{"id": "g", "engines": eng}]).shared_hosts[0].scheduling == "request"
+
+
+# --- the pure turn keeper ---------------------------------------------------------------------------------------
+STEP = {A: 0.01, B: 0.02, C: 0.04}
+
+
+def _step(model: str, n: int) -> float:
+    return STEP[model]
+
+
+def _cost(a: str, b: str) -> float:
+    return 0.5
+
+
+def test_keeper_quotas_follow_eq_2_3_and_rounds_go_round_robin() -> None:
+    k = HostTurns("h", tbt_s=0.1, q_max_s=4.0)
+    d = k.decide(0.0, {A: 2, B: 1, C: 3}, _step, _cost)
+    assert d.new_turn and d.model is not None
+    order = [d.model] + [t.model for t in k.pending]
+    assert sorted(order) == [A, B, C]
+    expect = dict(zip([A, B, C], decode_quotas([STEP[m] for m in (A, B, C)], 0.1, 3 * 0.5, 4.0), strict=True))
+    assert d.quota_s == pytest.approx(expect[d.model])
+    assert [t.quota_s for t in k.pending] == pytest.approx([expect[m] for m in order[1:]])
+    assert k.last_round.switch_s == 1.5
+    k.switched(1.0)                          # the switch took 1 s: the quota counts from then
+    assert k.decide(1.0 + d.quota_s - 1e-3, {A: 2, B: 1, C: 3}, _step, _cost).model == order[0]
+    now = 1.0 + d.quota_s
+    seen = [order[0]]
+    for _ in range(5):                       # the next turns: the round's order, then the next round the same
+        d = k.decide(now, {A: 2, B: 1, C: 3}, _step, _cost)
+        assert d.new_turn
+        k.switched(now)
+        seen.append(d.model)
+        now += d.quota_s
+    assert seen == order * 2
+    assert k.rounds == 2
+
+
+def test_keeper_ends_a_turn_early_skips_empty_batches_and_runs_a_lone_model_without_switching() -> None:
+    k = HostTurns("h", tbt_s=0.1, q_max_s=4.0)
+    d = k.decide(0.0, {A: 1}, _step, _cost)
+    assert (d.model, d.quota_s, d.new_turn) == (A, None, True)          # alone: no quota
+    for t in (1.0, 10.0, 100.0):
+        assert k.decide(t, {A: 3}, _step, _cost) == type(d)(A, None, False)   # never switches
+    d = k.decide(101.0, {A: 3, B: 1, C: 1}, _step, _cost)
+    assert d.model == A and d.quota_s is not None and d.new_turn      # a round starts with the running model
+    k.switched(101.0)                                                 # no switch needed: its quota counts from now
+    assert k.turn_end == pytest.approx(101.0 + d.quota_s)
+    nxt = k.pending[0].model
+    other = ({B, C} - {nxt}).pop()
+    d = k.decide(101.1, {A: 0, B: 1, C: 1}, _step, _cost)             # A's work ended: its turn ends early
+    assert d.model == nxt and d.new_turn
+    k.switched(101.2)
+    d = k.decide(101.3, {A: 0, B: 1, C: 1} | {nxt: 0, other: 1}, _step, _cost)
+    assert d.model == other                                           # nxt emptied too
+    k.switched(101.3)
+    d = k.decide(101.4, {other: 1}, _step, _cost)                      # alone again: no round
+    assert (d.model, d.quota_s, d.new_turn) == (other, None, False)
+    assert k.decide(102.0, {}, _step, _cost).model == other            # no work: the last stays, no switch
+
+
+def test_keeper_new_work_joins_the_next_round() -> None:
+    k = HostTurns("h", tbt_s=0.1, q_max_s=4.0)
+    d = k.decide(0.0, {A: 1, B: 1}, _step, _cost)
+    k.switched(0.0)
+    first = d.model
+    d2 = k.decide(d.quota_s, {A: 1, B: 1, C: 1}, _step, _cost)         # C arrives during the round
+    assert d2.model != C and d2.model != first
+    k.switched(d.quota_s)
+    d3 = k.decide(d.quota_s + d2.quota_s, {A: 1, B: 1, C: 1}, _step, _cost)
+    assert k.rounds == 2 and C in k.order                               # the next round has C
+    assert d3.model == k.order[0]
