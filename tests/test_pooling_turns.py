@@ -111,6 +111,9 @@ async def test_two_models_decode_in_turns_one_engine_awake_at_a_time(sim_fleet, 
         assert metric(text, "fleetgate_swap_seconds_count", {"host": "gpu0"}) == host["switches"]
         paused = [metric(text, "fleetgate_engine_state", {"model": m, "state": "weights_offloaded"}) for m in (A, B)]
         assert sorted(paused) == [0, 1], paused    # the engine whose turn ended last is paused (level 1)
+        # stock vLLM at level 1 drops the paused requests' KV: they recompute after the wake-up (Aegaeon would keep
+        # it in host memory: simulator only)
+        assert all(httpx.get(u + "/sim/state").json()["stats"]["preemptions"] >= 2 for u in (url_a, url_b))
 
 
 async def test_a_model_alone_never_switches(sim_fleet, make_client) -> None:
@@ -218,3 +221,90 @@ def test_keeper_new_work_joins_the_next_round() -> None:
     d3 = k.decide(d.quota_s + d2.quota_s, {A: 1, B: 1, C: 1}, _step, _cost)
     assert k.rounds == 2 and C in k.order                               # the next round has C
     assert d3.model == k.order[0]
+
+
+async def test_engines_that_all_fit_are_only_paused_between_turns(sim_fleet, make_client) -> None:
+    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=2)
+    url_a, url_b = fleet.urls
+    async with gateway(**_turns_host({A: url_a, B: url_b}, max_awake=2)) as gw:
+        oa = make_client(gw.url, max_retries=0, timeout=60)
+        watch = _AwakeWatch([url_a, url_b])
+        watcher = asyncio.create_task(watch.run())
+        (ta, fa, na), (tb, fb, nb) = await asyncio.gather(_stream(oa, A, 300), _stream(oa, B, 300))
+        watcher.cancel()
+        assert (fa, na, fb, nb) == ("length", 300, "length", 300)
+        assert watch.samples > 50 and watch.both == 0                # memory for both, yet one runs at a time
+        assert len(_runs({A: ta, B: tb})) >= 4
+        async with httpx.AsyncClient() as c:
+            text = (await c.get(gw.url + "/metrics")).text
+            host = (await c.get(gw.url + "/ui/status.json")).json()["shared_hosts"][0]
+        assert host["level"] == 0 and host["switch_s"] < 0.1         # level 0: a pause, nothing moves
+        paused = [metric(text, "fleetgate_engine_state", {"model": m, "state": "paused"}) for m in (A, B)]
+        assert sorted(paused) == [0, 1], paused
+        for url in (url_a, url_b):           # level 0 keeps the KV: nothing was recomputed after a wake-up
+            assert httpx.get(url + "/sim/state").json()["stats"]["preemptions"] == 0
+
+
+async def test_a_dead_engine_on_a_turns_host_is_a_503_and_the_other_model_goes_on(sim_fleet, make_client) -> None:
+    import openai
+
+    fleet_a = sim_fleet(fleet={"servers": [{"model": A}]}, time_scale=2)
+    fleet_b = sim_fleet(fleet={"servers": [{"model": B}]}, time_scale=2)
+    async with gateway(**_turns_host({A: fleet_a.urls[0], B: fleet_b.urls[0]}), health={"interval_s": 30}) as gw:
+        oa = make_client(gw.url, max_retries=0, timeout=30)
+        fleet_b.stop()
+        t = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as exc:
+            await oa.completions.create(model=B, prompt="hi", max_tokens=2)
+        assert exc.value.status_code in (502, 503) and exc.value.body["message"]
+        assert time.monotonic() - t < 10
+        times, finish, n = await _stream(oa, A, 50)
+        assert (finish, n) == ("length", 50)
+
+
+POOL_REDIS_URL = "redis://127.0.0.1:6379/12"     # the pooling tests' Redis DB (test_pooling_live.py's too)
+
+
+async def test_two_replicas_one_drives_the_turns(sim_fleet, make_client) -> None:
+    import uuid
+
+    import redis
+
+    r = redis.Redis.from_url(POOL_REDIS_URL, socket_connect_timeout=1, socket_timeout=5)
+    try:
+        r.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis is not reachable at {POOL_REDIS_URL} ({exc}); start redis-server on port 6379")
+    prefix = f"fgtest:turns:{uuid.uuid4().hex[:8]}:"
+    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=2)
+    url_a, url_b = fleet.urls
+    cfg = {**_turns_host({A: url_a, B: url_b}), "redis_url": POOL_REDIS_URL, "redis_key_prefix": prefix}
+    try:
+        async with gateway(**cfg, replica_id="r1") as g1, gateway(**cfg, replica_id="r2") as g2:
+            watch = _AwakeWatch([url_a, url_b])
+            watcher = asyncio.create_task(watch.run())
+            c1, c2 = (make_client(g.url, max_retries=0, timeout=60) for g in (g1, g2))
+            # A through one replica, B through the other: the driver sees both in the shared in-flight view
+            (ta, fa, na), (tb, fb, nb) = await asyncio.gather(_stream(c1, A, 300), _stream(c2, B, 300))
+            watcher.cancel()
+            assert (fa, na, fb, nb) == ("length", 300, "length", 300)
+            assert watch.samples > 50 and watch.both == 0
+            assert len(_runs({A: ta, B: tb})) >= 4
+            async with httpx.AsyncClient() as c:
+                hosts = [(await c.get(g.url + "/ui/status.json")).json()["shared_hosts"][0] for g in (g1, g2)]
+            assert sorted(h["driving"] for h in hosts) == [False, True]       # one replica drives the host
+            assert [h["switches"] for h in hosts if not h["driving"]] == [0]
+    finally:
+        keys = list(r.scan_iter(match=prefix + "*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()
+
+
+def test_a_vllm_without_level_0_is_paused_at_level_1() -> None:
+    from engine_adapters.vllm.adapter import VllmAdapter
+
+    a = VllmAdapter()
+    assert a.sleep_path(0, "keep") == "/sleep?level=0&mode=keep"
+    assert a.sleep_fallback(0, 400) == 1
+    assert a.sleep_fallback(1, 400) is None and a.sleep_fallback(0, 500) is None
