@@ -297,7 +297,8 @@ class SharedEngineConfig(_Strict):
 class SharedHostConfig(_Strict):
     """A worker host (one GPU or TP group) holding several models' engines, at most `max_awake` of them awake
     at once (its memory); the gateway's swap controller (gateway/pooling.py) puts engines to sleep and wakes
-    them as requests arrive (issue 20)."""
+    them as requests arrive (issue 20), or with `scheduling: turns` runs one engine at a time in Aegaeon's
+    decode turns (gateway/turns.py)."""
 
     id: str
     engines: dict[str, SharedEngineConfig | str] = Field(min_length=1)   # model -> engine (or just its URL)
@@ -948,7 +949,7 @@ def summarize(cfg: GatewayConfig) -> str:
         f"admin API: {'on' if cfg.auth.admin_key else 'off (no auth.admin_key)'}",
     ]
     if cfg.shared_hosts:
-        lines.append("shared hosts: " + "; ".join(f"{h.id} ({', '.join(h.engines)}; max_awake {h.max_awake})"
+        lines.append("shared hosts: " + "; ".join(f"{h.id} ({', '.join(h.engines)}; max_awake {h.max_awake}; {h.scheduling})"
                                                   for h in cfg.shared_hosts))
     if cfg.deployment is not None:
         lines.append("deployment: " + ", ".join(f"{g.count}x {g.model} on {g.tp}x {g.gpu} ({g.role})"

@@ -3,6 +3,8 @@
     costs.py      swap-time estimates (Aegaeon appendix A.2 eq. 4) and the active-model count (Theorem 3.1)
     aegaeon.py    grouped-FCFS prefill placement (Algorithm 1) and decode work lists with time quotas
                   (Algorithm 2, eq. 2-3)
+    turns.py      the turn boundaries of one host's decode turns (which model runs, when its turn ends), over
+                  aegaeon.py's work lists; driven live by gateway/turns.py
     baselines.py  dedicated, request-level swapping (ServerlessLLM-style) and co-resident multiplexing
                   (MuxServe-style)
 
