@@ -26,6 +26,7 @@ class EngineMetrics:
 
 
 AWAKE = "awake"
-SLEEP_STATES = (AWAKE, "paused", "weights_offloaded", "discard_all")   # paused: level 0 (our name, unverified)
+PAUSED = "paused"   # level 0: our name; vLLM 0.32 exports no series for it (awake 0, every other state 0)
+SLEEP_STATES = (AWAKE, PAUSED, "weights_offloaded", "discard_all")
 
-__all__ = ["AWAKE", "SLEEP_STATES", "EngineMetrics"]
+__all__ = ["AWAKE", "PAUSED", "SLEEP_STATES", "EngineMetrics"]

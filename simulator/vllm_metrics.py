@@ -80,10 +80,11 @@ class VllmMetrics:
         self.prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        # as vLLM 0.32 CPU exports it (docs/reference/vllm-cpu.md "Sleep / wake"): no series for a level-0 pause,
+        # whose engine reads awake 0 with every other state 0
         sleep_state = Gauge("vllm:engine_sleep_state", "Engine sleep state: 1 for the current one (vLLM 0.33).",
                             names + ["sleep_state"], registry=r)
-        self.sleep_states = {st: sleep_state.labels(*lv, st)
-                             for st in ("awake", "paused", "weights_offloaded", "discard_all")}
+        self.sleep_states = {st: sleep_state.labels(*lv, st) for st in ("awake", "weights_offloaded", "discard_all")}
         self.sleep_states["awake"].set(1)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
@@ -194,6 +195,7 @@ class VllmMetrics:
                 self._synced_finished[reason] = value
 
     def set_sleep_state(self, state: str) -> None:
+        """1 for the state's series, 0 for the others (`paused`, level 0, has none: all read 0)."""
         for name, child in self.sleep_states.items():
             child.set(1 if name == state else 0)
 

@@ -20,6 +20,8 @@ def test_parser_reads_the_sleep_state():
     assert parse_vllm_metrics(text).sleep_state == "weights_offloaded"
     assert parse_vllm_metrics(text.replace("1.0", "0.0").replace('awake"} 0.0', 'awake"} 1.0')).sleep_state == "awake"
     assert parse_vllm_metrics("vllm:num_requests_running 1\n").sleep_state == "awake"   # 0.11: no series
+    # vLLM 0.32 CPU after /sleep?level=0: awake 0 and nothing else 1 (docs/reference/vllm-cpu.md)
+    assert parse_vllm_metrics(text.replace("1.0", "0.0")).sleep_state == "paused"
 
 
 def _generated(url: str) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from engine_adapters.types import AWAKE, EngineMetrics
+from engine_adapters.types import AWAKE, PAUSED, EngineMetrics
 
 # exposed name -> (field, preference); a lower preference wins when both spellings are present
 # (0.11 with --show-hidden-metrics exposes the new and the deprecated name with equal values).
@@ -63,8 +63,11 @@ def parse_vllm_metrics(text: str, now: float = 0.0) -> EngineMetrics:
         if name == SLEEP_STATE:
             # any engine (DP rank) not awake makes the worker not awake: it must not take requests
             state = parse_labels(line[brace + 1 : labels_end - 1]).get("sleep_state") if has_labels else None
-            if state and state != AWAKE and _sample_value(line, labels_end) == 1:
+            value = _sample_value(line, labels_end)
+            if state and state != AWAKE and value == 1:
                 sleep_state = state
+            elif state == AWAKE and value == 0 and sleep_state == AWAKE:
+                sleep_state = PAUSED      # vLLM 0.32 after /sleep?level=0: awake 0 and no other state 1
             continue
         if name == CACHE_CONFIG_INFO:
             labels = parse_labels(line[brace + 1 : labels_end - 1]) if has_labels else {}
