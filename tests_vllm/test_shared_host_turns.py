@@ -85,7 +85,7 @@ def test_gateway_runs_decode_turns_between_two_real_engines(prio_server, plain_s
                 t.join(5)
             assert not errors, errors
             assert results == {"a": ("length", TOKENS), "b": ("length", TOKENS)}, results
-            assert polls > 20 and both_awake == 0, (both_awake, polls)
+            assert polls > 10 and both_awake == 0, (both_awake, polls)
             events = sorted((t, k) for k, ts in times.items() for t in ts)
             runs = 1 + sum(1 for (_, k1), (_, k2) in zip(events, events[1:], strict=False) if k1 != k2)
             assert runs >= 4, runs          # the streams alternate: each pauses while the other decodes
@@ -99,7 +99,7 @@ def test_gateway_runs_decode_turns_between_two_real_engines(prio_server, plain_s
             # the engines counted the same operations themselves
             engine_ops = {op: sum(_ops(u, op) - ops[k, op] for k, u in urls.items()) for op in ("sleep", "wake")}
             assert engine_ops == {"sleep": outs, "wake": ins}, (engine_ops, outs, ins)
-            print(f"turns on real vLLM: {len(events)} tokens in {runs} runs, {int(ins)} switches, "
+            print(f"turns on real vLLM: {len(events)} text chunks in {runs} runs, {int(ins)} switches, {polls} polls, "
                   f"switch {host['switch_s']:.3f} s, quotas {host['round'] and host['round']['quotas_s']}")
     finally:  # the other tests share these servers: leave both awake (the gateway has stopped by now)
         for url in urls.values():
