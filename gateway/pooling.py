@@ -137,7 +137,7 @@ class SwapController:
                 await t
 
     async def _settle(self, host: SharedHostConfig) -> None:
-        asleep = await asyncio.gather(*(self._is_sleeping(host.engine(m).url) for m in host.engines))
+        asleep = await asyncio.gather(*(self.is_sleeping(host.engine(m).url) for m in host.engines))
         lease = f"swap:{host.id}"
         if not await self.store.acquire_lease(lease, self.store.replica_id, 2 * host.swap_timeout_s):
             lease = ""      # another replica swaps on it now: only learn what sleeps
@@ -329,7 +329,7 @@ class SwapController:
                 return False
             await asyncio.sleep(DRAIN_POLL_S)
         url = f"{host.engine(model).url}/sleep?level={host.sleep_level}&mode=wait"
-        if not await self._post(url, host.swap_timeout_s):
+        if not await self.post(url, host.swap_timeout_s):
             log.warning("engine %s refused to sleep; left awake", wid)
             await self._unhold(host.id, wid)
             return False
@@ -340,7 +340,7 @@ class SwapController:
 
     async def _wake(self, host: SharedHostConfig, model: str) -> bool:
         wid = host.worker_id(model)
-        ok = await self._post(f"{host.engine(model).url}/wake_up", host.swap_timeout_s)
+        ok = await self.post(f"{host.engine(model).url}/wake_up", host.swap_timeout_s)
         if not ok:
             self.failed_until[wid] = time.monotonic() + self._fail_hold_s
             self.registry.report_failure(wid)
@@ -382,10 +382,10 @@ class SwapController:
         self.holds[host][wid] = False
         await self._publish(host)
 
-    async def _post(self, url: str, timeout_s: float) -> bool:
-        return await self._post_status(url, timeout_s) == 200
+    async def post(self, url: str, timeout_s: float) -> bool:
+        return await self.post_status(url, timeout_s) == 200
 
-    async def _post_status(self, url: str, timeout_s: float) -> int | None:
+    async def post_status(self, url: str, timeout_s: float) -> int | None:
         """The status of an empty POST, None when the engine did not answer."""
         assert self.upstream is not None
         try:
@@ -394,7 +394,7 @@ class SwapController:
             return None
         return r.status
 
-    async def _is_sleeping(self, url: str) -> bool | None:
+    async def is_sleeping(self, url: str) -> bool | None:
         assert self.upstream is not None
         try:
             r = await self.upstream.fetch(url + "/is_sleeping", self.config.health.timeout_s)
@@ -403,11 +403,14 @@ class SwapController:
             return None
 
     # --- reporting -----------------------------------------------------------------------------------
+    def _awake(self, wid: str) -> bool:
+        ws = self.registry.workers.get(wid)
+        return ws is not None and ws.awake
     def describe(self) -> list[dict[str, Any]]:
         views = self.views()
         turns = [{"id": hid, "scheduling": "turns", "max_awake": d.host.max_awake, "q_max_s": d.host.q_max_s,
                   "tbt_s": d.keeper.tbt_s, **d.describe(),
-                  "engines": {m: {"worker": d.host.worker_id(m), "awake": m == d.running,
+                  "engines": {m: {"worker": d.host.worker_id(m), "awake": self._awake(d.host.worker_id(m)),
                                   "busy": (self.store.inflight().get(d.host.worker_id(m)) or _NONE).requests,
                                   "load_s": self.costs[hid][m].load_s, "offload_s": self.costs[hid][m].offload_s}
                               for m in d.host.engines}} for hid, d in self.turns.items()]

@@ -49,6 +49,7 @@ log = logging.getLogger("fleetgate.turns")
 TURN_POLL_S = 0.01       # how often a turn's end (quota spent, nothing in flight) is checked
 LEASE_POLL_S = 0.5       # a replica without the host's lease asks for it this often
 LEVEL_STATE = {0: "paused", 1: "weights_offloaded", 2: "discard_all"}   # vllm:engine_sleep_state per /sleep level
+SWITCH_RETRY_S = 0.5     # after a switch that failed, the next attempt waits this long
 SWITCH_EWMA = 0.3        # weight of the latest switch in the host's measured switch time
 
 
@@ -109,8 +110,8 @@ class TurnDriver:
             return                      # nothing to run, or the one to run failed meanwhile
         if d.new_turn:
             self.ctl.metrics.turns.labels(self.host.id, d.model).inc()
-        if d.model != self.running:
-            await self._switch(self.running, d.model)
+        if d.model != self.running and not await self._switch(self.running, d.model):
+            await asyncio.sleep(SWITCH_RETRY_S)     # an engine refused: do not hammer it every tick
         if d.new_turn:
             self.keeper.switched(time.monotonic())
 
@@ -166,7 +167,7 @@ class TurnDriver:
 
     async def _learn(self) -> None:
         """Which engine is awake: keep one (the keeper's current, else the first), pause the others."""
-        asleep = await asyncio.gather(*(self.ctl._is_sleeping(self.host.engine(m).url) for m in self.host.engines))
+        asleep = await asyncio.gather(*(self.ctl.is_sleeping(self.host.engine(m).url) for m in self.host.engines))
         awake = [m for m, s in zip(self.host.engines, asleep, strict=True) if s is False]
         keep = self.keeper.current if self.keeper.current in awake else (awake[0] if awake else None)
         for m, s in zip(self.host.engines, asleep, strict=True):
@@ -200,7 +201,7 @@ class TurnDriver:
         url = self.host.engine(model).url
         adapter = self.ctl.registry.adapter
         while True:
-            status = await self.ctl._post_status(url + adapter.sleep_path(level, "keep"), self.host.swap_timeout_s)
+            status = await self.ctl.post_status(url + adapter.sleep_path(level, "keep"), self.host.swap_timeout_s)
             if status == 200:
                 break
             fallback = adapter.sleep_fallback(level, status) if status is not None else None
@@ -216,7 +217,7 @@ class TurnDriver:
 
     async def _wake(self, model: str) -> bool:
         wid = self.host.worker_id(model)
-        if not await self.ctl._post(f"{self.host.engine(model).url}/wake_up", self.host.swap_timeout_s):
+        if not await self.ctl.post(f"{self.host.engine(model).url}/wake_up", self.host.swap_timeout_s):
             self.ctl.wake_failed(model, wid)
             log.warning("engine %s (%s on %s) did not wake up for its turn", wid, model, self.host.id)
             return False
