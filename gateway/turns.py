@@ -234,4 +234,5 @@ class TurnDriver:
                 "switch_s": round(self.switch_s, 4),
                 "turn": {"model": k.current, "quota_s": k.quota_s, "left_s": left},
                 "round": None if plan is None else {"models": k.order, "quotas_s": list(plan.quotas),
-                                                    "switch_s": plan.switch_s, "alpha": plan.alpha}}
+                                                    "step_s": list(plan.step_times), "switch_s": plan.switch_s,
+                                                    "alpha": plan.alpha}}
