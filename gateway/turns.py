@@ -99,6 +99,7 @@ class TurnDriver:
             await asyncio.sleep(TURN_POLL_S)
 
     async def tick(self) -> None:
+        self.ctl.refresh_routable(time.monotonic())     # an engine whose failed wake-up is forgotten routes again
         if not await self._hold_lease():
             return
         if not self.known:
