@@ -72,6 +72,8 @@ def demo(
     autoscale: bool = typer.Option(False, "--autoscale", help="Run the autoscaler with the sim actuator."),
     num_models: int = typer.Option(1, "--num-models", help="M > 1: M models sharing the --workers hosts, one "
                                    "awake per host, swapped through sleep mode (shared_hosts)."),
+    scheduling: str = typer.Option("request", "--scheduling", help="With --num-models: request (swap an idle "
+                                   "engine for a waiting model) or turns (Aegaeon's decode turns)."),
     log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
     slo_ttft_ms: float = typer.Option(1000.0, "--slo-ttft-ms", help="The fleet's TTFT SLO (attainment metrics)."),
     slo_tpot_ms: float = typer.Option(50.0, "--slo-tpot-ms", help="The fleet's time-per-output-token SLO."),
@@ -92,7 +94,7 @@ def demo(
 
         run_pooled_demo(port=port, workers=workers, num_models=num_models, policy=policy, profile=profile,
                         model=model, time_scale=time_scale, base_port=base_port or port + 1, log_format=log_format,
-                        slo={"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms})
+                        slo={"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms}, scheduling=scheduling)
         return
     from gateway.demo import run_demo
 

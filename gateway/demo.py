@@ -166,11 +166,12 @@ def run_deployment_demo(deployment: Path, port: int = 8000, base_port: int = 800
 def run_pooled_demo(port: int = 8000, workers: int = 2, num_models: int = 4, policy: str = "least_requests",
                     profile: str = "llama3-8b-h100", model: str = "meta-llama/Llama-3.1-8B-Instruct",
                     time_scale: float = 1.0, base_port: int = 8001, log_format: str = "text",
-                    slo: dict[str, float] | None = None) -> None:
+                    slo: dict[str, float] | None = None, scheduling: str = "request") -> None:
     """`fleetgate demo --num-models M --workers N`: M models sharing N hosts (config `shared_hosts:`, one awake
     model per host). Each host runs one simulated engine per model (sleep mode on: the simulator's /sleep and
-    /wake_up, its wake-up taking the profile's `wake_up_s` in model time, so / --time-scale here); the gateway's
-    swap controller wakes a model's engine when its requests arrive (gateway/pooling.py)."""
+    /wake_up, its wake-up taking the profile's `wake_up_s` in model time, so / --time-scale here); with
+    `scheduling` request the gateway's swap controller wakes a model's engine when its requests arrive
+    (gateway/pooling.py), with turns the models with requests take Aegaeon's decode turns (gateway/turns.py)."""
     from simulator.profiles import load_profile
 
     try:
@@ -179,6 +180,8 @@ def run_pooled_demo(port: int = 8000, workers: int = 2, num_models: int = 4, pol
         _fail(f"--log-format: {e}")
     if workers < 1 or num_models < 1:
         _fail(f"--workers and --num-models must be at least 1, got {workers} and {num_models}.")
+    if scheduling not in ("request", "turns"):
+        _fail(f"--scheduling must be request or turns, got {scheduling!r}.")
     n = workers * num_models
     if not (base_port > 0 and base_port + n - 1 < 65536):
         _fail(f"--base-port {base_port} leaves no room for {n} engine port(s).")
@@ -199,7 +202,7 @@ def run_pooled_demo(port: int = 8000, workers: int = 2, num_models: int = 4, pol
             engines[m] = {"url": url, "profile": profile, "weight_gb": prof.weight_bytes / 1e9,
                           "load_s": prof.wake_up_s / time_scale}
             urls.append(url)
-        hosts.append({"id": f"host{h}", "max_awake": 1, "engines": engines,
+        hosts.append({"id": f"host{h}", "max_awake": 1, "engines": engines, "scheduling": scheduling,
                       "link_gb_per_s": prof.host_link_bytes_per_s / 1e9})
     admin_key = demo_admin_key()
     try:
@@ -215,14 +218,17 @@ def run_pooled_demo(port: int = 8000, workers: int = 2, num_models: int = 4, pol
     cmd = [sys.executable, "-m", "gateway.cli", "sim", "--fleet", str(fleet_file), "--base-port", str(base_port),
            "--time-scale", str(time_scale)]
     base = f"http://127.0.0.1:{port}" if port else "http://127.0.0.1:<port printed below>"
+    how = ((f"(a swap: the idle engine sleeps, the wanted one wakes in {prof.wake_up_s / time_scale:g} s); ",
+            "Send requests to any model; the first one to a sleeping model waits for its swap:")
+           if scheduling == "request" else
+           (f"(turns: the models with requests take time-quota turns, a switch {prof.wake_up_s / time_scale:g} s); ",
+            "Send requests to any model; they run in their model's turns:"))
     banner = "\n".join(
         [f"\nfleetgate demo: {num_models} model(s) sharing {workers} host(s), one model awake per host at a time",
-         f"(a swap: the idle engine sleeps, the wanted one wakes in {prof.wake_up_s / time_scale:g} s); "
-         f"gateway {base}, admin key {admin_key}", "Send requests to any model; the first one to a sleeping "
-         "model waits for its swap:", ""]
+         how[0] + f"gateway {base}, admin key {admin_key}", how[1], ""]
         + [f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' "
            f"-d '{{\"model\": \"{m}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'" for m in models]
-        + ["", f"  curl -s {base}/metrics | grep -E '^fleetgate_(model_swaps_total|engine_state)'", ""])
+        + ["", f"  curl -s {base}/metrics | grep -E '^fleetgate_(model_swaps_total|turns_total|engine_state)'", ""])
     _serve_with_fleet(cfg, cmd, urls, port, models[0], admin_key, [fleet_file], banner)
 
 

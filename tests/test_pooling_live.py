@@ -269,3 +269,33 @@ async def test_drain_after_s_serves_a_model_while_another_keeps_its_host_busy(si
         await asyncio.gather(*users)
         assert len(served_a) >= 4 and all(n >= 1 for n in served_a)          # every A request completed
         assert _state(url_a)["submitted_asleep"] == _state(url_b)["submitted_asleep"] == 0
+
+
+def test_pooled_demo_with_turns_runs_both_models_of_one_host_in_turns() -> None:
+    """`fleetgate demo --num-models 2 --workers 1 --scheduling turns`: two streams of the two models sent together
+    both finish on the one host, which ran them in turns (fleetgate_turns_total counts both models)."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.helpers import CliProcess, free_port_range, refused
+
+    base = free_port_range(3)
+    with CliProcess("demo", "--port", str(base), "--workers", "1", "--num-models", "2", "--scheduling", "turns",
+                    "--base-port", str(base + 1), "--time-scale", "20", merge_stderr=True) as demo:
+        demo.wait_for("fleetgate listening on", timeout=60)
+        assert "they run in their model's turns" in "\n".join(demo.stdout)
+        models = ["meta-llama/Llama-3.1-8B-Instruct-0", "meta-llama/Llama-3.1-8B-Instruct-1"]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{base}/v1", api_key="x", max_retries=0, timeout=60)
+
+        def run(m: str) -> int:
+            return client.completions.create(model=m, prompt="hi", max_tokens=600,
+                                            extra_body={"ignore_eos": True}).usage.completion_tokens
+
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(run, models)) == [600, 600]
+        text = httpx.get(f"http://127.0.0.1:{base}/metrics").text
+        turns = {m: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith("fleetgate_turns_total{") and f'model="{m}"' in line) for m in models}
+        assert all(n >= 1 for n in turns.values()), turns
+        assert demo.send_signal(signal.SIGINT, timeout=20) == 0
+    assert all(refused(base + i) for i in range(3))
