@@ -23,26 +23,27 @@ policies deciding what runs are the pure objects of policies/pooling:
               Simulator only: stock vLLM drops the KV cache on sleep (docs/reference/vllm-interface.md §6.1),
               so keeping a preempted batch's KV across a switch is not something a gateway can drive today.
 - aegaeon with `prefill_fraction` 0 (`--prefill-fraction 0`, bench label `aegaeon-coloc`): colocated turns, what
-              the live gateway's `scheduling: turns` runs over stock vLLM. No P/D partition: each engine prefills and
-              decodes its own requests (vLLM's mixed batches), one engine of a host steps at a time. Placement
-              (`turns_placement`, what a `shared_hosts` config declares): `spread` (default) gives each host
-              ceil(M / N) engines by `static_placement` (every model on at least one host, spare slots as extra
-              copies of the busiest, the rest asleep in CPU memory); `all` puts every model on every host (as
-              `fleetgate demo --num-models` does). A request goes to the engine of its model with the fewest
-              requests in flight, ties to the host with the fewest in flight (the gateway's least-loaded routing
-              over the engines serving the model). The models
-              with requests on a host form its work list, one batch per (host, model) (`DecodeWorkLists`, one
-              list per host), run in rounds of time-quota turns (eq. 2-3, tbt = the TPOT target, c = the host's
-              swap costs); a turn ends when its quota is spent or its engine has nothing left; a model alone with
-              work runs on without switching (a new model's request ends that round at the next iteration). The
-              engine leaving its turn sleeps: level 0 (pause only, no cost, KV kept) when all the host's models
-              fit awake (`resident_capacity`; each engine then
-              has its share of the KV cache), else its weights leave (`swap_cost`) and stock vLLM drops the
-              paused requests' KV (`EngineCore.drop_kv`: they recompute prompt and output so far when their turn
-              comes). `kv_kept` (simulator only) keeps it in host memory instead and copies it back before the
-              turn (`kv_copy_time_s`, section 5.3 without the overlap). No weight prefetch (vLLM has no call for
-              it). The turn rules live here as small functions (`_next_turns`, `_turn_switch`) until the gateway's
-              pure turn class exists.
+              the live gateway's `scheduling: turns` runs over stock vLLM. No P/D partition: each engine prefills
+              and decodes its own requests (vLLM's mixed batches), one engine of a host steps at a time.
+              Placement (`turns_placement`, what a `shared_hosts` config declares): `spread` (default) gives each
+              host ceil(M / N) engines by `static_placement` (every model on at least one host, spare slots as
+              extra copies of the busiest, the others asleep in CPU memory); `all` puts every model on every host
+              (as `fleetgate demo --num-models` does). A request goes to the engine of its model with the fewest
+              requests in flight, ties to the host with the fewest (the gateway's least-loaded routing over the
+              engines serving the model). The models with requests on a host form its work list, one batch per
+              (host, model) (`DecodeWorkLists`, one list per host), run in rounds of time-quota turns (eq. 2-3,
+              tbt = the TPOT target, c = the host's swap costs); a turn ends when its quota is spent or its engine
+              has nothing left; a model alone with work runs on without switching (a second model's request ends
+              that round at the next iteration). The engine leaving its turn sleeps: level 0 (a pause: no cost,
+              KV kept) when all the host's models fit awake (`resident_capacity`; each engine then has its share
+              of the KV cache), else its weights leave (`swap_cost`, no prefetch: vLLM has no call for it) and
+              stock vLLM drops the paused requests' KV (`EngineCore.drop_kv`): they recompute prompt and output
+              so far in their next turn. That recomputation is not in eq. 2-3: a quota shorter than it starves
+              the batch (it loses its KV again before it decodes). Two options beside the gateway's rules:
+              `recompute_quota` counts the estimated recomputation as switching (in c, and the turn's quota
+              starts after it), `kv_kept` (simulator only) keeps the KV in host memory and copies it back before
+              the turn (`kv_copy_time_s`, section 5.3 without the overlap). The turn rules live here as small
+              functions (`_next_turns`, `_turn_switch`) until the gateway's pure turn class exists.
 
 Every engine is built by `_engine` / `_setup_static` with an EngineConfig (FCFS today): the one place a
 service-aware priority (SeaLLM, `--service-priority`) would set vLLM's `scheduling_policy` and each request's
