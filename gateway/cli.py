@@ -190,6 +190,10 @@ def simulate(
         "7.2); 0 = no partition, Aegaeon's turns on colocated hosts (what the gateway's scheduling: turns runs)."),
     kv_kept: bool = typer.Option(False, "--kv-kept", help="Pooled aegaeon --prefill-fraction 0: keep a sleeping "
                                  "engine's KV in host memory and copy it back (simulator only; stock vLLM drops it)."),
+    recompute_quota: bool = typer.Option(False, "--recompute-quota", help="Pooled aegaeon --prefill-fraction 0: "
+                                         "count the recomputation of a dropped KV as switching (eq. 3's c, turn)."),
+    turns_placement: str = typer.Option("spread", "--turns-placement", help="Pooled aegaeon --prefill-fraction 0: "
+                                        "spread (ceil(M/N) models per host) or all (every model on every host)."),
 ) -> None:
     """Virtual-time cluster simulation: the gateway's placement step and admission queue, the same engine model,
     no sockets. Attainment is over servable requests; progress goes to stderr. With --pooling (and --num-models),
@@ -220,6 +224,7 @@ def simulate(
                                slo_ttft_s=(slo_ttft_ms or 10000.0) / 1000.0, slo_tpot_s=(slo_tpot_ms or 100.0) / 1000.0,
                                reinit=reinit, prefetch=prefetch, kv_overlap=kv_overlap,
                                service_priority=service_priority, shared_kv=shared_kv, kv_kept=kv_kept,
+                               recompute_quota=recompute_quota, turns_placement=turns_placement,
                                **({} if prefill_fraction is None else {"prefill_fraction": prefill_fraction}))
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)

@@ -403,5 +403,11 @@ def test_cli_colocated_turns():
                 "decode_round_s_mean"):
         assert key in out, key
     p = fleetgate("simulate", "--num-models", "3", "--rate", "0.6", "--workers", "2", "--pooling", "aegaeon",
+                  "--prefill-fraction", "0", "--recompute-quota", "--turns-placement", "all", "--duration", "30",
+                  "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["kv_kept"] is False and out["workers"] == 2 and out["completed"] == out["requests"]
+    p = fleetgate("simulate", "--num-models", "3", "--rate", "0.6", "--workers", "2", "--pooling", "aegaeon",
                   "--kv-kept")
     assert p.returncode == 2 and "kv_kept and recompute_quota apply to" in p.stderr
