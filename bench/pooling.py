@@ -11,6 +11,14 @@ per-token deadline attainment (section 2.1). Models per worker = M / N. The same
 mode. Also Theorem 3.1: the measured mean active-model count against M (1 - e^{-lambda T}) for the measured
 mean time in system T, from the runs at each mode's fewest workers.
 
+Besides the four modes of the issue's contract, Aegaeon's turns on colocated hosts (`--pooling aegaeon
+--prefill-fraction 0`, what the gateway's `scheduling: turns` runs, simulator/pooled.py):
+
+- aegaeon-coloc      the gateway's rules over stock vLLM: a sleeping engine's KV is dropped and recomputed.
+- aegaeon-coloc-rq   the same, with the recomputation counted as switching (`recompute_quota`): in eq. 3's c,
+                     and the turn's quota starts after it (a proposed rule, not the gateway's today).
+- aegaeon-coloc-kv   KV kept in host memory and copied back before the turn (`kv_kept`, simulator only).
+
 All of it is virtual-time simulation (simulator/pooled.py); the steps no stock vLLM can be driven to do
 (Aegaeon keeping a preempted batch's KV in host memory across model switches) are simulator only.
 """
@@ -21,6 +29,7 @@ import argparse
 import math
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +40,18 @@ from simulator.pooled import POOLING_MODES, PooledResult, PooledSpec, simulate_p
 from simulator.profiles import load_profile
 
 TARGET = 0.99
+COLOC = {"aegaeon-coloc": {}, "aegaeon-coloc-rq": {"recompute_quota": True}, "aegaeon-coloc-kv": {"kv_kept": True}}
+BENCH_MODES = (*POOLING_MODES, *COLOC)
+AEGAEON_MODES = ("aegaeon", *COLOC)       # compared with request-level swapping for the 2x target
+
+
+def mode_spec(mode: str) -> dict:
+    """PooledSpec fields of a bench mode (the colocated variants are aegaeon with no prefill partition)."""
+    if mode in COLOC:
+        return {"pooling": "aegaeon", "prefill_fraction": 0.0, **COLOC[mode]}
+    if mode not in POOLING_MODES:
+        raise ValueError(f"unknown mode {mode!r}: one of {', '.join(BENCH_MODES)}")
+    return {"pooling": mode}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -49,8 +70,8 @@ class Point:
 
 def _run(profile: str, lam: float, m: int, mode: str, n: int, duration: float, seed: int,
          **opts: bool) -> PooledResult:
-    return simulate_pooled(PooledSpec(num_models=m, rate=m * lam, workers=n, pooling=mode, profile=profile,
-                                      duration=duration, seed=seed, **opts))
+    return simulate_pooled(PooledSpec(num_models=m, rate=m * lam, workers=n, profile=profile,
+                                      duration=duration, seed=seed, **mode_spec(mode), **opts))
 
 
 def fewest_workers(profile: str, lam: float, m: int, mode: str, duration: float, seed: int, cap: int,
@@ -63,7 +84,7 @@ def fewest_workers(profile: str, lam: float, m: int, mode: str, duration: float,
             cache[n] = _run(profile, lam, m, mode, n, duration, seed, **opts)
         return cache[n]
 
-    lo = 2 if mode == "aegaeon" else 1
+    lo = 2 if mode == "aegaeon" else 1     # the colocated variants run on one host
     if mode == "dedicated":
         lo = m
     elif mode == "multiplex":             # fewer workers than M / (models awake per worker) refuse models
@@ -119,11 +140,11 @@ def quota_report(points: list[Point]) -> str:
              " 100 ms target whenever alpha <= 1. A request that waits W for its batch's turn needs at least"
              " L* = W / (TBT - t) output tokens to meet it. At aegaeon's fewest-workers run (per request) of each"
              " point, first seed; rounds of two or more batches:", "",
-             "| profile | lambda | M | N | max alpha | mean wait for the turn s | L* tokens | completed below L* |"
-             " misses | misses below L* | misses late on TTFT |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| profile | lambda | M | mode | N | max alpha | mean wait for the turn s | L* tokens | completed below L* |"
+             " misses | misses below L* | misses late on TTFT |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in rows:
         d = p.at_best
-        lines.append(f"| {p.profile} | {p.lam:g} | {p.models} | {d['workers']} | {d['quota_alpha_max']:.2f} |"
+        lines.append(f"| {p.profile} | {p.lam:g} | {p.models} | {p.mode} | {d['workers']} | {d['quota_alpha_max']:.2f} |"
                      f" {d['quota_wait_s']:.2f} | {d['short_tokens']:.1f} | {d['short_share']:.1%} | {d['misses']} |"
                      f" {d['short_misses']} | {d['ttft_misses']} |")
     return "\n".join(lines)
@@ -144,6 +165,10 @@ def report(points: list[Point], args: argparse.Namespace, cap_of: dict, png: str
         f" that fit the context, {args.duration:g} s of arrivals then drain, seed {args.seed}. SLO: TTFT 10 s and"
         " TBT (mean TPOT) 100 ms, Aegaeon section 7.1. Swap cost in every mode: eq. 4 (weights / 25 GB/s host link"
         " x 0.625). Aegaeon: 6/16 of the workers prefill (section 7.2), MAX_GPSIZE 8, Q_MAX 4 s."
+        " aegaeon-coloc*: no partition, each host holds ceil(M / N) models' engines (`static_placement`), one"
+        " running at a time in eq. 2-3 turns; sleep level 0 (free) when they fit awake, else weights swapped at the"
+        " same cost and KV dropped (-coloc, -coloc-rq) or kept in host memory (-coloc-kv, simulator only); no"
+        " weight prefetch."
         f" Weight prefetch (section 5.2, every swapping mode): {'off' if args.no_prefetch else 'on'};"
         f" Aegaeon's KV swap-in overlapped with the previous turn (section 5.3): {'off' if args.no_kv_overlap else 'on'}.",
         "",
@@ -178,6 +203,26 @@ def report(points: list[Point], args: argparse.Namespace, cap_of: dict, png: str
         lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | {_n(r.n_request, cap)} / {_n(r.n_token, cap)} |"
                      f" {_n(a.n_request, cap)} / {_n(a.n_token, cap)} | {_ratio(r.n_request, a.n_request, cap)} |"
                      f" {_ratio(r.n_token, a.n_token, cap)} |")
+    coloc = [m for m in COLOC if any(p.mode == m for p in points)]
+    if coloc:
+        lines += ["", "Colocated turns (what the gateway's `scheduling: turns` runs; `-kv` simulator only), against"
+                  " request-level swapping, ratio req / tok:", "",
+                  "| profile | lambda | M | request N (req / tok) | " + " | ".join(f"{m} N (req / tok) | ratio"
+                                                                        for m in coloc) + " |",
+                  "|---|---|---|---|" + "---|---|" * len(coloc)]
+        for key in sorted({(p.profile, p.lam, p.models) for p in points}):
+            r = by.get((*key, "request"))
+            if r is None:
+                continue
+            cap = cap_of[key]
+            cells = []
+            for m in coloc:
+                c = by.get((*key, m))
+                cells.append("- | -" if c is None else
+                             f"{_n(c.n_request, cap)} / {_n(c.n_token, cap)} | {_ratio(r.n_request, c.n_request, cap)}"
+                             f" / {_ratio(r.n_token, c.n_token, cap)}")
+            lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | {_n(r.n_request, cap)} / {_n(r.n_token, cap)} | "
+                         + " | ".join(cells) + " |")
     lines += ["", "Ratio = request N / aegaeon N = aegaeon's models per worker over request-level's (`>`: request"
               " never reached 99% within the cap, so the ratio is at least that).", "",
               "## Theorem 3.1: active models", "",
@@ -210,21 +255,23 @@ def seeds_report(points: list[Point], cap_of: dict, seeds: list[int]) -> str:
                      f" | {' / '.join(_n(p.n_token, cap) for p in ps)}"
                      f" | {' / '.join(_hidden(p) for p in ps)}"
                      f" | {' / '.join(_f(r) for r in rounds)} | {' / '.join(_f(a) for a in alphas)} |")
-    lines += ["", "| profile | lambda | M | ratio req per seed | ratio tok per seed | req min-max | tok min-max |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "Ratio over request-level swapping (request N / the mode's N), per seed:", "",
+              "| profile | lambda | M | mode | ratio req per seed | ratio tok per seed | req min-max | tok min-max |",
+              "|---|---|---|---|---|---|---|---|"]
     for key in sorted({k[:3] for k in by}):
-        r, a = by.get((*key, "request"), {}), by.get((*key, "aegaeon"), {})
-        common = [s for s in seeds if s in r and s in a]
-        if not common:
-            continue
-        cap = cap_of[key]
-        cells = []
-        for attr in ("n_request", "n_token"):
-            vals = [(getattr(r[s], attr) or cap) / getattr(a[s], attr) for s in common if getattr(a[s], attr)]
-            txt = " / ".join(_ratio(getattr(r[s], attr), getattr(a[s], attr), cap) for s in common)
-            cells.append((txt, f"{min(vals):.2f}-{max(vals):.2f}x" if vals else "-"))
-        lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} |"
-                     f" {cells[1][1]} |")
+        for mode in AEGAEON_MODES:
+            r, a = by.get((*key, "request"), {}), by.get((*key, mode), {})
+            common = [s for s in seeds if s in r and s in a]
+            if not common:
+                continue
+            cap = cap_of[key]
+            cells = []
+            for attr in ("n_request", "n_token"):
+                vals = [(getattr(r[s], attr) or cap) / getattr(a[s], attr) for s in common if getattr(a[s], attr)]
+                txt = " / ".join(_ratio(getattr(r[s], attr), getattr(a[s], attr), cap) for s in common)
+                cells.append((txt, f"{min(vals):.2f}-{max(vals):.2f}x" if vals else "-"))
+            lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | {mode} | {cells[0][0]} | {cells[1][0]} |"
+                         f" {cells[0][1]} | {cells[1][1]} |")
     return "\n".join(lines)
 
 
@@ -257,7 +304,7 @@ def plot(points: list[Point], path: Path) -> None:
     for col, (prof, lam) in enumerate(groups):
         for row, (attr, label) in enumerate((("n_request", "per-request 99%"), ("n_token", "per-token 99%"))):
             ax = axes[row][col]
-            for mode in POOLING_MODES:
+            for mode in BENCH_MODES:
                 pts = sorted((p.models, p.models / getattr(p, attr)) for p in points
                              if (p.profile, p.lam, p.mode) == (prof, lam, mode) and getattr(p, attr))
                 if pts:
@@ -269,7 +316,7 @@ def plot(points: list[Point], path: Path) -> None:
             ax.legend(fontsize=8)
         ax = axes[2][col]
         top = 1.0
-        for mode in POOLING_MODES:
+        for mode in BENCH_MODES:
             pts = [(p.at_best["expected_active_models"], p.at_best["active_models_mean"]) for p in points
                    if (p.profile, p.lam, p.mode) == (prof, lam, mode)]
             if pts:
@@ -292,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profiles", default="llama3-8b-h100,llama2-13b-a100")
     ap.add_argument("--lambdas", default="0.1,0.5", help="Per-model rates (req/s).")
     ap.add_argument("--models", default="8,16,32,64")
-    ap.add_argument("--modes", default=",".join(POOLING_MODES))
+    ap.add_argument("--modes", default=",".join(BENCH_MODES), help=f"Any of {', '.join(BENCH_MODES)}.")
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--seeds", default="", help="Comma-separated seeds (overrides --seed): adds a spread section; "
@@ -300,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-prefetch", action="store_true", help="Aegaeon section 5.2's weight prefetch off (all modes).")
     ap.add_argument("--no-kv-overlap", action="store_true", help="Section 5.3's overlapped KV swap-in off.")
     ap.add_argument("--out", default="pooling")
+    ap.add_argument("--jobs", type=int, default=1, help="Points computed in parallel processes (same results).")
     args = ap.parse_args(argv)
     if args.quick:
         args.profiles, args.lambdas, args.models, args.duration = "llama3-8b-h100", "0.5", "8,16,32", 120.0
@@ -307,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     lambdas = [float(x) for x in args.lambdas.split(",")]
     models = [int(x) for x in args.models.split(",")]
     modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        mode_spec(m)
     seeds = [int(x) for x in args.seeds.split(",") if x] or [args.seed]
     args.seed = seeds[0]
     opts = {"prefetch": not args.no_prefetch, "kv_overlap": not args.no_kv_overlap}
@@ -314,18 +364,30 @@ def main(argv: list[str] | None = None) -> None:
     cap_of: dict = {}
     t0 = time.time()
     commit = git_commit()          # the code the run started at (a long run may outlast a commit)
+    tasks = []
     for prof in profiles:
         for lam in lambdas:
             for m in models:
                 cap = 2 * m
                 cap_of[(prof, lam, m)] = cap
-                for mode in modes:
-                    for seed in seeds:
-                        p = fewest_workers(prof, lam, m, mode, args.duration, seed, cap, **opts)
-                        points.append(p)
-                        print(f"{prof} lambda={lam:g} M={m} {mode} seed={seed}: N@req={p.n_request} "
-                              f"N@tok={p.n_token} ({p.runs} runs, {time.time() - t0:.0f} s)", file=sys.stderr,
-                              flush=True)
+                tasks += [(prof, lam, m, mode, args.duration, seed, cap) for mode in modes for seed in seeds]
+
+    def done(p: Point) -> None:
+        print(f"{p.profile} lambda={p.lam:g} M={p.models} {p.mode} seed={p.seed}: N@req={p.n_request} "
+              f"N@tok={p.n_token} ({p.runs} runs, {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    if args.jobs > 1:               # independent points in parallel processes; the table keeps the task order
+        with ProcessPoolExecutor(args.jobs) as pool:
+            # the largest M first, so the last process to finish is not left with a long point alone
+            futures = {i: pool.submit(fewest_workers, *tasks[i], **opts)
+                       for i in sorted(range(len(tasks)), key=lambda i: -tasks[i][2])}
+            for f in as_completed(futures.values()):
+                done(f.result())
+            points = [futures[i].result() for i in range(len(tasks))]
+    else:
+        for t in tasks:
+            points.append(fewest_workers(*t, **opts))
+            done(points[-1])
     main_points = [p for p in points if p.seed == seeds[0]]
     png = RESULTS / f"{args.out}.png"
     plot(main_points, png)

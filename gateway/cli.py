@@ -187,6 +187,15 @@ def simulate(
                                     "batch's KV in during the current turn (Aegaeon section 5.3)."),
     shared_kv: bool = typer.Option(False, "--shared-kv", help="Pooled multiplex: the models share one KV pool "
                                    "(SeaLLM section 4.4), so more fit a host."),
+    prefill_fraction: float | None = typer.Option(
+        None, "--prefill-fraction", help="Pooled aegaeon: the share of workers that prefill (default 6/16, section "
+        "7.2); 0 = no partition, Aegaeon's turns on colocated hosts (what the gateway's scheduling: turns runs)."),
+    kv_kept: bool = typer.Option(False, "--kv-kept", help="Pooled aegaeon --prefill-fraction 0: keep a sleeping "
+                                 "engine's KV in host memory and copy it back (simulator only; stock vLLM drops it)."),
+    recompute_quota: bool = typer.Option(False, "--recompute-quota", help="Pooled aegaeon --prefill-fraction 0: "
+                                         "count the recomputation of a dropped KV as switching (eq. 3's c, turn)."),
+    turns_placement: str = typer.Option("spread", "--turns-placement", help="Pooled aegaeon --prefill-fraction 0: "
+                                        "spread (ceil(M/N) models per host) or all (every model on every host)."),
 ) -> None:
     """Virtual-time cluster simulation: the gateway's placement step and admission queue, the same engine model,
     no sockets. Attainment is over servable requests; progress goes to stderr. With --pooling (and --num-models),
@@ -216,7 +225,9 @@ def simulate(
                                duration=duration or 300.0, seed=seed,
                                slo_ttft_s=(slo_ttft_ms or 10000.0) / 1000.0, slo_tpot_s=(slo_tpot_ms or 100.0) / 1000.0,
                                reinit=reinit, prefetch=prefetch, kv_overlap=kv_overlap,
-                               service_priority=service_priority, shared_kv=shared_kv)
+                               service_priority=service_priority, shared_kv=shared_kv, kv_kept=kv_kept,
+                               recompute_quota=recompute_quota, turns_placement=turns_placement,
+                               **({} if prefill_fraction is None else {"prefill_fraction": prefill_fraction}))
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None

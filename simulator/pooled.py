@@ -22,6 +22,28 @@ policies deciding what runs are the pure objects of policies/pooling:
               other batches run and is copied back over the host link before its turn (section 5.3).
               Simulator only: stock vLLM drops the KV cache on sleep (docs/reference/vllm-interface.md §6.1),
               so keeping a preempted batch's KV across a switch is not something a gateway can drive today.
+- aegaeon with `prefill_fraction` 0 (`--prefill-fraction 0`, bench label `aegaeon-coloc`): colocated turns, what
+              the live gateway's `scheduling: turns` runs over stock vLLM. No P/D partition: each engine prefills
+              and decodes its own requests (vLLM's mixed batches), one engine of a host steps at a time.
+              Placement (`turns_placement`, what a `shared_hosts` config declares): `spread` (default) gives each
+              host ceil(M / N) engines by `static_placement` (every model on at least one host, spare slots as
+              extra copies of the busiest, the others asleep in CPU memory); `all` puts every model on every host
+              (as `fleetgate demo --num-models` does). A request goes to the engine of its model with the fewest
+              requests in flight, ties to the host with the fewest (the gateway's least-loaded routing over the
+              engines serving the model). The models with requests on a host form its work list, one batch per
+              (host, model) (`DecodeWorkLists`, one list per host), run in rounds of time-quota turns (eq. 2-3,
+              tbt = the TPOT target, c = the host's swap costs); a turn ends when its quota is spent or its engine
+              has nothing left; a model alone with work runs on without switching (a second model's request ends
+              that round at the next iteration). The engine leaving its turn sleeps: level 0 (a pause: no cost,
+              KV kept) when all the host's models fit awake (`resident_capacity`; each engine then has its share
+              of the KV cache), else its weights leave (`swap_cost`, no prefetch: vLLM has no call for it) and
+              stock vLLM drops the paused requests' KV (`EngineCore.drop_kv`): they recompute prompt and output
+              so far in their next turn. That recomputation is not in eq. 2-3: a quota shorter than it starves
+              the batch (it loses its KV again before it decodes). Two options beside the gateway's rules:
+              `recompute_quota` counts the estimated recomputation as switching (in c, and the turn's quota
+              starts after it), `kv_kept` (simulator only) keeps the KV in host memory and copies it back before
+              the turn (`kv_copy_time_s`, section 5.3 without the overlap). The turn rules live here as small
+              functions (`_next_turns`, `_turn_switch`) until the gateway's pure turn class exists.
 
 Every engine is built by `_engine` / `_setup_static` with an EngineConfig (FCFS today): the one place a
 service-aware priority (SeaLLM, `--service-priority`) would set vLLM's `scheduling_policy` and each request's
@@ -107,6 +129,9 @@ class PooledSpec:
     kv_overlap: bool = True              # section 5.3: aegaeon's KV swap-in overlapped with the previous turn
     service_priority: str | None = None  # multiplex / request: which model (service) runs next (SeaLLM)
     shared_kv: bool = False              # multiplex: models share one KV pool (SeaLLM section 4.4)
+    kv_kept: bool = False                # aegaeon colocated: KV kept in host memory across turns (simulator only)
+    turns_placement: str = "spread"      # aegaeon colocated: spread (static_placement) | all (every model everywhere)
+    recompute_quota: bool = False        # aegaeon colocated, KV dropped: a turn's recomputation counts as switching
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLING_MODES:
@@ -115,19 +140,34 @@ class PooledSpec:
             raise ValueError("--num-models must be >= 1")
         if self.workers < 1:
             raise ValueError("--workers must be >= 1")
-        if self.pooling == "aegaeon" and self.workers < 2:
-            raise ValueError("--pooling aegaeon needs at least 2 workers (one prefill, one decode)")
+        if self.pooling == "aegaeon" and self.workers < 2 and not self.colocated:
+            raise ValueError("--pooling aegaeon needs at least 2 workers (one prefill, one decode) unless "
+                             "--prefill-fraction 0 (colocated turns)")
         if self.service_priority is not None:
             if self.service_priority not in SERVICE_PRIORITIES:
                 raise ValueError(f"--service-priority must be one of {', '.join(SERVICE_PRIORITIES)}, "
                                  f"got {self.service_priority!r}")
             if self.pooling not in ("multiplex", "request"):
                 raise ValueError("--service-priority applies to --pooling multiplex or request")
-        if not 0 < self.prefill_fraction < 1:
-            raise ValueError("prefill_fraction must be in (0, 1)")
+        if not 0 <= self.prefill_fraction < 1:
+            raise ValueError("prefill_fraction must be in [0, 1) (0: no partition, colocated turns)")
+        if self.turns_placement not in ("spread", "all"):
+            raise ValueError(f"turns_placement must be spread or all, got {self.turns_placement!r}")
+        if (self.kv_kept or self.recompute_quota) and not self.colocated:
+            raise ValueError("kv_kept and recompute_quota apply to --pooling aegaeon --prefill-fraction 0 "
+                             "(colocated turns)")
         if self.rate <= 0 or self.duration <= 0 or self.drain_s < 0:
             raise ValueError("--rate and --duration must be > 0")
         parse_skew(self.model_skew)
+
+    @property
+    def colocated(self) -> bool:
+        """Aegaeon's turns on colocated hosts (no prefill/decode partition): what the live gateway runs."""
+        return self.pooling == "aegaeon" and self.prefill_fraction == 0
+
+    @property
+    def label(self) -> str:
+        return "aegaeon-coloc" if self.colocated else self.pooling
 
     @property
     def mix(self) -> ModelMix:
@@ -157,6 +197,8 @@ class PooledResult:
     per_model_attainment: dict[str, float] = field(default_factory=dict)
     hidden_swaps: int = 0                # swaps whose weight load a prefetch hid completely
     decode_rounds: list[RoundPlan] = field(default_factory=list)   # aegaeon: every round planned
+    kv_dropped: int = 0                  # colocated turns: requests whose KV a sleep dropped (they recompute)
+    prompt_tokens_computed: int = 0      # prefill tokens the engines computed (recomputation included)
 
     def to_dict(self) -> dict[str, Any]:
         out = self.sim.to_dict()
@@ -174,7 +216,10 @@ class PooledResult:
         if self.decode_rounds:
             out["decode_round_s_mean"] = sum(r.round_s for r in self.decode_rounds) / len(self.decode_rounds)
             out["decode_alpha_mean"] = sum(r.alpha for r in self.decode_rounds) / len(self.decode_rounds)
-        if self.spec.pooling == "aegaeon":
+        if self.spec.colocated:
+            out.update({"mode": self.spec.label, "kv_kept": self.spec.kv_kept, "kv_dropped": self.kv_dropped,
+                        "prompt_tokens_computed": self.prompt_tokens_computed})
+        elif self.spec.pooling == "aegaeon":
             p, d = self.spec.split()
             out["prefill_workers"], out["decode_workers"] = p, d
         return out
@@ -183,7 +228,7 @@ class PooledResult:
 @dataclass(slots=True, eq=False)
 class _Host:
     id: str
-    role: str                                   # mixed | prefill | decode
+    role: str                                   # mixed | prefill | decode | turns (colocated)
     engines: dict[str, EngineCore] = field(default_factory=dict)   # engine key -> engine (awake or asleep)
     resident_model: str | None = None           # the model whose weights are on the GPU
     resident_key: str | None = None             # decode: the batch whose KV is on the GPU
@@ -204,6 +249,11 @@ class _Host:
     pf_batch: str | None = None                 # a decode batch's KV swapped in ahead of its turn (section 5.3) ...
     pf_kv_done: float = 0.0                     # ... in from then on
     live: dict[str, set[str]] = field(default_factory=dict)   # with a service priority: engine -> its requests
+    wl: DecodeWorkLists | None = None           # colocated turns: this host's work list (one batch per model)
+    inflight: int = 0                           # colocated turns: requests on the host
+    level: int = 1                              # colocated turns: the sleep level of an engine leaving its turn
+    blocks: int | None = None                   # colocated turns at level 0: each engine's share of the KV cache
+    grace: float = 0.0                          # colocated turns, recompute_quota: the next turn's recompute estimate
 
     @property
     def busy(self) -> bool:
@@ -241,13 +291,16 @@ class PooledSim:
         self.rounds: list[RoundPlan] = []
         self.sched: ServiceScheduler | None = (make_service_scheduler(spec.service_priority)
                                                if spec.service_priority is not None else None)
-        self._prefetching = spec.prefetch and spec.reinit == REINIT_OPTIMIZED
+        self._prefetching = spec.prefetch and spec.reinit == REINIT_OPTIMIZED and not spec.colocated
+        self.kv_dropped = 0
         mode = spec.pooling
         if mode in ("dedicated", "multiplex"):
             self._setup_static(mode)
         elif mode == "request":
             self.hosts = [_Host(f"w{i}", "mixed") for i in range(spec.workers)]
             self.swapping = RequestSwapping([h.id for h in self.hosts])
+        elif spec.colocated:
+            self._setup_turns()
         else:
             self._setup_aegaeon()
         self._by_id = {h.id: h for h in self.hosts}
@@ -275,6 +328,24 @@ class PooledSim:
                                                                           scheduling_policy=policy))
         for h in self.hosts:
             h.rr = RoundRobin(sorted(h.engines))
+
+    def _setup_turns(self) -> None:
+        """Colocated turns: every model on every host; level 0 (pause only) when they all fit awake, each engine
+        then with its share of the KV cache; else each engine owns the whole KV cache while its turn runs."""
+        prof = self.profile
+        fit = resident_capacity(self._memory_bytes(), prof.weight_bytes, prof.kv_bytes_per_token, prof.max_model_len)
+        self.hosts = [_Host(f"w{i}", "turns") for i in range(self.spec.workers)]
+        ids = [h.id for h in self.hosts]
+        if self.spec.turns_placement == "all":
+            self.placement = {m: list(ids) for m in self.wl.rates}
+        else:
+            self.placement = static_placement(self.wl.rates, ids, -(-len(self.wl.rates) // len(ids)))
+        for h in self.hosts:
+            h.wl = DecodeWorkLists([h.id], lambda model: 1 << 60, self.spec.q_max_s)
+            held = sum(1 for hosts in self.placement.values() if h.id in hosts)
+            h.level = 0 if held <= fit else 1
+            h.blocks = (int((self._memory_bytes() - held * prof.weight_bytes) / max(1, held)
+                            / (prof.kv_bytes_per_token * prof.block_size)) if h.level == 0 else None)
 
     def _setup_aegaeon(self) -> None:
         p, d = self.spec.split()
@@ -352,7 +423,8 @@ class PooledSim:
         end = max([r.finished for r in self.results.values() if r.finished is not None] or [self.spec.duration])
         for h in self.hosts:
             self.preemptions += sum(e.stats.preemptions for e in h.engines.values())
-        sim = SimResult(policy=self.spec.pooling, profile=self.profile.name, workers=self.spec.workers,
+        prompt_computed = sum(e.stats.prompt_tokens for h in self.hosts for e in h.engines.values())
+        sim = SimResult(policy=self.spec.label, profile=self.profile.name, workers=self.spec.workers,
                         results=list(self.results.values()), start=0.0, end=end, wall_s=time.perf_counter() - wall0,
                         gpu_seconds=self.spec.workers * self.profile.gpus_per_worker * end,
                         preemptions=self.preemptions, prefix_cache_queries=0, prefix_cache_hits=0,
@@ -367,10 +439,11 @@ class PooledSim:
         return PooledResult(
             sim, self.spec, self.swaps, self.swap_seconds,
             self._active_area / self.spec.duration, expected_active_models(list(self.wl.rates.values()), mean_t),
-            unserved_models=sum(1 for m in self.wl.rates if self.spec.pooling in ("dedicated", "multiplex")
-                                and m not in self.placement),
+            unserved_models=sum(1 for m in self.wl.rates if (self.spec.pooling in ("dedicated", "multiplex")
+                                                             or self.spec.colocated) and m not in self.placement),
             per_model_attainment={m: met / n for m, (met, n) in per_model.items() if n},
-            hidden_swaps=self.hidden_swaps, decode_rounds=self.rounds,
+            hidden_swaps=self.hidden_swaps, decode_rounds=self.rounds, kv_dropped=self.kv_dropped,
+            prompt_tokens_computed=prompt_computed,
             token_slo_attainment=self.tokens_met / max(1, sum(r.output_tokens for r in self.wl.requests)))
 
     # ---- active models (Theorem 3.1's m) ----------------------------------------------------------------
@@ -414,6 +487,8 @@ class PooledSim:
                 return
             h = min(hosts, key=lambda x: x.engines[r.model].num_running + x.engines[r.model].num_waiting)
             self._add(h, r.model, self._sim_request(r, now), now)
+        elif self.spec.colocated:
+            self._reach_turns(r, now)
         elif mode == "request":
             placed = self.swapping.place(r.request_id, r.model)
             h = self._by_id[placed.host]
@@ -561,6 +636,8 @@ class PooledSim:
             self._next_prefill(h, now)
         elif h.role == "decode":
             self._next_decode(h, now)
+        elif h.role == "turns":
+            self._next_turns(h, now)
         elif self.spec.pooling == "request":
             self._next_request(h, now)
         else:
@@ -654,6 +731,109 @@ class PooledSim:
                 self._swap_in(h, b.model, now, reload)
                 return
 
+    # ---- colocated turns (module docstring; the gateway's `scheduling: turns`) ------------------------------
+    def _reach_turns(self, r: ModelRequest, now: float) -> None:
+        """The gateway's routing: the engine of the request's model with the fewest requests in flight, ties to the
+        least loaded host; the request joins its model's batch in that host's work list."""
+        def load(h: _Host) -> tuple[int, int]:
+            eng = h.engines.get(r.model)
+            return (eng.num_running + eng.num_waiting if eng is not None else 0), h.inflight
+
+        h = min((self._by_id[i] for i in self.placement[r.model]), key=load)
+        wl = h.wl
+        wl.place(r.request_id, r.model, r.prompt_tokens)
+        h.inflight += 1
+        if h.round_batches == 1 and len(wl.work[h.id]) > 1 and h.turn is not None and h.turn_end is not None:
+            h.turn_end = now        # a model alone runs on Q_MAX; a second one ends that round at the next iteration
+        if r.model not in h.engines:
+            h.engines[r.model] = EngineCore(self.profile, EngineConfig(num_gpu_blocks=h.blocks))
+        self._add(h, r.model, self._sim_request(r, now), now)
+
+    def _turn_step_time(self, b: DecodeBatch) -> float:
+        """Eq. 2's t_k for a batch: one decode iteration of its requests over their context so far."""
+        seqs = max(1, len(b.requests))
+        ctx = sum(self.requests[rid].prompt_tokens + self._emitted.get(rid, 0) for rid in b.requests)
+        return self.profile.step_time(0, seqs, max(ctx, seqs), 0.0)
+
+    def _turn_switch_cost(self, prev: DecodeBatch, nxt: DecodeBatch) -> float:
+        """Eq. 3's c, per switch: nothing at sleep level 0 or between one model's batches; else the weights,
+        and with `kv_kept` the next batch's KV copied back."""
+        h = self.hosts_by_id(nxt.instance)
+        if prev.model == nxt.model or h.level == 0:
+            return 0.0
+        kv = self._kv_reload_s(h.engines.get(nxt.model)) if self.spec.kv_kept else 0.0
+        return self.swap.total_s + kv + (self._recompute_s(h, nxt.model) if self.spec.recompute_quota else 0.0)
+
+    def _recompute_s(self, h: _Host, model: str) -> float:
+        """`recompute_quota`: seconds to recompute, at the start of `model`'s next turn, the KV a sleep drops (the
+        prompt and output so far of each of its started requests), chunked by the step's token budget (an
+        estimate from the profile's step-time model, as eq. 5-6 of appendix A.2 are estimates)."""
+        eng = h.engines.get(model)
+        b = next((x for x in h.wl.work[h.id] if x.model == model), None)
+        if eng is None or b is None:
+            return 0.0
+        lens = [self.requests[rid].prompt_tokens + self._emitted.get(rid, 0) for rid in b.requests
+                if not eng.not_started(rid)]
+        total = sum(lens)
+        if not total:
+            return 0.0
+        prof = self.profile
+        chunks = -(-total // prof.max_num_batched_tokens)
+        return (chunks * (prof.c_step_s + prof.t_weights_s) + prof.k_prefill_s * total
+                + prof.k_attn_s * sum(n * n / 2 for n in lens))
+
+    def _next_turns(self, h: _Host, now: float) -> None:
+        """Run the current turn while its quota lasts and its engine has work; then the next turn of the round,
+        a new round when it is done (rounds continue the round robin from the model that ran last)."""
+        wl = h.wl
+        rounds = 0
+        while True:
+            t = h.turn
+            if t is not None and t.batch_id in wl.batches:
+                if h.turn_end is None:
+                    h.turn_end = now + t.quota_s + h.grace
+                    h.grace = 0.0
+                if now < h.turn_end and self._step(h, t.model, now, macro=True, limit=h.turn_end):
+                    h.ran_this_round = True
+                    return
+            h.turn = h.turn_end = None
+            if not h.turns:
+                if rounds and not h.ran_this_round:
+                    return          # a fresh round ran nothing (cannot happen with work: a guard)
+                rounds += 1
+                h.ran_this_round = False
+                turns = wl.round(h.id, self._turn_step_time, self.spec.slo_tpot_s, self._turn_switch_cost,
+                                 h.resident_key)
+                if turns and wl.last_round is not None:
+                    self.rounds.append(wl.last_round)
+                h.round_batches = len(turns)
+                if not turns:
+                    return
+                h.turns = deque(turns)
+            t = h.turns.popleft()
+            if t.batch_id not in wl.batches:
+                continue
+            h.turn = t
+            h.resident_key = t.batch_id
+            if t.model != h.resident_model and self._turn_switch(h, t.model, now):
+                return
+
+    def _turn_switch(self, h: _Host, model: str, now: float) -> bool:
+        """The resident engine leaves its turn (/sleep?level=L&mode=keep) and `model`'s takes the host. Level 0:
+        a pause, free. Else the weights go (`swap_cost`) and, unless `kv_kept`, the sleeping engine's requests
+        lose their KV; with `kv_kept` the incoming engine's KV is copied back. True: a swap is in flight."""
+        prev = h.engines.get(h.resident_model) if h.resident_model is not None else None
+        if h.level == 0:
+            h.resident_model = model
+            return False
+        if prev is not None and not self.spec.kv_kept:
+            self.kv_dropped += prev.drop_kv()
+        if self.spec.recompute_quota:
+            h.grace = self._recompute_s(h, model)
+        kv = self._kv_reload_s(h.engines.get(model)) if self.spec.kv_kept else 0.0
+        self._swap_in(h, model, now, kv)
+        return True
+
     def _keep_room(self, h: _Host, key: str) -> None:
         """The running batch's KV grew: what was prefetched beside it and no longer fits is dropped (the KV of
         running requests comes first), the KV before the weights."""
@@ -725,6 +905,9 @@ class PooledSim:
         self._done(r, res, rec.finished, rec.num_output, rec.finish_reason, now)
         if self.spec.pooling == "request":
             self.swapping.finished(h.id)
+        elif h.role == "turns":
+            h.wl.remove(rid)
+            h.inflight -= 1
 
     def _done(self, r: ModelRequest, res: RequestResult, finished: float, n_out: int, reason: str, now: float) -> None:
         res.finished, res.output_tokens, res.finish_reason = finished, n_out, reason

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from policies.pooling.aegaeon import decode_quotas
 from policies.pooling.costs import switch_time_s
 from simulator.pooled import PooledSim, PooledSpec, simulate_pooled
 from simulator.pooled_workload import (
@@ -260,3 +261,153 @@ def test_cli_pooled_service_priority_and_mechanism_flags():
     assert p.returncode == 2 and "applies to --pooling multiplex or request" in p.stderr
     p = fleetgate("simulate", "--num-models", "4", "--rate", "1", "--pooling", "request", "--service-priority", "lottery")
     assert p.returncode == 2 and "--service-priority must be one of" in p.stderr
+
+
+# ---- Aegaeon's turns on colocated hosts (--pooling aegaeon --prefill-fraction 0: the gateway's scheduling: turns)
+
+def _turns(reqs: list[ModelRequest], models: int = 3, **opts: object) -> tuple[PooledSim, dict, list]:
+    """One host holding `models` 13B engines (three do not fit an A100 awake: sleep level 1, weights swapped);
+    returns the sim, the results by id and every switch as (time it starts, model)."""
+    names = [f"model-{i:02d}" for i in range(models)]
+    wl = MultiModelWorkload(reqs, dict.fromkeys(names, 0.1), dict.fromkeys(names, "x"), dict.fromkeys(names, 300.0))
+    sim = PooledSim(PooledSpec(num_models=models, workers=1, pooling="aegaeon", prefill_fraction=0.0,
+                               duration=max(r.arrival for r in reqs) + 1, **opts), wl)
+    switches: list[tuple[float, str]] = []
+    swap_in = sim._swap_in
+
+    def logged(h, model, now, extra_s=0.0):
+        switches.append((now, model))
+        swap_in(h, model, now, extra_s)
+
+    sim._swap_in = logged
+    res = sim.run()
+    return sim, {r.request_id: r for r in res.sim.results} | {"_res": res}, switches
+
+
+def _long(rid: str, t: float, model: str, prompt: int = 500, out: int = 600) -> ModelRequest:
+    return ModelRequest(rid, t, prompt, out, max_tokens=out, slo_ttft_s=10.0, slo_tpot_s=0.1, model=model)
+
+
+def test_colocated_turns_interleave_two_models_with_eq_2_3_quotas():
+    sim, rs, switches = _turns([_long("a", 0.0, "model-00"), _long("b", 0.5, "model-01")])
+    a, b, res = rs["a"], rs["b"], rs["_res"]
+    assert a.completed and b.completed and a.output_tokens == b.output_tokens == 600
+    assert a.worker_id == b.worker_id == "w0"
+    # Turns, not request-level swapping: B starts while A is still decoding, and A runs again after B's first turn.
+    assert a.first_token < b.first_token < a.finished and b.finished > a.finished - 60
+    models = [m for _, m in switches]
+    assert models[:4] == ["model-00", "model-01", "model-00", "model-01"]
+    assert res.swaps == len(switches) >= 6
+    # Every round of both batches: c = two weight swaps (KV dropped, nothing copied back) and eq. 2-3's quotas.
+    two = [r for r in res.decode_rounds if len(r.quotas) == 2]
+    assert len(two) >= 3
+    for r in two:
+        assert r.switch_s == pytest.approx(2 * SWAP_S)
+        assert list(r.quotas) == pytest.approx(decode_quotas(list(r.step_times), 0.1, r.switch_s))
+    # A turn lasts its quota: from the end of one switch to the start of the next, within one step's overshoot
+    # (the iteration in flight at the quota's end completes; the first step of a turn recomputes the dropped KV).
+    q = two[1].quotas[0]
+    gaps = [t1 - (t0 + SWAP_S) for (t0, _), (t1, _) in zip(switches[2:-2], switches[3:-1], strict=True)]
+    assert gaps and all(q - 0.05 < g < q + 0.15 for g in gaps), (q, gaps)
+
+
+def test_colocated_turns_drop_the_kv_on_sleep_unless_kept():
+    reqs = [_long("a", 0.0, "model-00"), _long("b", 0.5, "model-01")]
+    _, dropped, _ = _turns(reqs)
+    _, kept, _ = _turns(reqs, kv_kept=True)
+    d, k = dropped["_res"], kept["_res"]
+    assert k.kv_dropped == 0 and k.prompt_tokens_computed == 1000          # each prompt computed once
+    # Stock vLLM: every switch away from a running request drops its KV; it recomputes prompt + output so far.
+    assert d.kv_dropped >= 4 and d.prompt_tokens_computed > 1000 + 2 * 500
+    assert d.to_dict()["kv_dropped"] == d.kv_dropped and d.to_dict()["mode"] == "aegaeon-coloc"
+    # With the KV kept, a switch also copies the incoming batch's KV back over the host link (section 5.3).
+    two = [r for r in k.decode_rounds if len(r.quotas) == 2]
+    assert two and all(r.switch_s > 2 * SWAP_S for r in two)
+    for rs in (dropped, kept):
+        assert rs["a"].completed and rs["b"].completed
+
+
+def test_colocated_turns_recompute_quota_counts_the_recomputation_as_switching():
+    reqs = [_long("a", 0.0, "model-00"), _long("b", 0.5, "model-01")]
+    _, plain, _ = _turns(reqs)
+    _, rq, _ = _turns(reqs, recompute_quota=True)
+    two = [r for r in rq["_res"].decode_rounds if len(r.quotas) == 2]
+    assert two and all(r.switch_s > 2 * SWAP_S for r in two)               # c holds the recompute estimate
+    assert rq["a"].completed and rq["b"].completed
+
+
+def test_colocated_turns_a_model_alone_never_switches():
+    reqs = [_long(f"r{i}", 3.0 * i, "model-01", out=300) for i in range(6)]
+    _, rs, switches = _turns(reqs)
+    res = rs["_res"]
+    assert switches == [(pytest.approx(reqs[0].arrival + PROFILE.ttft_overhead_s), "model-01")]   # loaded once
+    assert res.swaps == 1 and res.kv_dropped == 0 and res.sim.preemptions == 0
+    assert res.decode_rounds and all(r.quotas == (4.0,) and r.switch_s == 0 for r in res.decode_rounds)
+    assert all(rs[r.request_id].slo_met for r in reqs)
+
+
+def test_colocated_turns_pause_only_when_the_models_fit_awake():
+    # Two 13B models fit one A100 (as multiplex): sleep level 0, a pause costs nothing and keeps the KV.
+    _, rs, switches = _turns([_long("a", 0.0, "model-00"), _long("b", 0.5, "model-01")], models=2)
+    res = rs["_res"]
+    assert switches == [] and res.swaps == 0 and res.swap_seconds == 0 and res.kv_dropped == 0
+    assert res.prompt_tokens_computed == 1000
+    assert rs["a"].first_token < rs["b"].first_token < rs["a"].finished     # still turns of the work list
+
+
+def test_colocated_turns_place_models_like_a_shared_hosts_config():
+    # ceil(6 / 2) = 3 engines per host (static_placement: one copy each here), a model's requests on its host.
+    spec = dict(num_models=6, rate=1.2, workers=2, pooling="aegaeon", prefill_fraction=0, profile="llama3-8b-h100",
+                duration=60, seed=1)
+    res = simulate_pooled(PooledSpec(**spec, kv_kept=True))
+    d = res.to_dict()
+    assert d["unserved_models"] == 0 and d["completed"] == d["requests"] and d["models_per_worker"] == 3.0
+    model_of = {r.request_id: r.model for r in multi_model_workload(res.spec.mix, 60, 1).requests}
+    hosts: dict[str, set[str]] = {}
+    for r in res.sim.results:
+        hosts.setdefault(model_of[r.request_id], set()).add(r.worker_id)
+    assert all(len(h) == 1 for h in hosts.values())
+    assert sorted(sum((list(h) for h in hosts.values()), [])).count("w0") == 3
+    assert d["swaps"] > 0 and "prefill_workers" not in d
+
+
+def test_colocated_turns_with_dropped_kv_starve_when_recomputing_exceeds_the_quota():
+    # The same load with stock vLLM's sleep: a turn's eq. 2-3 quota (about 0.2 s for two 8B batches at TBT
+    # 100 ms) is shorter than recomputing a batch's prompts and outputs (one 8192-token chunk is 0.24 s), so a
+    # batch whose context outgrows one chunk loses its KV again before it decodes: most requests never finish.
+    # Counting the recomputation as switching (recompute_quota) serves them all.
+    spec = dict(num_models=6, rate=1.2, workers=2, pooling="aegaeon", prefill_fraction=0, profile="llama3-8b-h100",
+                duration=60, seed=1)
+    stock = simulate_pooled(PooledSpec(**spec)).to_dict()
+    rq = simulate_pooled(PooledSpec(**spec, recompute_quota=True)).to_dict()
+    assert stock["completed"] < stock["requests"] / 2 and stock["kv_dropped"] > 10 * stock["requests"]
+    assert rq["completed"] == rq["requests"] and rq["slo_attainment"] > 0.9
+
+
+def test_colocated_turns_spec_validation():
+    assert PooledSpec(pooling="aegaeon", workers=1, prefill_fraction=0).colocated      # no partition: one host is enough
+    for bad in (dict(pooling="aegaeon", kv_kept=True), dict(pooling="request", recompute_quota=True),
+                dict(pooling="aegaeon", prefill_fraction=0, turns_placement="random"),
+                dict(pooling="aegaeon", prefill_fraction=1.0)):
+        with pytest.raises(ValueError):
+            PooledSpec(**bad)
+
+
+def test_cli_colocated_turns():
+    p = fleetgate("simulate", "--num-models", "3", "--rate", "0.6", "--workers", "1", "--pooling", "aegaeon",
+                  "--prefill-fraction", "0", "--kv-kept", "--duration", "30", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["mode"] == "aegaeon-coloc" and out["kv_kept"] is True and out["kv_dropped"] == 0
+    for key in ("slo_attainment", "token_slo_attainment", "goodput_rps", "models_per_worker", "swaps",
+                "decode_round_s_mean"):
+        assert key in out, key
+    p = fleetgate("simulate", "--num-models", "3", "--rate", "0.6", "--workers", "2", "--pooling", "aegaeon",
+                  "--prefill-fraction", "0", "--recompute-quota", "--turns-placement", "all", "--duration", "30",
+                  "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["kv_kept"] is False and out["workers"] == 2 and out["completed"] == out["requests"]
+    p = fleetgate("simulate", "--num-models", "3", "--rate", "0.6", "--workers", "2", "--pooling", "aegaeon",
+                  "--kv-kept")
+    assert p.returncode == 2 and "kv_kept and recompute_quota apply to" in p.stderr
