@@ -28,6 +28,7 @@ from tests.helpers import MODEL, free_port, poll, poll_sync, require_command
 ROOT = Path(__file__).resolve().parents[1]
 PD_MODEL = "pd-llama"
 POOLED = ("pooled-a", "pooled-b")   # two models sharing one host, max_awake 1: every other request swaps
+TURNS = ("turns-a", "turns-b")      # two models sharing a `scheduling: turns` host: decode turns (fleetgate_turns_total)
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -58,7 +59,8 @@ async def test_every_panel_and_alert_returns_data_from_a_real_prometheus(tmp_pat
         {"name": "m0", "model": MODEL}, {"name": "m1", "model": MODEL},
         {"name": "p0", "model": PD_MODEL, "role": "kv_producer"},
         {"name": "d0", "model": PD_MODEL, "role": "kv_consumer"},
-        {"name": "s0", "model": POOLED[0]}, {"name": "s1", "model": POOLED[1]}]}))
+        {"name": "s0", "model": POOLED[0]}, {"name": "s1", "model": POOLED[1]},
+        {"name": "t0", "model": TURNS[0]}, {"name": "t1", "model": TURNS[1]}]}))
     fleet = FleetProcess(fleet_file=fleet_file)
     prom: subprocess.Popen | None = None
     try:
@@ -71,7 +73,9 @@ async def test_every_panel_and_alert_returns_data_from_a_real_prometheus(tmp_pat
                         {"id": "decode-0", "url": urls[3], "role": "decode"},
                         {"id": "ghost", "url": f"http://127.0.0.1:{free_port()}", "models": [MODEL]}],
             "shared_hosts": [{"id": "gpu-shared", "max_awake": 1,
-                              "engines": {POOLED[0]: urls[4], POOLED[1]: urls[5]}}],
+                              "engines": {POOLED[0]: urls[4], POOLED[1]: urls[5]}},
+                             {"id": "gpu-turns", "max_awake": 1, "scheduling": "turns", "tbt_ms": 50,
+                              "engines": {TURNS[0]: urls[6], TURNS[1]: urls[7]}}],
             # Queued requests (waits of 0.1-1 s) miss the TTFT target as well as w0's the TPOT one: the burn
             # alert fires whatever share of the traffic the slow w0 gets on a faster or slower machine.
             "slo": {"ttft_ms": 300, "tpot_ms": 10},
@@ -205,7 +209,8 @@ async def _traffic(url: str) -> None:
             await client.chat.completions.create(model=model, messages=messages, max_tokens=40)
 
     tasks = [asyncio.create_task(user(PD_MODEL, "long prompt " * 200, i % 2 == 0)) for i in range(2)]
-    tasks += [asyncio.create_task(user(m, "swap me", False)) for m in POOLED]   # the shared host takes turns
+    tasks += [asyncio.create_task(user(m, "swap me", False)) for m in POOLED]   # the shared host swaps per request
+    tasks += [asyncio.create_task(user(m, "take turns", True)) for m in TURNS]   # the turns host runs decode turns
     deadline = time.monotonic() + 20
     i = 0
     while time.monotonic() < deadline:

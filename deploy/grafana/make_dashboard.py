@@ -96,6 +96,10 @@ POOLED_PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
       ("histogram_quantile(0.99, sum by (le) (rate(fleetgate_swap_seconds_bucket[1m])))", "p99")]),
     ("Engines awake per model", "short",
      [('sum by (model) (max by (worker, model) (fleetgate_engine_state{state="awake"}))', "{{model}}")]),
+    # `scheduling: turns` hosts (gateway/turns.py, Aegaeon section 4.3): decode turns started per host and model.
+    # Only the replica driving a host counts its turns: max over replicas, not sum.
+    ("Decode turns/s (scheduling: turns hosts)", "ops",
+     [("max by (host, model) (rate(fleetgate_turns_total[1m]))", "{{host}} {{model}}")]),
 ]
 
 
