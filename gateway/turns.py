@@ -25,8 +25,14 @@ it back (its section 5); the live gateway cannot move KV, only the simulator mod
 
 A wake-up that fails marks the engine failed for a while (out of rotation, its model left out of the work
 list); waiting requests for a model with no engine left get the OpenAI-style 503, as on request-level hosts.
-With Redis only the replica holding the host's lease (`swap:<host>`, renewed every tick) drives its turns;
-the others just route (their requests reach the engines whatever their state).
+With Redis only the replica holding the host's lease (`swap:<host>`) drives its turns; the others just route
+(their requests reach the engines whatever their state). The lease is short so that another replica takes over
+within seconds of the driver dying: its TTL is `lease_ttl_s` = max(LEASE_MIN_S, LEASE_SWITCHES x the host's
+longest switch), the longest switch being the largest offload_s plus the largest load_s of its engines (0 at
+level 0) or the measured switch time if larger. It is renewed every tick and again before each step of a switch
+(the /sleep and the /wake_up), and while a step's request is out it is renewed every TTL / 3; a driver that
+finds the lease taken (it was stopped or slow past its TTL) abandons the switch and stops driving, so a switch
+never runs on without the lease.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ LEASE_POLL_S = 0.5       # a replica without the host's lease asks for it this o
 LEVEL_STATE = {0: "paused", 1: "weights_offloaded", 2: "discard_all"}   # vllm:engine_sleep_state per /sleep level
 SWITCH_RETRY_S = 0.5     # after a switch that failed, the next attempt waits this long
 SWITCH_EWMA = 0.3        # weight of the latest switch in the host's measured switch time
+LEASE_MIN_S = 3.0        # the host lease's shortest TTL (module docstring)
+LEASE_SWITCHES = 2.0     # the TTL covers this many of the host's longest switches
 
 
 class TurnDriver:
@@ -152,12 +160,43 @@ class TurnDriver:
         return self.levels.get(model, self.level)
 
     # --- I/O -----------------------------------------------------------------------------------------
+    def lease_ttl_s(self) -> float:
+        """max(LEASE_MIN_S, LEASE_SWITCHES x the longest switch): module docstring."""
+        costs = self.ctl.costs[self.host.id].values()
+        moved = max(c.offload_s for c in costs) + max(c.load_s for c in costs) if self.level >= 1 or self.levels \
+            else 0.0
+        return max(LEASE_MIN_S, LEASE_SWITCHES * max(moved, self.switch_s))
+
+    async def _renew(self) -> bool:
+        """Renew the lease now (before a switch step); False, and this replica stops driving, if it is lost."""
+        self._lease_at = 0.0
+        return await self._hold_lease()
+
+    async def _leased(self, step: Any) -> Any:
+        """Await one switch step with the lease renewed every TTL / 3 while it is out; None if the lease is lost
+        (the step is cancelled: another replica drives the host now)."""
+        if not await self._renew():
+            return None
+        task = asyncio.ensure_future(step)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.lease_ttl_s() / 3)
+                if done:
+                    return task.result()
+                if not await self._renew():
+                    return None
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
     async def _hold_lease(self) -> bool:
         now = time.monotonic()
         if now < self._lease_at:
             return self.holding
         store = self.ctl.store
-        held = await store.acquire_lease(self.lease, store.replica_id, 2 * self.host.swap_timeout_s)
+        held = await store.acquire_lease(self.lease, store.replica_id, self.lease_ttl_s())
         self._lease_at = now + (TURN_POLL_S * 10 if held else LEASE_POLL_S)
         if held != self.holding:
             log.info("turns on %s %s", self.host.id, "driven here" if held else "driven by another replica")
@@ -184,10 +223,10 @@ class TurnDriver:
 
     async def _switch(self, old: str | None, new: str) -> bool:
         t0 = time.perf_counter()
-        if old is not None and not await self._pause(old):
+        if old is not None and not await self._leased(self._pause(old)):
             return False
         self.running = None
-        if not await self._wake(new):
+        if not await self._leased(self._wake(new)):
             return False
         self.running = new
         took = time.perf_counter() - t0
@@ -231,7 +270,7 @@ class TurnDriver:
         k = self.keeper
         plan = k.last_round
         left = max(0.0, k.turn_end - time.monotonic()) if k.turn_end is not None else None
-        return {"driving": self.holding, "level": self.level, "running": self.running, "switches": self.switches,
+        return {"driving": self.holding, "lease_ttl_s": round(self.lease_ttl_s(), 3), "level": self.level, "running": self.running, "switches": self.switches,
                 "switch_s": round(self.switch_s, 4),
                 "turn": {"model": k.current, "quota_s": k.quota_s, "left_s": left},
                 "round": None if plan is None else {"models": k.order, "quotas_s": list(plan.quotas),

@@ -328,3 +328,70 @@ def test_a_vllm_without_level_0_is_paused_at_level_1() -> None:
     assert a.sleep_path(0, "keep") == "/sleep?level=0&mode=keep"
     assert a.sleep_fallback(0, 400) == 1
     assert a.sleep_fallback(1, 400) is None and a.sleep_fallback(0, 500) is None
+
+
+@pytest.mark.slow  # two gateway processes, one killed
+async def test_when_the_driving_replica_dies_the_other_drives_within_seconds(sim_fleet, make_client, gateway_process,
+                                                                              tmp_path) -> None:
+    """The host lease is short (gateway/turns.py: max(3 s, 2 x the longest switch)), so when the replica driving
+    the turns is killed (SIGKILL: it releases nothing) the other one takes the host over within seconds and the
+    streams of both models, sent through the survivor, finish."""
+    import signal
+    import uuid
+
+    import redis
+    import yaml
+
+    r = redis.Redis.from_url(POOL_REDIS_URL, socket_connect_timeout=1, socket_timeout=5)
+    try:
+        r.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis is not reachable at {POOL_REDIS_URL} ({exc}); start redis-server on port 6379")
+    prefix = f"fgtest:turns:{uuid.uuid4().hex[:8]}:"
+    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=2)
+    url_a, url_b = fleet.urls
+    procs, urls = {}, {}
+    try:
+        for rid in ("r1", "r2"):
+            cfg = tmp_path / f"{rid}.yaml"
+            cfg.write_text(yaml.safe_dump({**_turns_host({A: url_a, B: url_b}), "redis_url": POOL_REDIS_URL,
+                                           "redis_key_prefix": prefix, "replica_id": rid}))
+            procs[rid] = gateway_process(cfg)
+            urls[rid] = procs[rid].listening_url()
+
+        async def hosts(c: httpx.AsyncClient, rids: list[str]) -> dict[str, dict]:
+            return {rid: (await c.get(urls[rid] + "/ui/status.json")).json()["shared_hosts"][0] for rid in rids}
+
+        async with httpx.AsyncClient(timeout=5) as c:
+            driver = None
+            for _ in range(100):
+                driving = [rid for rid, h in (await hosts(c, ["r1", "r2"])).items() if h["driving"]]
+                if len(driving) == 1:
+                    driver = driving[0]
+                    break
+                await asyncio.sleep(0.1)
+            assert driver is not None, "no single replica drives the host"
+            other = "r2" if driver == "r1" else "r1"
+            ttl = (await hosts(c, [driver]))[driver]["lease_ttl_s"]
+            assert 0 < ttl <= 5.0, ttl
+
+            oa = make_client(urls[other], max_retries=0, timeout=60)
+            streams = asyncio.gather(_stream(oa, A, 300), _stream(oa, B, 300))
+            await asyncio.sleep(1.0)                   # both streams under way, turns driven by `driver`
+            procs[driver].proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            took = None
+            while time.monotonic() - killed < 15:
+                if (await hosts(c, [other]))[other]["driving"]:
+                    took = time.monotonic() - killed
+                    break
+                await asyncio.sleep(0.1)
+            assert took is not None and took <= ttl + 1.5, took   # within the lease TTL (plus a poll), not minutes
+            (ta, fa, na), (tb, fb, nb) = await streams
+            assert (fa, na, fb, nb) == ("length", 300, "length", 300)
+            assert (await hosts(c, [other]))[other]["switches"] >= 1   # the survivor went on switching
+    finally:
+        keys = list(r.scan_iter(match=prefix + "*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()
