@@ -1,9 +1,12 @@
-"""Live check of pooled serving: the gateway's request-level swapping (shared_hosts, gateway/pooling.py) in front of
-pooled simulated engines, against the virtual-time simulator's request mode (simulator/pooled.py) on the same
-workload, one point of bench/pooling.py's table.
+"""Live check of pooled serving: the gateway's request-level swapping (shared_hosts, gateway/pooling.py) and its
+Aegaeon decode turns (`scheduling: turns`, gateway/turns.py) in front of pooled simulated engines, against the
+virtual-time simulator's request mode and colocated turns (simulator/pooled.py) on the same workload, one point
+of bench/pooling.py's table.
 
     .venv/bin/python -m bench.pooling_live                  # appends a "Live" section to bench/results/pooling.md
     .venv/bin/python -m bench.pooling_live --quick          # a shorter run, printed only
+
+Both modes run in one invocation, one after the other (`--modes request,turns`), on the same machine state.
 
 The point: `llama3-8b-h100`, M models of uniform popularity at lambda req/s each on N hosts, ShareGPT lengths,
 Aegaeon's SLO (TTFT 10 s, mean TPOT 100 ms), seed 1 (bench/pooling.py's workload). Simulator side:
@@ -15,11 +18,22 @@ nothing before the simulator's drain limit); an aiohttp client replays the workl
 completions of the trace's exact lengths and judges each request's TTFT and mean TPOT in model seconds
 (wall x K), as the simulator does.
 
-What differs by construction (reported with the numbers): the simulator queues a request on a host at arrival
+Turns mode: simulator side `PooledSpec(pooling="aegaeon", prefill_fraction=0, turns_placement="all")` (every
+model on every host, as the live shared_hosts declare them; eq. 2-3 quotas with tbt = the TPOT target; sleep
+level 1 because eight models do not fit awake, so paused requests lose their KV and recompute). Live side: the
+same engines, each host `scheduling: turns`, max_awake 1 (so level 1, the simulated engine drops the paused
+requests' KV as vLLM does), tbt_ms = the TPOT target / K, q_max_s = Q_MAX / K, each engine's load_s /
+offload_s = the simulator's swap cost / K (the gateway's clock is wall time).
+
+What differs by construction (reported with the numbers): request mode: the simulator queues a request on a host at arrival
 (`baselines.RequestSwapping.place`: the host with the shortest queue) and the host switches to the model of its
 oldest queued request; the gateway keeps requests in per-model queues and wakes the model that started waiting
 first on a host with an idle engine (`swapping.RequestLevelSwaps`), then its placement policy spreads the
-model's requests over its awake engines. The live engines also pay the gateway's scrape and poll delays.
+model's requests over its awake engines. Turns mode: the gateway's engines have no profile, so a batch's step
+time in eq. 2-3 is the TBT target itself (every quota is Q_MAX), where the simulator uses the profile's decode
+step; the gateway's work list is the in-flight view (updated per request, not per step). The live engines also
+pay the gateway's scrape and poll delays. Whether the live engines kept up with their model clock is checked
+after each run (`/sim/state` lost_model_s, model time skipped because the host fell behind: 0 when they kept up).
 """
 
 from __future__ import annotations
@@ -64,15 +78,24 @@ class LiveSide:
     failures: list[int]
     ttft_missed: int = 0
     tpot_missed: int = 0
+    mode: str = "request"
+    token_attainment: float = float("nan")
+    ttft_p50_s: float = float("nan")
+    tpot_p50_s: float = float("nan")
+    tpot_p99_s: float = float("nan")
+    turns: float = 0.0              # fleetgate_turns_total (turns mode)
+    lost_model_s: float = 0.0       # model seconds the live engines skipped because the host fell behind
 
 
 async def replay(url: str, workload: list[ModelRequest], k: float, max_model_len: int, seed: int,
                  ttft_s: float, tpot_s: float) -> tuple[dict[str, int], list[float], list[int]]:
-    """Send the workload at arrival / k; (counts met / completed / ttft_missed / tpot_missed, TTFTs in model
-    seconds, failure statuses)."""
+    """Send the workload at arrival / k; (counts met / completed / ttft_missed / tpot_missed / tokens_on_time,
+    TTFTs then mean TPOTs in model seconds (a list of two lists), failure statuses). A token is on time when it
+    arrives by arrival + TTFT target + i x TPOT target (Aegaeon's token measure, as the simulator's)."""
     failures: list[int] = []
     ttfts: list[float] = []
-    n = {"met": 0, "completed": 0, "ttft_missed": 0, "tpot_missed": 0}
+    tpots: list[float] = []
+    n = {"met": 0, "completed": 0, "ttft_missed": 0, "tpot_missed": 0, "tokens_on_time": 0}
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as s:
         t0 = time.perf_counter() + 0.5
@@ -96,6 +119,7 @@ async def replay(url: str, workload: list[ModelRequest], k: float, max_model_len
                         while b"\n\n" in buf:
                             event, buf = buf.split(b"\n\n", 1)
                             if event.startswith(b"data: {") and b'"text"' in event:
+                                n["tokens_on_time"] += (now - sent) * k <= ttft_s + tokens * tpot_s
                                 tokens += 1
                                 first = first if first is not None else now
                                 last = now
@@ -112,19 +136,26 @@ async def replay(url: str, workload: list[ModelRequest], k: float, max_model_len
             ttft = (first - sent) * k
             ttfts.append(ttft)
             tpot = (last - first) * k / (tokens - 1) if tokens > 1 else 0.0
+            tpots.append(tpot)
             n["ttft_missed"] += ttft > ttft_s
             n["tpot_missed"] += tpot > tpot_s
             n["met"] += ttft <= ttft_s and tpot <= tpot_s
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(workload)))
-    return n, ttfts, failures
+    return n, [ttfts, tpots], failures
 
 
-async def live_run(spec: PooledSpec, k: float, drain_after_s: float | None) -> LiveSide:
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def live_run(spec: PooledSpec, k: float, drain_after_s: float | None, mode: str = "request") -> LiveSide:
     prof = load_profile(spec.profile)
     wl = multi_model_workload(spec.mix, spec.duration, spec.seed)
     models = list(wl.rates)
-    wake_s = swap_cost(prof.weight_bytes, prof.host_link_bytes_per_s, spec.reinit, prof.wake_up_s).load_s
+    cost = swap_cost(prof.weight_bytes, prof.host_link_bytes_per_s, spec.reinit, prof.wake_up_s)
+    wake_s = cost.load_s
     servers = [{"name": f"h{h}-{m}", "model": m, "profile": spec.profile,
                 "profile_overrides": {"wake_up_s": wake_s}} for h in range(spec.workers) for m in models]
     fleet_file = Path(tempfile.mkstemp(suffix=".yaml")[1])
@@ -134,8 +165,15 @@ async def live_run(spec: PooledSpec, k: float, drain_after_s: float | None) -> L
         with FleetProcess(fleet_file=fleet_file, time_scale=k, seed=spec.seed, wrapper=wrapper) as fleet:
             urls = iter(fleet.urls)
             drain = drain_after_s / k if drain_after_s is not None else None
-            hosts = [{"id": f"h{h}", "max_awake": 1, "engines": {m: next(urls) for m in models},
-                      "drain_after_s": drain} for h in range(spec.workers)]
+            if mode == "turns":    # the simulator's tbt, Q_MAX and swap costs, in wall seconds
+                hosts = [{"id": f"h{h}", "max_awake": 1, "scheduling": "turns", "sleep_level": 1,
+                          "tbt_ms": spec.slo_tpot_s * 1000 / k, "q_max_s": spec.q_max_s / k,
+                          "engines": {m: {"url": next(urls), "load_s": cost.load_s / k,
+                                          "offload_s": cost.offload_s / k} for m in models}}
+                         for h in range(spec.workers)]
+            else:
+                hosts = [{"id": f"h{h}", "max_awake": 1, "engines": {m: next(urls) for m in models},
+                          "drain_after_s": drain} for h in range(spec.workers)]
             cfg = load_config(None, listen={"host": "127.0.0.1", "port": 0}, shared_hosts=hosts,
                               default_policy="least_requests", scrape_interval_s=0.5 / k,
                               limits={"queue_timeout_s": spec.drain_s / k, "queue_size": 100000},
@@ -143,57 +181,109 @@ async def live_run(spec: PooledSpec, k: float, drain_after_s: float | None) -> L
             async with GatewayServer(cfg) as gw:
                 n, ttfts, failures = await replay(gw.url, wl.requests, k, prof.max_model_len,
                                                                spec.seed, spec.slo_ttft_s, spec.slo_tpot_s)
-                async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
-                    text = await r.text()
+                async with aiohttp.ClientSession() as s:
+                    async with s.get(gw.url + "/metrics") as r:
+                        text = await r.text()
+                    lost = 0.0
+                    for u in fleet.urls:
+                        async with s.get(u + "/sim/state") as r:
+                            lost += (await r.json()).get("lost_model_s", 0.0)
     finally:
         fleet_file.unlink(missing_ok=True)
     swaps_in = sum(metric(text, "fleetgate_model_swaps_total", {"model": m, "direction": "in"}) or 0.0
                    for m in models)
-    ttfts.sort()
-    p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else float("nan")
-    return LiveSide(n["met"] / len(wl.requests), n["completed"], len(wl.requests), p99, swaps_in, failures,
-                    n["ttft_missed"], n["tpot_missed"])
+    turns = sum(metric(text, "fleetgate_turns_total", {"host": f"h{h}", "model": m}) or 0.0
+                for h in range(spec.workers) for m in models)
+    ttfts, tpots = ttfts
+    total_tokens = sum(r.output_tokens for r in wl.requests)
+    return LiveSide(n["met"] / len(wl.requests), n["completed"], len(wl.requests), _pct(ttfts, 0.99), swaps_in,
+                    failures, n["ttft_missed"], n["tpot_missed"], mode, n["tokens_on_time"] / total_tokens,
+                    _pct(ttfts, 0.5), _pct(tpots, 0.5), _pct(tpots, 0.99), turns, lost)
 
 
-def section(spec: PooledSpec, k: float, drain_after: float | None, sim: dict, live: LiveSide, cmd: str) -> str:
-    diff = (live.attainment - sim["slo_attainment"]) * 100
-    ok = abs(diff) <= TOLERANCE_PP
-    fail = f"{len(live.failures)} failed ({sorted(set(live.failures))})" if live.failures else "none failed"
+LAST_RUN = "## Live: the last recorded run, as bench.pooling_live wrote it"
+
+
+def _ms(a: float, b: float) -> str:
+    return f"{a * 1000:.0f} / {b * 1000:.0f}"
+
+
+def _s(a: float, b: float) -> str:
+    return f"{a:.2f} / {b:.2f}"
+
+
+def section(runs: list[tuple[PooledSpec, dict, LiveSide]], k: float, drain_after: float | None, cmd: str,
+            load: str) -> str:
+    spec = runs[0][0]
+    rows, notes = [], []
+    for sp, sim, live in runs:
+        diff = (live.attainment - sim["slo_attainment"]) * 100
+        ok = abs(diff) <= TOLERANCE_PP
+        fail = f"{len(live.failures)} failed ({sorted(set(live.failures))})" if live.failures else "0"
+        switches = f"{sim['swaps']} / {live.swaps_in:g}" + (f" ({live.turns:g} turns)" if live.mode == "turns" else "")
+        rows.append(f"| {live.mode} ({sp.label}) | {sim['slo_attainment']:.3f} | {live.attainment:.3f} | "
+                    f"{diff:+.1f} ({'within' if ok else 'OUTSIDE'}) | {sim['token_slo_attainment']:.3f} / "
+                    f"{live.token_attainment:.3f} | {switches} | {_s(sim['ttft_p50'], sim['ttft_p99'])} | "
+                    f"{_s(live.ttft_p50_s, live.ttft_p99_s)} | {_ms(sim['tpot_p50'], sim['tpot_p99'])} | "
+                    f"{_ms(live.tpot_p50_s, live.tpot_p99_s)} | {sim['completed']}/{sim['servable']} / "
+                    f"{live.completed}/{live.requests} | {fail} | {live.lost_model_s:.2f} |")
+        notes.append(f"{live.mode}: live misses TTFT {live.ttft_missed}, mean TPOT {live.tpot_missed}.")
     return "\n".join([
-        "## Live: the gateway's request-level swapping vs the simulator", "",
+        LAST_RUN, "",
         f"- command: `{cmd}`", f"- commit: `{git_commit()}`", f"- machine: {machine_info()}",
+        f"- load average (1, 5, 15 min) before / after: {load}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
         f"Point: `{spec.profile}`, M = {spec.num_models} models x lambda = {spec.rate / spec.num_models:g} req/s, "
-        f"N = {spec.workers} hosts (max_awake 1), request-level swapping, {spec.duration:g} s of arrivals, seed "
+        f"N = {spec.workers} hosts (max_awake 1, every model on every host), {spec.duration:g} s of arrivals, seed "
         f"{spec.seed}, SLO TTFT {spec.slo_ttft_s:g} s / mean TPOT {spec.slo_tpot_s * 1000:g} ms. Live: time scale "
-        f"K = {k:g}, one simulated engine per (model, host) whose wake-up is the simulator's swap cost, the gateway's "
-        f"shared_hosts swap controller with drain_after_s = "
-        f"{'none (idle engines only)' if drain_after is None else f'{drain_after:g} model s'}; attainment judged "
-        "per request by the client in model seconds.", "",
-        "| side | attainment (per request) | completed / requests | TTFT p99 s | swaps in |",
-        "|---|---|---|---|---|",
-        f"| simulator (request mode) | {sim['slo_attainment']:.3f} | {sim['completed']}/{sim['servable']} | "
-        f"{sim['ttft_p99']:.3g} | {sim['swaps']} |",
-        f"| live gateway | {live.attainment:.3f} | {live.completed}/{live.requests} | {live.ttft_p99_s:.3g} | "
-        f"{live.swaps_in:g} |", "",
-        f"Live misses: TTFT over target {live.ttft_missed}, mean TPOT over target {live.tpot_missed}.", "",
-        f"Difference: {diff:+.1f} pp ({'within' if ok else 'outside'} the {TOLERANCE_PP:g} pp target); live: {fail}.",
-        "What differed: the simulator queues each request on a host at arrival and a host switches to its oldest "
-        "queued request's model; the gateway keeps per-model queues, wakes the model waiting longest on a host with "
-        "an idle engine and spreads that model's requests over its awake engines; live engines also wait for the "
-        "gateway's scrapes and polls (scaled by K) and share two cores with the gateway and the client.", ""])
+        f"K = {k:g}, one simulated engine per (model, host) whose wake-up is the simulator's swap cost; request "
+        f"mode: the shared_hosts swap controller, drain_after_s = "
+        f"{'none (idle engines only)' if drain_after is None else f'{drain_after:g} model s'}; turns mode: "
+        "`scheduling: turns` (level 1, tbt = the TPOT target, Q_MAX and swap costs of the simulator, all / K). "
+        "Attainment judged per request by the client in model seconds; token attainment: output tokens by "
+        "arrival + TTFT target + i x TPOT target over all output tokens. Switches: the simulator's swaps / the "
+        "gateway's wake-ups (fleetgate_model_swaps_total in). Lost model s: model time the live engines "
+        "skipped because the machine fell behind (0: they kept up).", "",
+        "| mode | sim attainment | live attainment | diff pp (5 pp target) | token attainment sim / live | "
+        "switches sim / live | TTFT p50 / p99 s sim | live | TPOT p50 / p99 ms sim | live | completed sim / live | "
+        "live failed | lost model s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows, "", *notes, ""])
 
 
-async def main_async(args: argparse.Namespace) -> tuple[PooledSpec, dict, LiveSide]:
-    spec = PooledSpec(num_models=args.models, rate=args.models * args.lam, workers=args.workers, pooling="request",
-                      profile=args.profile, duration=args.duration, seed=args.seed)
-    sim = simulate_pooled(spec).to_dict()
-    print(f"simulator: attainment {sim['slo_attainment']:.3f}, swaps {sim['swaps']}", flush=True)
-    live = await live_run(spec, args.time_scale, args.drain_after)
-    print(f"live: attainment {live.attainment:.3f}, completed {live.completed}/{live.requests}, swaps in "
-          f"{live.swaps_in:g}, TTFT missed {live.ttft_missed}, TPOT missed {live.tpot_missed}, TTFT p99 "
-          f"{live.ttft_p99_s:.3g} s, failures {live.failures[:10]}", flush=True)
-    return spec, sim, live
+def write_results(text: str) -> None:
+    """Replace the last-run section of bench/results/pooling.md (appended when there is none)."""
+    md = RESULTS_MD.read_text()
+    if LAST_RUN in md:
+        head, rest = md.split(LAST_RUN, 1)
+        tail = rest[rest.index("\n## "):] if "\n## " in rest else ""
+        md = head + text + tail
+    else:
+        md += "\n" + text
+    RESULTS_MD.write_text(md)
+
+
+def _load() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+async def main_async(args: argparse.Namespace) -> list[tuple[PooledSpec, dict, LiveSide]]:
+    base = {"num_models": args.models, "rate": args.models * args.lam, "workers": args.workers,
+            "profile": args.profile, "duration": args.duration, "seed": args.seed}
+    specs = {"request": PooledSpec(pooling="request", **base),
+             "turns": PooledSpec(pooling="aegaeon", prefill_fraction=0, turns_placement="all", **base)}
+    runs = []
+    for mode in args.modes:
+        spec = specs[mode]
+        sim = simulate_pooled(spec).to_dict()
+        print(f"simulator {spec.label}: attainment {sim['slo_attainment']:.3f}, swaps {sim['swaps']}", flush=True)
+        live = await live_run(spec, args.time_scale, args.drain_after, mode)
+        print(f"live {mode}: attainment {live.attainment:.3f}, completed {live.completed}/{live.requests}, swaps "
+              f"in {live.swaps_in:g}, turns {live.turns:g}, TTFT missed {live.ttft_missed}, TPOT missed "
+              f"{live.tpot_missed}, TTFT p99 {live.ttft_p99_s:.3g} s, lost model s {live.lost_model_s:.2f}, "
+              f"failures {live.failures[:10]}", flush=True)
+        runs.append((spec, sim, live))
+    return runs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -204,7 +294,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--duration", type=float, default=300.0, help="model seconds of arrivals")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--time-scale", type=float, default=10.0)
+    ap.add_argument("--time-scale", type=float, default=2.0)
+    ap.add_argument("--modes", type=lambda v: v.split(","), default=["request", "turns"],
+                    help="comma-separated: request (request-level swapping), turns (decode turns)")
     ap.add_argument("--drain-after", type=lambda v: None if v == "none" else float(v), default=None,
                     help="model seconds a model waits before a busy engine is drained for it (shared_hosts "
                     "drain_after_s x K); 'none': only idle engines are swapped out")
@@ -212,13 +304,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.quick:
         args.duration = 60.0
-    spec, sim, live = asyncio.run(main_async(args))
+    before = _load()
+    runs = asyncio.run(main_async(args))
     cmd = ("python -m bench.pooling_live " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
-    text = section(spec, args.time_scale, args.drain_after, sim, live, cmd)
+    text = section(runs, args.time_scale, args.drain_after, cmd, f"{before} / {_load()}")
     print(text)
     if not args.quick:
-        with RESULTS_MD.open("a") as f:
-            f.write("\n" + text)
+        write_results(text)
 
 
 if __name__ == "__main__":
