@@ -85,6 +85,7 @@ class LiveSide:
     tpot_p99_s: float = float("nan")
     turns: float = 0.0              # fleetgate_turns_total (turns mode)
     lost_model_s: float = 0.0       # model seconds the live engines skipped because the host fell behind
+    quota_s: float = float("nan")   # turns: mean quota of the planned rounds sampled during the run, model s
 
 
 async def replay(url: str, workload: list[ModelRequest], k: float, max_model_len: int, seed: int,
@@ -150,7 +151,20 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-async def live_run(spec: PooledSpec, k: float, drain_after_s: float | None, mode: str = "request") -> LiveSide:
+async def _sample_quotas(url: str, k: float, out: list[float]) -> None:
+    """Turns mode: the quotas of each host's current round (/ui/status.json), in model seconds, every second."""
+    async with aiohttp.ClientSession() as s:
+        while True:
+            await asyncio.sleep(1.0)
+            with contextlib.suppress(aiohttp.ClientError, ValueError, KeyError):
+                async with s.get(url + "/ui/status.json") as r:
+                    for h in (await r.json())["shared_hosts"]:
+                        if h.get("round"):
+                            out.extend(q * k for q in h["round"]["quotas_s"])
+
+
+async def live_run(spec: PooledSpec, k: float, drain_after_s: float | None, mode: str = "request",
+                   engine_profile: bool = False) -> LiveSide:
     prof = load_profile(spec.profile)
     wl = multi_model_workload(spec.mix, spec.duration, spec.seed)
     models = list(wl.rates)
@@ -169,6 +183,7 @@ async def live_run(spec: PooledSpec, k: float, drain_after_s: float | None, mode
                 hosts = [{"id": f"h{h}", "max_awake": 1, "scheduling": "turns", "sleep_level": 1,
                           "tbt_ms": spec.slo_tpot_s * 1000 / k, "q_max_s": spec.q_max_s / k,
                           "engines": {m: {"url": next(urls), "load_s": cost.load_s / k,
+                                          **({"profile": spec.profile} if engine_profile else {}),
                                           "offload_s": cost.offload_s / k} for m in models}}
                          for h in range(spec.workers)]
             else:
@@ -179,8 +194,12 @@ async def live_run(spec: PooledSpec, k: float, drain_after_s: float | None, mode
                               limits={"queue_timeout_s": spec.drain_s / k, "queue_size": 100000},
                               health={"interval_s": 1.0})
             async with GatewayServer(cfg) as gw:
+                quotas: list[float] = []
+                sampler = asyncio.create_task(_sample_quotas(gw.url, k, quotas)) if mode == "turns" else None
                 n, ttfts, failures = await replay(gw.url, wl.requests, k, prof.max_model_len,
                                                                spec.seed, spec.slo_ttft_s, spec.slo_tpot_s)
+                if sampler is not None:
+                    sampler.cancel()
                 async with aiohttp.ClientSession() as s:
                     async with s.get(gw.url + "/metrics") as r:
                         text = await r.text()
@@ -198,7 +217,8 @@ async def live_run(spec: PooledSpec, k: float, drain_after_s: float | None, mode
     total_tokens = sum(r.output_tokens for r in wl.requests)
     return LiveSide(n["met"] / len(wl.requests), n["completed"], len(wl.requests), _pct(ttfts, 0.99), swaps_in,
                     failures, n["ttft_missed"], n["tpot_missed"], mode, n["tokens_on_time"] / total_tokens,
-                    _pct(ttfts, 0.5), _pct(tpots, 0.5), _pct(tpots, 0.99), turns, lost)
+                    _pct(ttfts, 0.5), _pct(tpots, 0.5), _pct(tpots, 0.99), turns, lost,
+                    sum(quotas) / len(quotas) if quotas else float("nan"))
 
 
 LAST_RUN = "## Live: the last recorded run, as bench.pooling_live wrote it"
@@ -227,7 +247,9 @@ def section(runs: list[tuple[PooledSpec, dict, LiveSide]], k: float, drain_after
                     f"{_s(live.ttft_p50_s, live.ttft_p99_s)} | {_ms(sim['tpot_p50'], sim['tpot_p99'])} | "
                     f"{_ms(live.tpot_p50_s, live.tpot_p99_s)} | {sim['completed']}/{sim['servable']} / "
                     f"{live.completed}/{live.requests} | {fail} | {live.lost_model_s:.2f} |")
-        notes.append(f"{live.mode}: live misses TTFT {live.ttft_missed}, mean TPOT {live.tpot_missed}.")
+        quota = (f"; turn quotas: simulator mean {sim['turn_quota_mean_s']:.2f} s, live mean {live.quota_s:.2f} "
+                 "model s (sampled each second)" if live.mode == "turns" and "turn_quota_mean_s" in sim else "")
+        notes.append(f"{live.mode}: live misses TTFT {live.ttft_missed}, mean TPOT {live.tpot_missed}{quota}.")
     return "\n".join([
         LAST_RUN, "",
         f"- command: `{cmd}`", f"- commit: `{git_commit()}`", f"- machine: {machine_info()}",
@@ -245,7 +267,8 @@ def section(runs: list[tuple[PooledSpec, dict, LiveSide]], k: float, drain_after
         "gateway's wake-ups (fleetgate_model_swaps_total in). Lost model s: model time the live engines "
         "skipped because the machine fell behind (0: they kept up).", "",
         "| mode | sim attainment | live attainment | diff pp (5 pp target) | token attainment sim / live | "
-        "switches sim / live | TTFT p50 / p99 s sim | live | TPOT p50 / p99 ms sim | live | completed sim / live | "
+        "switches sim / live | TTFT p50 / p99 s sim | TTFT p50 / p99 s live | TPOT p50 / p99 ms sim | "
+        "TPOT p50 / p99 ms live | completed sim / live | "
         "live failed | lost model s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows, "", *notes, ""])
@@ -275,9 +298,13 @@ async def main_async(args: argparse.Namespace) -> list[tuple[PooledSpec, dict, L
     runs = []
     for mode in args.modes:
         spec = specs[mode]
-        sim = simulate_pooled(spec).to_dict()
+        res = simulate_pooled(spec)
+        sim = res.to_dict()
+        quotas = [q for r in res.decode_rounds for q in r.quotas]
+        if quotas:
+            sim["turn_quota_mean_s"] = sum(quotas) / len(quotas)
         print(f"simulator {spec.label}: attainment {sim['slo_attainment']:.3f}, swaps {sim['swaps']}", flush=True)
-        live = await live_run(spec, args.time_scale, args.drain_after, mode)
+        live = await live_run(spec, args.time_scale, args.drain_after, mode, args.engine_profile)
         print(f"live {mode}: attainment {live.attainment:.3f}, completed {live.completed}/{live.requests}, swaps "
               f"in {live.swaps_in:g}, turns {live.turns:g}, TTFT missed {live.ttft_missed}, TPOT missed "
               f"{live.tpot_missed}, TTFT p99 {live.ttft_p99_s:.3g} s, lost model s {live.lost_model_s:.2f}, "
@@ -300,7 +327,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drain-after", type=lambda v: None if v == "none" else float(v), default=None,
                     help="model seconds a model waits before a busy engine is drained for it (shared_hosts "
                     "drain_after_s x K); 'none': only idle engines are swapped out")
+    ap.add_argument("--engine-profile", action="store_true",
+                    help="turns: give the live engines the profile, so eq. 2-3 use the learner's decode step time "
+                    "(wall seconds: meaningful at K = 1)")
     ap.add_argument("--quick", action="store_true", help="60 model seconds, printed only")
+    ap.add_argument("--print-only", action="store_true", help="do not write bench/results/pooling.md")
     args = ap.parse_args(argv)
     if args.quick:
         args.duration = 60.0
@@ -309,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     cmd = ("python -m bench.pooling_live " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     text = section(runs, args.time_scale, args.drain_after, cmd, f"{before} / {_load()}")
     print(text)
-    if not args.quick:
+    if not (args.quick or args.print_only):
         write_results(text)
 
 
