@@ -87,7 +87,8 @@ class Gateway:
         self.store.on_restore(self.auth.republish)
         await self.auth.start()
         self.upstream = make_upstream_pool(self.config)
-        pace = FleetPace(self.config.resume.pace()) if self.config.resume.hung_detection else None
+        turns = (h.worker_id(m) for h in self.config.shared_hosts if h.scheduling == "turns" for m in h.engines)
+        pace = FleetPace(self.config.resume.pace(), turns) if self.config.resume.hung_detection else None
         self.relay = Relay(self.adapter, self.config.timeouts, self.upstream, pace)
         self.registry.on_eject(self.relay.abort_worker)
         self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,

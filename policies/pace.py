@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -90,11 +91,14 @@ def quantile(samples: deque[float], q: float) -> float:
 
 
 class FleetPace:
-    """WorkerPace per worker id."""
+    """WorkerPace per worker id. `unpaced`: workers whose silences are planned, not hangs (engines of shared hosts
+    running Aegaeon's turns, gateway/turns.py: a stream waits a whole round of other models' turns); they have no
+    pace limit, only the gateway's fixed timeouts."""
 
-    def __init__(self, settings: PaceSettings) -> None:
+    def __init__(self, settings: PaceSettings, unpaced: Iterable[str] = ()) -> None:
         self.settings = settings
         self._workers: dict[str, WorkerPace] = {}
+        self.unpaced = frozenset(unpaced)
 
     def of(self, worker_id: str) -> WorkerPace:
         p = self._workers.get(worker_id)
@@ -103,6 +107,8 @@ class FleetPace:
         return p
 
     def limits(self, worker_id: str) -> tuple[float, float]:
+        if worker_id in self.unpaced:
+            return math.inf, math.inf
         p = self._workers.get(worker_id)
         return p.limits() if p is not None else (self.settings.cold_first_s, self.settings.cold_gap_s)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from policies.pace import FleetPace, PaceSettings, WorkerPace
 
 S = PaceSettings(factor=4.0, gap_floor_s=2.0, first_floor_s=5.0, cold_gap_s=30.0, cold_first_s=60.0,
@@ -60,3 +62,9 @@ def test_the_quantile_is_numpys() -> None:
         d = deque(rng.random() * 10 for _ in range(n))
         for q in (0.0, 0.5, 0.9, 0.99, 1.0):
             assert abs(quantile(d, q) - float(np.quantile(list(d), q))) <= 1e-12 * 10, (n, q)
+
+
+def test_unpaced_workers_have_no_pace_limit() -> None:
+    fleet = FleetPace(PaceSettings(), unpaced=["turns-engine"])
+    assert fleet.limits("turns-engine") == (math.inf, math.inf)
+    assert fleet.limits("other") == (PaceSettings().cold_first_s, PaceSettings().cold_gap_s)

@@ -395,3 +395,25 @@ async def test_when_the_driving_replica_dies_the_other_drives_within_seconds(sim
         if keys:
             r.delete(*keys)
         r.close()
+
+
+async def test_a_stream_paused_between_turns_is_not_taken_for_a_hung_worker(sim_fleet, make_client) -> None:
+    """Hung detection (policies/pace.py) with a gap bound far below a turn: a stream waiting out the other model's
+    turn is silent longer than the bound, yet no worker is suspected and no stream breaks (turns engines are
+    unpaced; the fixed timeouts still apply)."""
+    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=2)
+    url_a, url_b = fleet.urls
+    resume = {"gap_floor_s": 0.05, "cold_gap_s": 0.1, "first_token_floor_s": 0.05, "cold_first_token_s": 0.1}
+    async with gateway(**_turns_host({A: url_a, B: url_b}), resume=resume) as gw:
+        oa = make_client(gw.url, max_retries=0, timeout=60)
+        (ta, fa, na), (tb, fb, nb) = await asyncio.gather(_stream(oa, A, 300), _stream(oa, B, 300))
+        assert (fa, na, fb, nb) == ("length", 300, "length", 300)
+        gaps = [b - a for ts in (ta, tb) for a, b in zip(ts, ts[1:], strict=False)]
+        assert max(gaps) > 2 * resume["cold_gap_s"], max(gaps)     # silences longer than the pace allows
+        async with httpx.AsyncClient() as c:
+            text = (await c.get(gw.url + "/metrics")).text
+        breaks = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("fleetgate_stream_breaks_total{"))
+        assert breaks == 0, [line for line in text.splitlines() if line.startswith("fleetgate_stream_breaks")]
+        ws = gw.gateway.registry.workers[f"gpu0:{A.replace('/', '_')}"]
+        assert ws.healthy and ws.active
