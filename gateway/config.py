@@ -318,6 +318,10 @@ class SharedHostConfig(_Strict):
     scheduling: Literal["request", "turns"] = "request"
     q_max_s: float = Field(Q_MAX_S, gt=0)             # turns: the largest quota of a turn (Aegaeon's Q_MAX)
     tbt_ms: float | None = Field(None, gt=0)      # turns: the TBT target d of eq. 2-3; default slo.tpot_ms
+    # turns at sleep level >= 1: stock vLLM dropped the paused requests' KV, so a turn first recomputes it; count
+    # that estimate as switching (in eq. 3's c, and the quota starts after it), else a quota shorter than the
+    # recomputation decodes nothing (simulator/pooled.py `recompute_quota`, bench/results/pooling_seeds.md)
+    recompute_quota: bool = True
 
     @field_validator("id")
     @classmethod

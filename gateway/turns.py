@@ -22,6 +22,9 @@ uses:
 Simulator only: with L >= 1 stock vLLM drops the paused requests' KV cache, so they recompute their context
 after the wake-up (the simulated engine does the same), whereas Aegaeon keeps the KV in host memory and copies
 it back (its section 5); the live gateway cannot move KV, only the simulator models Aegaeon's KV swap.
+Hence `recompute_quota` (default on): at L >= 1 a turn's quota starts after the learner's prefill estimate for
+the tokens in flight on its engine, and that estimate counts in c (the simulator's `recompute_quota`; with the
+stock rule a quota shorter than the recomputation decodes nothing: bench/results/pooling_seeds.md).
 
 A wake-up that fails marks the engine failed for a while (out of rotation, its model left out of the work
 list); waiting requests for a model with no engine left get the OpenAI-style 503, as on request-level hosts.
@@ -119,10 +122,14 @@ class TurnDriver:
             return                      # nothing to run, or the one to run failed meanwhile
         if d.new_turn:
             self.ctl.metrics.turns.labels(self.host.id, d.model).inc()
-        if d.model != self.running and not await self._switch(self.running, d.model):
-            await asyncio.sleep(SWITCH_RETRY_S)     # an engine refused: do not hammer it every tick
+        grace = 0.0
+        if d.model != self.running:
+            if not await self._switch(self.running, d.model):
+                await asyncio.sleep(SWITCH_RETRY_S)     # an engine refused: do not hammer it every tick
+            else:
+                grace = self._recompute_s(d.model)
         if d.new_turn:
-            self.keeper.switched(time.monotonic())
+            self.keeper.switched(time.monotonic() + grace)
 
     # --- what the keeper is told ---------------------------------------------------------------------
     def usable(self, model: str, now: float) -> bool:
@@ -154,7 +161,21 @@ class TurnDriver:
     def _switch_cost(self, a: str, b: str) -> float:
         costs = self.ctl.costs[self.host.id]
         moved = costs[a].offload_s + costs[b].load_s if self._level(a) >= 1 else 0.0
-        return max(moved, self.switch_s)
+        return max(moved, self.switch_s) + self._recompute_s(b)
+
+    def _recompute_s(self, model: str) -> float:
+        """With `recompute_quota`, at level >= 1: the learner's prefill estimate for the tokens in flight on the
+        model's engine (prompts and outputs so far, as the gateway accounts them: an upper estimate), the KV its
+        requests recompute after the wake-up. 0 at level 0, or without a profile to estimate from."""
+        if not self.host.recompute_quota or self._level(model) == 0:
+            return 0.0
+        profile = self.host.engine(model).profile
+        learner = self.ctl.learner
+        pm = learner.model_for(profile) if learner is not None and profile else None
+        f = self.ctl.store.inflight().get(self.host.worker_id(model))
+        if pm is None or f is None or not f.tokens:
+            return 0.0
+        return max(pm.prefill_time(f.tokens, f.tokens * f.tokens / max(f.requests, 1)), 0.0)   # equal prompts
 
     def _level(self, model: str) -> int:
         return self.levels.get(model, self.level)
