@@ -294,7 +294,10 @@ async def main_async(args: argparse.Namespace) -> list[tuple[PooledSpec, dict, L
     base = {"num_models": args.models, "rate": args.models * args.lam, "workers": args.workers,
             "profile": args.profile, "duration": args.duration, "seed": args.seed}
     specs = {"request": PooledSpec(pooling="request", **base),
-             "turns": PooledSpec(pooling="aegaeon", prefill_fraction=0, turns_placement="all", **base)}
+             # with engine profiles the gateway estimates each turn's recomputation (shared_hosts recompute_quota,
+             # on by default; without a profile it estimates nothing): the simulator's recompute_quota matches it
+             "turns": PooledSpec(pooling="aegaeon", prefill_fraction=0, turns_placement="all",
+                                 recompute_quota=args.engine_profile, **base)}
     runs = []
     for mode in args.modes:
         spec = specs[mode]

@@ -298,6 +298,10 @@ class Learner:
         self._prefill_logs: dict[str, _PrefillLog] = {}
         self._prefill_wait: list[tuple] = []
         self._shortfall_seen: dict[tuple[str, int], tuple[int, float]] = {}  # (model, policy) -> (no_fits, rise)
+        # engines of shared hosts running turns (gateway/turns.py): their timings include other models' turns, so
+        # they would teach the perf model steps several times too slow; their lengths still count
+        self._untimed = frozenset(h.worker_id(m) for h in config.shared_hosts if h.scheduling == "turns"
+                                  for m in h.engines)
         self.shortfall_now: dict[str, int] = {}   # model -> the placement shortfall last exported
         self._buckets_seen: set[tuple[str, int]] = set()
         self._task: asyncio.Task | None = None
@@ -494,7 +498,7 @@ class Learner:
             t[2] += l_in * l_in
             t[3] += n
             ws = workers.get(wid)
-            if ws is None or t_first is None:
+            if ws is None or t_first is None or wid in self._untimed:
                 continue
             prof = self._profiles.get(ws.rec.profile)
             if prof is None:

@@ -130,6 +130,12 @@ async def test_quotas_come_from_the_learned_step_times_and_the_derived_swap_cost
         assert [(f, n) for _, f, n in results] == [("length", 300)] * 3
         async with httpx.AsyncClient() as c:
             plan = (await c.get(gw.url + "/ui/status.json")).json()["shared_hosts"][0]["round"]
+        learner = gw.gateway.learner
+        await learner.tick()    # ingest the finished streams now
+        # their gaps include the other model's turns: no timing of a turns engine teaches the perf model
+        assert learner.traffic[A][0] == 1 and learner.traffic[B][0] == 2          # their lengths still count
+        prof = learner._profiles["llama3-8b-h100"]
+        assert not prof.decode and not prof.prefill, (list(prof.decode), list(prof.prefill))
     # c: both switches, each the weights out and the other's in over the link (16 GB / 25 GB/s each way), plus,
     # with recompute_quota (level 1: the KV was dropped), the prefill estimate of each batch's tokens in flight
     weights = 2 * (16 / 25 + 16 / 25)
