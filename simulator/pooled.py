@@ -43,7 +43,9 @@ policies deciding what runs are the pure objects of policies/pooling:
               `recompute_quota` counts the estimated recomputation as switching (in c, and the turn's quota
               starts after it), `kv_kept` (simulator only) keeps the KV in host memory and copies it back before
               the turn (`kv_copy_time_s`, section 5.3 without the overlap). The turn rules live here as small
-              functions (`_next_turns`, `_turn_switch`) until the gateway's pure turn class exists.
+              functions (`_next_turns`, `_turn_switch`) over the same `DecodeWorkLists.round`; the gateway's
+              `policies/pooling/turns.py` `HostTurns` states the same rules for the live loop (not yet driven
+              from here: bench/results/pooling.md "Live" compares the two).
 
 Every engine is built by `_engine` / `_setup_static` with an EngineConfig (FCFS today): the one place a
 service-aware priority (SeaLLM, `--service-priority`) would set vLLM's `scheduling_policy` and each request's
