@@ -34,7 +34,7 @@ def test_seeds_report_lists_every_seed_and_the_ratio_spread():
     assert "| p | 0.5 | 16 | request | 16 / > 32 | 16 / 15 | 3/10 / 3/10 | - / - | - / - |" in text
     assert "| p | 0.5 | 16 | aegaeon | 8 / 10 | 6 / 5 | 3/10 / 3/10 | 2 / 2 | 0.5 / 0.5 |" in text
     # per seed request N / aegaeon N; a request search that never passed counts as the cap (a lower bound)
-    assert "| p | 0.5 | 16 | 2.00x / > 3.20x | 2.67x / 3.00x | 2.00-3.20x | 2.67-3.00x |" in text
+    assert "| p | 0.5 | 16 | aegaeon | 2.00x / > 3.20x | 2.67x / 3.00x | 2.00-3.20x | 2.67-3.00x |" in text
 
 
 def test_fewest_workers_passes_the_mechanism_switches():
