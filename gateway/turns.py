@@ -149,14 +149,18 @@ class TurnDriver:
     def _step_time(self, model: str, n: int) -> float:
         """One decode step of `n` requests of `model`: the learner's estimate for the engine's profile, else the
         TBT target (the batch is taken to use all its slack)."""
-        profile = self.host.engine(model).profile
-        learner = self.ctl.learner
-        pm = learner.model_for(profile) if learner is not None and profile else None
+        pm = self._perf_model(model)
         if pm is None:
             return self.keeper.tbt_s
         f = self.ctl.store.inflight().get(self.host.worker_id(model))
         ctx = f.tokens / f.requests if f is not None and f.requests else 0.0
         return max(pm.decode_step(max(n, 1), ctx), 1e-6)
+
+    def _perf_model(self, model: str) -> Any:
+        """The learner's performance model of the engine's profile (None without a profile or a learner)."""
+        profile = self.host.engine(model).profile
+        learner = self.ctl.learner
+        return learner.model_for(profile) if learner is not None and profile else None
 
     def _switch_cost(self, a: str, b: str) -> float:
         costs = self.ctl.costs[self.host.id]
@@ -169,9 +173,7 @@ class TurnDriver:
         requests recompute after the wake-up. 0 at level 0, or without a profile to estimate from."""
         if not self.host.recompute_quota or self._level(model) == 0:
             return 0.0
-        profile = self.host.engine(model).profile
-        learner = self.ctl.learner
-        pm = learner.model_for(profile) if learner is not None and profile else None
+        pm = self._perf_model(model)
         f = self.ctl.store.inflight().get(self.host.worker_id(model))
         if pm is None or f is None or not f.tokens:
             return 0.0

@@ -392,6 +392,16 @@ class PooledSim:
             return weights
         return weights + self._kv_reload_s(self.hosts_by_id(nxt.instance).engines.get(nxt.batch_id))
 
+    def _start_round(self, h: _Host, wl: DecodeWorkLists, step_time: Callable[[DecodeBatch], float],
+                     switch_cost: Callable[[DecodeBatch, DecodeBatch], float]) -> bool:
+        """Algorithm 2's next round on host `h` (its turns queued, the plan kept for the report); False: no batch."""
+        turns = wl.round(h.id, step_time, self.spec.slo_tpot_s, switch_cost, h.resident_key)
+        if turns and wl.last_round is not None:
+            self.rounds.append(wl.last_round)
+        h.round_batches = len(turns)
+        h.turns = deque(turns)
+        return bool(turns)
+
     def hosts_by_id(self, host_id: str) -> _Host:
         return self._by_id[host_id]
 
@@ -710,14 +720,8 @@ class PooledSim:
                     return      # a fresh round ran nothing either: wait for KV or a new request
                 rounds += 1
                 h.ran_this_round = False
-                turns = wl.round(h.id, self._decode_step_time, self.spec.slo_tpot_s, self._switch_cost,
-                                 h.resident_key)
-                if turns and wl.last_round is not None:
-                    self.rounds.append(wl.last_round)
-                h.round_batches = len(turns)
-                if not turns:
+                if not self._start_round(h, wl, self._decode_step_time, self._switch_cost):
                     return
-                h.turns = deque(turns)
             t = h.turns.popleft()
             b = wl.batches.get(t.batch_id)
             eng = h.engines.get(t.batch_id)
@@ -804,14 +808,8 @@ class PooledSim:
                     return          # a fresh round ran nothing (cannot happen with work: a guard)
                 rounds += 1
                 h.ran_this_round = False
-                turns = wl.round(h.id, self._turn_step_time, self.spec.slo_tpot_s, self._turn_switch_cost,
-                                 h.resident_key)
-                if turns and wl.last_round is not None:
-                    self.rounds.append(wl.last_round)
-                h.round_batches = len(turns)
-                if not turns:
+                if not self._start_round(h, wl, self._turn_step_time, self._turn_switch_cost):
                     return
-                h.turns = deque(turns)
             t = h.turns.popleft()
             if t.batch_id not in wl.batches:
                 continue

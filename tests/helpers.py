@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +162,25 @@ def require_redis(url: str) -> str:
         pytest.fail(f"Redis is not reachable at {url} ({exc}). Start it with `redis-server --daemonize yes "
                     "--port 6379` or `docker run -p 6379:6379 redis:7`, or point FLEETGATE_TEST_REDIS_URL at one.")
     return url
+
+
+@contextlib.contextmanager
+def redis_prefix(url: str, name: str) -> Iterator[str]:
+    """A fresh key prefix `fgtest:<name>:<random>:` on the Redis at `url` (which must answer: `require_redis`);
+    every key under it is deleted afterwards."""
+    import uuid
+
+    import redis
+
+    r = redis.Redis.from_url(require_redis(url), socket_connect_timeout=1, socket_timeout=5)
+    prefix = f"fgtest:{name}:{uuid.uuid4().hex[:8]}:"
+    try:
+        yield prefix
+    finally:
+        keys = list(r.scan_iter(match=prefix + "*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()
 
 
 def require_command(name: str, package: str | None = None) -> str:

@@ -15,7 +15,7 @@ import pytest
 from gateway.config import ConfigError, load_config
 from gateway.pooling import swap_costs
 from policies.pooling.swapping import EngineView, HostView, RequestLevelSwaps, SwapStep
-from tests.helpers import metric
+from tests.helpers import metric, redis_prefix
 from tests.helpers import running_gateway as gateway
 
 A, B = "pool/model-a", "pool/model-b"
@@ -188,21 +188,11 @@ POOL_REDIS_URL = "redis://127.0.0.1:6379/12"     # this module's own Redis DB
 
 
 async def test_two_replicas_share_a_host_through_redis(sim_fleet, make_client) -> None:
-    import uuid
-
-    import redis
-
-    r = redis.Redis.from_url(POOL_REDIS_URL, socket_connect_timeout=1, socket_timeout=5)
-    try:
-        r.ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"Redis is not reachable at {POOL_REDIS_URL} ({exc}); start redis-server on port 6379")
-    prefix = f"fgtest:pool:{uuid.uuid4().hex[:8]}:"
-    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=20)
-    url_a, url_b = fleet.urls
-    cfg = {**_shared({A: url_a, B: url_b}), "redis_url": POOL_REDIS_URL, "redis_key_prefix": prefix,
-           "limits": {"queue_timeout_s": 30}}
-    try:
+    with redis_prefix(POOL_REDIS_URL, "pool") as prefix:
+        fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=20)
+        url_a, url_b = fleet.urls
+        cfg = {**_shared({A: url_a, B: url_b}), "redis_url": POOL_REDIS_URL, "redis_key_prefix": prefix,
+               "limits": {"queue_timeout_s": 30}}
         async with gateway(**cfg, replica_id="r1") as g1, gateway(**cfg, replica_id="r2") as g2:
             clients = [make_client(g.url, max_retries=0, timeout=60) for g in (g1, g2)]
 
@@ -217,11 +207,6 @@ async def test_two_replicas_share_a_host_through_redis(sim_fleet, make_client) -
             assert _state(url_b)["submitted_asleep"] == 0
             asleep = [httpx.get(u + "/is_sleeping").json()["is_sleeping"] for u in (url_a, url_b)]
             assert asleep.count(False) == 1                  # max_awake 1 held across both replicas
-    finally:
-        keys = list(r.scan_iter(match=prefix + "*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
 
 
 def test_pooled_demo_serves_every_model_of_a_shared_host() -> None:

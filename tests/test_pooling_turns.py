@@ -14,7 +14,7 @@ import pytest
 from gateway.config import ConfigError, load_config
 from policies.pooling.aegaeon import Q_MAX_S, decode_quotas
 from policies.pooling.turns import HostTurns
-from tests.helpers import metric
+from tests.helpers import metric, redis_prefix
 from tests.helpers import running_gateway as gateway
 
 A, B, C = "pool/model-a", "pool/model-b", "pool/model-c"
@@ -299,20 +299,10 @@ POOL_REDIS_URL = "redis://127.0.0.1:6379/12"     # the pooling tests' Redis DB (
 
 
 async def test_two_replicas_one_drives_the_turns(sim_fleet, make_client) -> None:
-    import uuid
-
-    import redis
-
-    r = redis.Redis.from_url(POOL_REDIS_URL, socket_connect_timeout=1, socket_timeout=5)
-    try:
-        r.ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"Redis is not reachable at {POOL_REDIS_URL} ({exc}); start redis-server on port 6379")
-    prefix = f"fgtest:turns:{uuid.uuid4().hex[:8]}:"
-    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=2)
-    url_a, url_b = fleet.urls
-    cfg = {**_turns_host({A: url_a, B: url_b}), "redis_url": POOL_REDIS_URL, "redis_key_prefix": prefix}
-    try:
+    with redis_prefix(POOL_REDIS_URL, "turns") as prefix:
+        fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=2)
+        url_a, url_b = fleet.urls
+        cfg = {**_turns_host({A: url_a, B: url_b}), "redis_url": POOL_REDIS_URL, "redis_key_prefix": prefix}
         async with gateway(**cfg, replica_id="r1") as g1, gateway(**cfg, replica_id="r2") as g2:
             watch = _AwakeWatch([url_a, url_b])
             watcher = asyncio.create_task(watch.run())
@@ -327,11 +317,6 @@ async def test_two_replicas_one_drives_the_turns(sim_fleet, make_client) -> None
                 hosts = [(await c.get(g.url + "/ui/status.json")).json()["shared_hosts"][0] for g in (g1, g2)]
             assert sorted(h["driving"] for h in hosts) == [False, True]       # one replica drives the host
             assert [h["switches"] for h in hosts if not h["driving"]] == [0]
-    finally:
-        keys = list(r.scan_iter(match=prefix + "*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
 
 
 def test_a_vllm_without_level_0_is_paused_at_level_1() -> None:
@@ -350,21 +335,12 @@ async def test_when_the_driving_replica_dies_the_other_drives_within_seconds(sim
     the turns is killed (SIGKILL: it releases nothing) the other one takes the host over within seconds and the
     streams of both models, sent through the survivor, finish."""
     import signal
-    import uuid
 
-    import redis
     import yaml
-
-    r = redis.Redis.from_url(POOL_REDIS_URL, socket_connect_timeout=1, socket_timeout=5)
-    try:
-        r.ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"Redis is not reachable at {POOL_REDIS_URL} ({exc}); start redis-server on port 6379")
-    prefix = f"fgtest:turns:{uuid.uuid4().hex[:8]}:"
-    fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=2)
-    url_a, url_b = fleet.urls
-    procs, urls = {}, {}
-    try:
+    with redis_prefix(POOL_REDIS_URL, "turns") as prefix:
+        fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=2)
+        url_a, url_b = fleet.urls
+        procs, urls = {}, {}
         for rid in ("r1", "r2"):
             cfg = tmp_path / f"{rid}.yaml"
             cfg.write_text(yaml.safe_dump({**_turns_host({A: url_a, B: url_b}), "redis_url": POOL_REDIS_URL,
@@ -403,11 +379,6 @@ async def test_when_the_driving_replica_dies_the_other_drives_within_seconds(sim
             (ta, fa, na), (tb, fb, nb) = await streams
             assert (fa, na, fb, nb) == ("length", 300, "length", 300)
             assert (await hosts(c, [other]))[other]["switches"] >= 1   # the survivor went on switching
-    finally:
-        keys = list(r.scan_iter(match=prefix + "*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
 
 
 async def test_a_stream_paused_between_turns_is_not_taken_for_a_hung_worker(sim_fleet, make_client) -> None:

@@ -136,6 +136,21 @@ def engine_metric(url: str, name: str, **match: str) -> float:
     return metric_sum(text, name, **match)
 
 
+def sleep_ops(url: str, operation: str) -> float:
+    """How many /sleep ("sleep") or /wake_up ("wake") calls the engine itself has completed."""
+    return engine_metric(url, "vllm:sleep_mode_operation_duration_seconds_count", operation=operation)
+
+
+def shared_host_config(path: Path, urls: dict[str, str], host: str, **settings: object) -> Path:
+    """A gateway config (written to `path`) with one shared host holding the two servers' aliases: the
+    prio server's model as urls["a"], the plain server's as urls["b"]."""
+    cfg = {"shared_hosts": [{"id": host, "swap_timeout_s": 60, **settings,
+                             "engines": {ALIASES["prio"]: urls["a"], ALIASES["plain"]: urls["b"]}}],
+           "scrape_interval_s": 0.1}
+    path.write_text(json.dumps(cfg))     # JSON is YAML
+    return path
+
+
 def is_sleeping(url: str) -> bool:
     """A dev-mode server's GET /is_sleeping."""
     resp = httpx.get(url + "/is_sleeping", timeout=5)

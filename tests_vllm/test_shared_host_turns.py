@@ -12,32 +12,31 @@ gateway's switch counters match the engines' own sleep/wake operation counts. Bo
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from tests_vllm.conftest import ALIASES, engine_metric, is_sleeping, metric_sum, run_gateway, wait_until
+from tests_vllm.conftest import (
+    ALIASES,
+    engine_metric,
+    is_sleeping,
+    metric_sum,
+    run_gateway,
+    shared_host_config,
+    sleep_ops,
+    wait_until,
+)
 
 HOST = "cpu0"
 TOKENS = 1000       # max-model-len 1024; the tiny model decodes ~400 tokens/s on one core
 QUOTA_S = 0.3
 
 
-def _ops(url: str, operation: str) -> float:
-    return engine_metric(url, "vllm:sleep_mode_operation_duration_seconds_count", operation=operation)
-
-
 def _config(tmp_path: Path, urls: dict[str, str]) -> Path:
-    cfg = {"shared_hosts": [{"id": HOST, "max_awake": 2, "scheduling": "turns", "q_max_s": QUOTA_S, "tbt_ms": 200,
-                             "swap_timeout_s": 60,
-                             "engines": {ALIASES["prio"]: urls["a"], ALIASES["plain"]: urls["b"]}}],
-           "scrape_interval_s": 0.1}
-    path = tmp_path / "shared_host_turns.yaml"
-    path.write_text(json.dumps(cfg))     # JSON is YAML
-    return path
+    return shared_host_config(tmp_path / "shared_host_turns.yaml", urls, HOST, max_awake=2, scheduling="turns",
+                              q_max_s=QUOTA_S, tbt_ms=200)
 
 
 def test_gateway_runs_decode_turns_between_two_real_engines(prio_server, plain_server, tmp_path: Path) -> None:  # noqa: ANN001
@@ -45,7 +44,7 @@ def test_gateway_runs_decode_turns_between_two_real_engines(prio_server, plain_s
     models = {"a": ALIASES["prio"], "b": ALIASES["plain"]}
     for url in urls.values():
         wait_until(lambda u=url: not is_sleeping(u), 30, "both servers awake")
-    ops = {(k, op): _ops(u, op) for k, u in urls.items() for op in ("sleep", "wake")}
+    ops = {(k, op): sleep_ops(u, op) for k, u in urls.items() for op in ("sleep", "wake")}
     try:
         with run_gateway([], config=_config(tmp_path, urls), model=models["a"]) as gw:
             # the turn loop keeps one engine awake and pauses the other at start
@@ -97,7 +96,7 @@ def test_gateway_runs_decode_turns_between_two_real_engines(prio_server, plain_s
             host = httpx.get(gw.url + "/ui/status.json", timeout=5).json()["shared_hosts"][0]
             assert host["scheduling"] == "turns" and host["level"] == 0
             # the engines counted the same operations themselves
-            engine_ops = {op: sum(_ops(u, op) - ops[k, op] for k, u in urls.items()) for op in ("sleep", "wake")}
+            engine_ops = {op: sum(sleep_ops(u, op) - ops[k, op] for k, u in urls.items()) for op in ("sleep", "wake")}
             assert engine_ops == {"sleep": outs, "wake": ins}, (engine_ops, outs, ins)
             print(f"turns on real vLLM: {len(events)} text chunks in {runs} runs, {int(ins)} switches, {polls} polls, "
                   f"switch {host['switch_s']:.3f} s, quotas {host['round'] and host['round']['quotas_s']}")

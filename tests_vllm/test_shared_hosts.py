@@ -19,7 +19,6 @@ before putting the other to sleep by /is_sleeping.
 
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,8 @@ from tests_vllm.conftest import (
     is_sleeping,
     metric_sum,
     run_gateway,
+    shared_host_config,
+    sleep_ops,
     wait_until,
 )
 
@@ -41,9 +42,6 @@ SEQUENCE = ("a", "b", "a", "b", "a", "b")
 TOKENS = 16
 
 
-def _ops(url: str, operation: str) -> float:
-    """How many /sleep or /wake_up calls the engine itself has completed."""
-    return engine_metric(url, "vllm:sleep_mode_operation_duration_seconds_count", operation=operation)
 
 
 def _engine_requests(url: str) -> float:
@@ -91,12 +89,7 @@ class Monitor:
 
 
 def _config(tmp_path: Path, urls: dict[str, str]) -> Path:
-    cfg = {"shared_hosts": [{"id": HOST, "max_awake": 1, "swap_timeout_s": 60,
-                             "engines": {ALIASES["prio"]: urls["a"], ALIASES["plain"]: urls["b"]}}],
-           "scrape_interval_s": 0.1}
-    path = tmp_path / "shared_hosts.yaml"
-    path.write_text(json.dumps(cfg))     # JSON is YAML
-    return path
+    return shared_host_config(tmp_path / "shared_hosts.yaml", urls, HOST, max_awake=1)
 
 
 def test_gateway_switches_two_real_engines_on_one_host(prio_server, plain_server, tmp_path: Path) -> None:  # noqa: ANN001
@@ -105,7 +98,7 @@ def test_gateway_switches_two_real_engines_on_one_host(prio_server, plain_server
     for url in urls.values():
         wait_until(lambda u=url: not is_sleeping(u) and _engine_requests(u) == 0, 30, "both servers awake and idle")
     done = {k: engine_metric(u, "vllm:request_success_total") for k, u in urls.items()}
-    ops = {(k, op): _ops(u, op) for k, u in urls.items() for op in ("sleep", "wake")}
+    ops = {(k, op): sleep_ops(u, op) for k, u in urls.items() for op in ("sleep", "wake")}
     try:
         with run_gateway([], config=_config(tmp_path, urls), model=models["a"]) as gw:
             workers = {k: f"{HOST}:{models[k]}" for k in urls}
@@ -139,7 +132,7 @@ def test_gateway_switches_two_real_engines_on_one_host(prio_server, plain_server
             assert swaps == {("a", "in"): 2, ("a", "out"): 3, ("b", "in"): 3, ("b", "out"): 3}, swaps
             assert metric_sum(text, "fleetgate_swap_seconds_count", host=HOST) == 5
             # the engines count the same operations themselves
-            engine_ops = {(k, op): _ops(u, op) - ops[k, op] for k, u in urls.items() for op in ("sleep", "wake")}
+            engine_ops = {(k, op): sleep_ops(u, op) - ops[k, op] for k, u in urls.items() for op in ("sleep", "wake")}
             assert engine_ops == {("a", "sleep"): 3, ("a", "wake"): 2, ("b", "sleep"): 3, ("b", "wake"): 3}, engine_ops
             # each engine finished exactly its model's requests
             finished = {k: engine_metric(u, "vllm:request_success_total") - done[k] for k, u in urls.items()}
