@@ -89,6 +89,42 @@ async def test_the_gateway_keeps_its_fleet_and_keys_when_redis_is_wiped(sim_flee
         r.close()
 
 
+async def test_recovery_is_announced_only_once_the_replay_succeeds(redis_url, redis_prefix, caplog) -> None:
+    """A Redis just thawed from SIGSTOP answers a PING and then times out on the backlog behind it: the store
+    stays down (no "reachable again" line followed by a new "unreachable"), keeps what it queued, and announces
+    the recovery once its replay and heartbeat went through."""
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    s = RedisStore(redis_url, replica_id="r1", key_prefix=redis_prefix, refresh_interval_s=0.05)
+    await s.start()
+    try:
+        await s.upsert_worker(WorkerRecord(id="w1", url="http://127.0.0.1:1", models=[MODEL]))
+        assert await s.try_reserve("w1", "req-1", cap=4, tokens=10)
+        assert await s.try_reserve("w1", "req-2", cap=4, tokens=10)
+        caplog.set_level(logging.INFO, logger="fleetgate.state.redis")
+        caplog.clear()
+        s._mark_down(RedisTimeoutError("frozen"))  # what the first timed-out call does
+        await s.release("w1", "req-1")  # queued while down
+        real, attempts = s._heartbeat, []
+
+        async def slow_once() -> None:
+            attempts.append(1)
+            if len(attempts) == 1:
+                raise RedisTimeoutError("Timeout reading from socket")
+            await real()
+        s._heartbeat = slow_once
+        await poll(lambda: s.available, 5, "the store to come back")
+        r = redis.Redis.from_url(redis_url, decode_responses=True)
+        assert r.zrange(redis_prefix + "res:w1", 0, -1) == [s._member("req-2")]  # released once back, req-2 kept
+        r.close()
+        lines = [x.getMessage() for x in caplog.records if x.levelno >= logging.WARNING]
+        assert len(attempts) >= 2
+        assert [x.split(" (")[0].split(" after")[0] for x in lines] == [
+            f"Redis at {redis_url} unreachable", f"Redis at {redis_url} reachable again"], lines
+    finally:
+        await s.close()
+
+
 async def test_an_outage_is_logged_once_not_per_loop(sim_fleet, tmp_path, caplog) -> None:
     port = free_port()
     cmd = [require_command("redis-server"), "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]

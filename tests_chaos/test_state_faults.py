@@ -130,7 +130,7 @@ async def test_redis_frozen_30s(sim_fleet_process, gateway_process, redis_server
     assert ok_frozen > 0  # the gateway served through the freeze, from its local state
     assert healthy == ["w0", "w1"]
     assert not [x for x in lines if "Traceback" in x], lines
-    assert len(lines) <= 2 + FREEZE_S / 30 + 2, lines  # down, up, a reminder per 30 s, spare
+    assert len(lines) <= 2 + FREEZE_S / 30 + 2, "\n".join(lines)  # down, up, a reminder per 30 s, spare
 
 
 async def test_gateway_sigkill_with_a_batch_in_flight(sim_fleet_process, gateway_process, redis_server,

@@ -544,23 +544,37 @@ class RedisStore(RedisJobs, StateStore):
                         now - self._down_since)
 
     async def _mark_up(self) -> None:
-        """Redis answers again: re-add reservations made meanwhile, replay releases and registry writes."""
+        """Redis answers again: replay releases and registry writes, re-add reservations made meanwhile, and
+        only then say so. A Redis just thawed may still be working through a backlog: if the replay times out,
+        the outage goes on (no "reachable again" line followed at once by another "unreachable")."""
+        await self._replay_pending()
+        await self._heartbeat()  # re-adds reservations made while Redis was away, rewrites the load hash
+        while self._pending_release or self._pending_registry:  # queued while the calls above waited
+            await self._replay_pending()
         self._ok = True
         log.warning("Redis at %s reachable again after %.1f s; shared state resumed", _redact(self.url),
                     time.monotonic() - self._down_since)
-        r = self._client()
-        pipe = r.pipeline(transaction=False)
-        for wid, member in self._pending_release:
+
+    async def _replay_pending(self) -> None:
+        releases, registry = self._pending_release, self._pending_registry
+        self._pending_release, self._pending_registry = [], {}
+        pipe = self._client().pipeline(transaction=False)
+        for wid, member in releases:
             pipe.zrem(self._k(f"res:{wid}"), member)
-        for wid, rec in self._pending_registry.items():
+        for wid, rec in registry.items():
             if rec is None:
                 pipe.hdel(self._k("workers"), wid)
                 pipe.hdel(self._k("metrics"), wid)
             else:
                 pipe.hset(self._k("workers"), wid, orjson.dumps(dataclasses.asdict(rec)))
-        await pipe.execute()
-        self._pending_release, self._pending_registry = [], {}
-        await self._heartbeat()  # re-adds reservations made while Redis was away, rewrites the load hash
+        try:
+            await pipe.execute()
+        except BaseException:
+            # Still down: keep what was queued, writes queued during the attempt taking precedence.
+            self._pending_release = releases + self._pending_release
+            registry.update(self._pending_registry)
+            self._pending_registry = registry
+            raise
 
     # --- background loops -----------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
