@@ -122,6 +122,10 @@ async def test_every_panel_and_alert_returns_data_from_a_real_prometheus(tmp_pat
             watcher = asyncio.create_task(watch_alerts())
             try:
                 await _traffic(url)
+                # The batch queue's depth is read from Redis by the batch sweep: on a loaded machine its first
+                # sample can lag the traffic; let Prometheus see it before the store goes away.
+                await poll(lambda: _query(http, api, 'fleetgate_queue_depth{class="batch"}'), 20,
+                           "Prometheus to scrape the batch queue depth", every=0.5)
                 redis_proc.kill()  # the store goes away: fleetgate_state_store_up{store="redis"} drops to 0
                 redis_proc.wait(5)
                 await poll(lambda: _value(http, api, 'min(fleetgate_state_store_up{store="redis"})', 0.0), 20,

