@@ -30,22 +30,20 @@ policies deciding what runs are the pure objects of policies/pooling:
               extra copies of the busiest, the others asleep in CPU memory); `all` puts every model on every host
               (as `fleetgate demo --num-models` does). A request goes to the engine of its model with the fewest
               requests in flight, ties to the host with the fewest (the gateway's least-loaded routing over the
-              engines serving the model). The models with requests on a host form its work list, one batch per
-              (host, model) (`DecodeWorkLists`, one list per host), run in rounds of time-quota turns (eq. 2-3,
-              tbt = the TPOT target, c = the host's swap costs); a turn ends when its quota is spent or its engine
-              has nothing left; a model alone with work runs on without switching (a second model's request ends
-              that round at the next iteration). The engine leaving its turn sleeps: level 0 (a pause: no cost,
-              KV kept) when all the host's models fit awake (`resident_capacity`; each engine then has its share
-              of the KV cache), else its weights leave (`swap_cost`, no prefetch: vLLM has no call for it) and
+              engines serving the model). What runs when is each host's `HostTurns` (policies/pooling/turns.py),
+              the object the live gateway's turn driver asks, told the models with requests on the host: rounds
+              of time-quota turns (eq. 2-3, tbt = the TPOT target, c = the host's swap costs); a turn ends when
+              its quota is spent or its engine has nothing left; a model alone with work runs on without a quota
+              or a switch (a second model's request cuts the step at its next iteration and starts a round). The
+              engine leaving its turn sleeps: level 0 (a pause: no cost, KV kept) when all the host's models fit
+              awake (`resident_capacity`; each engine then has its share of the KV cache), else its weights leave (`swap_cost`, no prefetch: vLLM has no call for it) and
               stock vLLM drops the paused requests' KV (`EngineCore.drop_kv`): they recompute prompt and output
               so far in their next turn. That recomputation is not in eq. 2-3: a quota shorter than it starves
-              the batch (it loses its KV again before it decodes). Two options beside the gateway's rules:
-              `recompute_quota` counts the estimated recomputation as switching (in c, and the turn's quota
-              starts after it), `kv_kept` (simulator only) keeps the KV in host memory and copies it back before
-              the turn (`kv_copy_time_s`, section 5.3 without the overlap). The turn rules live here as small
-              functions (`_next_turns`, `_turn_switch`) over the same `DecodeWorkLists.round`; the gateway's
-              `policies/pooling/turns.py` `HostTurns` states the same rules for the live loop (not yet driven
-              from here: bench/results/pooling.md "Live" compares the two).
+              the batch (it loses its KV again before it decodes). `recompute_quota` (the gateway's default)
+              counts the estimated recomputation as switching (in c, and the turn's quota starts after it);
+              `kv_kept` (simulator only) keeps the KV in host memory and copies it back before the turn
+              (`kv_copy_time_s`, section 5.3 without the overlap). The simulator does the I/O the gateway's
+              `TurnDriver` does (`_next_turns`, `_turn_switch`): switch, start the quota, step.
 
 Every engine is built by `_engine` / `_setup_static` with an EngineConfig (FCFS today): the one place a
 service-aware priority (SeaLLM, `--service-priority`) would set vLLM's `scheduling_policy` and each request's
@@ -89,6 +87,7 @@ from policies.pooling.baselines import (
     static_placement,
 )
 from policies.pooling.costs import REINIT_OPTIMIZED, expected_active_models, kv_copy_time_s, swap_cost
+from policies.pooling.turns import HostTurns
 from policies.service_priority import SERVICE_PRIORITIES, ServiceScheduler, make_service_scheduler
 from simulator.cluster import RequestResult, SimResult
 from simulator.engine import EngineConfig, EngineCore, SimRequest
@@ -251,7 +250,10 @@ class _Host:
     pf_batch: str | None = None                 # a decode batch's KV swapped in ahead of its turn (section 5.3) ...
     pf_kv_done: float = 0.0                     # ... in from then on
     live: dict[str, set[str]] = field(default_factory=dict)   # with a service priority: engine -> its requests
-    wl: DecodeWorkLists | None = None           # colocated turns: this host's work list (one batch per model)
+    keeper: HostTurns | None = None             # colocated turns: the host's turn keeper (the gateway's)
+    reqs: dict[str, set[str]] = field(default_factory=dict)   # colocated turns: model -> its requests on the host
+    turn_pending: bool = False                  # colocated turns: a new turn's quota starts once its engine runs
+    rounds_seen: int = 0                        # colocated turns: the keeper's rounds already reported
     inflight: int = 0                           # colocated turns: requests on the host
     level: int = 1                              # colocated turns: the sleep level of an engine leaving its turn
     blocks: int | None = None                   # colocated turns at level 0: each engine's share of the KV cache
@@ -343,7 +345,7 @@ class PooledSim:
         else:
             self.placement = static_placement(self.wl.rates, ids, -(-len(self.wl.rates) // len(ids)))
         for h in self.hosts:
-            h.wl = DecodeWorkLists([h.id], lambda model: 1 << 60, self.spec.q_max_s)
+            h.keeper = HostTurns(h.id, self.spec.slo_tpot_s, self.spec.q_max_s)
             held = sum(1 for hosts in self.placement.values() if h.id in hosts)
             h.level = 0 if held <= fit else 1
             h.blocks = (int((self._memory_bytes() - held * prof.weight_bytes) / max(1, held)
@@ -391,16 +393,6 @@ class PooledSim:
         if prev.batch_id == nxt.batch_id:
             return weights
         return weights + self._kv_reload_s(self.hosts_by_id(nxt.instance).engines.get(nxt.batch_id))
-
-    def _start_round(self, h: _Host, wl: DecodeWorkLists, step_time: Callable[[DecodeBatch], float],
-                     switch_cost: Callable[[DecodeBatch, DecodeBatch], float]) -> bool:
-        """Algorithm 2's next round on host `h` (its turns queued, the plan kept for the report); False: no batch."""
-        turns = wl.round(h.id, step_time, self.spec.slo_tpot_s, switch_cost, h.resident_key)
-        if turns and wl.last_round is not None:
-            self.rounds.append(wl.last_round)
-        h.round_batches = len(turns)
-        h.turns = deque(turns)
-        return bool(turns)
 
     def hosts_by_id(self, host_id: str) -> _Host:
         return self._by_id[host_id]
@@ -720,8 +712,14 @@ class PooledSim:
                     return      # a fresh round ran nothing either: wait for KV or a new request
                 rounds += 1
                 h.ran_this_round = False
-                if not self._start_round(h, wl, self._decode_step_time, self._switch_cost):
+                turns = wl.round(h.id, self._decode_step_time, self.spec.slo_tpot_s, self._switch_cost,
+                                 h.resident_key)
+                if not turns:
                     return
+                if wl.last_round is not None:
+                    self.rounds.append(wl.last_round)
+                h.round_batches = len(turns)
+                h.turns = deque(turns)
             t = h.turns.popleft()
             b = wl.batches.get(t.batch_id)
             eng = h.engines.get(t.batch_id)
@@ -740,45 +738,44 @@ class PooledSim:
     # ---- colocated turns (module docstring; the gateway's `scheduling: turns`) ------------------------------
     def _reach_turns(self, r: ModelRequest, now: float) -> None:
         """The gateway's routing: the engine of the request's model with the fewest requests in flight, ties to the
-        least loaded host; the request joins its model's batch in that host's work list."""
+        least loaded host. A step in flight is cut at its next iteration (`_add`), so the keeper decides again:
+        a model that ran alone starts a round when a second one gets work."""
         def load(h: _Host) -> tuple[int, int]:
             eng = h.engines.get(r.model)
             return (eng.num_running + eng.num_waiting if eng is not None else 0), h.inflight
 
         h = min((self._by_id[i] for i in self.placement[r.model]), key=load)
-        wl = h.wl
-        wl.place(r.request_id, r.model, r.prompt_tokens)
+        h.reqs.setdefault(r.model, set()).add(r.request_id)
         h.inflight += 1
-        if h.round_batches == 1 and len(wl.work[h.id]) > 1 and h.turn is not None and h.turn_end is not None:
-            h.turn_end = now        # a model alone runs on Q_MAX; a second one ends that round at the next iteration
         if r.model not in h.engines:
             h.engines[r.model] = EngineCore(self.profile, EngineConfig(num_gpu_blocks=h.blocks))
         self._add(h, r.model, self._sim_request(r, now), now)
 
-    def _turn_step_time(self, b: DecodeBatch) -> float:
-        """Eq. 2's t_k for a batch: one decode iteration of its requests over their context so far."""
-        seqs = max(1, len(b.requests))
-        ctx = sum(self.requests[rid].prompt_tokens + self._emitted.get(rid, 0) for rid in b.requests)
+    def _turn_step_time(self, h: _Host, model: str, n: int) -> float:
+        """Eq. 2's t_k for a model's batch on host h: one decode iteration of its n requests over their context
+        so far (the gateway gives the keeper the learner's estimate of the same)."""
+        rids = h.reqs.get(model, ())
+        seqs = max(1, n)
+        ctx = sum(self.requests[rid].prompt_tokens + self._emitted.get(rid, 0) for rid in rids)
         return self.profile.step_time(0, seqs, max(ctx, seqs), 0.0)
 
-    def _turn_switch_cost(self, prev: DecodeBatch, nxt: DecodeBatch) -> float:
-        """Eq. 3's c, per switch: nothing at sleep level 0 or between one model's batches; else the weights,
-        and with `kv_kept` the next batch's KV copied back."""
-        h = self.hosts_by_id(nxt.instance)
-        if prev.model == nxt.model or h.level == 0:
+    def _turn_switch_cost(self, h: _Host, a: str, b: str) -> float:
+        """Eq. 3's c, per switch from model a's engine to b's: nothing at sleep level 0; else the weights, with
+        `kv_kept` b's KV copied back, with `recompute_quota` b's estimated recomputation (the gateway's
+        `TurnDriver._switch_cost`, from the same profile)."""
+        if a == b or h.level == 0:
             return 0.0
-        kv = self._kv_reload_s(h.engines.get(nxt.model)) if self.spec.kv_kept else 0.0
-        return self.swap.total_s + kv + (self._recompute_s(h, nxt.model) if self.spec.recompute_quota else 0.0)
+        kv = self._kv_reload_s(h.engines.get(b)) if self.spec.kv_kept else 0.0
+        return self.swap.total_s + kv + (self._recompute_s(h, b) if self.spec.recompute_quota else 0.0)
 
     def _recompute_s(self, h: _Host, model: str) -> float:
         """`recompute_quota`: seconds to recompute, at the start of `model`'s next turn, the KV a sleep drops (the
         prompt and output so far of each of its started requests), chunked by the step's token budget (an
         estimate from the profile's step-time model, as eq. 5-6 of appendix A.2 are estimates)."""
         eng = h.engines.get(model)
-        b = next((x for x in h.wl.work[h.id] if x.model == model), None)
-        if eng is None or b is None:
+        if eng is None:
             return 0.0
-        lens = [self.requests[rid].prompt_tokens + self._emitted.get(rid, 0) for rid in b.requests
+        lens = [self.requests[rid].prompt_tokens + self._emitted.get(rid, 0) for rid in h.reqs.get(model, ())
                 if not eng.not_started(rid)]
         total = sum(lens)
         if not total:
@@ -789,34 +786,24 @@ class PooledSim:
                 + prof.k_attn_s * sum(n * n / 2 for n in lens))
 
     def _next_turns(self, h: _Host, now: float) -> None:
-        """Run the current turn while its quota lasts and its engine has work; then the next turn of the round,
-        a new round when it is done (rounds continue the round robin from the model that ran last)."""
-        wl = h.wl
-        rounds = 0
-        while True:
-            t = h.turn
-            if t is not None and t.batch_id in wl.batches:
-                if h.turn_end is None:
-                    h.turn_end = now + t.quota_s + h.grace
-                    h.grace = 0.0
-                if now < h.turn_end and self._step(h, t.model, now, macro=True, limit=h.turn_end):
-                    h.ran_this_round = True
-                    return
-            h.turn = h.turn_end = None
-            if not h.turns:
-                if rounds and not h.ran_this_round:
-                    return          # a fresh round ran nothing (cannot happen with work: a guard)
-                rounds += 1
-                h.ran_this_round = False
-                if not self._start_round(h, wl, self._turn_step_time, self._turn_switch_cost):
-                    return
-            t = h.turns.popleft()
-            if t.batch_id not in wl.batches:
-                continue
-            h.turn = t
-            h.resident_key = t.batch_id
-            if t.model != h.resident_model and self._turn_switch(h, t.model, now):
-                return
+        """Ask the host's keeper (`HostTurns`, the object the gateway's TurnDriver asks) which engine runs now,
+        switch to it if needed, start its quota once it runs, and step it up to the turn's end."""
+        keeper = h.keeper
+        work = {m: len(rids) for m, rids in h.reqs.items() if rids}
+        d = keeper.decide(now, work, lambda m, n: self._turn_step_time(h, m, n),
+                          lambda a, b: self._turn_switch_cost(h, a, b))
+        if keeper.rounds != h.rounds_seen and keeper.last_round is not None:
+            h.rounds_seen = keeper.rounds
+            self.rounds.append(keeper.last_round)
+        if d.model is None or d.model not in work:
+            return
+        h.turn_pending = h.turn_pending or d.new_turn
+        if d.model != h.resident_model and self._turn_switch(h, d.model, now):
+            return                                  # the weights move; the keeper is asked again when they are in
+        if h.turn_pending:
+            keeper.switched(now + h.grace)          # the quota counts once the recomputation is done
+            h.turn_pending, h.grace = False, 0.0
+        self._step(h, d.model, now, macro=True, limit=keeper.turn_end)
 
     def _turn_switch(self, h: _Host, model: str, now: float) -> bool:
         """The resident engine leaves its turn (/sleep?level=L&mode=keep) and `model`'s takes the host. Level 0:
@@ -906,7 +893,7 @@ class PooledSim:
         if self.spec.pooling == "request":
             self.swapping.finished(h.id)
         elif h.role == "turns":
-            h.wl.remove(rid)
+            h.reqs[r.model].discard(rid)
             h.inflight -= 1
 
     def _done(self, r: ModelRequest, res: RequestResult, finished: float, n_out: int, reason: str, now: float) -> None:

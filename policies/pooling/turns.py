@@ -1,7 +1,8 @@
 """Decode turns on one shared host (Aegaeon, SOSP 2025, section 4.3), pure: which model's engine runs now and
-until when. The caller (the gateway's turn loop, gateway/turns.py; the simulator could drive the same object)
-passes its clock, the models with requests in flight on the host, the batches' step times and the switch
-costs; it carries the switches out and says when a new turn's engine runs (`switched`).
+until when. The callers (the gateway's turn loop, gateway/turns.py, and the simulator's colocated turns,
+simulator/pooled.py `_next_turns`) pass their clock, the models with requests in flight on the host, the
+batches' step times and the switch costs; they carry the switches out and say when a new turn's engine runs
+(`switched`).
 
 One batch per model (instance = the host): the work list is `aegaeon.DecodeWorkLists` and a round's quotas are
 its `round` (eq. 2-3 through `decode_quotas`). The turn-boundary rules, ours where the paper is silent:
