@@ -789,6 +789,9 @@ class PooledSim:
         """Ask the host's keeper (`HostTurns`, the object the gateway's TurnDriver asks) which engine runs now,
         switch to it if needed, start its quota once it runs, and step it up to the turn's end."""
         keeper = h.keeper
+        if h.turn_pending:                          # the switch that started a turn is done
+            keeper.switched(now + h.grace)          # (its quota counts once the recomputation is done)
+            h.turn_pending, h.grace = False, 0.0
         work = {m: len(rids) for m, rids in h.reqs.items() if rids}
         d = keeper.decide(now, work, lambda m, n: self._turn_step_time(h, m, n),
                           lambda a, b: self._turn_switch_cost(h, a, b))
@@ -797,12 +800,12 @@ class PooledSim:
             self.rounds.append(keeper.last_round)
         if d.model is None or d.model not in work:
             return
-        h.turn_pending = h.turn_pending or d.new_turn
         if d.model != h.resident_model and self._turn_switch(h, d.model, now):
-            return                                  # the weights move; the keeper is asked again when they are in
-        if h.turn_pending:
-            keeper.switched(now + h.grace)          # the quota counts once the recomputation is done
-            h.turn_pending, h.grace = False, 0.0
+            h.turn_pending = d.new_turn             # the weights move; the keeper hears of it when they are in
+            return
+        if d.new_turn:
+            keeper.switched(now + h.grace)
+            h.grace = 0.0
         self._step(h, d.model, now, macro=True, limit=keeper.turn_end)
 
     def _turn_switch(self, h: _Host, model: str, now: float) -> bool:

@@ -224,23 +224,46 @@ def test_keeper_ends_a_turn_early_skips_empty_batches_and_runs_a_lone_model_with
     k = HostTurns("h", tbt_s=0.1, q_max_s=4.0)
     d = k.decide(0.0, {A: 1}, _step, _cost)
     assert (d.model, d.quota_s, d.new_turn) == (A, None, True)          # alone: no quota
+    k.switched(0.0)
     for t in (1.0, 10.0, 100.0):
         assert k.decide(t, {A: 3}, _step, _cost) == type(d)(A, None, False)   # never switches
     d = k.decide(101.0, {A: 3, B: 1, C: 1}, _step, _cost)
-    assert d.model == A and d.quota_s is not None and d.new_turn      # a round starts with the running model
-    k.switched(101.0)                                                 # no switch needed: its quota counts from now
-    assert k.turn_end == pytest.approx(101.0 + d.quota_s)
-    nxt = k.pending[0].model
-    other = ({B, C} - {nxt}).pop()
-    d = k.decide(101.1, {A: 0, B: 1, C: 1}, _step, _cost)             # A's work ended: its turn ends early
-    assert d.model == nxt and d.new_turn
-    k.switched(101.2)
-    d = k.decide(101.3, {A: 0, B: 1, C: 1} | {nxt: 0, other: 1}, _step, _cost)
-    assert d.model == other                                           # nxt emptied too
-    k.switched(101.3)
-    d = k.decide(101.4, {other: 1}, _step, _cost)                      # alone again: no round
+    # A ran alone for 101 s, longer than its turn's quota (counted from when it started): the newcomers go now,
+    # A's turn was the round's first.
+    assert d.model in (B, C) and d.quota_s is not None and d.new_turn
+    assert k.order[0] == A and len(k.pending) == 1
+    k.switched(101.5)                                                 # the switch took 0.5 s: the quota from then
+    assert k.turn_end == pytest.approx(101.5 + d.quota_s)
+    first, other = d.model, ({B, C} - {d.model}).pop()
+    assert k.pending[0].model == other
+    d = k.decide(101.6, {A: 3, B: 1, C: 1} | {first: 0}, _step, _cost)  # its work ended: its turn ends early
+    assert d.model == other and d.new_turn
+    k.switched(101.7)
+    d = k.decide(101.8, {A: 3, B: 0, C: 0}, _step, _cost)             # other emptied too: A alone again
+    assert (d.model, d.quota_s, d.new_turn) == (A, None, True)
+    d = k.decide(101.9, {A: 0, B: 1, C: 1}, _step, _cost)
+    assert d.model in (B, C) and d.new_turn
+    other = ({B, C} - {d.model}).pop()
+    k.switched(101.9)
+    d = k.decide(102.0, {d.model: 0, other: 1}, _step, _cost)
+    assert d.model == other
+    k.switched(102.0)
+    d = k.decide(102.1, {other: 1}, _step, _cost)                      # alone again: no round
     assert (d.model, d.quota_s, d.new_turn) == (other, None, False)
-    assert k.decide(102.0, {}, _step, _cost).model == other            # no work: the last stays, no switch
+    assert k.decide(103.0, {}, _step, _cost).model == other            # no work: the last stays, no switch
+
+
+def test_keeper_lets_a_model_just_switched_in_run_its_quota_before_newcomers() -> None:
+    k = HostTurns("h", tbt_s=0.1, q_max_s=4.0)
+    assert k.decide(0.0, {A: 1}, _step, _cost).model == A
+    k.switched(0.6)                                                   # its switch took 0.6 s
+    d = k.decide(0.7, {A: 1, B: 1}, _step, _cost)                      # B gets work 0.1 s later
+    quota = k.last_round.quotas[k.order.index(A)]
+    assert (d.model, d.new_turn) == (A, False) and k.order[0] == A      # A's run goes on as the round's first turn
+    assert k.turn_end == pytest.approx(0.6 + quota)                     # its quota counted from when it started
+    assert k.decide(0.6 + quota - 1e-3, {A: 1, B: 1}, _step, _cost).model == A
+    d = k.decide(0.6 + quota, {A: 1, B: 1}, _step, _cost)
+    assert (d.model, d.new_turn) == (B, True)
 
 
 def test_keeper_new_work_joins_the_next_round() -> None:

@@ -8,8 +8,11 @@ One batch per model (instance = the host): the work list is `aegaeon.DecodeWorkL
 its `round` (eq. 2-3 through `decode_quotas`). The turn-boundary rules, ours where the paper is silent:
 
 - a model alone with work runs without a quota (no round, no switch) for as long as it is alone;
-- when a second model gets work, a round starts with the running model first (its turn starts then, so the
-  work it had alone is not charged), the others in work-list order;
+- when a second model gets work, a round starts with the running model's turn, its quota counted from when it
+  began running alone: a model that ran alone for longer than its quota yields at once to the models that just
+  got work (Aegaeon section 1: "preemptively scaling down active models and scaling up pending models for newly
+  arrived requests": it decoded ahead of its TBT deadlines, their first tokens wait), one just switched in
+  runs out its quota first (its switch is not wasted);
 - a turn ends when its quota is spent (counted from the end of the switch that started it) or when its model
   has nothing in flight; the next turn of the round whose model still has work follows (empty batches are
   skipped);
@@ -49,6 +52,7 @@ class HostTurns:
         self.current: str | None = None
         self.quota_s: float | None = None
         self.turn_end: float | None = None
+        self.alone_since: float | None = None   # when the model running alone started running
         self.pending: deque[Turn] = deque()
         self.order: list[str] = []          # the models of the last round, in turn order
         self.rounds = 0
@@ -72,11 +76,16 @@ class HostTurns:
             (model,) = active
             self.pending.clear()
             new = model != self.current
+            if new or self.quota_s is not None:                   # an alone run starts (`switched` says when)
+                self.alone_since = None if new else now
             self.current, self.quota_s, self.turn_end = model, None, None
             return TurnDecision(model, None, new)
         if self.current in active:
-            if self.turn_end is None and self.quota_s is None:    # it ran alone: a round starts with it
-                return self._start(now, self._round(step_time, work, switch_cost, first=self.current))
+            if self.quota_s is None:        # it ran alone: the round starts with its turn, counted from then
+                turns = self._round(step_time, work, switch_cost, first=self.current)
+                turn = turns.popleft()
+                self.pending, self.quota_s = turns, turn.quota_s
+                self.turn_end = (self.alone_since if self.alone_since is not None else now) + turn.quota_s
             if self.turn_end is None or now < self.turn_end:      # its switch is under way, or quota left
                 return TurnDecision(self.current, self.quota_s)
         while self.pending and self.pending[0].model not in active:
@@ -90,6 +99,8 @@ class HostTurns:
         The caller says so after every decision with `new_turn`."""
         if self.quota_s is not None:
             self.turn_end = now + self.quota_s
+        else:
+            self.alone_since = now
 
     def _start(self, now: float, turns: deque[Turn]) -> TurnDecision:
         turn = turns.popleft()
