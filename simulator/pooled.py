@@ -36,7 +36,8 @@ policies deciding what runs are the pure objects of policies/pooling:
               its quota is spent or its engine has nothing left; a model alone with work runs on without a quota
               or a switch (a second model's request cuts the step at its next iteration and starts a round). The
               engine leaving its turn sleeps: level 0 (a pause: no cost, KV kept) when all the host's models fit
-              awake (`resident_capacity`; each engine then has its share of the KV cache), else its weights leave (`swap_cost`, no prefetch: vLLM has no call for it) and
+              awake (`resident_capacity`; each engine then has its share of the KV cache), else its weights
+              leave (`swap_cost`, no prefetch: vLLM has no call for it) and
               stock vLLM drops the paused requests' KV (`EngineCore.drop_kv`): they recompute prompt and output
               so far in their next turn. That recomputation is not in eq. 2-3: a quota shorter than it starves
               the batch (it loses its KV again before it decodes). `recompute_quota` (the gateway's default)
