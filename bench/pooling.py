@@ -14,9 +14,9 @@ mean time in system T, from the runs at each mode's fewest workers.
 Besides the four modes of the issue's contract, Aegaeon's turns on colocated hosts (`--pooling aegaeon
 --prefill-fraction 0`, what the gateway's `scheduling: turns` runs, simulator/pooled.py):
 
-- aegaeon-coloc      the gateway's rules over stock vLLM: a sleeping engine's KV is dropped and recomputed.
+- aegaeon-coloc      over stock vLLM: a sleeping engine's KV is dropped and recomputed, not counted in the quotas.
 - aegaeon-coloc-rq   the same, with the recomputation counted as switching (`recompute_quota`): in eq. 3's c,
-                     and the turn's quota starts after it (a proposed rule, not the gateway's today).
+                     and the turn's quota starts after it (the gateway's default, `shared_hosts[].recompute_quota`).
 - aegaeon-coloc-kv   KV kept in host memory and copied back before the turn (`kv_kept`, simulator only).
 
 All of it is virtual-time simulation (simulator/pooled.py); the steps no stock vLLM can be driven to do

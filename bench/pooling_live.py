@@ -29,9 +29,9 @@ What differs by construction (reported with the numbers): request mode: the simu
 (`baselines.RequestSwapping.place`: the host with the shortest queue) and the host switches to the model of its
 oldest queued request; the gateway keeps requests in per-model queues and wakes the model that started waiting
 first on a host with an idle engine (`swapping.RequestLevelSwaps`), then its placement policy spreads the
-model's requests over its awake engines. Turns mode: the gateway's engines have no profile, so a batch's step
-time in eq. 2-3 is the TBT target itself (every quota is Q_MAX), where the simulator uses the profile's decode
-step; the gateway's work list is the in-flight view (updated per request, not per step). The live engines also
+model's requests over its awake engines. Turns mode: without `--engine-profile` the gateway's engines have no
+profile, so a batch's step time in eq. 2-3 is the TBT target itself (every quota is Q_MAX), where the simulator
+uses the profile's decode step (with it, the learner's estimate from the same profile); the gateway's work list is the in-flight view (updated per request, not per step). The live engines also
 pay the gateway's scrape and poll delays. Whether the live engines kept up with their model clock is checked
 after each run (`/sim/state` lost_model_s, model time skipped because the host fell behind: 0 when they kept up).
 """

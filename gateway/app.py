@@ -87,8 +87,8 @@ class Gateway:
         self.store.on_restore(self.auth.republish)
         await self.auth.start()
         self.upstream = make_upstream_pool(self.config)
-        turns = (h.worker_id(m) for h in self.config.shared_hosts if h.scheduling == "turns" for m in h.engines)
-        pace = FleetPace(self.config.resume.pace(), turns) if self.config.resume.hung_detection else None
+        pace = (FleetPace(self.config.resume.pace(), self.config.turns_workers())
+                if self.config.resume.hung_detection else None)
         self.relay = Relay(self.adapter, self.config.timeouts, self.upstream, pace)
         self.registry.on_eject(self.relay.abort_worker)
         self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,

@@ -685,6 +685,11 @@ class GatewayConfig(BaseSettings):
             raise ValueError(f"redis_url: expected redis://host:port/db, got {self.redis_url!r}")
         return self
 
+    def turns_workers(self) -> frozenset[str]:
+        """Worker ids of the engines on `scheduling: turns` hosts (their silences and timings include other
+        models' turns: hung detection and the learner leave them out)."""
+        return frozenset(h.worker_id(m) for h in self.shared_hosts if h.scheduling == "turns" for m in h.engines)
+
     def turn_tbt_s(self, host: SharedHostConfig) -> float | None:
         """A turns host's TBT target in seconds: its `tbt_ms`, else the tightest slo.tpot_ms of its models."""
         if host.tbt_ms is not None:

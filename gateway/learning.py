@@ -300,8 +300,7 @@ class Learner:
         self._shortfall_seen: dict[tuple[str, int], tuple[int, float]] = {}  # (model, policy) -> (no_fits, rise)
         # engines of shared hosts running turns (gateway/turns.py): their timings include other models' turns, so
         # they would teach the perf model steps several times too slow; their lengths still count
-        self._untimed = frozenset(h.worker_id(m) for h in config.shared_hosts if h.scheduling == "turns"
-                                  for m in h.engines)
+        self._untimed = config.turns_workers()
         self.shortfall_now: dict[str, int] = {}   # model -> the placement shortfall last exported
         self._buckets_seen: set[tuple[str, int]] = set()
         self._task: asyncio.Task | None = None

@@ -293,7 +293,8 @@ class TurnDriver:
         k = self.keeper
         plan = k.last_round
         left = max(0.0, k.turn_end - time.monotonic()) if k.turn_end is not None else None
-        return {"driving": self.holding, "lease_ttl_s": round(self.lease_ttl_s(), 3), "level": self.level, "running": self.running, "switches": self.switches,
+        return {"driving": self.holding, "lease_ttl_s": round(self.lease_ttl_s(), 3), "level": self.level,
+                "running": self.running, "switches": self.switches,
                 "switch_s": round(self.switch_s, 4),
                 "turn": {"model": k.current, "quota_s": k.quota_s, "left_s": left},
                 "round": None if plan is None else {"models": k.order, "quotas_s": list(plan.quotas),

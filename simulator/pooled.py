@@ -255,7 +255,6 @@ class _Host:
     reqs: dict[str, set[str]] = field(default_factory=dict)   # colocated turns: model -> its requests on the host
     turn_pending: bool = False                  # colocated turns: a new turn's quota starts once its engine runs
     rounds_seen: int = 0                        # colocated turns: the keeper's rounds already reported
-    inflight: int = 0                           # colocated turns: requests on the host
     level: int = 1                              # colocated turns: the sleep level of an engine leaving its turn
     blocks: int | None = None                   # colocated turns at level 0: each engine's share of the KV cache
     grace: float = 0.0                          # colocated turns, recompute_quota: the next turn's recompute estimate
@@ -743,11 +742,10 @@ class PooledSim:
         a model that ran alone starts a round when a second one gets work."""
         def load(h: _Host) -> tuple[int, int]:
             eng = h.engines.get(r.model)
-            return (eng.num_running + eng.num_waiting if eng is not None else 0), h.inflight
+            return (eng.num_running + eng.num_waiting if eng is not None else 0), sum(map(len, h.reqs.values()))
 
         h = min((self._by_id[i] for i in self.placement[r.model]), key=load)
         h.reqs.setdefault(r.model, set()).add(r.request_id)
-        h.inflight += 1
         if r.model not in h.engines:
             h.engines[r.model] = EngineCore(self.profile, EngineConfig(num_gpu_blocks=h.blocks))
         self._add(h, r.model, self._sim_request(r, now), now)
@@ -898,7 +896,6 @@ class PooledSim:
             self.swapping.finished(h.id)
         elif h.role == "turns":
             h.reqs[r.model].discard(rid)
-            h.inflight -= 1
 
     def _done(self, r: ModelRequest, res: RequestResult, finished: float, n_out: int, reason: str, now: float) -> None:
         res.finished, res.output_tokens, res.finish_reason = finished, n_out, reason
