@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.autoscale                 # writes bench/results/autoscale.md and autoscale_*.png
     .venv/bin/python -m bench.autoscale --model 70B --only W_A --no-write
+    .venv/bin/python -m bench.autoscale --evict-continue  # its own section: evicted batch work continues vs restarts
 
 Two models, as Chiron section 6 (Llama 8B and 70B on A100-80GB): `llama2-70b-tp2-a100` (2 GPUs per worker)
 and `llama3-8b-a100` (1 GPU). For each (simulator/autoscale_sim.py):
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.report import write_report
+from bench.report import write_report, write_section
 from simulator.autoscale_sim import Arm, ArmResult, Scenario, run_arm, scenario_wa, scenario_wb
 from simulator.profiles import load_profile
 
@@ -56,7 +57,7 @@ FAST_STEP_S = 15.0                            # one extra W_B candidate: the def
 DEFAULT_BAND = (0.3, 0.7)
 CONSERVATIVE_BAND = (0.1, 0.3)
 NEAR_SLO = 0.005                              # sensitivity: band settings this close to Chiron's SLO
-TARGET_SAVING = 0.30                          # issue #7: >= 30% fewer GPU-seconds at equal or better SLO
+TARGET_SAVING = 0.30                          # the target: >= 30% fewer GPU-seconds at equal or better SLO
 
 
 @dataclass
@@ -634,7 +635,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-write", action="store_true", help="print only, do not write bench/results")
     p.add_argument("--save", type=Path, help="pickle the results here (to re-render the report without re-running)")
     p.add_argument("--render", type=Path, help="write the report from results saved by --save (runs nothing)")
+    p.add_argument("--chiron-only", action="store_true", help="run only the chiron arms of every workload and print "
+                   "them (what a change of the global autoscaler moves; writes nothing)")
+    p.add_argument("--evict-continue", action="store_true", help="run chiron with evictions that restart and "
+                   "that continue on every W_B workload; write that section of the report")
     args = p.parse_args(argv)
+    if args.evict_continue:
+        _evict_continue(args.model, not args.no_write)
+        return
+    if args.chiron_only:
+        _chiron_only(args.model)
+        return
     if args.render:
         saved = pickle.loads(args.render.read_bytes())
         keyed = {m.key: m for m in MODELS}
@@ -663,6 +674,70 @@ def main(argv: list[str] | None = None) -> None:
         args.save.write_bytes(pickle.dumps({"models": rows, "wall": wall, "cpu": cpu, "cmd": cmd}))
     if not args.no_write:
         _write(models, wall, cpu, cmd)
+
+
+def _chiron_only(model_key: str | None) -> None:
+    """The chiron and chiron-swap rows of every workload, one summary line each (JSON)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    for m in MODELS:
+        if model_key not in (None, m.key):
+            continue
+        for sc in m.wa():
+            print(json.dumps(run_arm(sc, Arm("chiron")).summary()), flush=True)
+        for sc in m.wb():
+            for arm in (Arm("chiron"), Arm("chiron", evict_mode="swap", label="chiron swap")):
+                print(json.dumps(run_arm(sc, arm).summary()), flush=True)
+    print(f"total wall {time.perf_counter() - t0:.0f} s, CPU {time.process_time() - c0:.0f} s", flush=True)
+
+
+def _pool_gpu_seconds(r: ArmResult, pool: str, gpus: int) -> float:
+    """GPU-seconds of one pool's workers (started or starting), from the timeline's samples (every tick)."""
+    rows = r.timeline
+    return sum(gpus * (b["t"] - a["t"]) * (a["active"].get(pool, 0) + a["pending"].get(pool, 0))
+               for a, b in zip(rows, rows[1:], strict=False))
+
+
+def _evict_continue(model_key: str | None, write: bool) -> None:
+    """Chiron on every W_B workload, evicted batch requests restarting (evict_mode "restart") against
+    continuing from their generated tokens ("continue", what the gateway's batch runner does)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    rows = ["| workload | eviction | GPU-s | batch-pool GPU-s | evictions (continued) | tokens generated before "
+            "an eviction | engine prefill tokens | engine decode tokens | batch done at (s) | interactive SLO |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in MODELS:
+        if model_key not in (None, m.key):
+            continue
+        gpus = load_profile(m.profile).gpus_per_worker
+        for sc in m.wb():
+            for mode in ("restart", "continue"):
+                r = run_arm(sc, Arm("chiron", evict_mode=mode, label=f"chiron {mode}"))
+                s, sw = r.summary(), r.swap
+                row = (f"| {sc.name} | {mode} | {s['gpu_seconds']:,} | {_pool_gpu_seconds(r, 'batch', gpus):,.0f} | "
+                       f"{s['evictions']} ({sw.get('continued', 0)}) | {s['evicted_tokens']:,} | "
+                       f"{sw['engine_prompt_tokens']:,} | {sw['engine_generation_tokens']:,} | "
+                       f"{_f(s['batch_done_at'], '{:.0f}')} | {_f(s['interactive_slo'])} |")
+                print(row, flush=True)
+                rows.append(row)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(f"total wall {wall:.0f} s, CPU {cpu:.0f} s")
+    if write:
+        cmd = "python -m bench.autoscale --evict-continue" + (f" --model {model_key}" if model_key else "")
+        write_section(RESULTS / "autoscale.md", "Evicted batch work: continue against restart (virtual time)", cmd,
+                      EVICT_CONTINUE_TEXT + "\n" + "\n".join(rows) + f"\n\nWall {wall:.0f} s, CPU {cpu:.0f} s.\n")
+        print(f"wrote {RESULTS / 'autoscale.md'}")
+
+
+EVICT_CONTINUE_TEXT = """\
+The gateway's batch runner now streams a batch request to its worker and, when interactive traffic evicts it,
+keeps the text it produced; its next run is the resume continuation (prompt plus that text, `max_tokens` less
+its tokens) on the worker its pool's router picks (gateway/batch_runner.py). Requests the continuation cannot
+carry (n > 1, logprobs, structured output, tools) still restart. The simulator models both
+(simulator/autoscale_sim.py `Arm.evict_mode`): "restart" runs the request again from scratch; "continue"
+prefills the prompt plus the kept tokens (no prefix-cache credit: conservative) and decodes only the rest.
+Same scenario, same seed, chiron arm; only the eviction mode differs. Batch-pool GPU-s: the workers
+labelled `pool: batch`, integrated over the 15 s timeline (mixed workers run batch work too and are in the
+fleet total only).
+"""
 
 
 def _write(models: Sequence[ModelResults], wall: float, cpu: float, cmd: str, note: str = "") -> None:

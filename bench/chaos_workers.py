@@ -1,5 +1,6 @@
 """Run the worker chaos scenarios (tests_chaos/test_workers.py: `kill -9` of one of 4 workers under 200 streams,
-`SIGSTOP` of one of 4 under streams and non-streaming requests) and write their section of
+`SIGSTOP` of one of 4 under streams and non-streaming requests; tests_chaos/test_pd_workers.py: `kill -9` and
+`SIGSTOP` of a P/D decode and prefill worker, a zombie worker) and write their section of
 bench/results/chaos.md ("Workers killed and frozen"); the other sections are kept.
 
     python -m bench.chaos_workers
@@ -16,11 +17,27 @@ from bench.report import git_commit
 
 RUN = RESULTS / "chaos_workers.jsonl"
 TITLE = "## Workers killed and frozen"
-TEST = "tests_chaos/test_workers.py"
+TESTS = ("tests_chaos/test_workers.py", "tests_chaos/test_pd_workers.py")
+_PD = ("P/D, 2 prefill + 2 decode workers (a process each): {what} under {{streams}} streams of 300 tokens with "
+       "~1,000-token prompts arriving 0.1 s apart")
+_PD_MEASURED = ("{failed} failed; {resumed} streams resumed on the other decode worker; {prefill_retries} prefill legs "
+                "placed again; slowest stream {slowest_stream_s} s; the last done {last_done_after_fault_s} s after the "
+                "fault")
+# scenario -> (what was done, what must hold, what was measured): templates over the scenario's figures
+ROWS = {
+    **{key: (_PD.format(what=what), "0 client-visible failures, no fixed 60 s wait", _PD_MEASURED)
+       for key, what in (("pd_d_sigkill", "`kill -9` of a decode worker"), ("pd_d_sigstop", "`SIGSTOP` of a decode worker"),
+                         ("pd_p_sigkill", "`kill -9` of a prefill worker"),
+                         ("pd_p_sigstop", "`SIGSTOP` of a prefill worker"))},
+    "zombie_worker": ("a zombie (`hang`: takes requests, never answers, /health 200) among 3 workers, {streams} streams "
+                      "0.25 s apart", "0 failed; out of rotation while it hangs; back only after a probe generation",
+                      "{failed} failed; slowest stream {slowest_stream_s} s; back in rotation "
+                      "{back_after_fault_cleared_s} s after the fault was cleared"),
+}
 
 
 def section(runs: dict[str, dict], commit: str, passed: bool) -> str:
-    out = section_head(TITLE, f"`python -m bench.chaos_workers` (pytest {TEST})", commit, passed)
+    out = section_head(TITLE, f"`python -m bench.chaos_workers` (pytest {' '.join(TESTS)})", commit, passed)
     r = runs.get("worker_kill_9")
     if r:
         out.append(f"| `kill -9` of one of 4 workers (`fleetgate sim --workers 1` each) under {r['streams']} "
@@ -37,13 +54,17 @@ def section(runs: dict[str, dict], commit: str, passed: bool) -> str:
                    f"{r['worst_client_gap_s']} s; slowest non-streaming answer {r['worst_non_streaming_s']} s "
                    f"(normally {r['normal_non_streaming_s']} s); the last stream done {r['last_done_after_stop_s']} s "
                    "after the stop; back in rotation after SIGCONT |")
+    for key, (scenario, must, measured) in ROWS.items():
+        r = runs.get(key)
+        if r:
+            out.append(f"| {scenario.format(**r)} | {must} | {measured.format(**r)} |")
     return "\n".join(out) + "\n"
 
 
 def main() -> None:
     RUN.unlink(missing_ok=True)
     commit = git_commit()
-    code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TEST], cwd=ROOT,
+    code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=ROOT,
                            env={**os.environ, "FLEETGATE_CHAOS_RESULTS": str(RUN)})
     runs = read_runs(RUN)
     write_section(section(runs, commit, code == 0), TITLE)

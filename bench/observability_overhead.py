@@ -4,7 +4,7 @@
 
 Two measurements, one run:
 
-1. The hooks in the request path with both off (gateway/observe.py: a ContextVar lookup that finds no record),
+1. The hooks in the request path with both off (gateway/observe.py: the request's record is None, one test),
    and one request's observer work with each on (access-log record + formatted logfmt line into a null stream;
    tracing: the request span, admission, placement and one upstream leg with its traceparent, no exporter), timed
    in this process with `timeit` (best of 5).
@@ -51,30 +51,33 @@ def hook_costs() -> list[tuple[str, float]]:
     from gateway import observe
     from gateway.access_log import AccessLog
     from gateway.config import TracingConfig
+    from gateway.context import Outcome, RequestContext
     from gateway.logs import ACCESS_LOGGER, setup_logging
-    from gateway.relay import RelayResult
+    from gateway.observer import RequestObserver
+    from gateway.relay import RelayResult, ResponseState
+    from gateway.request import CHAT
     from gateway.tracing import Tracing
 
     headers = b"Content-Type: application/json\r\nX-Request-Id: abc\r\nAccept: */*\r\n"
-    observe.CURRENT.set(None)
 
     def off() -> None:
-        observe.note_placement("w0", "least_requests", 1e-5)
-        observe.leg("upstream", "w0", headers)
+        observe.note_placement(None, "w0", "least_requests", 1e-5)
+        observe.leg(None, "upstream", "w0", headers)
 
     sink = io.StringIO()
     handler = setup_logging("info", "logfmt", stream=sink)  # as `fleetgate serve` sets it up, into memory
     logger = logging.getLogger(ACCESS_LOGGER)
     result = RelayResult(status=200, tokens=16, first_token_at=0.0, last_token_at=0.0)
 
-    def one(observer: observe.RequestObserver) -> None:
+    def one(observer: RequestObserver) -> None:
         rec = observer.begin("abc", "/v1/chat/completions", [])
-        observe.note_placement("w0", "least_requests", 1e-5)
-        observe.leg("upstream", "w0", headers)
-        observer.end(rec, "m", "least_requests", 200, None, result)
+        ctx = RequestContext(b"abc", CHAT, None, ResponseState(), 0.0, [], [], rec)
+        observe.note_placement(rec, "w0", "least_requests", 1e-5)
+        observe.leg(rec, "upstream", "w0", headers)
+        observer.finished(ctx, Outcome(200, result, "m", "least_requests", None, 0.0))
 
-    access = observe.RequestObserver(AccessLog(logger), None)
-    tracing = observe.RequestObserver(AccessLog(logger), Tracing(TracingConfig(enabled=True)))
+    access = RequestObserver(AccessLog(logger), None)
+    tracing = RequestObserver(AccessLog(logger), Tracing(TracingConfig(enabled=True)))
     out = []
     for name, fn, n in (("both off: the two hooks of a plain request", off, 200_000),
                         ("access log on: one request's record and line", lambda: one(access), 20_000),

@@ -274,9 +274,9 @@ def _mean(phases: Sequence[Phase], attr: str) -> float:
 
 
 def ratio_rows(phases: Sequence[Phase], arms: Sequence[str], conc: int) -> list[str]:
-    """Each fleetgate arm against vllm-router (means over the rounds), with issue 23's targets."""
+    """Each fleetgate arm against vllm-router (means over the rounds), with the targets."""
     rows = ["| arm | CPU/request vs vllm-router | streaming CPU/request vs vllm-router | requests/s vs vllm-router "
-            "| targets (issue 23 item 2) |", "|---|---|---|---|---|"]
+            "| targets |", "|---|---|---|---|---|"]
     base = {ph: _of(phases, BASELINE, ph) for ph in (f"c{conc}", f"c{conc} stream")}
     if not all(base.values()):
         return []

@@ -20,8 +20,15 @@ requests that met their SLO per model second (first arrival to last completion).
 fleet's vllm:prefix_cache_hits / queries over the run.
 
 Arms: vllm-router round_robin, power_of_two, cache_aware; sglang-router cache_aware; fleetgate least_requests,
-precise_prefix (from the workers' KV events) and aladdin (worker profiles as priors). One load point and one
-run per arm (no rate sweep, so no "goodput at 99% attainment"); results: bench/results/peers_sched.md.
+least_tokens (the default), precise_prefix (from the workers' KV events) and aladdin (worker profiles as priors). One load point, --repeats
+runs per arm interleaved (A B C, C B A, ...), with each arm's spread (flagged above 5 points); with
+--sweep-workers, every probe next to an arm's answer runs --repeats times, interleaved across arms the same way.
+Every failed request is labelled (failure_kind): a 429 with Retry-After (the gateway's admission under overload)
+apart from other HTTP statuses with their error code, timeouts, connection errors and cut streams. Every run first
+checks that nothing of the previous one is left (bench/run_hygiene.py: no child process, its ports free; else it
+raises), records the machine's load before and after and each worker's peak queue, and keeps the fleet's log.
+Results: bench/results/peers_sched.md; `--virtual-sweep` adds every policy by name in virtual time
+(bench/peers_sched_virtual.py).
 """
 
 from __future__ import annotations
@@ -32,12 +39,15 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import aiohttp
 import orjson
@@ -50,7 +60,7 @@ from bench.peers import Arm, started
 from bench.peers_sweep import (
     TARGET,
     Probe,
-    RunPoint,
+    SweepResult,
     plot,
     rate_table,
     scaled,
@@ -60,7 +70,8 @@ from bench.peers_sweep import (
     workers_verdict,
 )
 from bench.prefix import SLO_TPOT_S, best_hit_rate, mooncake_workload, with_slos
-from bench.report import write_report
+from bench.report import write_report, write_section
+from bench.run_hygiene import assert_clean
 from simulator.fleet import FleetProcess
 from simulator.profiles import load_profile
 from simulator.tokenizer import BLOCK_SIZE, synthetic_text
@@ -76,13 +87,17 @@ ARMS: tuple[Arm, ...] = (
     Arm("vllm-router cache_aware", "vllm-router", "cache_aware"),
     Arm("sglang-router cache_aware", "sglang-router", "cache_aware"),
     Arm("fleetgate least_requests", "fleetgate", "least_requests"),
+    Arm("fleetgate least_tokens", "fleetgate", "least_tokens"),
     Arm("fleetgate precise_prefix", "fleetgate", "precise_prefix"),
     Arm("fleetgate aladdin", "fleetgate", "aladdin"),
     Arm(ALADDIN_KV, "fleetgate", "aladdin"),
 )
 # fleetgate arms' policy parameters beyond the defaults: aladdin prices each worker's cached prefix from the
-# workers' KV events (policies/aladdin.py price_cache; the gateway fills the view for policies that ask).
+# workers' KV events (policies/aladdin/ price_cache; the gateway fills the view for policies that ask).
 POLICY_PARAMS: dict[str, dict[str, object]] = {ALADDIN_KV: {"price_cache": True}}
+
+
+REJECTED = "429 + Retry-After"   # the gateway refused the request under overload: admission, not a failure
 
 
 @dataclass
@@ -91,6 +106,32 @@ class Outcome:
     tpot_s: float | None = None
     ok: bool = False
     status: int = 0
+    error: str = ""               # why a request did not complete: failure_kind's label ("" when ok)
+
+
+def failure_kind(status: int, code: str = "", retry_after: bool = False, exc: BaseException | None = None,
+                 done: bool = True) -> str:
+    """A failed request's label: REJECTED for a 429 with Retry-After; "HTTP <status> <error code>" for any other
+    error status; "timeout", "connection: <kind>" when no answer came; "stream cut" for a 200 whose stream
+    ended without [DONE]."""
+    if exc is not None:
+        if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+            return "timeout"
+        return f"connection: {type(exc).__name__}"
+    if status == 429 and retry_after:
+        return REJECTED
+    if status != 200:
+        return f"HTTP {status}" + (f" {code}" if code else "")
+    return "" if done else "stream cut"
+
+
+def error_code(body: bytes) -> str:
+    """The OpenAI-style error's code (else its type) from an error response's body, "" if it has none."""
+    try:
+        err = orjson.loads(body).get("error") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return ""
+    return str(err.get("code") or err.get("type") or "") if isinstance(err, dict) else ""
 
 
 @dataclass
@@ -100,6 +141,21 @@ class ArmRun:
     span_s: float = 0.0           # model seconds, first arrival to last completion
     hits: float = 0.0
     queries: float = 0.0
+    load: tuple[float, float] = (0.0, 0.0)   # the machine's 1-minute load average before and after the run
+    peak_queue: list[int] = field(default_factory=list)   # per worker: most requests running + waiting at once
+    logs: str = ""                # where the run's fleet log was kept ("" when the fleet logged nothing)
+
+    def failures(self) -> dict[str, int]:
+        """Failed requests by kind (failure_kind's labels), most frequent first."""
+        counts: dict[str, int] = {}
+        for o in self.outcomes:
+            if not o.ok:
+                key = o.error or "no answer"
+                counts[key] = counts.get(key, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    def attainment(self, reqs: list[WorkloadRequest]) -> float:
+        return self.met(reqs) / len(reqs) if reqs else 0.0
 
     def met(self, reqs: list[WorkloadRequest]) -> int:
         return sum(1 for o, r in zip(self.outcomes, reqs, strict=True) if meets(o, r))
@@ -107,17 +163,19 @@ class ArmRun:
 
 def miss_causes(run: ArmRun, reqs: list[WorkloadRequest]) -> str:
     """Which requests missed their SLO: failed, TTFT over (with those prompts' mean length), TPOT over only."""
-    failed, ttft, tpot = 0, [], 0
+    ttft, tpot = [], 0
     for o, r in zip(run.outcomes, reqs, strict=True):
-        if meets(o, r):
+        if meets(o, r) or not o.ok or o.ttft_s is None:
             continue
-        if not o.ok or o.ttft_s is None:
-            failed += 1
-        elif o.ttft_s > (r.slo_ttft_s or 0):
+        if o.ttft_s > (r.slo_ttft_s or 0):
             ttft.append(r.prompt_tokens)
         else:
             tpot += 1
-    parts = ([f"{failed} failed"] if failed else []) + ([f"{len(ttft)} TTFT (mean prompt "
+    fails = run.failures()
+    rejected = fails.pop(REJECTED, 0)
+    parts = ([f"{rejected} rejected ({REJECTED})"] if rejected else []) + (
+        [f"{sum(fails.values())} failed ({', '.join(f'{n} {kind}' for kind, n in fails.items())})"] if fails else [])
+    parts += ([f"{len(ttft)} TTFT (mean prompt "
                                                          f"{statistics.fmean(ttft) / 1000:.0f}k)"] if ttft else [])
     return ", ".join(parts + ([f"{tpot} TPOT"] if tpot else []))
 
@@ -163,16 +221,24 @@ async def replay(url: str, reqs: list[WorkloadRequest], texts: list[str], k: flo
                        "x-slo-tpot-ms": f"{(r.slo_tpot_s or SLO_TPOT_S) * 1000 / k:.3f}"}
             sent = time.perf_counter()
             first = end = None
+            o = outcomes[i]
             try:
                 async with s.post(url + "/v1/completions", data=body, headers=headers) as resp:
-                    outcomes[i].status = resp.status
+                    o.status = resp.status
+                    if resp.status != 200:
+                        o.error = failure_kind(resp.status, error_code(await resp.read()),
+                                               "Retry-After" in resp.headers)
+                        return
                     async for line in resp.content:
                         if line.startswith(b"data: {") and first is None:
                             first = time.perf_counter()
                         elif line.startswith(b"data: [DONE]"):
                             end = time.perf_counter()
-            except (TimeoutError, aiohttp.ClientError):
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                o.error = failure_kind(o.status, exc=exc)
                 return
+            if end is None:
+                o.error = failure_kind(200, done=False)
             if outcomes[i].status == 200 and first is not None and end is not None:
                 outcomes[i].ok = True
                 outcomes[i].ttft_s = (first - sent) * k
@@ -199,6 +265,26 @@ def prefix_counters(urls: list[str]) -> tuple[float, float]:
                 elif smp.name == "vllm:prefix_cache_queries_total":
                     queries += smp.value
     return hits, queries
+
+
+async def sample_queues(urls: list[str], stop: asyncio.Event, every_s: float = 1.0) -> list[int]:
+    """Each worker's largest vllm:num_requests_running + waiting seen, polling /metrics every `every_s` until
+    `stop` is set (a worker that does not answer in time keeps its last count)."""
+    peak = [0] * len(urls)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+        while not stop.is_set():
+            for i, u in enumerate(urls):
+                try:
+                    async with s.get(u + "/metrics") as resp:
+                        text = await resp.text()
+                except (TimeoutError, aiohttp.ClientError):
+                    continue
+                now = sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+                          if smp.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+                peak[i] = max(peak[i], int(now))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+    return peak
 
 
 def free_port_run(n: int) -> int:
@@ -235,43 +321,125 @@ def fleetgate_config(urls: list[str], k: float, path: Path, policy: str = "least
     path.write_text(yaml.safe_dump(cfg))
 
 
+def drain(stream: IO[str] | None, path: Path) -> None:
+    """Copy a process's stderr into `path` as it comes (a pipe nobody reads blocks the writer once it fills)."""
+    if stream is None:
+        return
+
+    def pump() -> None:
+        with open(path, "a") as out:
+            for line in stream:
+                out.write(line)
+                out.flush()
+
+    threading.Thread(target=pump, daemon=True).start()
+
+
+def ports_of(urls: list[str]) -> list[int]:
+    return [int(u.rsplit(":", 1)[1].split("/")[0]) for u in urls]
+
+
 @contextlib.contextmanager
-def arm_on_fleet(arm: Arm, workers: int, k: float) -> Iterator[tuple[str, list[str]]]:
+def arm_on_fleet(arm: Arm, workers: int, k: float, used_ports: list[int] | None = None,
+                 log_dir: Path | None = None) -> Iterator[tuple[str, list[str]]]:
     """`arm` started in front of a fresh fleet of `workers` x PROFILE at time scale k (KV events on, fleetgate
-    configured with the workers' profiles and the KV-event view); yields (router URL, worker URLs)."""
+    configured with the workers' profiles and the KV-event view); yields (router URL, worker URLs). The ports the
+    run held are appended to `used_ports` (for the next run's check) and the fleet's stderr goes to
+    `log_dir`/fleet.log."""
     kv_base = free_port_run(workers)
     kv = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_base}"})
     extra = ["--kv-events-config", kv, "--kv-events-format", "0.33", "--prefix-caching-hash-algo", "sha256_cbor"]
     with FleetProcess(workers, profile=PROFILE, model=MODEL, time_scale=k, wrapper=["taskset", "-c", FLEET_CORE],
                       extra_args=extra) as fleet, tempfile.TemporaryDirectory(prefix="fleetgate-peers-") as tmp:
+        if log_dir is not None:
+            drain(fleet.proc.stderr if fleet.proc else None, log_dir / "fleet.log")
+        if used_ports is not None:
+            used_ports += [*ports_of(fleet.urls), *range(kv_base, kv_base + workers)]
         if arm.kind == "fleetgate":
             cfg = Path(tmp) / "gateway.yaml"
             fleetgate_config(fleet.urls, k, cfg, arm.policy, POLICY_PARAMS.get(arm.name))
             arm = Arm(arm.name, arm.kind, arm.policy, config=str(cfg))
         with started([arm], fleet.urls, "fgpeers-sched:", cpus=ROUTER_CORE) as (running,):
+            if used_ports is not None and running.url:
+                used_ports += ports_of([running.url])
             time.sleep(1.0)   # KV-event subscriptions, first scrapes
             yield running.url, list(fleet.urls)
 
 
+# the ports the previous live run held: the next run starts only once they are free and no child is left
+_LAST_PORTS: list[int] = []
+
+
 async def run_arm(arm: Arm, reqs: list[WorkloadRequest], texts: list[str], workers: int, k: float) -> ArmRun:
-    with arm_on_fleet(arm, workers, k) as (url, worker_urls):
+    """One live run: checks that nothing of the previous run is left, records the machine's load before and
+    after, each worker's peak queue and the fleet's log (kept in a temp directory named in the log)."""
+    assert_clean(_LAST_PORTS)
+    _LAST_PORTS.clear()
+    log_dir = Path(tempfile.mkdtemp(prefix="fleetgate-peers-run-"))
+    load0 = os.getloadavg()[0]
+    with arm_on_fleet(arm, workers, k, _LAST_PORTS, log_dir) as (url, worker_urls):
         h0, q0 = prefix_counters(worker_urls)
-        outcomes, span = await replay(url, reqs, texts, k)
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_queues(worker_urls, stop))
+        try:
+            outcomes, span = await replay(url, reqs, texts, k)
+        finally:
+            stop.set()
+            peak = await sampler
         h1, q1 = prefix_counters(worker_urls)
-    return ArmRun(arm.name, outcomes, span, h1 - h0, q1 - q0)
+    fleet_log = log_dir / "fleet.log"
+    if not fleet_log.exists() or not fleet_log.stat().st_size:   # nothing logged: keep nothing
+        shutil.rmtree(log_dir, ignore_errors=True)
+        log_dir = Path("")
+    run = ArmRun(arm.name, outcomes, span, h1 - h0, q1 - q0, (load0, os.getloadavg()[0]), peak, str(log_dir))
+    if run.failures():
+        log(f"  {arm.name}: failed requests by kind {run.failures()}; fleet log {log_dir / 'fleet.log'}")
+    return run
+
+
+def failure_cells(run: ArmRun) -> tuple[str, str]:
+    """(rejected under overload, other failures by kind) for a table row."""
+    fails = run.failures()
+    rejected = fails.pop(REJECTED, 0)
+    return str(rejected), ", ".join(f"{n} {kind}" for kind, n in fails.items()) or "0"
 
 
 def table(runs: list[ArmRun], reqs: list[WorkloadRequest]) -> list[str]:
-    rows = ["| router, policy | SLO attainment | goodput (met req/s) | TTFT p50 s | TTFT p99 s | TPOT p99 ms "
-            "| prefix-cache hit rate | failed |", "|---|---|---|---|---|---|---|---|"]
-    for run in runs:
+    """One row per run, in the order they ran."""
+    rows = ["| # | router, policy | SLO attainment | goodput (met req/s) | TTFT p50 s | TTFT p99 s | TPOT p99 ms "
+            f"| prefix-cache hit rate | rejected ({REJECTED}) | failed, by kind | peak queue per worker "
+            "| load before -> after |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, run in enumerate(runs, 1):
         met = run.met(reqs)
         ttft = [o.ttft_s for o in run.outcomes if o.ttft_s is not None]
         tpot = [o.tpot_s for o in run.outcomes if o.tpot_s is not None]
-        failed = sum(1 for o in run.outcomes if not o.ok)
-        rows.append(f"| {run.arm} | {met / len(reqs):.1%} | {met / run.span_s if run.span_s else 0:.3f} "
+        rejected, failed = failure_cells(run)
+        rows.append(f"| {i} | {run.arm} | {met / len(reqs):.1%} | {met / run.span_s if run.span_s else 0:.3f} "
                     f"| {quantile(ttft, 0.5):.2f} | {quantile(ttft, 0.99):.2f} | {quantile(tpot, 0.99) * 1000:.1f} "
-                    f"| {run.hits / run.queries if run.queries else 0:.1%} | {failed} |")
+                    f"| {run.hits / run.queries if run.queries else 0:.1%} | {rejected} | {failed} "
+                    f"| {'/'.join(map(str, run.peak_queue)) or '-'} | {run.load[0]:.1f} -> {run.load[1]:.1f} |")
+    return rows
+
+
+SPREAD_FLAG = 0.05   # an arm whose repeated runs differ by more than this much attainment is flagged
+
+
+def interleaved(arms: list[Arm], repeats: int) -> list[Arm]:
+    """The arms `repeats` times, every other pass reversed (A B C, C B A, A B C ...): each arm's runs sit at
+    different places in the sequence, so a drift in the machine does not fall on one arm."""
+    return [a for r in range(repeats) for a in (arms if r % 2 == 0 else arms[::-1])]
+
+
+def spread_rows(results: list[tuple[str, float]], label: str = "router, policy") -> list[str]:
+    """Per arm (or arm at a size): every run's attainment, the spread (max - min) and a flag above SPREAD_FLAG."""
+    by: dict[str, list[float]] = {}
+    for name, att in results:
+        by.setdefault(name, []).append(att)
+    rows = [f"| {label} | runs | attainment per run | spread | flag |", "|---|---|---|---|---|"]
+    for name, atts in by.items():
+        spread = max(atts) - min(atts)
+        rows.append(f"| {name} | {len(atts)} | {', '.join(f'{a:.1%}' for a in atts)} | {spread * 100:.1f} points "
+                    f"| {f'**> {SPREAD_FLAG * 100:.0f} points**' if spread > SPREAD_FLAG else ''} |")
     return rows
 
 
@@ -283,7 +451,7 @@ def trace_window(start: int, n: int) -> list[WorkloadRequest]:
 
 
 def headline(runs: list[ArmRun], reqs: list[WorkloadRequest]) -> str:
-    """fleetgate's best arm against the best peer arm, by goodput (issue 23 item 3 asks >= 1.3x at 99% SLO)."""
+    """fleetgate's best arm against the best peer arm, by goodput (the target: >= 1.3x at 99% SLO)."""
     def goodput(run: ArmRun) -> float:
         return run.met(reqs) / run.span_s if run.span_s else 0.0
 
@@ -295,18 +463,27 @@ def headline(runs: list[ArmRun], reqs: list[WorkloadRequest]) -> str:
     return (f"Best fleetgate arm by goodput: {best.arm}, {goodput(best):.3f} met req/s = "
             f"{goodput(best) / goodput(rival):.2f}x the best peer arm's ({rival.arm}, {goodput(rival):.3f}), at "
             f"attainment {best.met(reqs) / len(reqs):.1%} vs {rival.met(reqs) / len(reqs):.1%}. This is one load "
-            "point, not goodput at 99% attainment (no rate sweep), and one run per arm.")
+            "point, not goodput at 99% attainment (no rate sweep).")
 
 
-def probe_runner(reqs: list[WorkloadRequest], texts: list[str], k: float) -> RunPoint:
-    """One live run of an arm (by name) at a fleet size and arrival-rate multiplier, as a sweep Probe; a point
-    both sweeps ask for (--workers at rate 1) runs once."""
-    by_name = {a.name: a for a in ARMS}
-    done: dict[tuple[str, int, float], Probe] = {}
+class ProbeRunner:
+    """Live runs of an arm (by name) at a fleet size and arrival-rate multiplier, as sweep Probes. Called as a
+    RunPoint, a point both sweeps ask for (--workers at rate 1) runs once; `live` runs it again. Every run is
+    kept in `runs` (in order) with its load and failures."""
 
-    def run(name: str, workers: int, rate: float) -> Probe:
-        if (name, workers, rate) in done:
-            return done[name, workers, rate]
+    def __init__(self, reqs: list[WorkloadRequest], texts: list[str], k: float) -> None:
+        self.reqs, self.texts, self.k = reqs, texts, k
+        self.done: dict[tuple[str, int, float], Probe] = {}
+        self.runs: list[tuple[Probe, ArmRun]] = []
+
+    def __call__(self, name: str, workers: int, rate: float) -> Probe:
+        if (name, workers, rate) not in self.done:
+            self.done[name, workers, rate] = self.live(name, workers, rate)
+        return self.done[name, workers, rate]
+
+    def live(self, name: str, workers: int, rate: float) -> Probe:
+        reqs, texts, k = self.reqs, self.texts, self.k
+        by_name = {a.name: a for a in ARMS}
         window = scaled(reqs, rate)
         log(f"{name}: {workers} workers, rate x{rate:g}, {len(reqs)} requests at time scale {k:g} "
             f"(load {os.getloadavg()[0]:.2f})")
@@ -316,10 +493,37 @@ def probe_runner(reqs: list[WorkloadRequest], texts: list[str], k: float) -> Run
                   r.hits / r.queries if r.queries else 0.0, miss_causes(r, window))
         log(f"  -> attainment {p.attainment:.1%}, goodput {p.goodput:.3f}, hit rate {p.hit_rate:.1%}"
             + (f"; misses: {p.misses}" if p.misses else ""))
-        done[name, workers, rate] = p
+        self.runs.append((p, r))
         return p
 
-    return run
+
+def boundary_sizes(res: SweepResult) -> list[int]:
+    """The fleet sizes next to a workers sweep's answer that were probed: the answer and the one below."""
+    if res.answer is None:
+        return []
+    sizes = {p.workers for p in res.probes}
+    return [n for n in (int(res.answer) - 1, int(res.answer)) if n in sizes]
+
+
+def repeat_boundary(results: list[SweepResult], runner: ProbeRunner, repeats: int) -> list[str]:
+    """Runs every arm's boundary probes again until each has `repeats` runs, interleaved across arms (every other
+    pass in reverse arm order); the spread per arm and size, and whether the repeats confirm each answer."""
+    for r in range(1, repeats):
+        order = results[::-1] if r % 2 else results
+        for res in order:
+            for n in boundary_sizes(res):
+                res.probes.append(runner.live(res.arm, n, 1.0))
+    rows = spread_rows([(f"{res.arm}, {p.workers} workers", p.attainment)
+                        for res in results for p in sorted(res.probes, key=lambda p: p.workers)
+                        if p.workers in boundary_sizes(res)], "router, policy, fleet size")
+    notes = []
+    for res in results:
+        for n in boundary_sizes(res):
+            atts = [p.attainment for p in res.probes if p.workers == n]
+            if len({a >= TARGET for a in atts}) > 1:
+                notes.append(f"{res.arm} at {n} workers: runs on both sides of {TARGET:.0%} "
+                             f"({', '.join(f'{a:.1%}' for a in atts)}), so its answer is not confirmed")
+    return rows + ([""] + [f"- {n}" for n in notes] if notes else [])
 
 
 def virtual_time_rows(reqs: list[WorkloadRequest], sizes: list[int]) -> list[str]:
@@ -347,19 +551,55 @@ def virtual_time_rows(reqs: list[WorkloadRequest], sizes: list[int]) -> list[str
     return rows
 
 
+def virtual_sweep(args: argparse.Namespace, n: int) -> None:
+    """The report's virtual-time section: every policy by name, workers for 99% on both windows."""
+    from bench.peers_sched_virtual import Window, jitter_table, user_policies, virtual_table
+
+    lo, hi = args.workers_range
+    windows = [Window(f"requests {s}-{s + n - 1} (reuse {best_hit_rate(w):.0%})", s, w)
+               for s in (0, args.start) for w in [trace_window(s, n)]]
+    rows = virtual_table(windows, user_policies(), lo, hi, args.seeds, PROFILE)
+    jitter = jitter_table(windows[0], ("least_requests", "least_tokens", "aladdin"), 6, range(6), 0.05, PROFILE)
+    cmd = (f"python -m bench.peers_sched --virtual-sweep --start {args.start} --requests {n} --workers-range {lo} {hi}"
+           f" --seeds {' '.join(map(str, args.seeds))}")
+    body = "\n".join([
+        f"Every policy a user can pick by name, in virtual time (ClusterSim, {PROFILE} workers, the policy's default "
+        "parameters, the same SLO rule as the live runs; bench/peers_sched_virtual.py). Workers for 99%: the fewest "
+        f"in ({lo}, {hi}] by bisection. The seed reaches random and power_of_two only. Mean prompt: "
+        + ", ".join(f"{w.name} {statistics.fmean(r.prompt_tokens for r in w.reqs):,.0f} tokens (longest "
+                    f"{max(r.prompt_tokens for r in w.reqs):,})" for w in windows) + ".", "", *rows, "",
+        f"Stable against a live replay's timing noise? {windows[0].name} at 6 workers, every arrival moved by a "
+        "Gaussian offset of sigma 50 ms (jitter seed 0: the trace as it is; bench/peers_sched_virtual.py "
+        "jittered):", "", *jitter])
+    write_section(Path(args.out), "Virtual time: every policy by name, workers for 99% on low and high reuse", cmd,
+                  body)
+    print(Path(args.out).read_text().split("## Virtual time: every policy", 1)[1])
+
+
 def sweep_body(args: argparse.Namespace, arms: list[Arm], reqs: list[WorkloadRequest], texts: list[str],
                out: Path) -> list[str]:
     """The --sweep-workers / --sweep-rate sections (and their plots beside `out`)."""
-    run = probe_runner(reqs, texts, args.time_scale)
+    run = ProbeRunner(reqs, texts, args.time_scale)
     body: list[str] = []
     if args.sweep_workers:
         lo, hi = args.workers_range
         results = [sweep_workers(a.name, run, lo, hi) for a in arms]
+        spreads = repeat_boundary(results, run, args.repeats)
         png = out.with_name(out.stem + "_workers.png")
         plot(results, "workers", png, f"SLO attainment vs workers, {len(reqs)} Mooncake requests")
         body += [f"### Workers needed for {TARGET:.0%} SLO attainment (fleet sizes searched in ({lo}, {hi}])", "",
                  *workers_table(results, lo, hi), "", workers_verdict(results, ALADDIN_KV, hi), "",
-                 f"![attainment vs workers]({png.name})", ""]
+                 f"![attainment vs workers]({png.name})", "",
+                 f"#### The boundary probes, {args.repeats} runs each, interleaved across arms", "", *spreads, ""]
+    if args.sweep_workers or args.sweep_rate:
+        body += ["#### Every live run, in order", "", "| # | router, policy | workers | rate | attainment "
+                 f"| rejected ({REJECTED}) | failed, by kind | peak queue per worker | load before -> after |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        for i, (p, r) in enumerate(run.runs, 1):
+            rejected, failed = failure_cells(r)
+            body.append(f"| {i} | {p.arm} | {p.workers} | {p.rate:g} | {p.attainment:.1%} | {rejected} | {failed} "
+                        f"| {'/'.join(map(str, r.peak_queue)) or '-'} | {r.load[0]:.1f} -> {r.load[1]:.1f} |")
+        body.append("")
     if args.sweep_rate:
         results = [sweep_rate(a.name, run, args.workers, sorted(args.rates)) for a in arms]
         png = out.with_name(out.stem + "_rate.png")
@@ -379,6 +619,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--arms", nargs="*", help="only these arms (names as in the report)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs per arm (one load point) or per boundary probe (--sweep-workers), interleaved "
+                         "across arms")
     ap.add_argument("--sweep-workers", action="store_true",
                     help="per arm, the fewest workers in (LO, HI] reaching 99%% attainment (bisection)")
     ap.add_argument("--workers-range", type=int, nargs=2, default=(4, 12), metavar=("LO", "HI"))
@@ -388,12 +631,20 @@ def main() -> None:
                     help="the rate multipliers --sweep-rate bisects over")
     ap.add_argument("--virtual-time", type=int, nargs="+", metavar="N",
                     help="only print aladdin with and without cache pricing in virtual time at these fleet sizes")
+    ap.add_argument("--virtual-sweep", action="store_true",
+                    help="every policy by name in virtual time: workers for 99%% on the low-reuse window (requests "
+                         "0-) and --start's, written as the report's virtual-time section")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                    help="--virtual-sweep's seeds (they reach the seeded policies only)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "peers_sched.md"))
     args = ap.parse_args()
     n = 120 if args.quick else args.requests
     reqs = trace_window(args.start, n)
     if args.virtual_time:
         print("\n".join(virtual_time_rows(reqs, args.virtual_time)))
+        return
+    if args.virtual_sweep:
+        virtual_sweep(args, n)
         return
     cache: dict[int, str] = {}
     texts = [prompt_text(r, cache) for r in reqs]
@@ -409,22 +660,26 @@ def main() -> None:
     if sweep:
         sections = sweep_body(args, arms, reqs, texts, Path(args.out))
         loads.append(os.getloadavg()[0])
-        body = "\n".join([f"{setting}; one live run per probe. Machine load (1-minute average) "
+        body = "\n".join([f"{setting}; one live run per probe, {args.repeats} per probe next to an answer. Machine load (1-minute average) "
                           f"{min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cores.", "", *sections, slo_note])
     else:
         runs = []
-        for arm in arms:
+        for arm in interleaved(arms, args.repeats):
             log(f"{arm.name}: {len(reqs)} requests at time scale {args.time_scale:g} (load {os.getloadavg()[0]:.2f})")
             runs.append(asyncio.run(run_arm(arm, reqs, texts, args.workers, args.time_scale)))
+            log(f"  -> attainment {runs[-1].attainment(reqs):.1%}")
             loads.append(os.getloadavg()[0])
+        worst = {r.arm: r for r in sorted(runs, key=lambda r: -r.attainment(reqs))}   # each arm's worst run
         body = "\n".join([
-            f"{setting}, {args.workers} of them; one run per arm, in the order below. Machine load (1-minute "
-            f"average) {min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cores.", "",
-            *table(runs, reqs), "",
-            headline(runs, reqs), "", slo_note,
+            f"{setting}, {args.workers} of them; {args.repeats} run(s) per arm, interleaved (arms in order, then "
+            f"reversed, ...), in the order below. Machine load (1-minute average) {min(loads):.2f}-{max(loads):.2f} "
+            f"on {os.cpu_count()} cores.", "",
+            *table(runs, reqs), "", *spread_rows([(r.arm, r.attainment(reqs)) for r in runs]), "",
+            *([h + " (each arm's worst run)", ""] if (h := headline(list(worst.values()), reqs)) else []),
+            slo_note,
         ])
     cmd = (f"python -m bench.peers_sched --workers {args.workers} --start {args.start} --requests {n} "
-           f"--time-scale {args.time_scale:g}"
+           f"--time-scale {args.time_scale:g} --repeats {args.repeats}"
            + (f" --sweep-workers --workers-range {args.workers_range[0]} {args.workers_range[1]}"
               if args.sweep_workers else "")
            + (f" --sweep-rate --rates {' '.join(f'{m:g}' for m in args.rates)}" if args.sweep_rate else "")

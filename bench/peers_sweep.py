@@ -1,5 +1,6 @@
 """Sweeps over bench/peers_sched.py's arms: the fewest workers reaching 99% SLO attainment, and the largest
-arrival-rate multiplier keeping 99% with its goodput (issue 22's and issue 23 item 3's targets).
+arrival-rate multiplier keeping 99% with its goodput. The targets: a fleetgate arm needs fewer workers for 99%
+than every other arm, and fleetgate's best reaches >= 1.3x the best peer's goodput with equal workers.
 
     python -m bench.peers_sched --sweep-workers [--workers-range 4 12] ...
     python -m bench.peers_sched --sweep-rate [--workers 8] [--rates 0.4 0.5 ...] ...
@@ -129,7 +130,7 @@ def workers_table(results: Sequence[SweepResult], lo: int, hi: int) -> list[str]
 
 
 def workers_verdict(results: Sequence[SweepResult], arm: str, hi: int) -> str:
-    """Issue 22's target: `arm` needs fewer workers for 99% than every other arm."""
+    """The target: `arm` needs fewer workers for 99% than every other arm."""
     mine = next((r for r in results if r.arm == arm), None)
     if mine is None or not results:
         return ""
@@ -141,7 +142,7 @@ def workers_verdict(results: Sequence[SweepResult], arm: str, hi: int) -> str:
     fewer = [r.arm for r in others if need(mine) < need(r)]
     not_fewer = [r.arm for r in others if need(mine) >= need(r)]
     met = mine.bound != ">" and not not_fewer
-    return (f"Target (issue 22: {arm} needs fewer workers for {TARGET:.0%} than every other arm): "
+    return (f"Target ({arm} needs fewer workers for {TARGET:.0%} than every other arm): "
             f"**{'met' if met else 'missed'}**"
             + (f"; not fewer than: {', '.join(not_fewer)}" if not_fewer else "")
             + (f"; fewer than: {', '.join(fewer)}" if fewer else "") + ".")
@@ -149,7 +150,7 @@ def workers_verdict(results: Sequence[SweepResult], arm: str, hi: int) -> str:
 
 def rate_table(results: Sequence[SweepResult], grid: Sequence[float],
                base_rate: float) -> tuple[list[str], str]:
-    """The per-arm table and the issue 23 item 3 verdict (fleetgate's best >= 1.3x the best peer's goodput).
+    """The per-arm table and the goodput verdict (fleetgate's best >= 1.3x the best peer's goodput).
 
     A peer arm that misses 99% even at the smallest multiplier is credited with an upper bound of its goodput at
     99%: the offered rate there (base_rate x grid[0], requests per model second), since it reaches 99% only
@@ -191,7 +192,7 @@ def rate_table(results: Sequence[SweepResult], grid: Sequence[float],
     ratio = ours[best] / peers[best_peer] if peers[best_peer] > 0 else float("inf")
     rival = (f"{best_peer}, whose goodput at {TARGET:.0%} is below {peers[best_peer]:.3f} (it misses {TARGET:.0%} "
              f"even at x{grid[0]:g})" if best_peer in bounded else f"{best_peer} ({peers[best_peer]:.3f})")
-    verdict = (f"Target (issue 23 item 3: fleetgate's best >= 1.3x the best peer's goodput at {TARGET:.0%} SLO, "
+    verdict = (f"Target (fleetgate's best >= 1.3x the best peer's goodput at {TARGET:.0%} SLO, "
                f"equal workers): **{'met' if ratio >= 1.3 else 'missed'}**: {best} {ours[best]:.3f} met req/s = "
                f"{at_least}{ratio:.2f}x {rival}.")
     return rows, verdict

@@ -1,4 +1,4 @@
-"""Capacity planning experiments (`fleetgate plan`, issue 21) -> bench/results/plan.md + plan.png.
+"""Capacity planning experiments (`fleetgate plan`) -> bench/results/plan.md + plan.png.
 
     nice -n 5 .venv/bin/python -m bench.plan            # full run
     nice -n 5 .venv/bin/python -m bench.plan --quick    # a smoke run (shorter traffic, fewer points), no files

@@ -1,4 +1,4 @@
-"""Pooled serving: how many models one worker serves under each pooling mode (issue 20, Aegaeon's setting).
+"""Pooled serving: how many models one worker serves under each pooling mode (Aegaeon's setting).
 
     python -m bench.pooling --quick          # one profile, one rate, M = 8..32, 120 s runs (< 5 min)
     python -m bench.pooling                  # both profiles, M = 8..64, lambda = 0.1 and 0.5, 300 s runs

@@ -25,11 +25,11 @@ same engines, each host `scheduling: turns`, max_awake 1 (so level 1, the simula
 requests' KV as vLLM does), tbt_ms = the TPOT target / K, q_max_s = Q_MAX / K, each engine's load_s /
 offload_s = the simulator's swap cost / K (the gateway's clock is wall time).
 
-What differs by construction (reported with the numbers): request mode: the simulator queues a request on a host at arrival
-(`baselines.RequestSwapping.place`: the host with the shortest queue) and the host switches to the model of its
-oldest queued request; the gateway keeps requests in per-model queues and wakes the model that started waiting
-first on a host with an idle engine (`swapping.RequestLevelSwaps`), then its placement policy spreads the
-model's requests over its awake engines. Turns mode: without `--engine-profile` the gateway's engines have no
+What differs by construction (reported with the numbers): request mode: both plan swaps with the one planner
+(`swapping.RequestLevelSwaps`: per-model FCFS demand, the model that started waiting first woken on a host with
+room or an idle engine, else a busy one drained); the simulator drains at once (`drain_after_s` 0), the gateway
+after its host's `drain_after_s`, and the gateway's placement policy spreads a model's requests over its awake
+engines where the simulator sends each to the awake engine with the fewest in flight. Turns mode: without `--engine-profile` the gateway's engines have no
 profile, so a batch's step time in eq. 2-3 is the TBT target itself (every quota is Q_MAX), where the simulator
 uses the profile's decode step (with it, the learner's estimate from the same profile); the gateway's work list is the in-flight view (updated per request, not per step). The live engines also
 pay the gateway's scrape and poll delays. Whether the live engines kept up with their model clock is checked

@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     png = RESULTS_MD.with_suffix(".png")
     plot(results, png)
     text += f"\n\n![hit rate vs workers]({png.name})\n"
-    write_report(RESULTS_MD, "Prefix-cache-aware routing (issue 22)", "python -m bench.prefix", text, commit)
+    write_report(RESULTS_MD, "Prefix-cache-aware routing", "python -m bench.prefix", text, commit)
     print(f"wrote {RESULTS_MD} and {png}", file=sys.stderr)
 
 

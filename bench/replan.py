@@ -1,4 +1,4 @@
-"""SeaLLM's diurnal setting (issue 21, "SeaLLM's setting"): fixed placement vs fixed-interval re-placement vs
+"""SeaLLM's diurnal setting (SeaLLM section 4.3): fixed placement vs fixed-interval re-placement vs
 SeaLLM's adaptive interval, in the virtual-time simulator -> bench/results/replan.md + replan.png.
 
     nice -n 5 .venv/bin/python -m bench.replan            # full run, writes the results
@@ -25,7 +25,7 @@ Setting (stated before any run, the same for every arm):
   interval. Two metrics are run as separate arms: SLO attainment, and mean normalized latency (e2e / output
   tokens, SeaLLM's eq. 1 per token).
 - Reported per arm: mean normalized latency, SLO attainment, re-placements, GPU-hours.
-Target (issue 21): adaptive within 10 % of the best fixed interval's normalized latency, with fewer re-placements.
+Target: adaptive within 10 % of the best fixed interval's normalized latency, with fewer re-placements.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SeaLLM's setting (issue 20, "SeaLLM's setting"; docs/reference/seallm-scheduling.md): services with different
+"""SeaLLM's setting (docs/reference/seallm-scheduling.md): services with different
 length distributions share engines; the doubling-budget order (SeaLLM section 4.2, Algorithm 2) against FCFS and round
 robin over services.
 

@@ -76,6 +76,10 @@ class EngineAdapter(ABC):
         """An engine's error answer (status >= 400) in OpenAI's error shape; the body as is by default."""
         return body
 
+    def context_exceeded(self, status: int, body: bytes) -> bool:
+        """Is this error answer the engine's refusal of a request longer than its context? (no by default)"""
+        return False
+
     @abstractmethod
     def parse_models(self, payload: bytes) -> list[dict[str, Any]]:
         """Model cards (each with at least an `id`) from the models endpoint's body."""

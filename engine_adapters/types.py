@@ -23,6 +23,10 @@ class EngineMetrics:
     # vLLM 0.33 vllm:engine_sleep_state (docs/reference/vllm-interface.md §6.1): awake, or paused /
     # weights_offloaded / discard_all; an engine without the series counts as awake
     sleep_state: str = "awake"
+    # vllm:lora_requests_info, its newest series: the adapters in the running batch and waiting, and max_lora
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_lora: int | None = None
 
 
 AWAKE = "awake"

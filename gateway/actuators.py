@@ -15,8 +15,10 @@
   `desired` and terminates only the ids in `release`: the gateway picks scale-in victims itself and
   releases them after a graceful drain. The POST goes through the gateway's one upstream client
   (gateway/upstream.py: its TLS, DNS and connection settings), bounded by `timeout_s`.
+- `docker`: containers of a compose service, created and removed through the Docker Engine API
+  (gateway/docker_actuator.py).
 
-Graceful drain (both managed kinds): the victim is marked draining (no new requests, on every replica
+Graceful drain (every managed kind): the victim is marked draining (no new requests, on every replica
 through the state store); once nothing is in flight on it, or after `drain_timeout_s` (when this
 replica's batch requests on it go back to the queue, then one more timeout for the rest), it leaves the
 registry and is released. A worker still starting is simply cancelled.
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gateway.outage import stop_task
 from gateway.state.base import WorkerRecord
 from gateway.upstream import encode_headers
 from policies.autoscale.global_ import POOL_BATCH, POOL_INTERACTIVE, POOL_MIXED, POOLS
@@ -46,7 +49,6 @@ from policies.types import ROLE_MIXED
 
 if TYPE_CHECKING:
     from gateway.batch_runner import BatchRunner
-    from gateway.config import AutoscaleConfig
     from gateway.registry import Registry, WorkerState
     from gateway.state.base import StateStore
 
@@ -178,6 +180,7 @@ class ManagedActuator(Actuator):
                 if not await self._wait_idle(worker_id, ctx.drain_timeout_s):
                     log.warning("worker %s still has %d request(s) in flight after draining %.0f s; releasing it",
                                 worker_id, ctx.inflight(worker_id), 2 * ctx.drain_timeout_s)
+            await self._wait_engine_idle(worker_id, ctx.drain_timeout_s)
             await ctx.registry.remove(worker_id)
             await self.release(worker_id)
             log.info("worker %s drained and released", worker_id)
@@ -196,13 +199,26 @@ class ManagedActuator(Actuator):
             await asyncio.sleep(DRAIN_POLL_S)
         return True
 
+    async def _wait_engine_idle(self, worker_id: str, timeout: float) -> None:
+        """Until a scrape taken after the gateway's count reached zero shows the engine with nothing running or
+        waiting. A request placed on the worker just before it was marked draining is not counted until it has
+        reserved its slot, and one the gateway gave up on may still run in the engine: neither may be cut off."""
+        since = time.time()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ws = self.ctx.registry.workers.get(worker_id)
+            if ws is None or not ws.healthy:
+                return                  # nothing scrapes it: it is gone or failing anyway
+            m = ws.metrics
+            if m.scraped_at == 0.0 and self.ctx.inflight(worker_id) == 0:
+                return                  # its /metrics never answered: the gateway's own count is all there is
+            if m.scraped_at > since and m.running + m.waiting == 0 and self.ctx.inflight(worker_id) == 0:
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
+        log.warning("worker %s: its engine still reports requests after draining; releasing it", worker_id)
+
     async def stop(self) -> None:
-        tasks = list(self._draining.values())
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await asyncio.gather(*(stop_task(t) for t in list(self._draining.values())))
 
 
 # --- sim ----------------------------------------------------------------------------------------------
@@ -346,15 +362,18 @@ class SimActuator(ManagedActuator):
         w = self.workers.get(worker_id)
         if w is None or w.ready or w.task is None:
             return False
-        w.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await w.task
+        with contextlib.suppress(Exception):
+            await stop_task(w.task)
         self.workers.pop(worker_id, None)
         return True
 
     async def release(self, worker_id: str) -> None:
         w = self.workers.pop(worker_id, None)
         if w is not None and w.fleet is not None:
+            core = w.fleet.servers[0].driver.core     # the engine's own count, not the gateway's
+            if core.num_running or core.num_waiting:
+                log.warning("simulated worker %s stopped with %d request(s) still running in its engine", worker_id,
+                            core.num_running + core.num_waiting)
             await asyncio.to_thread(w.fleet.stop)
 
     async def stop(self) -> None:
@@ -363,9 +382,8 @@ class SimActuator(ManagedActuator):
         await super().stop()
         for wid, w in list(self.workers.items()):
             if w.task is not None and not w.task.done():
-                w.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await w.task
+                with contextlib.suppress(Exception):
+                    await stop_task(w.task)
             if w.fleet is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(w.fleet.stop)
@@ -464,12 +482,3 @@ def _parse_fleet(data: Any) -> dict[str, _Listed]:
             raise ValueError(f"worker {w['id']}: cap must be a positive integer")
         out[w["id"]] = _Listed(w["url"].rstrip("/"), pool, "starting" if w.get("state") == "starting" else "ready", cap)
     return out
-
-
-def make_actuator(cfg: AutoscaleConfig, ctx: ActuatorContext) -> Actuator:
-    kind = cfg.actuator.kind
-    if kind == "sim":
-        return SimActuator(ctx, cfg.actuator.sim)
-    if kind == "webhook":
-        return WebhookActuator(ctx, cfg.actuator.webhook)
-    return Actuator(ctx)

@@ -49,12 +49,12 @@ class ModelQueue:
     def __len__(self) -> int:
         return len(self.queue)
 
-    async def wait(self, handle: Any, feats: Any, retry_at: float | None) -> None:
+    async def wait(self, handle: Any, feats: Any, retry_at: float | None, swap_s: float = 0.0) -> None:
         """Queue `handle` until a drain placed it (returns) or refused it (raises a 429 GatewayError). The
-        caller checked `queue.full()`. A cancelled waiter (client gone) leaves the queue."""
+        caller checked `queue.full()`. A cancelled waiter (client gone) leaves the queue. `swap_s`: the time its
+        model needs to be woken on a shared host (policies/admission.py `queue_budget`)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        w = self.queue.enter(feats, time.time(), (handle, fut))
-        w.retry_at = retry_at if retry_at is not None else math.inf
+        w = self.queue.enter(feats, time.time(), (handle, fut), swap_s, retry_at)
         self._depth()
         self.kick()   # capacity may have been freed since the caller last tried (e.g. an eviction)
         self._arm()
@@ -96,12 +96,9 @@ class ModelQueue:
                         if not fut.done():
                             fut.set_exception(e)
                         continue
-                    if placed:
-                        self.queue.remove(w)
-                        if not fut.done():
-                            fut.set_result(None)
-                    else:
-                        w.retry_at = retry_at if retry_at is not None else math.inf
+                    self.queue.tried(w, placed, retry_at)
+                    if placed and not fut.done():
+                        fut.set_result(None)
                 if not self._again:
                     break
         except Exception:  # a bug here must not leave requests waiting forever: they time out via the timer
@@ -116,7 +113,7 @@ class ModelQueue:
         if not len(self.queue):
             return
         now = time.time()
-        at = min(self.queue.next_wake(), now + self.poll_s)
+        at = self.queue.due(now, self.poll_s)
         if self._timer is not None and self._timer_at <= at:
             return
         if self._timer is not None:

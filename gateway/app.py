@@ -4,125 +4,34 @@ A thin raw-ASGI front serves the two proxy routes (POST /v1/chat/completions, /v
 straight into the dispatcher, with no framework on the hot path. Everything else (/v1/models,
 /health, /ready, /metrics, /admin/*) goes to a FastAPI app. There is no ASGI lifespan: the server
 (gateway/server.py) starts the gateway (state store, upstream pool, control loops) before uvicorn serves and
-stops it after, so start-up errors surface before the port opens.
+stops it after, so start-up errors surface before the port opens. The `Gateway` (the process's parts) lives
+in gateway/core.py, which imports none of the routers mounted here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine_adapters.base import EngineAdapter
-from engine_adapters.vllm import VllmAdapter
 from gateway import errors
-from gateway.access_log import AccessLog
 from gateway.admin import admin_router
-from gateway.auth import Authenticator
-from gateway.autoscaler import Autoscaler
 from gateway.batch_api import batch_router
-from gateway.batch_runner import BatchRunner
 from gateway.config import GatewayConfig
-from gateway.dispatch import ROUTES, Dispatcher
+from gateway.core import Gateway
+from gateway.dispatch import ROUTES
 from gateway.errors import GatewayError
-from gateway.kv_events import KvEventsService
-from gateway.learning import Learner
-from gateway.metrics import GatewayMetrics
-from gateway.observe import RequestObserver
 from gateway.passthrough import passthrough_router
-from gateway.pooling import SwapController
-from gateway.registry import Registry
-from gateway.relay import Relay, make_upstream_pool
-from gateway.slo import SloBook
 from gateway.state.base import StateStore
-from gateway.state.factory import make_store
 from gateway.status_page import status_router
-from gateway.tracing import Tracing
-from gateway.upstream import UpstreamPool
-from policies.pace import FleetPace
 
 log = logging.getLogger("fleetgate")
 
 _METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-class Gateway:
-    """All the parts of one gateway process, wired together; `start()` / `stop()` bracket its life."""
-
-    def __init__(self, config: GatewayConfig, store: StateStore | None = None,
-                 adapter: EngineAdapter | None = None) -> None:
-        self.config = config
-        if store is None:
-            opts: dict[str, Any] = ({"key_prefix": config.redis_key_prefix, "lease_block": config.redis_lease_block}
-                                    if config.redis_url else {})
-            store = make_store(config.redis_url, config.replica_id, **opts)
-        self.store = store
-        self.shared_state = bool(config.redis_url)
-        self.adapter = adapter or VllmAdapter()
-        self.metrics = GatewayMetrics()
-        self.auth = Authenticator(config, self.store)
-        self.registry = Registry(config, self.store, self.adapter, self.metrics)
-        self.slo = SloBook(config, self.metrics.registry)
-        self.learner = Learner(config, self.store, self.registry, self.metrics.registry)
-        self.batch = BatchRunner(config, self.store, self.registry, self.metrics)  # Batch API work
-        self.autoscaler = Autoscaler(config, self.store, self.registry, self.metrics, self.batch)
-        self.upstream: UpstreamPool | None = None  # the one client to workers (gateway/upstream.py)
-        self.access_log = AccessLog() if config.logging.access_log else None
-        self.tracing: Tracing | None = Tracing(config.tracing) if config.tracing.enabled else None
-        self.kv_events = KvEventsService(config, self.registry, self.metrics.registry)  # exact prefix-cache view
-        self.pooling = SwapController(config, self.registry, self.store, self.metrics)   # shared hosts
-        self.pooling.learner = self.learner
-        self.relay: Relay | None = None
-        self.dispatcher: Dispatcher | None = None
-
-    async def start(self) -> None:
-        if self.dispatcher is not None:
-            return  # already started (idempotent: lifespan and an embedding server may both call it)
-        await self.store.start()
-        self.store.on_restore(self.auth.republish)
-        await self.auth.start()
-        self.upstream = make_upstream_pool(self.config)
-        pace = (FleetPace(self.config.resume.pace(), self.config.turns_workers())
-                if self.config.resume.hung_detection else None)
-        self.relay = Relay(self.adapter, self.config.timeouts, self.upstream, pace)
-        self.registry.on_eject(self.relay.abort_worker)
-        self.dispatcher = Dispatcher(self.config, self.store, self.registry, self.relay, self.adapter,
-                                     self.metrics, shared_state=self.shared_state, slo=self.slo, learner=self.learner,
-                                     auth=self.auth)
-        self.dispatcher.observer = RequestObserver.make(self.access_log, self.tracing)
-        self.dispatcher.kv_events = self.kv_events
-        await self.registry.start(self.upstream)
-        if self.pooling.enabled:
-            self.dispatcher.pooling = self.pooling
-            self.pooling.waiting = lambda d=self.dispatcher: {m for m, rt in d.runtimes.items() if len(rt.queue)}
-            self.pooling.on_unservable = self.dispatcher.kick
-            await self.pooling.start(self.upstream)
-        await self.kv_events.start(self.upstream)
-        await self.learner.start()
-        await self.batch.start(self.dispatcher)
-        await self.autoscaler.start(self.dispatcher)
-
-    async def stop(self) -> None:
-        """Stop loops, close the upstream pool and the store; safe on a partly started gateway."""
-        await self.batch.stop()
-        await self.autoscaler.stop()
-        await self.kv_events.stop()
-        await self.learner.stop()
-        await self.pooling.stop()
-        await self.registry.stop()
-        await self.auth.stop()
-        upstream, self.upstream = self.upstream, None
-        if upstream is not None:
-            await upstream.close()  # keep-alive connections to the workers
-        self.dispatcher = None
-        await self.store.close()
-        if self.tracing is not None:
-            self.tracing.shutdown()
 
 
 class FleetgateApp:
@@ -175,6 +84,16 @@ def _error_response(err: GatewayError) -> Response:
                     headers={k.decode(): v.decode() for k, v in err.headers()})
 
 
+def alias_cards(cards: list[dict], aliases: dict[str, str]) -> list[dict]:
+    """`cards` plus a card per alias of a served model: its target's card under the alias's name, as vLLM lists
+    each of a model's `--served-model-name`s (same `root`, `parent` null: a non-null parent marks a LoRA
+    adapter)."""
+    by_id = {c.get("id"): c for c in cards}
+    extra = [{**by_id[target], "id": alias, "parent": None} for alias, target in sorted(aliases.items())
+             if target in by_id and alias not in by_id]
+    return [*cards, *extra]
+
+
 def build_api(gw: Gateway) -> FastAPI:
     api = FastAPI(title="fleetgate", docs_url=None, redoc_url=None, openapi_url=None)
     api.state.gateway = gw
@@ -222,7 +141,13 @@ def build_api(gw: Gateway) -> FastAPI:
     @api.get("/v1/models")
     async def models(request: Request) -> Response:
         tenant = gw.auth.authenticate(request.headers.get("authorization"))
-        cards = [c for c in gw.registry.model_cards() if tenant.may_use(c["id"])]
+        cards = gw.registry.model_cards()
+        lora = gw.dispatcher.adapters if gw.dispatcher is not None else None
+        if lora is not None:   # configured LoRA adapters, with their base model as `parent`; a key's base model
+            cards = lora.cards(cards)   # covers its adapters, as for requests
+        cards = alias_cards(cards, gw.config.aliases)
+        cards = [c for c in cards if tenant.may_use(gw.config.aliases.get(c["id"])
+                                                    or (lora.base_of(c["id"]) if lora else None) or c["id"])]
         return JSONResponse({"object": "list", "data": cards})
 
     @api.get("/metrics")

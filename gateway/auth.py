@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway import errors
+from gateway.keys import digest
 from gateway.outage import quiet_loop, stop_task
 from gateway.ratelimit import KeyLimits
 
@@ -58,15 +59,6 @@ class Tenant:
 
 
 ANONYMOUS = Tenant("", "anonymous", source="open")
-
-
-def digest(key: str | bytes) -> str:
-    """SHA-256 hex of a key as presented; a configured `sha256:<hex>` is that digest already."""
-    if isinstance(key, str):
-        if key.startswith("sha256:"):
-            return key[7:].lower()
-        key = key.encode()
-    return hashlib.sha256(key).hexdigest()
 
 
 def tenant_id(key_digest: str) -> str:

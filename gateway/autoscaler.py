@@ -13,7 +13,9 @@ The replica holding the lease `autoscaler` (state store, TTL `lease_ttl_s`, rene
   replica enforces it; `fleetgate_worker_batch_cap{worker}`). ITL SLO: `itl_slo_ms` (default: slo.tpot_ms,
   else 200 ms) for interactive and mixed workers, `batch_itl_slo_ms` for batch workers (section 4.2);
 - every `interval_s`, builds a FleetObservation from all replicas' load documents, the registry, the
-  batch queue and the scraped engine counters, runs GlobalAutoscaler (policies/autoscale/global_.py:
+  batch queue and the scraped engine counters (through policies/autoscale/observation.py, the builder the
+  simulator uses too; the arrivals it counts are interactive dispatches: the request pipeline has no arrival
+  hook for the autoscaler yet, so a request refused at admission is not counted), runs GlobalAutoscaler (policies/autoscale/global_.py:
   interactive band, Aladdin's rate fit, batch deadline groups, hysteresis, cooldowns, bounds, scale to
   zero), hands the desired counts to the actuator (gateway/actuators.py), keeps `desired[interactive]` of
   the interactive+mixed workers labelled interactive (labels are free, Chiron section 3), and publishes the
@@ -40,7 +42,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gateway.actuators import Actuator, ActuatorContext, make_actuator, pool_label
+from gateway.actuator_kinds import make_actuator
+from gateway.actuators import Actuator, ActuatorContext, pool_label
 from gateway.outage import LoopErrors, stop_task
 from gateway.replanner import Replanner
 from gateway.state.base import EngineMetrics
@@ -55,7 +58,9 @@ from policies.autoscale.global_ import (
     ScaleAction,
 )
 from policies.autoscale.local import LocalAutoscaler, LocalConfig
+from policies.autoscale.observation import FleetTick, ObservationBuilder, WorkerTick
 from policies.batch_queue import estimate_wait
+from policies.length_predictor import DEFAULT_OUTPUT_TOKENS
 from policies.types import ROLE_MIXED
 
 if TYPE_CHECKING:
@@ -72,32 +77,9 @@ LEASE = "autoscaler"
 DOC_LOAD = "autoscale:load:"
 DOC_STATE = "autoscale:state"
 MIN_ITL_TOKENS = 16          # fewer inter-token samples in a window say little about the ITL
-MIN_OUTPUT_SAMPLES = 20      # batch output length statistics from this many finished requests on
 DEFAULT_ITL_SLO_S = 0.2      # Chiron section 6: interactive ITL SLO 200 ms
 BP_KINDS = ("lbp", "tbp", "ibp", "bbp")
 RECENT_ACTIONS = 50          # scale actions kept for the status page (gateway/status_page.py)
-
-
-class WindowSum:
-    """Sum of (time, value) samples over the last `window_s` seconds."""
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self._q: deque[tuple[float, float]] = deque()
-        self._sum = 0.0
-
-    def add(self, t: float, v: float) -> None:
-        self._q.append((t, v))
-        self._sum += v
-
-    def total(self, now: float) -> float:
-        while self._q and self._q[0][0] <= now - self.window_s:
-            self._sum -= self._q.popleft()[1]
-        return self._sum if self._q else 0.0
-
-    def mean(self, now: float) -> float | None:
-        total = self.total(now)
-        return total / len(self._q) if self._q else None
 
 
 @dataclass(slots=True)
@@ -113,7 +95,7 @@ class _LocalState:
 @dataclass(slots=True)
 class _ReplicaMark:
     t: float
-    dispatched: float
+    arrived: float
     batch_tokens: float
 
 
@@ -145,14 +127,13 @@ class Autoscaler:
         self._local: dict[str, _LocalState] = {}
         self._peak: dict[str, int] = {}
         self._area: dict[str, list[float]] = {}         # worker -> [interactive, batch] x seconds (this replica)
+        self._wait_area = 0.0                            # interactive requests waiting for room x seconds
         self._area_t0 = self._t_sample = time.monotonic()
         self._marks: dict[str, _ReplicaMark] = {}
         self._gen: dict[str, tuple[float, float]] = {}   # worker -> (scraped_at, generation tokens)
-        self._rate = WindowSum(cfg.rate_window_s)
-        self._batch_tokens = WindowSum(cfg.throughput_window_s)
-        self._worker_tokens = WindowSum(cfg.throughput_window_s)
-        self._best_worker_tokens = WindowSum(cfg.throughput_window_s)
-        self._t_start = time.time()
+        self._t_gather = self._since = time.time()      # _since: when this replica's cumulative counts started
+        self.observations = ObservationBuilder(cfg.rate_window_s, cfg.throughput_window_s, cfg.busy_cap, self._t_gather)
+        self._tick_peak: dict[str, int] = {}             # worker -> highest in-flight count since the last global tick
         self._exported_actions: Counter[str] = Counter()
         self._task: asyncio.Task | None = None
 
@@ -215,22 +196,28 @@ class Autoscaler:
                 a = self._area[wid] = [0.0, 0.0]
             a[0] += inter * dt
             a[1] += batch * dt
+        if self.dispatcher is not None:
+            self._wait_area += sum(len(rt.queue) for rt in self.dispatcher.runtimes.values()) * dt
         for wid, f in self.store.inflight().items():
             if f.requests > self._peak.get(wid, 0):
                 self._peak[wid] = f.requests
+            if f.requests > self._tick_peak.get(wid, 0):
+                self._tick_peak[wid] = f.requests
 
     def _load_doc(self, now_wall: float) -> dict[str, Any]:
         mono = time.monotonic()
+        self._sample(mono)     # the areas up to now: the averages below cover their whole span
         span = max(mono - self._area_t0, 1e-9)
         workers = {wid: [a[0] / span, a[1] / span] for wid, a in self._area.items() if a[0] or a[1]}
-        self._area = {}
+        waiting = self._wait_area / span   # time-averaged, like the in-flight counts: one snapshot of a queue
+        self._area = {}                    # that a burst fills and the next dispatch empties is noise
+        self._wait_area = 0.0
         self._area_t0 = mono
         out = self.batch.outputs
-        waiting = shortfall = 0
+        shortfall = 0
         if self.dispatcher is not None:
-            waiting = sum(len(rt.queue) for rt in self.dispatcher.runtimes.values())
             shortfall = self.dispatcher.learner.shortfall_total()
-        doc = {"t": now_wall, "workers": workers, "dispatched": self.batch.router.interactive_dispatched,
+        doc = {"t": now_wall, "since": self._since, "workers": workers, "arrived": self.batch.router.interactive_arrived,
                "batch_tokens": self.batch.batch_tokens, "out": [out.n, out.total, out.total_sq], "waiting": waiting,
                "shortfall": shortfall}
         if self.replanner is not None:
@@ -300,14 +287,16 @@ class Autoscaler:
         self._export(self.state)
 
     async def _gather(self, now: float) -> tuple[FleetObservation, dict[str, Any]]:
-        """The FleetObservation from every replica's load document, the registry, the queue and the engines."""
+        """The FleetObservation (policies/autoscale/observation.py builds it, as for the simulator) from every
+        replica's load document, the registry, the queue and the engines."""
         cfg = self.cfg
         stale = 3 * cfg.interval_s + cfg.lease_ttl_s
         docs = await self.store.get_docs(DOC_LOAD)
         per_worker: dict[str, list[float]] = {}
-        new_dispatches = new_tokens = 0.0
+        new_arrivals = new_tokens = 0.0
         out_n = out_sum = out_sq = 0.0
-        waiting = shortfall = 0
+        waiting = 0.0
+        shortfall = 0
         for key, d in docs.items():
             if now - d.get("t", 0.0) > stale:
                 if now - d.get("t", 0.0) > 100 * stale:
@@ -318,54 +307,47 @@ class Autoscaler:
                 acc[0] += inter
                 acc[1] += batch
             mark = self._marks.get(key)
+            if mark is None and d.get("since", math.inf) >= self.observations.t0:
+                # a replica whose counts started after this builder did (this one included): all of them are new,
+                # as the simulator counts every arrival from its start; an older replica's first document is the
+                # baseline (its counts before this builder started are not this builder's window)
+                mark = _ReplicaMark(-math.inf, 0.0, 0.0)
             if mark is not None and d["t"] > mark.t:
-                new_dispatches += max(0.0, d["dispatched"] - mark.dispatched)
+                new_arrivals += max(0.0, d.get("arrived", 0.0) - mark.arrived)
                 new_tokens += max(0.0, d["batch_tokens"] - mark.batch_tokens)
             if mark is None or d["t"] > mark.t:
-                self._marks[key] = _ReplicaMark(d["t"], d["dispatched"], d["batch_tokens"])
+                self._marks[key] = _ReplicaMark(d["t"], d.get("arrived", 0.0), d["batch_tokens"])
             n, s, sq = d.get("out", (0, 0.0, 0.0))
             out_n, out_sum, out_sq = out_n + n, out_sum + s, out_sq + sq
-            waiting += int(d.get("waiting", 0))
+            waiting += float(d.get("waiting", 0.0))
             shortfall += int(d.get("shortfall", 0))   # each replica's unplaceable requests are its own
-        self._rate.add(now, new_dispatches)
-        span = max(1e-9, min(cfg.rate_window_s, now - self._t_start))
-        rate = self._rate.total(now) / span
 
         active = self.ctx.active_by_pool()
-        pending = self.actuator.pending()
-        caps = [ws.rec.cap or cfg.busy_cap for p in POOLS for ws in active[p]]
-        median_cap = statistics.median(caps) if caps else cfg.busy_cap
-        busy = 0.0
-        for ws in (*active[POOL_INTERACTIVE], *active[POOL_MIXED]):
-            busy += min(1.0, per_worker.get(ws.id, (0.0, 0.0))[0] / (ws.rec.cap or cfg.busy_cap))
-        busy += waiting / median_cap  # interactive requests waiting for room are demand too
-
         snap = await self.store.queue_snapshot()
         self.metrics.set_batch_queue_depth(snap.depth)
-        batch_work = snap.queued > 0 or snap.running > 0
-        self._worker_throughput(now, active, batch_work)
-        if batch_work:
-            self._batch_tokens.add(now, new_tokens)
-        else:
-            self._batch_tokens = WindowSum(cfg.throughput_window_s)
-        thr_span = max(1e-9, min(cfg.throughput_window_s, now - self._t_start))
-        mean = out_sum / out_n if out_n >= MIN_OUTPUT_SAMPLES else 256.0
-        std = math.sqrt(max(0.0, out_sq / out_n - mean * mean)) if out_n >= MIN_OUTPUT_SAMPLES else 0.0
-        obs = FleetObservation(
-            interactive_busy=busy, workers={p: len(active[p]) for p in POOLS}, pending=pending,
-            interactive_rate=rate, queue=snap.deadlines, batch_inflight=snap.running,
-            batch_tokens_per_s=self._batch_tokens.total(now) / thr_span,
-            worker_tokens_per_s=self._worker_tokens.mean(now) or self._best(now),
-            output_mean=mean, output_std=std, placement_shortfall=float(shortfall))
+        rates = self._worker_rates(active)
+        workers = [WorkerTick(ws.id, p, per_worker.get(ws.id, (0.0, 0.0))[0], ws.rec.cap, rates.get(ws.id),
+                              bool(ws.rec.cap) and self._tick_peak.get(ws.id, 0) >= (ws.rec.cap or 0))
+                   for p in POOLS for ws in active[p]]
+        self._tick_peak = {}
+        dt, self._t_gather = now - self._t_gather, now
+        tick = FleetTick(workers, self.actuator.pending(), waiting, new_arrivals, snap.deadlines, snap.running,
+                         new_tokens / dt if dt > 0 else 0.0, (out_n, out_sum, out_sq), self._predicted_output(),
+                         float(shortfall))
+        obs = self.observations.build(tick, now)
         extra = {"queue": snap.queued, "waiting": waiting, "lbp": self._pool_bp("lbp"), "tbp": self._pool_bp("tbp")}
         return obs, extra
 
-    def _worker_throughput(self, now: float, active: dict[str, list[WorkerState]], batch_work: bool) -> None:
-        """Output tokens/s of one worker busy with batch work (engine counters): the batch pool's mean, else
-        the mean of full mixed workers; the best single worker as a last resort."""
-        pool_rates: list[float] = []
-        full_rates: list[float] = []
-        best = 0.0
+    def _predicted_output(self) -> float:
+        """The length predictor's mean output length over the served models (the builder's fallback)."""
+        if self.dispatcher is None or not self.dispatcher.runtimes:
+            return DEFAULT_OUTPUT_TOKENS
+        predictor = self.dispatcher.learner.predictor
+        return statistics.fmean(predictor.model_mean(m) for m in self.dispatcher.runtimes)
+
+    def _worker_rates(self, active: dict[str, list[WorkerState]]) -> dict[str, float]:
+        """Output tokens/s of each active worker since its previous scrape seen here (engine counters)."""
+        out: dict[str, float] = {}
         for p in POOLS:
             for ws in active[p]:
                 m = ws.metrics
@@ -373,21 +355,8 @@ class Autoscaler:
                 self._gen[ws.id] = (m.scraped_at, m.generation_tokens)
                 if prev is None or m.scraped_at <= prev[0] or m.generation_tokens < prev[1]:
                     continue
-                r = (m.generation_tokens - prev[1]) / (m.scraped_at - prev[0])
-                best = max(best, r)
-                if p == POOL_BATCH:
-                    pool_rates.append(r)
-                elif p == POOL_MIXED and ws.rec.cap and self._peak.get(ws.id, 0) >= ws.rec.cap:
-                    full_rates.append(r)
-        if best > 0:
-            self._best_worker_tokens.add(now, best)
-        if batch_work and (pool_rates or full_rates):
-            self._worker_tokens.add(now, statistics.fmean(pool_rates or full_rates))
-
-    def _best(self, now: float) -> float | None:
-        self._best_worker_tokens.total(now)
-        vals = [v for _, v in self._best_worker_tokens._q]  # noqa: SLF001 - own helper
-        return max(vals) if vals else None
+                out[ws.id] = (m.generation_tokens - prev[1]) / (m.scraped_at - prev[0])
+        return out
 
     def _pool_bp(self, kind: str) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import math
 import re
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -44,12 +43,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway import errors
 from gateway.auth import Tenant
 from gateway.errors import GatewayError
-from gateway.request import estimate_chat_tokens, estimate_prompt_tokens, parse_json_object
-from gateway.state.jobs import QueuedRequest, StoreUnavailableError, request_id_for
+from gateway.request import parse_json_object
+from gateway.state.jobs import QueuedRequest, StoreUnavailableError, new_id, request_id_for
 from gateway.uploads import receive_upload
+from policies.tokens import estimate_chat_tokens, estimate_prompt_tokens
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.core import Gateway
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 PURPOSE_BATCH = "batch"
@@ -60,10 +60,6 @@ _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0}
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 INTERNAL_KEYS = ("_fg_expiring", "_fg_owner", "_fg_output_ttl_s")  # kept in the stored document, never shown
 EXPIRES_MIN_S, EXPIRES_MAX_S = 3600, 2_592_000  # OpenAI's bounds for expires_after.seconds
-
-
-def new_id(prefix: str) -> str:
-    return prefix + secrets.token_hex(12)
 
 
 def parse_window(value: Any) -> float:

@@ -18,6 +18,15 @@ stops renewing, and any replica's reaper returns the request to the queue after 
   at once and goes back to the batch queue;
 - it counts interactive and batch requests in flight per worker (the autoscaler's busy measure).
 
+Streaming inside, one answer outside: a request the resume continuation can carry (gateway/resume.py
+`resumable`, and no tools) goes to the worker as a stream with usage on every chunk, and the runner folds the
+events into the non-streaming body an uninterrupted answer has (the text, finish_reason, the original prompt's
+tokens and every completion token, the first leg's id/created/model). When such a request is evicted after
+producing tokens, what it produced stays with this replica and its next run is the continuation (the prompt
+plus that text, `max_tokens` less its tokens), placed like any batch request by its pool's router: it goes on
+where it stopped instead of starting again. Other requests run non-streaming and restart as before, and so
+does a continued request claimed by another replica (the produced text is held in this replica's memory).
+
 Results: a 2xx answer is an output-file line, anything else an error-file line (OpenAI's format); the
 gateway's own "no capacity" answers (429 capacity_exceeded, 503 no_healthy_worker) and evictions requeue.
 When a batch's last request resolves, exactly one replica (claim in the store) writes the output and error
@@ -38,20 +47,30 @@ import orjson
 
 from gateway import errors
 from gateway.auth import SCOPE_TENANT, Tenant
-from gateway.batch_api import new_id
 from gateway.batch_progress import BatchProgressLog
+from gateway.hooks import RequestHook
 from gateway.outage import LoopErrors, stop_task
-from gateway.request import ROUTES
-from gateway.state.jobs import BatchStats, QueuedRequest, QueueSnapshot, StoreUnavailableError, expired_line
+from gateway.request import CHAT, ROUTES
+from gateway.resume import Delivered, continuation_body, read_delivered, resumable, sse_objects
+from gateway.state.jobs import (
+    BatchStats,
+    QueuedRequest,
+    QueueSnapshot,
+    StoreUnavailableError,
+    expired_line,
+    new_id,
+)
 from policies.autoscale.global_ import POOL_INTERACTIVE, POOL_MIXED
+from policies.autoscale.observation import OutputStats
 from policies.autoscale.routing import eviction_victim
 from policies.types import CLASS_BATCH, RequestFeatures
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
-    from gateway.dispatch import Dispatcher, ModelRuntime
+    from gateway.context import ModelRuntime, RequestContext
+    from gateway.dispatch import Dispatcher
     from gateway.metrics import GatewayMetrics
-    from gateway.registry import Registry
+    from gateway.registry import Registry, WorkerState
     from gateway.state.base import StateStore
 
 log = logging.getLogger("fleetgate.batch")
@@ -76,38 +95,50 @@ class _Run:
     worker: str | None = None
     evicted: bool = False
     evict: asyncio.Event = field(default_factory=asyncio.Event)
+    chunks: list[bytes] = field(default_factory=list)   # the answer's bytes as they arrive
 
 
 @dataclass(slots=True)
-class OutputStats:
-    """Output lengths of finished batch requests (this replica, cumulative): the autoscaler's O_i."""
+class Produced:
+    """What a streamed batch request has produced over its runs so far (its continuation goes on from here)."""
 
-    n: int = 0
-    total: float = 0.0
-    total_sq: float = 0.0
+    text: str = ""
+    tokens: int = 0
+    id: str | None = None
+    created: int | None = None
+    model: str | None = None
+    prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    error: Any = None          # an error event that ended the stream
+    deadline: float = 0.0      # the request's deadline: a held continuation is dropped after it
 
-    def add(self, tokens: int) -> None:
-        self.n += 1
-        self.total += tokens
-        self.total_sq += tokens * tokens
 
-
-class ClassRouter:
-    """Dispatcher hook (see the module docstring). All methods are O(workers) at most and do no I/O,
-    except `no_room`, which may wait for an evicted request to leave its worker."""
+class ClassRouter(RequestHook):
+    """The dispatcher's request hook for request classes (see the module docstring; gateway/hooks.py: `placed`,
+    `released`) and its `no_room` step. All methods are O(workers) at most and do no I/O, except `no_room`,
+    which may wait for an evicted request to leave its worker."""
 
     def __init__(self, registry: Registry, runner: BatchRunner) -> None:
         self.registry = registry
         self.runner = runner
         self.pools_in_use = False
         self.counts: dict[str, list[int]] = {}       # worker -> [interactive, batch] in flight (this replica)
-        self.interactive_dispatched = 0                # cumulative, for the arrival rate
-        registry.on_change(self._refresh)
+        self.interactive_arrived = 0                   # cumulative, for the arrival rate (demand, not dispatches)
+        registry.on_change(self.refresh)
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
+        """Whether the fleet has pools (labelled workers) now."""
         self.pools_in_use = any(worker_pool(ws.rec.labels) != POOL_MIXED for ws in self.registry.workers.values())
 
-    def placed(self, feats: RequestFeatures, worker_id: str) -> None:
+    def arrived(self, ctx: RequestContext) -> None:
+        """Request hook: a request arrived for a model (counted once, before any placement, retry or fallback):
+        the autoscaler's arrival rate counts interactive ones (policies/autoscale/observation.py: demand, as the
+        simulator counts)."""
+        if ctx.feats.request_class != CLASS_BATCH:
+            self.interactive_arrived += 1
+
+    def placed(self, ctx: RequestContext, worker: WorkerState) -> None:
+        feats, worker_id = ctx.feats, worker.id
         c = self.counts.get(worker_id)
         if c is None:
             c = self.counts[worker_id] = [0, 0]
@@ -115,12 +146,12 @@ class ClassRouter:
             c[1] += 1
         else:
             c[0] += 1
-            self.interactive_dispatched += 1
         run = self.runner.active.get(feats.request_id)
         if run is not None:
             run.worker = worker_id
 
-    def released(self, feats: RequestFeatures, worker_id: str) -> None:
+    def released(self, ctx: RequestContext, worker: WorkerState) -> None:
+        feats, worker_id = ctx.feats, worker.id
         c = self.counts.get(worker_id)
         if c is not None:
             c[1 if feats.request_class == CLASS_BATCH else 0] -= 1
@@ -151,6 +182,9 @@ class BatchRunner:
         self.outputs = OutputStats()
         self.batch_tokens = 0              # output tokens of finished batch requests (this replica, cumulative)
         self.evictions = 0
+        self.continued = 0                 # evictions whose request keeps its tokens (its next run continues)
+        self.restarted = 0                 # evictions whose request starts again from scratch
+        self.produced: dict[str, Produced] = {}   # request id -> tokens kept from its evicted runs
         self.snapshot = QueueSnapshot()    # last read of the shared queue
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -161,8 +195,7 @@ class BatchRunner:
     # --- lifecycle --------------------------------------------------------------------------------
     async def start(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
-        dispatcher.pools = self.router
-        self.router._refresh()
+        self.router.refresh()
         if self.cfg.enabled and self._task is None:
             self._task = asyncio.create_task(self._loop(), name="fg-batch-runner")
 
@@ -213,6 +246,8 @@ class BatchRunner:
 
     async def finalize(self, batch_id: str) -> None:
         """Write the output and error files and close the batch (one replica wins the claim)."""
+        for rid in [rid for rid in self.produced if rid.startswith(batch_id + "-")]:
+            del self.produced[rid]   # cancelled or expired while it waited to continue
         if not await self.store.claim_final(batch_id, self.store.replica_id):
             return
         doc = await self.store.get_batch(batch_id)
@@ -280,6 +315,8 @@ class BatchRunner:
                 await self.store.drop_queued(doc["id"], doc["request_counts"]["total"], EXPIRED_MESSAGE)
                 if (await self.store.batch_stats(doc["id"])).pending <= 0:
                     await self.finalize(doc["id"])
+        for rid in [rid for rid, p in self.produced.items() if p.deadline <= now]:
+            del self.produced[rid]   # run elsewhere or expired: nobody continues it here
         self.snapshot = await self.store.queue_snapshot()
         self.metrics.set_batch_queue_depth(self.snapshot.depth)
         await self.progress_log.sweep(self.store, self.snapshot)
@@ -343,44 +380,80 @@ class BatchRunner:
     # --- one request ------------------------------------------------------------------------------
     async def _execute(self, run: _Run) -> None:
         item = run.item
-        status, chunks = 0, []
+        status, chunks = 0, run.chunks
+        chat = ROUTES.get(item.url) is CHAT
+        before = self.produced.pop(item.request_id, None)
+        streamed = _streamable(item.body, chat)
+
+        async def send(msg: dict[str, Any]) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            elif msg.get("body"):
+                chunks.append(msg["body"])
+
         try:
-            body = {k: v for k, v in item.body.items() if k not in ("stream", "stream_options")}
-            raw = orjson.dumps(body)
-            sent = False
-
-            async def receive() -> dict[str, Any]:
-                nonlocal sent
-                if not sent:
-                    sent = True
-                    return {"type": "http.request", "body": raw, "more_body": False}
-                await run.evict.wait()
-                return {"type": "http.disconnect"}
-
-            async def send(msg: dict[str, Any]) -> None:
-                nonlocal status
-                if msg["type"] == "http.response.start":
-                    status = msg["status"]
-                elif msg.get("body"):
-                    chunks.append(msg["body"])
-
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
-                       (b"x-request-id", item.request_id.encode()), (b"x-request-class", b"batch")]
-            # The batch's owner was authenticated by the Batch API; its key's rate limits are for interactive
-            # traffic (batch work runs on spare capacity), so the request carries the owner without limits.
-            owner = Tenant(item.owner, f"batch owner {item.owner[:8]}", source="batch")
-            scope = {"type": "http", "method": "POST", "path": item.url, "query_string": b"", "headers": headers,
-                     SCOPE_TENANT: owner}
-            assert self.dispatcher is not None
-            await self.dispatcher.handle(scope, receive, send, ROUTES[item.url])
+            if not streamed:
+                body = {k: v for k, v in item.body.items() if k not in ("stream", "stream_options")}
+            else:
+                body = {**item.body, "stream": True,
+                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+                if before is not None:
+                    body = continuation_body(body, chat, before.text, before.tokens)
+            if body is None:   # it had produced everything but the end: answered from what it has
+                streamed, status = False, 200
+                chunks.append(_folded(before, None, chat))
+            else:
+                await self._dispatch(run, body, send)
         except Exception:
             log.exception("batch request %s crashed in the runner", item.request_id)
             status = 0
         finally:
             self.active.pop(item.request_id, None)
             self.wake()
+        await self._record(run, before, streamed, chat, status, b"".join(chunks))
+
+    async def _dispatch(self, run: _Run, body: dict[str, Any], send: Any) -> None:
+        """Replay the request through the dispatcher as a local batch-class request; an eviction disconnects it."""
+        item = run.item
+        raw = orjson.dumps(body)
+        sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await run.evict.wait()
+            return {"type": "http.disconnect"}
+
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
+                   (b"x-request-id", item.request_id.encode()), (b"x-request-class", b"batch")]
+        # The batch's owner was authenticated by the Batch API; its key's rate limits are for interactive
+        # traffic (batch work runs on spare capacity), so the request carries the owner without limits.
+        owner = Tenant(item.owner, f"batch owner {item.owner[:8]}", source="batch")
+        scope = {"type": "http", "method": "POST", "path": item.url, "query_string": b"", "headers": headers,
+                 SCOPE_TENANT: owner}
+        assert self.dispatcher is not None
+        await self.dispatcher.handle(scope, receive, send, ROUTES[item.url])
+
+    async def _record(self, run: _Run, before: Produced | None, streamed: bool, chat: bool, status: int,
+                      payload: bytes) -> None:
+        item = run.item
         try:
-            await self._settle(run, status, b"".join(chunks))
+            if streamed and status == 200:
+                leg = _leg(payload)
+                if run.evicted and leg.finish_reason is None and leg.error is None:
+                    self._keep(run, before, leg)
+                    status, payload = 0, b""   # back to the queue (as any eviction); its next run continues
+                else:
+                    run.evicted = False         # it finished before the eviction took hold
+                    status, payload = (200, _folded(before, leg, chat)) if leg.finish_reason is not None \
+                        else (502, orjson.dumps({"error": leg.error or {
+                            "message": "the stream ended without finishing", "type": "upstream_error"}}))
+            elif streamed and before is not None:
+                self.produced[item.request_id] = before   # not run (no room, or evicted before its first byte)
+            await self._settle(run, status, payload)
         except StoreUnavailableError:  # the store logs its outage; the claim lease returns the request to the queue
             log.debug("batch request %s not recorded: the store is unreachable", item.request_id)
         except Exception:  # the claim lease returns it to the queue
@@ -398,6 +471,10 @@ class BatchRunner:
                 self._backoff_until = time.monotonic() + self.cfg.poll_s
             if run.evicted:
                 self.evictions += 1
+                if item.request_id in self.produced:
+                    self.continued += 1
+                else:
+                    self.restarted += 1
             await self.store.requeue(item)
             return
         ok = 200 <= status < 300
@@ -413,6 +490,24 @@ class BatchRunner:
         pending = await self.store.finish_request(item, ok, line, n_in, n_out)
         if pending == 0:
             await self.finalize(item.batch_id)
+
+    def _keep(self, run: _Run, before: Produced | None, leg: Produced) -> None:
+        """An evicted stream: keep what it produced, so its next run continues (nothing produced: a restart)."""
+        item = run.item
+        p = before if before is not None else Produced(deadline=item.deadline)
+        if leg.tokens == 0 and not leg.text:
+            if before is not None:
+                self.produced[item.request_id] = before
+            return
+        if p.id is None:
+            p.id, p.created, p.model = leg.id, leg.created, leg.model
+        if p.prompt_tokens is None and leg.prompt_tokens is not None:
+            p.prompt_tokens = leg.prompt_tokens - p.tokens   # a continuation's prompt holds the earlier text
+        p.text += leg.text
+        p.tokens += leg.tokens
+        self.produced[item.request_id] = p
+        log.info("batch request %s evicted after %d tokens: it continues from them on its next run",
+                 item.request_id, p.tokens)
 
     # --- eviction ---------------------------------------------------------------------------------
     async def evict_for(self, model: str) -> bool:
@@ -467,3 +562,60 @@ def _set_counts(doc: dict[str, Any], s: BatchStats) -> None:
     doc["usage"] = {"input_tokens": s.input_tokens, "output_tokens": s.output_tokens,
                     "total_tokens": s.input_tokens + s.output_tokens,
                     "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def _streamable(body: dict[str, Any], chat: bool) -> bool:
+    """Whether a batch request runs as a stream that an eviction can continue (module docstring)."""
+    try:
+        return resumable(body, chat) and not (chat and body.get("tools"))
+    except (KeyError, IndexError, TypeError, AttributeError):   # a malformed body: the gateway's 400 as before
+        return False
+
+
+def _leg(payload: bytes) -> Produced:
+    """One run's stream (its events, complete ones only) read into what it produced."""
+    d: Delivered = read_delivered(payload)
+    out = Produced(text=d.text, id=d.id, created=d.created, model=d.model, finish_reason=d.finish_reason)
+    events = 0
+    usage: dict[str, Any] | None = None
+    for obj in sse_objects(payload):
+        if "error" in obj:
+            out.error = obj["error"]
+            continue
+        if isinstance(obj.get("usage"), dict):
+            usage = obj["usage"]
+        events += any(isinstance(c, dict) and ((c.get("delta") or {}).get("content") or c.get("text"))
+                      for c in obj.get("choices") or ())
+    if usage is not None:
+        out.tokens = int(usage.get("completion_tokens") or 0)
+        out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    else:   # no usage: the events bound the tokens from below
+        out.tokens = events
+    return out
+
+
+def _folded(before: Produced | None, leg: Produced | None, chat: bool) -> bytes:
+    """The non-streaming answer of all runs: the text, the last finish_reason, the original prompt's tokens and
+    every completion token, the first run's id, created and model (the shape of vLLM's non-streaming body)."""
+    first = before if before is not None else leg
+    assert first is not None
+    text = (before.text if before is not None else "") + (leg.text if leg is not None else "")
+    tokens = (before.tokens if before is not None else 0) + (leg.tokens if leg is not None else 0)
+    prompt = first.prompt_tokens if first.prompt_tokens is not None else 0
+    finish = leg.finish_reason if leg is not None else "length"
+    usage = {"prompt_tokens": prompt, "total_tokens": prompt + tokens, "completion_tokens": tokens,
+             "prompt_tokens_details": None}
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                                          "audio": None, "function_call": None, "tool_calls": [],
+                                          "reasoning_content": None},
+                  "logprobs": None, "finish_reason": finish, "stop_reason": None, "token_ids": None}
+        return orjson.dumps({"id": first.id, "object": "chat.completion", "created": first.created,
+                             "model": first.model, "choices": [choice], "service_tier": None,
+                             "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
+                             "prompt_token_ids": None, "kv_transfer_params": None})
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+              "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}
+    return orjson.dumps({"id": first.id, "object": "text_completion", "created": first.created,
+                         "model": first.model, "choices": [choice], "service_tier": None,
+                         "system_fingerprint": None, "usage": usage, "kv_transfer_params": None})

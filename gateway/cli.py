@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from policies.admission import DEFAULT_QUEUE_LOOKAHEAD
+from policies.base import DEFAULT_POLICY
 
 # Plain click help (rich_markup_mode=None): typer's rich help shows on/off flags as `<bool>`.
 _HELP = {"help_option_names": ["-h", "--help"]}
@@ -62,7 +63,7 @@ def serve(
 def demo(
     port: int = typer.Option(8000, help="Gateway port."),
     workers: int = typer.Option(4, help="Number of simulated workers."),
-    policy: str = typer.Option("least_requests", help="Routing policy."),
+    policy: str = typer.Option(DEFAULT_POLICY, help="Routing policy."),
     profile: str = typer.Option("llama3-8b-h100", help="Simulator profile for the workers."),
     model: str = typer.Option("meta-llama/Llama-3.1-8B-Instruct", help="Model name the fleet serves."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="Run the simulated engines K times faster."),
@@ -77,6 +78,8 @@ def demo(
     log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
     slo_ttft_ms: float = typer.Option(1000.0, "--slo-ttft-ms", help="The fleet's TTFT SLO (attainment metrics)."),
     slo_tpot_ms: float = typer.Option(50.0, "--slo-tpot-ms", help="The fleet's time-per-output-token SLO."),
+    lora_adapters: int = typer.Option(0, "--lora-adapters", help="N > 0: N LoRA adapters of --model, loaded by "
+                                      "the gateway on demand on workers with --max-loras 2."),
     deployment: Path | None = typer.Option(None, "--deployment", help="Start a plan's instances (`fleetgate plan "
                                            "--out` JSON or YAML) with their derived profiles; the plan's policy "
                                            "and SLO unless --policy is given."),
@@ -85,9 +88,16 @@ def demo(
     if deployment is not None:
         from gateway.demo import run_deployment_demo
 
-        chosen = policy if policy != "least_requests" else None
+        chosen = policy if policy != DEFAULT_POLICY else None
         run_deployment_demo(deployment, port=port, base_port=base_port or port + 1, time_scale=time_scale,
                             policy=chosen, log_format=log_format)
+        return
+    if lora_adapters > 0:
+        from gateway.demo import run_lora_demo
+
+        run_lora_demo(port=port, workers=workers, adapters=lora_adapters, policy=policy, profile=profile, model=model,
+                      time_scale=time_scale, base_port=base_port or port + 1, log_format=log_format,
+                      slo={"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms})
         return
     if num_models > 1:
         from gateway.demo import run_pooled_demo
@@ -123,14 +133,32 @@ def sim(
     kv_events_format: str = typer.Option("0.11", "--kv-events-format",
                                          help="KV-event wire format and hashing of vLLM 0.11 or 0.33."),
     hash_algo: str = typer.Option("sha256", "--prefix-caching-hash-algo", help="sha256 or sha256_cbor."),
+    enable_lora: bool = typer.Option(False, "--enable-lora", help="Serve LoRA adapters (vLLM's flag)."),
+    lora_modules: list[str] = typer.Option(
+        [], "--lora-modules", metavar="NAME=PATH",
+        help="An adapter served from the start: name=path or JSON {\"name\", \"path\", \"base_model_name\"}; "
+             "repeat the option for more."),
+    max_loras: int = typer.Option(1, "--max-loras", help="Distinct adapters in one engine step (vLLM default 1)."),
+    max_cpu_loras: int | None = typer.Option(
+        None, "--max-cpu-loras", help="Adapters kept in host memory, LRU (default: --max-loras)."),
+    max_lora_rank: int = typer.Option(16, "--max-lora-rank", help="Largest adapter rank; sizes the GPU slots."),
+    runtime_lora: bool | None = typer.Option(
+        None, "--allow-runtime-lora-updating/--no-runtime-lora-updating",
+        help="The /v1/load_lora_adapter and /v1/unload_lora_adapter routes; default: as the environment's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING."),
 ) -> None:
     """Run simulated vLLM servers (one process, many ports)."""
     from simulator.fleet import run_fleet_cli
 
+    lora = None
+    if enable_lora or lora_modules or runtime_lora is not None:
+        lora = {"enable_lora": enable_lora, "lora_modules": list(lora_modules), "max_loras": max_loras,
+                "max_cpu_loras": max_cpu_loras, "max_lora_rank": max_lora_rank,
+                "allow_runtime_lora_updating": runtime_lora}
     run_fleet_cli(
         workers=workers, base_port=base_port, profile=profile, model=model, time_scale=time_scale,
         fleet=fleet, host=host, seed=seed, list_profiles=list_profiles, scheduling_policy=scheduling_policy,
-        kv_events_config=kv_events_config, kv_events_format=kv_events_format, hash_algo=hash_algo,
+        kv_events_config=kv_events_config, kv_events_format=kv_events_format, hash_algo=hash_algo, lora=lora,
     )
 
 
@@ -139,7 +167,7 @@ def simulate(
     trace: str | None = typer.Option(None, help="Trace file or built-in name (azure_conv, sharegpt, arxiv, mooncake)."),
     workers: int = typer.Option(8, help="Number of workers."),
     profile: str = typer.Option("llama3-8b-h100", help="Profile name or YAML file (comma-separated: a mixed fleet)."),
-    policy: str | None = typer.Option(None, help="Routing policy (default least_requests; with --deployment, the "
+    policy: str | None = typer.Option(None, help="Routing policy (default least_tokens; with --deployment, the "
                                       "plan's)."),
     policy_param: list[str] = typer.Option([], "--policy-param", metavar="KEY=VALUE",
                                            help="A policy parameter KEY=VALUE (repeatable)."),
@@ -171,7 +199,7 @@ def simulate(
         None, "--services", help="Services sharing the engines, e.g. sharegpt,arxiv,azure_conv,code "
         "([name=]lengths[:share]); replaces --trace; --rate is their total."),
     service_priority: str | None = typer.Option(
-        None, "--service-priority", help="Order of requests across services: fcfs, round_robin or seallm."),
+        None, "--service-priority", help="Order of requests across services: fcfs, round_robin, seallm or vtc."),
     service_preempt: bool = typer.Option(
         False, "--service-preempt", help="Re-prioritise running requests by preemption (simulator only)."),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="The engines' --max-num-seqs."),
@@ -238,7 +266,7 @@ def simulate(
     try:
         spec = SimSpec(trace=trace or "azure_conv", rate=rate, rate_scale=rate_scale, arrival=arrival, cv=cv,
                        duration=duration, seed=seed, profile=profile, workers=workers,
-                       policy=policy or "least_requests", policy_params=parse_params(policy_param),
+                       policy=policy or DEFAULT_POLICY, policy_params=parse_params(policy_param),
                        slo_ttft_s=slo_ttft_ms / 1000.0, slo_tpot_s=slo_tpot_ms / 1000.0, ttft_slowdown=ttft_slowdown, pd=pd,
                        lengths="oracle" if oracle_lengths else "predicted", warmup=warmup,
                        queue_lookahead=queue_lookahead, rebalance_s=rebalance_s, services=services,
@@ -298,6 +326,21 @@ def config_check(file: Path = typer.Argument(..., help="YAML config file to vali
     from gateway.config import check_config_cli
 
     raise typer.Exit(check_config_cli(file))
+
+
+@config_app.command("reference")
+def config_reference(
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write it to this file (docs/configuration.md) "
+                                    "instead of printing it."),
+) -> None:
+    """Print every configuration key, its type, default and meaning, as markdown (from the config models)."""
+    from gateway.config_reference import reference
+
+    text = reference()
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":

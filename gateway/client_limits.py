@@ -32,8 +32,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 log = logging.getLogger("fleetgate.clients")
 
 _IDLE, _HEAD, _BODY, _APP, _REJECTED = range(5)
-LINGER_S = 2.0
-LATE_S = 0.5  # a timer this late means the event loop was blocked, not that the client was idle  # after a 4xx the gateway reads (and drops) what the client still sends, then closes
+LINGER_S = 2.0  # after a 4xx the gateway reads (and drops) what the client still sends, then closes
+LATE_S = 0.5  # a timer this late means the event loop was blocked, not that the client was idle
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,10 +191,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._phase == _BODY and self.flow is not None and self.flow.read_paused:
             self._arm(self.limits.body_timeout_s)  # the application is behind, not the client
             return
-        if self._phase in (_HEAD, _BODY):
-            cycle = self.cycle
-            if cycle is None or not cycle.response_started:
-                self.transport.write(_408)
+        cycle = self.cycle
+        if self._phase == _HEAD and (cycle is None or cycle.response_complete):
+            self._reject(_408)  # lingering: a client still dripping headers would otherwise get a reset, not the 408
+            return
+        if self._phase in (_HEAD, _BODY) and (cycle is None or not cycle.response_started):
+            self.transport.write(_408)  # the application has the request: it sees the client gone at the close
         self.transport.close()
 
     def _reject(self, response: bytes) -> None:

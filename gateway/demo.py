@@ -1,15 +1,19 @@
 """`fleetgate demo`: N simulated vLLM workers in a child process plus the gateway, one command.
 
 The fleet runs as `python -m gateway.cli sim ...` in its own process (so it does not compete with the
-gateway for the gateway's core); the gateway runs here with in-memory state. Ctrl-C stops both.
+gateway for the gateway's core); the gateway runs here with in-memory state. Ctrl-C or SIGTERM stops both and
+removes the demo's temporary files (`/tmp/fleetgate-{pd,pooled,deployment}-*`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import secrets
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +28,7 @@ import yaml
 from gateway.config import ConfigError, load_config
 from gateway.logs import setup_logging
 from gateway.server import bind_socket
+from policies.base import DEFAULT_POLICY
 from policies.pd import parse_pd_split
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +46,18 @@ def demo_admin_key() -> str:
     return os.environ.get("FLEETGATE_ADMIN_KEY") or "fg-admin-" + secrets.token_urlsafe(18)
 
 
-def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests", profile: str = "llama3-8b-h100",
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops the demo as Ctrl-C does (KeyboardInterrupt), so its `finally` stops the fleet and removes the
+    temporary files. Without it the default action ends the process at once: uvicorn, once it has stopped serving,
+    raises the SIGTERM it caught again."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def run_demo(port: int = 8000, workers: int = 4, policy: str = DEFAULT_POLICY, profile: str = "llama3-8b-h100",
              model: str = "meta-llama/Llama-3.1-8B-Instruct", time_scale: float = 1.0, base_port: int = 8001,
              pd: str | None = None, autoscale: bool = False, log_format: str = "text",
              slo_ttft_ms: float = DEMO_SLO_TTFT_MS, slo_tpot_ms: float = DEMO_SLO_TPOT_MS) -> None:
@@ -49,6 +65,7 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
         setup_logging("info", log_format)
     except ValueError as e:
         _fail(f"--log-format: {e}")
+    _stop_on_sigterm()
     slo = {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms}
     roles = ["mixed"] * workers
     if pd is not None:  # P prefill + D decode workers replace --workers (gateway/pd.py)
@@ -64,13 +81,7 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
         return
     if workers < 1:
         _fail(f"--workers must be at least 1, got {workers}.")
-    if not (base_port > 0 and base_port + workers - 1 < 65536):
-        _fail(f"--base-port {base_port} leaves no room for {workers} worker port(s).")
-    if port and base_port <= port < base_port + workers:
-        _fail(f"the gateway port {port} collides with the simulator ports {base_port}-{base_port + workers - 1}.")
-    urls = [f"http://127.0.0.1:{base_port + i}" for i in range(workers)]
-    _require_free([(port, "gateway (--port)")] + [(base_port + i, "simulated worker (--base-port)")
-                                                  for i in range(workers)])
+    urls = _worker_urls(port, base_port, workers)
     admin_key = demo_admin_key()
     try:
         cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy, slo=slo,
@@ -90,9 +101,13 @@ def run_demo(port: int = 8000, workers: int = 4, policy: str = "least_requests",
 def _serve_with_fleet(cfg: Any, cmd: list[str], urls: list[str], port: int, model: str, admin_key: str,
                       cleanup: list[Path], banner: str | None = None) -> None:
     """Start the simulated fleet (`cmd`), wait for every worker, run the gateway until Ctrl-C, stop the fleet."""
-    print(f"starting {len(urls)} simulated vLLM worker(s): {shlex.join(cmd[1:])}", flush=True)
-    sim = subprocess.Popen(cmd, cwd=ROOT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    sim = None
+    # SIGTERM is held while the fleet is forked: raised in the fork hooks, its KeyboardInterrupt would be lost
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
+        print(f"starting {len(urls)} simulated vLLM worker(s): {shlex.join(cmd[1:])}", flush=True)
+        sim = subprocess.Popen(cmd, cwd=ROOT, preexec_fn=_fleet_child)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)      # one that came meanwhile stops the demo here
         _wait_healthy(sim, urls)
         if banner is not None:
             print(banner, flush=True)
@@ -104,7 +119,10 @@ def _serve_with_fleet(cfg: Any, cmd: list[str], urls: list[str], port: int, mode
     except KeyboardInterrupt:
         pass
     finally:
-        _stop(sim)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)         # stopping already: another SIGTERM must not cut it
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if sim is not None:
+            _stop(sim)
         for path in cleanup:
             if path.is_dir():
                 for f in path.iterdir():
@@ -127,6 +145,7 @@ def run_deployment_demo(deployment: Path, port: int = 8000, base_port: int = 800
         groups, _ = load_deployment(deployment)
     except ValueError as e:
         _fail(str(e))
+    _stop_on_sigterm()
     plan = deployment_defaults(deployment)
     instances = [g for g in groups for _ in range(g.count)]
     if not instances:
@@ -136,6 +155,7 @@ def run_deployment_demo(deployment: Path, port: int = 8000, base_port: int = 800
     _require_free([(port, "gateway (--port)")] + [(base_port + i, "simulated worker (--base-port)")
                                                   for i in range(len(instances))])
     workdir = Path(tempfile.mkdtemp(prefix="fleetgate-deployment-"))
+    atexit.register(shutil.rmtree, workdir, ignore_errors=True)
     kv_role = {"mixed": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
     servers, workers = [], []
     for i, g in enumerate(instances):
@@ -154,7 +174,7 @@ def run_deployment_demo(deployment: Path, port: int = 8000, base_port: int = 800
     admin_key = demo_admin_key()
     try:
         cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, slo=slo, auth={"admin_key": admin_key},
-                          default_policy=policy or plan.get("policy", "least_requests"), workers=workers)
+                          default_policy=policy or plan.get("policy", DEFAULT_POLICY), workers=workers)
     except ConfigError as e:
         _fail("; ".join(e.problems))
     cmd = [sys.executable, "-m", "gateway.cli", "sim", "--fleet", str(fleet_file), "--base-port", str(base_port),
@@ -163,7 +183,7 @@ def run_deployment_demo(deployment: Path, port: int = 8000, base_port: int = 800
     _serve_with_fleet(cfg, cmd, urls, port, model_spec(instances[0].model).hf_id, admin_key, [workdir])
 
 
-def run_pooled_demo(port: int = 8000, workers: int = 2, num_models: int = 4, policy: str = "least_requests",
+def run_pooled_demo(port: int = 8000, workers: int = 2, num_models: int = 4, policy: str = DEFAULT_POLICY,
                     profile: str = "llama3-8b-h100", model: str = "meta-llama/Llama-3.1-8B-Instruct",
                     time_scale: float = 1.0, base_port: int = 8001, log_format: str = "text",
                     slo: dict[str, float] | None = None, scheduling: str = "request") -> None:
@@ -178,6 +198,7 @@ def run_pooled_demo(port: int = 8000, workers: int = 2, num_models: int = 4, pol
         setup_logging("info", log_format)
     except ValueError as e:
         _fail(f"--log-format: {e}")
+    _stop_on_sigterm()
     if workers < 1 or num_models < 1:
         _fail(f"--workers and --num-models must be at least 1, got {workers} and {num_models}.")
     if scheduling not in ("request", "turns"):
@@ -212,9 +233,7 @@ def run_pooled_demo(port: int = 8000, workers: int = 2, num_models: int = 4, pol
                           limits={"queue_timeout_s": max(DEFAULT_POOLED_QUEUE_S, 4 * prof.wake_up_s / time_scale)})
     except ConfigError as e:
         _fail("; ".join(e.problems))
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="fleetgate-pooled-", delete=False) as f:
-        yaml.safe_dump({"defaults": {"profile": profile}, "servers": servers}, f)
-    fleet_file = Path(f.name)
+    fleet_file = _temp_yaml("fleetgate-pooled-", {"defaults": {"profile": profile}, "servers": servers})
     cmd = [sys.executable, "-m", "gateway.cli", "sim", "--fleet", str(fleet_file), "--base-port", str(base_port),
            "--time-scale", str(time_scale)]
     base = f"http://127.0.0.1:{port}" if port else "http://127.0.0.1:<port printed below>"
@@ -232,36 +251,48 @@ def run_pooled_demo(port: int = 8000, workers: int = 2, num_models: int = 4, pol
     _serve_with_fleet(cfg, cmd, urls, port, models[0], admin_key, [fleet_file], banner)
 
 
+def autoscale_demo_settings(workers: int, profile: str, model: str, time_scale: float, base_port: int,
+                            slo: dict[str, float]) -> dict[str, Any]:
+    """The `autoscale:` section of `fleetgate demo --autoscale` (bench/autoscale_live.py replays its burst on it).
+
+    Per-worker caps (Chiron Algorithm 1) are bounded to what the demo's burst can fill. Unbounded, the cap grows
+    while the engine meets its ITL SLO, and a llama3-8b-h100 keeps a 256-token answer's ITL near 10 ms even at
+    64 in flight: the cap went 16 -> 32 -> 64, interactive backpressure (in flight / cap) fell to ~0.2, below
+    theta - delta = 0.4, and the scaler scaled in ("ibp_low") in the middle of the burst it should answer.
+    With at most DEMO_MAX_CAP requests per worker, 32 users are 32 / 8 / theta = 8 workers' worth of load.
+    """
+    k = time_scale
+    cold = 30.0 / k
+    max_workers = max(8, workers)
+    return {
+        "enabled": True, "interval_s": 1.0, "local_interval_s": 1.0, "drain_timeout_s": 30.0,
+        "rate_window_s": 60.0 / k, "throughput_window_s": 60.0 / k,
+        "itl_slo_ms": slo["tpot_ms"], "local": {"initial_cap": DEMO_START_CAP, "max_cap": DEMO_MAX_CAP},
+        # Like the engines, the scaler's clocks run --time-scale times faster (model seconds / K).
+        "scaler": {"min_interactive": 1, "max_interactive": max_workers, "max_batch": 4, "max_step_in": 2,
+                   "cooldown_out_s": 2.0 / k, "cooldown_in_s": 10.0 / k, "stabilization_s": 30.0 / k,
+                   "cold_start_s": cold, "batch_settle_s": 10.0 / k, "batch_cooldown_s": 15.0 / k,
+                   "deadline_margin_s": 10.0 / k, "burst_hold_s": 600.0 / k},
+        "actuator": {"kind": "sim", "sim": {"profile": profile, "model": model, "time_scale": time_scale,
+                                            "cold_start_s": cold, "initial": {"mixed": workers},
+                                            "base_port": base_port}}}
+
+
 def _run_autoscale_demo(port: int, workers: int, policy: str, profile: str, model: str, time_scale: float,
                         base_port: int, slo: dict[str, float]) -> None:
     """The gateway with the autoscaler and the `sim` actuator: it starts and stops simulated workers itself
     (gateway/actuators.py), each with a 30 s cold start in model time (Chiron section 6: 30-60 s)."""
     if workers < 1:
         _fail(f"--workers must be at least 1, got {workers}.")
-    k = time_scale
-    cold = 30.0 / k
+    cold = 30.0 / time_scale
     max_workers = max(8, workers)
-    # Per-worker caps (Chiron Algorithm 1) bounded to what the demo's burst can fill. Unbounded, the cap grows
-    # while the engine meets its ITL SLO, and a llama3-8b-h100 keeps a 256-token answer's ITL near 10 ms even at
-    # 64 in flight: the cap went 16 -> 32 -> 64, interactive backpressure (in flight / cap) fell to ~0.2, below
-    # theta - delta = 0.4, and the scaler scaled in ("ibp_low") in the middle of the burst it should answer.
-    # With at most DEMO_MAX_CAP requests per worker, 32 users are 32 / 8 / theta = 8 workers' worth of load.
     _require_free([(port, "gateway (--port)")] + [(base_port + i, "simulated worker (--base-port)")
                                                   for i in range(max_workers)])
     admin_key = demo_admin_key()
     try:
         cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy, slo=slo,
-                          auth={"admin_key": admin_key}, autoscale={
-            "enabled": True, "interval_s": 1.0, "local_interval_s": 1.0, "drain_timeout_s": 30.0,
-            "itl_slo_ms": slo["tpot_ms"], "local": {"initial_cap": DEMO_START_CAP, "max_cap": DEMO_MAX_CAP},
-            # Like the engines, the scaler's clocks run --time-scale times faster (model seconds / K).
-            "scaler": {"min_interactive": 1, "max_interactive": max_workers, "max_batch": 4, "max_step_in": 2,
-                       "cooldown_out_s": 2.0 / k, "cooldown_in_s": 10.0 / k, "stabilization_s": 30.0 / k,
-                       "cold_start_s": cold, "batch_settle_s": 10.0 / k, "batch_cooldown_s": 15.0 / k,
-                       "deadline_margin_s": 10.0 / k},
-            "actuator": {"kind": "sim", "sim": {"profile": profile, "model": model, "time_scale": time_scale,
-                                                "cold_start_s": cold, "initial": {"mixed": workers},
-                                                "base_port": base_port}}})
+                          auth={"admin_key": admin_key},
+                          autoscale=autoscale_demo_settings(workers, profile, model, time_scale, base_port, slo))
     except ConfigError as e:
         _fail("; ".join(e.problems))
     base = f"http://127.0.0.1:{port}" if port else "http://127.0.0.1:<port printed below>"
@@ -305,15 +336,28 @@ Ctrl-C stops the gateway and its workers.
         print("demo stopped", flush=True)
 
 
-def _die_with_parent() -> None:
-    """In the fleet's child process (Linux): SIGTERM when the demo dies, however it dies (SIGKILL included), so no
-    simulated worker outlives the demo holding its port (prctl PR_SET_PDEATHSIG)."""
+def _fleet_child() -> None:
+    """In the fleet's child process: SIGTERM unblocked (the demo held it while forking), and on Linux SIGTERM when
+    the demo dies, however it dies (SIGKILL included), so no simulated worker outlives the demo holding its port
+    (prctl PR_SET_PDEATHSIG)."""
     import ctypes
-    import signal
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
+
+
+def _worker_urls(port: int, base_port: int, workers: int) -> list[str]:
+    """The simulated workers' URLs on base_port.., after checking the ports fit, miss the gateway's and are free."""
+    if not (base_port > 0 and base_port + workers - 1 < 65536):
+        _fail(f"--base-port {base_port} leaves no room for {workers} worker port(s).")
+    if port and base_port <= port < base_port + workers:
+        _fail(f"the gateway port {port} collides with the simulator ports {base_port}-{base_port + workers - 1}.")
+    _require_free([(port, "gateway (--port)")] + [(base_port + i, "simulated worker (--base-port)")
+                                                  for i in range(workers)])
+    return [f"http://127.0.0.1:{base_port + i}" for i in range(workers)]
 
 def _require_free(ports: list[tuple[int, str]]) -> None:
     """One line and exit 2 when a port the demo needs is taken, before anything is started."""
@@ -330,8 +374,15 @@ def _pd_fleet_file(roles: list[str]) -> Path:
     """A fleet YAML (simulator/fleet.py) with the NIXL roles of the workers, in port order."""
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}
     servers = [{"name": f"{r}-{i}", "role": kv_role[r]} for i, r in enumerate(roles)]
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="fleetgate-pd-", delete=False) as f:
-        yaml.safe_dump({"servers": servers}, f)
+    return _temp_yaml("fleetgate-pd-", {"servers": servers})
+
+
+def _temp_yaml(prefix: str, doc: dict[str, Any]) -> Path:
+    """A temporary YAML file, removed when the demo's interpreter exits however it exits short of a kill (the
+    demo's `finally` removes it first; this covers a stop before that `try`)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=prefix, delete=False) as f:
+        atexit.register(Path(f.name).unlink, missing_ok=True)
+        yaml.safe_dump(doc, f)
     return Path(f.name)
 
 
@@ -394,3 +445,42 @@ def _stop(proc: subprocess.Popen) -> None:
 def _fail(message: str) -> None:
     print(f"fleetgate demo: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
+
+
+def run_lora_demo(port: int = 8000, workers: int = 2, adapters: int = 4, policy: str = DEFAULT_POLICY,
+                  profile: str = "llama3-8b-h100", model: str = "meta-llama/Llama-3.1-8B-Instruct",
+                  time_scale: float = 1.0, base_port: int = 8001, log_format: str = "text",
+                  slo: dict[str, float] | None = None, max_loras: int = 2) -> None:
+    """`fleetgate demo --lora-adapters N`: N LoRA adapters of the model (config `models.<model>.adapters`) over
+    simulated workers with `--max-loras` GPU slots and runtime updating on, no adapter loaded at start: the
+    gateway loads each where it routes its first request (gateway/adapters.py)."""
+    try:
+        setup_logging("info", log_format)
+    except ValueError as e:
+        _fail(f"--log-format: {e}")
+    if workers < 1 or adapters < 1:
+        _fail(f"--workers and --lora-adapters must be at least 1, got {workers} and {adapters}.")
+    urls = _worker_urls(port, base_port, workers)
+    names = [f"{model.rsplit('/', 1)[-1].lower()}-lora-{i}" for i in range(adapters)]
+    admin_key = demo_admin_key()
+    try:
+        cfg = load_config(None, listen={"host": "127.0.0.1", "port": port}, default_policy=policy,
+                          slo=slo or {"ttft_ms": DEMO_SLO_TTFT_MS, "tpot_ms": DEMO_SLO_TPOT_MS},
+                          auth={"admin_key": admin_key}, scrape_interval_s=0.2,
+                          models={model: {"adapters": [{"name": n, "path": f"/adapters/{n}"} for n in names]}},
+                          workers=[{"id": f"sim-{i}", "url": u, "profile": profile, "models": [model]}
+                                   for i, u in enumerate(urls)])
+    except ConfigError as e:
+        _fail("; ".join(e.problems))
+    cmd = [sys.executable, "-m", "gateway.cli", "sim", "--workers", str(workers), "--base-port", str(base_port),
+           "--profile", profile, "--model", model, "--time-scale", str(time_scale), "--enable-lora",
+           "--max-loras", str(max_loras), "--allow-runtime-lora-updating"]
+    base = f"http://127.0.0.1:{port}" if port else "http://127.0.0.1:<port printed below>"
+    banner = "\n".join(
+        [f"\nfleetgate demo: {adapters} LoRA adapter(s) of {model} over {workers} simulated worker(s) "
+         f"(--max-loras {max_loras}, none loaded yet: the gateway loads each where its first request goes)",
+         f"gateway {base}, admin key {admin_key}", ""]
+        + [f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' "
+           f"-d '{{\"model\": \"{n}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'" for n in names]
+        + ["", f"  curl -s {base}/v1/models", f"  curl -s {base}/metrics | grep -E '^fleetgate_lora_'", ""])
+    _serve_with_fleet(cfg, cmd, urls, port, model, admin_key, [], banner)

@@ -52,6 +52,16 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return GatewayError(400, message, "invalid_request_error", param, code)
 
 
+class ContextTooLong(GatewayError):
+    """vLLM's 400 for a request longer than the context of every worker of its model."""
+
+    __slots__ = ()
+
+
+def context_too_long(message: str) -> ContextTooLong:
+    return ContextTooLong(400, message, "invalid_request_error")
+
+
 def model_not_found(model: str, served: list[str]) -> GatewayError:
     names = ", ".join(served) if served else "(none yet)"
     return GatewayError(

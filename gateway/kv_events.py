@@ -20,7 +20,6 @@ same loop (`request_view`). Metrics: fleetgate_kv_events_* (batches, lag, gaps, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -42,6 +41,7 @@ from engine_adapters.vllm.kv_events import (
     seq_of,
 )
 from gateway.config import GatewayConfig, KvEventsSource
+from gateway.outage import stop_task
 from gateway.prompt_tokens import PromptTokenizer, make_tokenizer
 from gateway.upstream import UpstreamPool
 from policies.kv_hash import BlockHasher
@@ -201,10 +201,7 @@ def cached_prefix_for(service: KvEventsService | None, policy: Any, body: Mappin
 
 
 async def _cancel(task: asyncio.Task | None) -> None:
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    await stop_task(task)
 
 
 def source_from_listing(data: Any, host: str) -> Source | None:

@@ -1,7 +1,7 @@
 """The gateway's learning loop: online performance models per worker profile and output-length prediction.
 
 What the hot path does (O(1) per request, no I/O): `predict` reads a cached prediction for
-RequestFeatures.predicted_output_tokens; `dispatched` / `finished` / `released` note the request
+RequestFeatures.predicted_output_tokens; `dispatched` / `answered` / `released` note the request
 (a deque append, a dict insert for policies that take progress reports).
 
 What the control loop does every `learning.interval_s` (off the request path):
@@ -27,13 +27,9 @@ What the control loop does every `learning.interval_s` (off the request path):
       learn:predictor:<replica>             each replica's own predictor state; the one used is their merge
     and loads all of them at start. Documents older than DOC_MAX_AGE_S are ignored and deleted.
 
-Priors (the model a profile starts from, `WorkerRecord.profile`): `learning.priors.<profile>` (Aladdin
-coefficients k1, c1, k2, c2, c3, h, j, kv_capacity, max_batch, or a whole simulator-style step profile
-with c_step_s, t_weights_s, ...), else, when the simulator is installed (an optional component, imported
-only here), its built-in profile of that name or a simulator profile YAML file at that path, read by its
-profile loader (PerfModel.from_step_profile), else the PerfModel defaults. Time coefficients are divided by `learning.time_scale` (a simulated fleet running
-K times faster than its profiles); fitted and exported coefficients are in the gateway's wall seconds.
-The scraped `num_gpu_blocks` / `block_size` of a profile's workers replace the prior's KV capacity.
+Priors (the model a profile starts from) come from gateway/priors.py. Fitted and exported coefficients are
+in the gateway's wall seconds; the scraped `num_gpu_blocks` / `block_size` of a profile's workers replace the
+prior's KV capacity.
 """
 
 from __future__ import annotations
@@ -47,12 +43,14 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from gateway.outage import quiet_loop
+from gateway.context import InFlight
+from gateway.hooks import RequestHook
+from gateway.outage import quiet_loop, stop_task
+from gateway.priors import known_profile, profile_prior
 from gateway.state.jobs import StoreUnavailableError
 from policies.base import Policy
 from policies.length_predictor import DEFAULT_OUTPUT_TOKENS, LengthPredictor, length_bucket
@@ -60,10 +58,10 @@ from policies.perf_model import COMPONENTS, PerfModel, PerfModelFitter
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
-    from gateway.registry import Registry
-    from gateway.relay import RelayResult, ResponseState
+    from gateway.context import RequestContext
+    from gateway.registry import Registry, WorkerState
+    from gateway.relay import RelayResult
     from gateway.state.base import StateStore
-    from policies.placement import ModelPlacement
     from policies.types import RequestFeatures
 
 log = logging.getLogger("fleetgate.learning")
@@ -73,63 +71,7 @@ DOC_MAX_AGE_S = 86_400.0
 MIN_DECODE_TOKENS = 4          # ATGT over fewer tokens is mostly noise
 PREFILL_SETTLE_MAX_S = 30.0    # a prefill observation waits at most this long for earlier requests to finish
 TRACE_KEEP = 2048              # scrape samples kept per worker (trimmed in halves)
-_TIME_COEFS = ("k1", "c1", "k2", "c2", "c3", "k1q", "pf")
 _EXPORTED = ("k1", "k1q", "pf", "c1", "k2", "c2", "c3", "h", "j", "kv_capacity", "max_batch")
-
-
-# --- priors ------------------------------------------------------------------------------------------
-def prior_from_mapping(data: Mapping[str, Any]) -> PerfModel:
-    """A PerfModel from config: a simulator-style step profile (has c_step_s) or Aladdin coefficients."""
-    if not isinstance(data, Mapping):
-        raise TypeError(f"expected a mapping of coefficients, got {type(data).__name__}")
-    if "c_step_s" in data:
-        return PerfModel.from_step_profile(data)
-    return PerfModel.from_prior(data)
-
-
-def profile_prior(name: str, configured: Mapping[str, Mapping[str, Any]], time_scale: float = 1.0) -> PerfModel:
-    """The declared model of a worker profile (see the module docstring for the order of sources)."""
-    if name in configured:
-        model = prior_from_mapping(configured[name])
-    else:
-        model = simulator_profile_prior(name) or PerfModel()
-    return scale_time(model, time_scale)
-
-
-def known_profile(name: str, configured: Mapping[str, Mapping[str, Any]]) -> bool:
-    """Is there a declared model for this worker profile (config priors, a simulator profile or profile file)?"""
-    return name in configured or simulator_profile_prior(name) is not None
-
-
-def simulator_profile_prior(name: str) -> PerfModel | None:
-    """Aladdin coefficients of the simulator's profile `name` (a built-in name or a profile YAML path), read by
-    the simulator's profile loader; None when the simulator is not installed or has no such profile."""
-    try:
-        from simulator.package_data import builtin_profile  # optional component
-        from simulator.profiles import profile_yaml
-    except ImportError:
-        return None
-    if not name or (builtin_profile(name) is None
-                    and not (name.endswith((".yaml", ".yml")) and Path(name).is_file())):
-        return None
-    try:
-        data, _ = profile_yaml(name)
-        return PerfModel.from_step_profile(data)
-    except (OSError, TypeError, ValueError, KeyError, AttributeError) as e:
-        log.warning("profile %r: cannot derive a prior from it (%s); using defaults", name, e)
-        return None
-
-
-def scale_time(model: PerfModel, k: float) -> PerfModel:
-    """The model of a worker running k times faster: every time coefficient divided by k."""
-    if k == 1.0:
-        return model
-    data = model.to_dict()
-    for name in _TIME_COEFS:
-        data[name] = data[name] / k
-    if data.get("p") is not None:
-        data["p"] = [v / k for v in data["p"]]
-    return PerfModel.from_dict(data)
 
 
 # --- predictor merging (parallel Welford: Chan et al.) ----------------------------------------------
@@ -260,20 +202,12 @@ class _Profile:
     dirty: bool = False               # own samples changed since the last publish
     kv_blocks: int | None = None
     block_size: int | None = None
+    known: bool = False               # a declared prior (config, simulator profile) or a fit: it predicts
 
 
-@dataclass(slots=True)
-class _Active:
-    placement: ModelPlacement
-    feats: RequestFeatures
-    state: ResponseState
-    worker: str
-    t_sent: float
-    reported: int = 0
-
-
-class Learner:
-    """Online models for one gateway process; `start` / `stop` bracket its control loop."""
+class Learner(RequestHook):
+    """Online models for one gateway process; `start` / `stop` bracket its control loop. A request hook
+    (gateway/hooks.py): a request that left its worker (`released`) is no longer in flight."""
 
     def __init__(self, config: GatewayConfig, store: StateStore, registry: Registry,
                  metrics_registry: CollectorRegistry) -> None:
@@ -291,7 +225,7 @@ class Learner:
         self._profiles: dict[str, _Profile] = {}
         self._traces: dict[str, _Trace] = {}
         self._policies: list[tuple[str, Policy]] = []   # (model, policy): every policy the gateway built
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, RequestContext] = {}   # request id -> a request in flight (`ctx.inflight`)
         self._done: deque[tuple] = deque(maxlen=100_000)
         # model -> [finished, prompt tokens, prompt tokens², output tokens] since start (gateway/replanner.py)
         self.traffic: dict[str, list[float]] = {}
@@ -343,9 +277,7 @@ class Learner:
         task, self._task = self._task, None
         if task is None:
             return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await stop_task(task)     # repeats a cancellation a Redis command in the loop swallowed
         with contextlib.suppress(Exception):
             self._ingest()
             await self._publish()
@@ -376,21 +308,22 @@ class Learner:
             hit = self._pred_cache[key] = self.predictor.predict(model, prompt_tokens, max_tokens)
         return hit
 
-    def dispatched(self, placement: ModelPlacement, feats: RequestFeatures, worker_id: str,
-                   state: ResponseState) -> float:
-        """The request was sent to `worker_id`; returns the dispatch time (perf_counter). The control loop
-        reports its progress (tokens relayed so far) to the placement step now and then."""
+    def dispatched(self, ctx: RequestContext, worker_id: str) -> float:
+        """The request was sent to `worker_id`; returns the dispatch time (perf_counter). Its entry is
+        `ctx.inflight`; the control loop reports its progress (tokens relayed so far) to the placement step now
+        and then."""
         t = time.perf_counter()
         if self.enabled:
-            self._active[feats.request_id] = _Active(placement, feats, state, worker_id, t)
+            ctx.inflight = InFlight(worker_id, t)
+            self._active[ctx.feats.request_id] = ctx
         return t
 
-    def finished(self, feats: RequestFeatures, worker_id: str, t_sent: float, result: RelayResult) -> int:
+    def answered(self, feats: RequestFeatures, worker_id: str, t_sent: float, result: RelayResult) -> int:
         """The worker answered (any status): its timings become observations for the control loop. Returns
         the output tokens of a completed answer (0 otherwise), which the placement step then hears."""
         if result.status != 200 or result.midstream_error is not None:
             return 0
-        n = result.usage.completion_tokens if result.usage is not None else result.tokens
+        n = result.output_tokens
         if self.enabled and n > 0:
             self._done.append((feats.model, feats.prompt_tokens, n, worker_id, t_sent,
                                result.first_token_at, result.last_token_at,
@@ -407,8 +340,10 @@ class Learner:
         self._own_dirty = True
         self._buckets_seen.add((model, length_bucket(prompt_tokens)))
 
-    def released(self, request_id: str) -> None:
-        self._active.pop(request_id, None)
+    def released(self, ctx: RequestContext, worker: WorkerState) -> None:
+        """Request hook: the request left its worker; it is no longer in flight."""
+        if self._active.pop(ctx.feats.request_id, None) is not None:
+            ctx.inflight = None
 
     # --- the control loop --------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -449,6 +384,7 @@ class Learner:
                 prior = profile_prior(name, self.cfg.priors, self.cfg.time_scale)
                 cap = self.cfg.max_samples
                 prof = self._profiles[name] = _Profile(name, prior, prior, deque(maxlen=cap), deque(maxlen=cap))
+                prof.known = known_profile(name, self.cfg.priors)
                 self._export(prof)
                 self._push(prof)
             m = ws.metrics
@@ -535,8 +471,9 @@ class Learner:
         if not self._prefill_wait:
             return
         oldest: dict[str, float] = {}
-        for a in self._active.values():
-            if a.t_sent < oldest.get(a.worker, math.inf):
+        for ctx in self._active.values():
+            a = ctx.inflight
+            if a is not None and a.t_sent < oldest.get(a.worker, math.inf):
                 oldest[a.worker] = a.t_sent
         now = time.perf_counter()
         keep = []
@@ -555,11 +492,12 @@ class Learner:
         if not self._active:
             return
         now = time.time()
-        for a in list(self._active.values()):
-            n = a.state.tokens
-            if n > a.reported:
+        for ctx in list(self._active.values()):
+            a = ctx.inflight
+            n = ctx.state.tokens
+            if a is not None and n > a.reported:
                 a.reported = n
-                a.placement.progress(a.feats, n, now)
+                ctx.rt.placement.progress(ctx.feats, n, now)
 
     def _export_shortfall(self) -> None:
         mono = time.monotonic()
@@ -616,6 +554,16 @@ class Learner:
             if fit is not None:
                 self.g_err.labels(label, phase).set(fit.rel_err)
                 self.g_samples.labels(label, phase).set(fit.n)
+
+    def prefill_s(self, worker_id: str, prompt_tokens: float, sum_sq_tokens: float) -> float | None:
+        """Predicted seconds for `worker_id` to prefill prompts of `prompt_tokens` tokens in all (Σl² =
+        `sum_sq_tokens`): the first-token time of a request behind the others waiting there. None when the
+        learner does not know the worker's profile (no declared prior, no fit) or is off."""
+        ws = self.registry.workers.get(worker_id)
+        p = self._profiles.get(ws.rec.profile) if ws is not None else None
+        if p is None or not (p.known or p.fitted_at) or ws.id in self._untimed:
+            return None
+        return p.model.prefill_time(prompt_tokens, sum_sq_tokens)
 
     def model_for(self, profile: str) -> PerfModel | None:
         p = self._profiles.get(profile)
@@ -701,5 +649,4 @@ def _fit(prior: PerfModel, prefill: list, decode: list, prior_weight: float) -> 
     return fitter.refit()
 
 
-__all__ = ["Learner", "merge_predictors", "prior_from_mapping", "profile_prior", "scale_time",
-           "simulator_profile_prior"]
+__all__ = ["Learner", "merge_predictors"]

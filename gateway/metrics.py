@@ -6,6 +6,11 @@ dict lookup, never `labels(...)`. The per-request series (requests, duration, ro
 queue wait) are buffered: the hot path appends a number to a list, and the buffers are added to the
 prometheus objects in bulk whenever the registry is collected (a scrape) and every FLUSH_EVERY
 observations, so a scrape always sees every request that finished before it.
+
+No `*_created` series: prometheus_client's creation timestamps are switched off for the whole process when this
+module is imported, so for every registry in a gateway process (this one, the series other modules add to it,
+and simulated workers the sim actuator starts in-process). `fleetgate sim` (the demos' workers) runs without
+the gateway and keeps them, as vLLM does.
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
+from prometheus_client.metrics import disable_created_metrics
 
 from engine_adapters.types import SLEEP_STATES as ENGINE_STATES
+
+disable_created_metrics()
 
 SWAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # vllm:e2e_request_latency_seconds (docs/reference/vllm-interface.md §3.2)
@@ -158,6 +166,9 @@ class GatewayMetrics:
                                        ["worker", "kind"], registry=r)
         self.retries = Counter("fleetgate_retries", "Requests re-sent to another worker after a failure.",
                                ["model"], registry=r)
+        self.fallbacks = Counter("fleetgate_fallbacks", "Requests moved to a fallback model before their first "
+                                 "byte: from `model` to `to`, and why (no_worker, refused, error, timeout, "
+                                 "context_window).", ["model", "to", "reason"], registry=r)
         self.stream_breaks = Counter(
             "fleetgate_stream_breaks", "Streams whose worker failed after the client got bytes, by what happened "
             "next: resumed (continued on another worker), completed (only the end was missing), ended (an error "
@@ -222,6 +233,25 @@ class GatewayMetrics:
             out[model] = out.get(model, 0.0) + buf.child._value.get() + buf.n  # noqa: SLF001 - the child's count
         return out
 
+    def requests_by_status(self) -> dict[tuple[str, int], float]:
+        """Requests answered so far per (model, HTTP status), any policy (the status page's history)."""
+        out: dict[tuple[str, int], float] = {}
+        for (model, _policy, status), buf in self._counters.items():
+            key = (model, status)
+            out[key] = out.get(key, 0.0) + buf.child._value.get() + buf.n  # noqa: SLF001 - the child's count
+        return out
+
+    def bucket_counts(self, metric: Histogram) -> dict[str, tuple[float, ...]]:
+        """Per model, the observations of one per-model histogram in each bucket (not cumulative; the last is
+        +Inf), buffered ones included."""
+        self.flush()
+        cumulative: dict[str, list[float]] = {}
+        for family in metric.collect():
+            for s in family.samples:
+                if s.name.endswith("_bucket"):
+                    cumulative.setdefault(s.labels["model"], []).append(s.value)
+        return {m: tuple(c - p for c, p in zip(cum, [0.0, *cum[:-1]], strict=True)) for m, cum in cumulative.items()}
+
     def observe_duration(self, model: str, seconds: float) -> None:
         self._histogram(self.duration, model).add(seconds)
 
@@ -254,6 +284,9 @@ class GatewayMetrics:
 
     def count_retry(self, model: str) -> None:
         self._child(self.retries, model).inc()
+
+    def count_fallback(self, model: str, to: str, reason: str) -> None:
+        self._child(self.fallbacks, model, to, reason).inc()
 
     def count_stream_break(self, model: str, outcome: str) -> None:
         self._child(self.stream_breaks, model, outcome).inc()

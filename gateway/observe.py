@@ -1,34 +1,52 @@
 """What one request leaves behind for operators: its access-log line and its trace.
 
-The dispatcher opens a `RequestRecord` per request (`RequestObserver.begin`, only when the access log or
-tracing is on) and closes it with the outcome (`end`). In between the pipeline reports through module
-functions that find the record in a context variable and return at once when there is none, so the hot
-path pays one ContextVar lookup per call when both are off:
+The request observer (gateway/observer.py) opens a `RequestRecord` per request, only when the access log or
+tracing is on, into the request's context (`RequestContext.record`, gateway/context.py) and closes it with the
+outcome. In between the pipeline reports through module functions given that record; they return at once when
+it is None, so the hot path pays one test per call when both are off:
 
-    note_placement(worker, reason, routing_s, prefill=None)   a policy placed the request (reservation held)
-    note_queue(wait_s)                                        it waited this long in the admission queue
-    headers = leg(kind, worker, headers)                      an upstream leg starts (returns the headers to
+    note_placement(rec, worker, reason, routing_s, prefill)   a policy placed the request (reservation held)
+    note_queue(rec, wait_s)                                   it waited this long in the admission queue
+    headers = leg(rec, kind, worker, headers)                 an upstream leg starts (returns the headers to
                                                               send: with `traceparent` when tracing)
-    leg_failed(kind, detail)                                  that leg failed before the client saw a byte
-    note_resume()                                             a broken stream was resumed on another worker
+    leg_failed(rec, kind, detail)                             that leg failed before the client saw a byte
+    note_resume(rec)                                          a broken stream was resumed on another worker
 
-The record's fields are the access log's (gateway/access_log.py); the spans are gateway/tracing.py's.
+The record's fields are the access log's (gateway/access_log.py); the spans are gateway/tracing.py's. Both
+import this module; it names them only by the Protocols below, so neither is imported here.
 """
 
 from __future__ import annotations
 
 import time
-from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from gateway.access_log import AccessLog
     from gateway.relay import RelayResult
-    from gateway.tracing import RequestTrace, Tracing
     from policies.types import RequestFeatures
 
-CURRENT: ContextVar[RequestRecord | None] = ContextVar("fleetgate_request", default=None)
+class RequestTrace(Protocol):
+    """One request's spans (gateway/tracing.py's `RequestTrace`), as the record reports to them."""
+
+    def leg(self, kind: str, worker: str, attempt: int, headers: bytes) -> bytes: ...
+    def leg_failed(self, kind: str, detail: str) -> None: ...
+    def event(self, name: str, attributes: dict[str, Any]) -> None: ...
+    def end(self, rec: RequestRecord, status: int, feats: RequestFeatures | None, result: RelayResult | None,
+            total_s: float) -> None: ...
+
+
+class Tracing(Protocol):
+    """Where a request's spans begin (gateway/tracing.py's `Tracing`)."""
+
+    def begin(self, rec: RequestRecord, client_headers: list[tuple[bytes, bytes]]) -> RequestTrace: ...
+
+
+class AccessLog(Protocol):
+    """Where a finished request's line goes (gateway/access_log.py's `AccessLog`)."""
+
+    def emit(self, rec: RequestRecord, status: int, feats: RequestFeatures | None, result: RelayResult | None,
+             total_s: float) -> None: ...
 
 
 @dataclass(slots=True)
@@ -52,23 +70,21 @@ class RequestRecord:
     trace: RequestTrace | None = None
 
 
-def note_placement(worker: str, reason: str, routing_s: float, prefill: str | None = None) -> None:
-    rec = CURRENT.get()
+def note_placement(rec: RequestRecord | None, worker: str, reason: str, routing_s: float,
+                   prefill: str | None = None) -> None:
     if rec is None:
         return
     rec.worker, rec.reason, rec.routing_s, rec.prefill_worker = worker, reason, routing_s, prefill
     rec.placed_ns = time.time_ns()
 
 
-def note_queue(wait_s: float) -> None:
-    rec = CURRENT.get()
+def note_queue(rec: RequestRecord | None, wait_s: float) -> None:
     if rec is not None:
         rec.queue_s = wait_s
 
 
-def leg(kind: str, worker: str, headers: bytes) -> bytes:
+def leg(rec: RequestRecord | None, kind: str, worker: str, headers: bytes) -> bytes:
     """An upstream leg (`upstream`, `prefill`, `decode`) to `worker` starts; returns the headers to send."""
-    rec = CURRENT.get()
     if rec is None:
         return headers
     rec.attempts += 1
@@ -79,8 +95,7 @@ def leg(kind: str, worker: str, headers: bytes) -> bytes:
     return rec.trace.leg(kind, worker, rec.attempts, headers)
 
 
-def leg_failed(kind: str, detail: str) -> None:
-    rec = CURRENT.get()
+def leg_failed(rec: RequestRecord | None, kind: str, detail: str) -> None:
     if rec is None:
         return
     rec.errors.append(kind)
@@ -88,42 +103,12 @@ def leg_failed(kind: str, detail: str) -> None:
         rec.trace.leg_failed(kind, detail)
 
 
-def note_resume() -> None:
-    rec = CURRENT.get()
+def note_resume(rec: RequestRecord | None) -> None:
     if rec is None:
         return
     rec.resumes += 1
     if rec.trace is not None:
         rec.trace.event("resume", {"fleetgate.resumes": rec.resumes})
-
-
-class RequestObserver:
-    """Access log and/or tracing for every proxied request; build it only when one of them is on."""
-
-    def __init__(self, access_log: AccessLog | None, tracing: Tracing | None) -> None:
-        self.access_log = access_log
-        self.tracing = tracing
-
-    @staticmethod
-    def make(access_log: AccessLog | None, tracing: Tracing | None) -> RequestObserver | None:
-        return RequestObserver(access_log, tracing) if access_log is not None or tracing is not None else None
-
-    def begin(self, request_id: str, route: str, client_headers: list[tuple[bytes, bytes]]) -> RequestRecord:
-        rec = RequestRecord(request_id, route, time.perf_counter(), time.time_ns())
-        if self.tracing is not None:
-            rec.trace = self.tracing.begin(rec, client_headers)
-        CURRENT.set(rec)
-        return rec
-
-    def end(self, rec: RequestRecord, model: str | None, policy: str, status: int,
-            feats: RequestFeatures | None, result: RelayResult | None) -> None:
-        CURRENT.set(None)
-        rec.model, rec.policy = model, policy or None
-        total_s = time.perf_counter() - rec.t0
-        if rec.trace is not None:
-            rec.trace.end(rec, status, feats, result, total_s)
-        if self.access_log is not None:
-            self.access_log.emit(rec, status, feats, result, total_s)
 
 
 def result_tokens(result: RelayResult | None) -> tuple[int | None, int | None]:

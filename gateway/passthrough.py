@@ -23,7 +23,7 @@ from gateway.request import new_request_id, parse_json_object
 from gateway.upstream import ClientConnectorError, encode_headers
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.core import Gateway
     from gateway.registry import WorkerState
 
 ROUTES = ("/v1/embeddings", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/v1/score",

@@ -14,12 +14,18 @@ engine_adapters/vllm/kv_transfer.py):
     decode   POST the client's body plus those params (opaque) to the decode worker and relay its
              answer, streamed or not, to the client as the one response it sees.
 
-Failures never reach the client while capacity remains:
-- the prefill leg fails (connect, timeout, 5xx): the next prefill worker; none left, or any other
-  answer (4xx, no params): the decode worker prefills locally (the toy proxy's fallback);
+Both legs run through the one leg runner (gateway/legs.py) inside the dispatcher's request loop, so they have
+what a plain request has: the stall rule, outlier ejection, learning and resume. Failures never reach the
+client while capacity remains:
+- the prefill leg fails (connect, 5xx) or stalls (no answer within the stall rule's limit: its predicted
+  prefill time on that worker, or the worker's pace; not a fixed timeout): the request's prefill is planned
+  again on another prefill worker; none left, or any other answer (4xx, no params): the decode worker
+  prefills locally (the toy proxy's fallback);
 - the params are stale (older than `pd.kv_hold_s`, or past vLLM 0.33's `remote_blocks_expiry_time`):
   local prefill on the decode worker;
-- the decode leg fails before its first byte: another decode worker, which prefills locally.
+- the decode leg fails or stalls before its first byte: another decode-capable worker, which prefills locally;
+- the decode worker dies or stalls mid-stream: the stream is continued on another decode-capable worker
+  (gateway/resume.py), which prefills the prompt and the text sent so far locally.
 Metrics: fleetgate_pd_phase_seconds{model,phase} (prefill, transfer_wait: decode leg sent -> first
 token, decode: first -> last token) and fleetgate_pd_decisions_total{model,decision}.
 """
@@ -29,31 +35,25 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from engine_adapters.vllm.kv_transfer import (
-    decode_body,
-    extract_kv_transfer_params,
-    params_expired,
-    prefill_body,
-)
-from gateway import errors, observe
+from engine_adapters.vllm.kv_transfer import decode_body, params_expired, prefill_body
 from gateway.config import GatewayConfig
+from gateway.legs import PREFILL, REFUSED, LegRunner
 from gateway.registry import WorkerState
 from gateway.relay import RelayResult, UpstreamFailure
-from gateway.request import Route
-from gateway.upstream import ClientConnectorError
 from policies.pd import PdPolicy
+from policies.placement import reserved_tokens
 from policies.prefix import CHUNK_CHARS
-from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL
+from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, WorkerView
 
 if TYPE_CHECKING:
-    from gateway.dispatch import Dispatcher, RequestContext
+    from gateway.context import RequestContext
 
 log = logging.getLogger("fleetgate.pd")
 
@@ -111,13 +111,7 @@ class _Pair:
     prefill: WorkerState | None
     decision: str
     params_at: float = 0.0      # unix time the prefill answer (and its kv_transfer_params) arrived
-    remote_kv: bool = False     # the decode leg that answered was given the producer's params
-
-
-class _PrefillFailed(Exception):
-    def __init__(self, detail: str, retryable: bool) -> None:
-        super().__init__(detail)
-        self.retryable = retryable
+    started: bool = False       # the first decode leg was sent (later ones prefill locally)
 
 
 def pd_policy_factory(config: GatewayConfig, model: str) -> Callable[[], PdPolicy]:
@@ -137,47 +131,66 @@ def pd_policy_factory(config: GatewayConfig, model: str) -> Callable[[], PdPolic
     return build
 
 
+class Reservations(Protocol):
+    """What the P/D legs use of the dispatcher (gateway/dispatch.py): the candidates of a role, and the
+    reservations of the request's workers."""
+
+    def views(self, model: str, exclude: Collection[str] = (),
+              roles: Collection[str] | None = None) -> tuple[list[WorkerView], dict[str, WorkerState]]: ...
+
+    async def reserve(self, ctx: RequestContext, ws: WorkerState, tokens: int) -> bool: ...
+
+    async def release(self, ctx: RequestContext, ws: WorkerState, output_tokens: int = 0, feedback: bool = True,
+                      slo_met: bool | None = None) -> None: ...
+
+
 class PdLegs:
-    """Runs a request the placement step placed through its P/D profile: the prefill leg (if it has a prefill
-    worker), then the decode leg relayed to the client. Placement, reservations and the admission queue are the
-    dispatcher's (the one pipeline); this module owns only the two legs and their failures."""
+    """The P/D plan of a request the placement step placed through its P/D profile: a prefill leg (if it has a
+    prefill worker), then the decode leg. Both legs run through the one leg runner (gateway/legs.py: pace,
+    stalls, ejection, learning) inside the dispatcher's one request loop (gateway/dispatch.py: retries before
+    the first byte, resume after it); this class plans the legs and owns the prefill leg's fallbacks."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
-        self.d = dispatcher
-        self.cfg = dispatcher.config.pd
-        self.metrics = PdMetrics.for_registry(dispatcher.metrics.registry)
+    def __init__(self, config: GatewayConfig, metrics_registry: CollectorRegistry, legs: LegRunner,
+                 reservations: Reservations, attempts: int) -> None:
+        self.reservations = reservations
+        self.legs = legs
+        self.attempts = attempts   # prefill legs tried per request (a first one and its retries)
+        self.cfg = config.pd
+        self.metrics = PdMetrics.for_registry(metrics_registry)
 
-    async def run(self, ctx: RequestContext) -> RelayResult:
-        rt, feats = ctx.rt, ctx.feats
+    def plan(self, ctx: RequestContext) -> _Pair:
         assert ctx.worker is not None and ctx.decision is not None
-        self.metrics.decision(rt.model, ctx.decision.reason)
-        pair = _Pair(ctx.worker, ctx.prefill, ctx.decision.reason)
+        self.metrics.decision(ctx.rt.model, ctx.decision.reason)
+        return _Pair(ctx.worker, ctx.prefill, ctx.decision.reason)
+
+    async def decode_leg(self, ctx: RequestContext, pair: _Pair) -> tuple[bytes, bool]:
+        """The body of the next decode leg and whether it carries the producer's KV: the first runs the prefill
+        leg (if planned) and hands its kv_transfer_params on; a later one (another decode worker, a
+        continuation) prefills locally, `ctx.payload` as it is."""
+        if pair.started:
+            return ctx.payload, False
+        pair.started = True
+        params = None
         body = orjson.loads(ctx.payload)
-        out, met = 0, None
-        try:
+        if pair.prefill is not None:
+            params = await self._prefill(ctx, body, pair)
+        if params is not None and params_expired(params, pair.params_at, time.time(), self.cfg.kv_hold_s):
+            self.metrics.decision(ctx.rt.model, EXPIRED)
             params = None
-            if pair.prefill is not None:
-                params = await self._prefill(ctx, body, pair)
-            result = await self._decode(ctx, body, params, pair)
-            if result.status == 200 and result.midstream_error is None:
-                out = result.usage.completion_tokens if result.usage is not None else result.tokens
-            met = self.d.slo.judge(feats, ctx.stream, ctx.t0, result, time.perf_counter())
-            return result
-        finally:
-            if pair.prefill is not None:
-                await self.d.release(rt, feats, pair.prefill, feedback=False)
-            ctx.worker = ctx.prefill = None
-            await self.d.release(rt, feats, pair.decode, out, slo_met=met)
+        if params is not None or "kv_transfer_params" in body:
+            return decode_body(body, params), params is not None
+        return ctx.payload, False
 
     # --- the prefill leg ---------------------------------------------------------------------------------
     async def _prefill(self, ctx: RequestContext, body: dict[str, Any], pair: _Pair) -> dict[str, Any] | None:
-        """Run the prefill leg, retrying other prefill workers; the params, or None for a local prefill.
-        Releases the prefill reservation(s) as each attempt ends; `pair.prefill` is None afterwards."""
+        """Run the prefill leg, on another prefill worker the P/D policy picks when one fails or stalls (judged
+        by the stall rule, as every leg); the params, or None for a local prefill. Releases each prefill
+        reservation as its attempt ends; `pair.prefill` and `ctx.prefill` are None afterwards."""
         rt, feats = ctx.rt, ctx.feats
         leg = prefill_body(body)
         tried: list[str] = []
         try:
-            for attempt in range(self.d.attempts):
+            for attempt in range(self.attempts):
                 ws = pair.prefill
                 if ws is None:
                     break
@@ -185,120 +198,67 @@ class PdLegs:
                     self.metrics.decision(rt.model, PREFILL_RETRY)
                 t0 = time.perf_counter()
                 try:
-                    params = await self._prefill_once(ws, ctx.route, leg,
-                                                      observe.leg("prefill", ws.id, ctx.upstream_headers))
-                except _PrefillFailed as f:
-                    observe.leg_failed("pd_prefill", str(f))
+                    result = await self.legs.run(ctx, ws, PREFILL, leg)
+                except UpstreamFailure as f:
                     tried.append(ws.id)
-                    self.d.metrics.upstream_error(ws.id, "pd_prefill")
-                    log.debug("prefill leg of %s failed on %s: %s", feats.request_id, ws.id, f)
+                    ctx.tried.remove(ws.id)  # a prefill worker's failure says nothing of the decode legs
+                    log.debug("prefill leg of %s failed on %s: %s", feats.request_id, ws.id, f.detail)
                     pair.prefill = None
-                    await self.d.release(rt, feats, ws, feedback=False)
-                    if not f.retryable:
+                    await self.reservations.release(ctx, ws, feedback=False)
+                    if f.kind == REFUSED:
                         break
                     pair.prefill = await self._another_prefill(ctx, tried)
                     continue
-                self.metrics.observe(rt.model, "prefill", time.perf_counter() - t0)
+                self.metrics.observe(rt.model, "prefill", result.first_token_at - t0)
                 pair.params_at = time.time()
-                if params is None:
+                if result.kv_params is None:
                     self.metrics.decision(rt.model, NO_PARAMS)
-                return params
+                return result.kv_params
             self.metrics.decision(rt.model, PREFILL_FALLBACK)
             return None
         finally:
+            ctx.prefill = None
             if pair.prefill is not None:
                 ws, pair.prefill = pair.prefill, None
-                await self.d.release(rt, feats, ws, feedback=False)
-
-    async def _prefill_once(self, ws: WorkerState, route: Route, leg: bytes,
-                            headers: bytes) -> dict[str, Any] | None:
-        url = getattr(ws, route.url_attr)
-        try:  # the one client to workers (gateway/upstream.py), as the relay
-            r = await self.d.relay.upstream.fetch(url, self.cfg.prefill_timeout_s, method=b"POST", body=leg,
-                                                  headers=headers)
-            answer, status = r.body, r.status
-        except (TimeoutError, OSError) as e:
-            if isinstance(e, (ClientConnectorError, ConnectionRefusedError)):
-                self.d.registry.report_failure(ws.id)
-            raise _PrefillFailed(f"{type(e).__name__}: {e}", retryable=True) from None
-        if status >= 500:
-            raise _PrefillFailed(f"prefill worker answered {status}", retryable=True)
-        if status != 200:  # the request itself is refused: the decode worker will answer it the same way
-            raise _PrefillFailed(f"prefill worker answered {status}", retryable=False)
-        return extract_kv_transfer_params(answer)
+                await self.reservations.release(ctx, ws, feedback=False)
 
     async def _another_prefill(self, ctx: RequestContext, tried: list[str]) -> WorkerState | None:
-        views, by_id = self.d.views(ctx.rt.model, tried, (ROLE_PREFILL,))
+        views, by_id = self.reservations.views(ctx.rt.model, tried, (ROLE_PREFILL,))
         while views:
             wid = ctx.rt.placement.retry_prefill(ctx.feats, views)
             ws = by_id.get(wid) if wid is not None else None
             if ws is None:
                 return None
-            if await self.d.reserve(ctx, ws, ctx.feats.prompt_tokens):
+            if await self.reservations.reserve(ctx, ws, ctx.feats.prompt_tokens):
                 return ws
             views = [v for v in views if v.id != ws.id]
         return None
 
     # --- the decode leg ----------------------------------------------------------------------------------
-    async def _decode(self, ctx: RequestContext, body: dict[str, Any], params: dict[str, Any] | None,
-                      pair: _Pair) -> RelayResult:
-        rt = ctx.rt
-        if params is not None and params_expired(params, pair.params_at, time.time(), self.cfg.kv_hold_s):
-            self.metrics.decision(rt.model, EXPIRED)
-            params = None
-        failure: UpstreamFailure | None = None
-        for attempt in range(self.d.attempts):
-            if attempt:
-                self.metrics.decision(rt.model, DECODE_RETRY)
-                params = None  # the new decode worker prefills locally
-                if not await self._another_decode(ctx, pair):
-                    break
-            leg = decode_body(body, params) if params is not None or "kv_transfer_params" in body else ctx.payload
-            ws = pair.decode
-            pair.remote_kv = params is not None
-            t0 = time.perf_counter()
-            try:
-                result = await self.d.relay.forward(ctx.send, getattr(ws, ctx.route.url_attr), leg,
-                                                    observe.leg("decode", ws.id, ctx.upstream_headers),
-                                                    ctx.client_headers, ctx.stream,
-                                                    ctx.strip_usage, attempt + 1 < self.d.attempts, ctx.state)
-            except UpstreamFailure as f:
-                observe.leg_failed(f.kind, f.detail)
-                failure = f
-                ctx.tried.append(ws.id)
-                self.d.metrics.upstream_error(ws.id, f.kind)
-                if f.kind == "connect":
-                    self.d.registry.report_failure(ws.id)
-                log.debug("decode leg of %s failed on %s: %s", ctx.feats.request_id, ws.id, f.detail)
-                continue
-            if result.midstream_error is not None:
-                self.d.metrics.upstream_error(ws.id, "midstream")
-            self._observe_decode(rt.model, pair, t0, result)
-            return result
-        if failure is None:
-            raise errors.no_worker(rt.model, self.d.retry_after_s)
-        return await self.d.answer_failure(ctx, failure)
-
-    async def _another_decode(self, ctx: RequestContext, pair: _Pair) -> bool:
-        """Move the request's decode reservation to another decode-capable worker (it prefills locally)."""
+    async def another_decode(self, ctx: RequestContext) -> bool:
+        """Move the request's decode reservation to another decode-capable worker not tried yet (it prefills
+        locally): the dispatcher's `place_again` for a P/D request."""
         rt, feats = ctx.rt, ctx.feats
-        old = pair.decode
-        views, by_id = self.d.views(rt.model, ctx.tried, (ROLE_DECODE, ROLE_MIXED))
+        old = ctx.worker
+        if old is None:
+            return False
+        views, by_id = self.reservations.views(rt.model, ctx.tried, (ROLE_DECODE, ROLE_MIXED))
         while views:
             wid = rt.placement.retry_decode(feats, views, time.time())
             ws = by_id.get(wid) if wid is not None else None
             if ws is None:
                 return False
-            if await self.d.reserve(ctx, ws, feats.prompt_tokens + int(feats.predicted_output_tokens)):
+            if await self.reservations.reserve(ctx, ws, reserved_tokens(feats)):
+                self.metrics.decision(rt.model, DECODE_RETRY)
+                ctx.worker = ws
                 rt.placement.moved(feats, old.id, ws.id, time.time())
-                await self.d.release(rt, feats, old, feedback=False)
-                pair.decode = ws
+                await self.reservations.release(ctx, old, feedback=False)
                 return True
             views = [v for v in views if v.id != ws.id]
         return False
 
-    def _observe_decode(self, model: str, pair: _Pair, t0: float, result: RelayResult) -> None:
-        if not pair.remote_kv:
+    def observe_decode(self, model: str, remote_kv: bool, t0: float, result: RelayResult) -> None:
+        if not remote_kv:
             return
         if result.first_token_at is not None:
             self.metrics.observe(model, "transfer_wait", result.first_token_at - t0)

@@ -1,5 +1,5 @@
 """The swap controller: several models' engines on shared hosts (config `shared_hosts:`), at most `max_awake`
-of a host's engines awake at once, woken as requests arrive (issue 20, request-level swapping).
+of a host's engines awake at once, woken as requests arrive (request-level swapping).
 
 A request for a model none of whose engines is awake waits in the model's admission queue as any request
 without room does (gateway/dispatch.py asks `demand` instead of answering 503). The decision of which engine to
@@ -15,9 +15,13 @@ A wake-up that fails (the engine died) marks the engine failed for a while; anot
 tried, and when none is left the waiting requests get the OpenAI-style 503 of a model without workers.
 With Redis, a host's swaps are serialised across gateway replicas by a lease per host (`swap:<host>`, the
 autoscaler's lease mechanism), so only one replica drives a host at a time; the replica swapping publishes
-which engines it holds out of rotation (document `pool:host:<id>`), every replica applies that every
-`HOLD_SYNC_S`, and the swapping replica waits two of those and two refreshes of the shared in-flight view after
-publishing before it waits for the engine to drain, so no replica routes a request to an engine about to sleep (one a scrape has not yet seen asleep).
+which engines it holds out of rotation (document `pool:host:<id>`, with a version), every replica applies that
+every `HOLD_SYNC_S` and acknowledges it (document `pool:ack:<host>:<replica>`: the version it applied and the
+held engines it still has requests on). The swapping replica puts an engine to sleep only once every live
+replica has acknowledged its hold and has nothing left on it, so no replica routes a request to an engine about
+to sleep however late its loops run on a loaded host. A replica that does not acknowledge within `ACK_WAIT_S`
+(an older version, a replica dying) is waited for as before: two hold syncs and two refreshes of the shared
+in-flight view, then until the engine drains.
 
 A host with `scheduling: turns` is not swapped at request level: gateway/turns.py drives Aegaeon's decode
 turns on it (one `TurnDriver` per such host, started and stopped here); this controller only tells the
@@ -35,19 +39,23 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from engine_adapters.types import AWAKE
 from gateway.config import GatewayConfig, SharedHostConfig
 from gateway.metrics import GatewayMetrics
+from gateway.outage import stop_task
 from gateway.registry import Registry
 from gateway.state.base import Inflight, StateStore
 from gateway.turns import LEVEL_STATE, TurnDriver
 from gateway.upstream import UpstreamPool
 from policies.pooling.costs import REINIT_SLEEP, SwapCost, swap_cost
 from policies.pooling.swapping import EngineView, HostView, RequestLevelSwaps, SwapStep
+
+if TYPE_CHECKING:
+    from gateway.learning import Learner
 
 log = logging.getLogger("fleetgate.pooling")
 _NONE = Inflight()
@@ -56,6 +64,7 @@ GB = 1e9
 PLAN_POLL_S = 0.02           # while demand waits: re-plan this often (engines go idle on any replica)
 DRAIN_POLL_S = 0.01
 HOLD_SYNC_S = 0.1            # with Redis: how often each replica reads the hosts' published holds
+ACK_WAIT_S = 5.0             # with Redis: how long a swap waits for the other replicas to acknowledge a hold
 
 
 def swap_costs(host: SharedHostConfig) -> dict[str, SwapCost]:
@@ -73,14 +82,15 @@ def swap_costs(host: SharedHostConfig) -> dict[str, SwapCost]:
 
 
 class SwapController:
-    def __init__(self, config: GatewayConfig, registry: Registry, store: StateStore, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: GatewayConfig, registry: Registry, store: StateStore, metrics: GatewayMetrics,
+                 learner: Learner | None = None) -> None:
         self.config = config
         self.registry = registry
         self.store = store
         self.metrics = metrics
         self.costs = {h.id: swap_costs(h) for h in config.shared_hosts}
         self.hosts = {h.id: h for h in config.shared_hosts if h.scheduling == "request"}   # swapped per request
-        self.learner: Any = None     # gateway/learning.py Learner (turns: the decode step estimate), set by the app
+        self.learner = learner       # turns: the decode step estimate of an engine's profile
         self.turns = {h.id: TurnDriver(self, h, config.turn_tbt_s(h) or 0.0)
                       for h in config.shared_hosts if h.scheduling == "turns"}
         self._routable: frozenset[str] = frozenset()   # turns engines the registry routes to asleep (not failed)
@@ -104,6 +114,7 @@ class SwapController:
         self.holds: dict[str, dict[str, bool]] = {h: {} for h in self.hosts}   # host -> worker -> held (ours)
         self._sync_task: asyncio.Task | None = None
         self.driving: set[str] = set()              # hosts whose swap lease this replica holds now
+        self._acked: dict[str, dict] = {}           # host -> the acknowledgement this replica last wrote
 
     @property
     def enabled(self) -> bool:
@@ -118,23 +129,24 @@ class SwapController:
     # --- lifecycle ---------------------------------------------------------------------------------
     async def start(self, upstream: UpstreamPool) -> None:
         """Learn which engines sleep (GET /is_sleeping) and put to sleep the awake ones beyond each host's
-        `max_awake` (the first ones configured stay awake)."""
+        `max_awake` (the first ones configured stay awake); turns hosts are settled by their drivers
+        (`TurnDriver.settle`: one engine awake) before their loops start, so the gateway never serves a turns
+        host with two engines awake."""
         self.upstream = upstream
         await asyncio.gather(*(self._settle(h) for h in self.hosts.values()))
         if self.shared and self.hosts:
             self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop(), name="fg-swap-holds")
         self.refresh_routable(time.monotonic())
+        await asyncio.gather(*(d.settle() for d in self.turns.values()))
         for driver in self.turns.values():
             driver.start()
 
     async def stop(self) -> None:
+        """Stop the plan, hold-sync and swap tasks. `stop_task` repeats a cancellation the task runs on past: a
+        Redis command can swallow one (the sync loop then reads the holds forever and the shutdown waits)."""
         await asyncio.gather(*(d.stop() for d in self.turns.values()))
-        tasks = [t for t in (self._loop_task, self._sync_task, *self._tasks) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        for t in [self._loop_task, self._sync_task, *self._tasks]:
+            await stop_task(t)
 
     async def _settle(self, host: SharedHostConfig) -> None:
         asleep = await asyncio.gather(*(self.is_sleeping(host.engine(m).url) for m in host.engines))
@@ -161,9 +173,37 @@ class SwapController:
                 await self.store.release_lease(lease, self.store.replica_id)
 
     # --- holds shared between replicas (Redis) ------------------------------------------------------
-    async def _publish(self, host: str) -> None:
-        if self.shared:
-            await self.store.put_doc(f"pool:host:{host}", {"holds": self.holds[host]})
+    async def _publish(self, host: str) -> int:
+        """Publish this replica's holds on `host`; their version (0 without Redis)."""
+        if not self.shared:
+            return 0
+        version = time.time_ns()
+        await self.store.put_doc(f"pool:host:{host}", {"holds": self.holds[host], "v": version})
+        return version
+
+    async def _acknowledged(self, host: str, version: int, wid: str) -> bool:
+        """Every other live replica applied holds of `version` or later on `host` and has no request left on
+        the held engine `wid`."""
+        me = self.store.replica_id
+        acks = await self.store.get_docs(f"pool:ack:{host}:")
+        for replica in await self.store.live_replicas():
+            ack = acks.get(f"pool:ack:{host}:{replica}")
+            if replica != me and (ack is None or ack.get("v", 0) < version or wid in ack.get("busy", ())):
+                return False
+        return True
+
+    async def _hold_everywhere(self, host: SharedHostConfig, wid: str) -> None:
+        """Publish the hold on `wid` and wait until every live replica has acknowledged it with nothing left on
+        the engine; one that does not within ACK_WAIT_S gets the timed wait instead (two hold syncs and two
+        refreshes of the shared in-flight view)."""
+        version = await self._publish(host.id)
+        ack_by = time.monotonic() + min(ACK_WAIT_S, host.swap_timeout_s)
+        while not await self._acknowledged(host.id, version, wid):
+            if time.monotonic() > ack_by:
+                log.info("engine %s: not every replica acknowledged its hold; waiting for the in-flight view", wid)
+                await asyncio.sleep(2 * HOLD_SYNC_S + 2 * getattr(self.store, "refresh_interval_s", HOLD_SYNC_S))
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def _sync_loop(self) -> None:
         while True:
@@ -196,6 +236,15 @@ class SwapController:
             elif not held and (ws.held or ws.metrics.sleep_state != AWAKE):
                 self.registry.set_sleep(wid, False, AWAKE)   # woken by the publisher (its scrape here may lag)
             self.holds[hid][wid] = held
+        version = doc.get("v") if isinstance(doc, dict) else None
+        if isinstance(version, int):
+            # Held engines are out of rotation here from now on: say so, and which of them still have our
+            # requests in flight (the swapping replica waits for those to end).
+            busy = sorted(w for w, held in holds.items() if held is True and self.store.own_inflight(w) > 0)
+            ack = {"v": version, "busy": busy}
+            if ack != self._acked.get(hid):
+                await self.store.put_doc(f"pool:ack:{hid}:{self.store.replica_id}", ack)
+                self._acked[hid] = ack
 
     def _stranded(self) -> list[str]:
         """Models with a request in flight on an engine its scrape says sleeps, no swap under way on its host:
@@ -222,6 +271,28 @@ class SwapController:
             if ws is not None and ws.healthy and ws.active and self.failed_until.get(ws.id, 0.0) <= now:
                 return True
         return False
+
+    def wake_s(self, model: str) -> float:
+        """How long before an engine of `model` can run: 0 when one is awake (or waking, or the model is not on a
+        request-level shared host), else the quickest swap over the hosts that could wake it: the model's
+        `load_s`, plus the largest `offload_s` of the host's other awake engines when it has no room (one of them
+        sleeps first). What a waiting request adds to its TTFT target (policies/admission.py `queue_budget`)."""
+        if not self.handles(model):
+            return 0.0
+        best = None
+        for hid, view in self.views().items():
+            e = view.engines.get(model)
+            if e is None:
+                continue
+            if e.awake:
+                return 0.0
+            if not e.usable:
+                continue
+            costs = self.costs[hid]
+            out = [costs[m].offload_s for m, o in view.engines.items() if o.awake and m != model]
+            s = costs[model].load_s + (max(out) if out and view.awake_count() >= view.max_awake else 0.0)
+            best = s if best is None else min(best, s)
+        return best or 0.0
 
     def demand(self, model: str) -> None:
         """Requests for `model` wait with none of its engines awake: plan a swap (now and until it is met)."""
@@ -315,10 +386,9 @@ class SwapController:
         wid = host.worker_id(model)
         self.registry.set_sleep(wid, True)
         self.holds[host.id][wid] = True
-        if self.shared:     # every replica stops placing on it, and its last placements reach our view
-            await self._publish(host.id)
-            await asyncio.sleep(2 * HOLD_SYNC_S + 2 * getattr(self.store, "refresh_interval_s", HOLD_SYNC_S))
         deadline = time.monotonic() + host.swap_timeout_s
+        if self.shared:     # every replica stops placing on it, and its last placements end
+            await self._hold_everywhere(host, wid)
         while True:
             f = self.store.inflight().get(wid)
             if f is None or f.requests == 0:
@@ -376,6 +446,13 @@ class SwapController:
         self.registry.report_failure(wid)
         self.refresh_routable(now)
         self.on_unservable(model)
+
+    def engine_lost(self, model: str, wid: str) -> None:
+        """A turns engine did not answer its pause (dead or hung): suspected (out of rotation at once, its
+        exchanges in flight given up, so its requests resume or retry on the model's other engines; back after
+        the health checks pass, not before `resume.suspect_hold_s`) and failed as `wake_failed`."""
+        self.registry.suspect(wid, "it did not answer its pause between turns")
+        self.wake_failed(model, wid)
 
     async def _unhold(self, host: str, wid: str) -> None:
         self.registry.set_sleep(wid, False)

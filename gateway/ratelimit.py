@@ -9,8 +9,8 @@ to the bucket ("settle"). This is OpenAI's model: the `x-ratelimit-reset-*` head
 bucket is full again, `x-ratelimit-remaining-*` what it holds now (OpenAI API reference, "Rate limits").
 
 Where it runs: the check is part of the worker reservation (`StateStore.try_reserve`), so it costs no call
-of its own. The dispatcher opens a `Ticket` for each request of a limited key (`open_ticket`) and closes it
-at the end (`close_ticket`); the store charges the ticket on the request's first reservation, atomically
+of its own. The dispatcher opens a `Ticket` for each request of a limited key (gateway/tickets.py `open_ticket`) and
+closes it at the end (`close_ticket`); the store charges the ticket on the request's first reservation, atomically
 with it: in Redis one Lua script checks the worker's cap, the key's buckets and concurrency and reserves
 (gateway/state/redis_store.py), so replicas share the buckets exactly; in memory (`LocalBuckets`) the same
 arithmetic runs in the process. Settlements ride along with this replica's next Redis call (the next
@@ -21,16 +21,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway import errors
 from gateway.errors import GatewayError
-
-if TYPE_CHECKING:
-    from engine_adapters.base import Usage
-    from gateway.auth import Tenant
-    from gateway.state.base import StateStore
-    from policies.types import RequestFeatures
 
 WINDOW_MS = 60_000.0
 
@@ -186,34 +180,6 @@ class LocalBuckets:
         return refill(b.level if b else None, b.at_ms if b else None, now_ms, limit)
 
 
-# --- the dispatcher's two calls --------------------------------------------------------------------------
-def open_ticket(store: StateStore, tenant: Tenant, feats: RequestFeatures,
-                client_headers: list[tuple[bytes, bytes]]) -> Ticket | None:
-    """Check the key may use the model; for a limited key register the request's ticket with the store (no
-    I/O: its first reservation charges it). None for keys without limits."""
-    if not tenant.may_use(feats.model):
-        raise errors.model_not_found(feats.model, sorted(tenant.models))
-    lim = tenant.limits
-    if lim is None:
-        return None
-    cost = 0
-    if lim.tpm is not None:
-        out = feats.max_tokens if feats.max_tokens is not None else feats.predicted_output_tokens
-        cost = feats.prompt_tokens + math.ceil(out)
-    t = Ticket(feats.request_id, tenant.id, lim, cost, client_headers)
-    store.open_ticket(t)
-    return t
-
-
-def close_ticket(store: StateStore, ticket: Ticket | None, usage: Usage | None, prompt_tokens: int,
-                 streamed_tokens: int) -> None:
-    """The request ended: settle its tokens (the usage it reported, else the prompt and the tokens relayed)."""
-    if ticket is None:
-        return
-    used = usage.prompt_tokens + usage.completion_tokens if usage is not None else prompt_tokens + streamed_tokens
-    store.close_ticket(ticket, used)
-
-
 def limits_from(data: dict[str, Any]) -> KeyLimits | None:
     """KeyLimits from an admin API body (rpm, tpm, max_concurrency: positive integers or absent)."""
     vals = {}
@@ -227,5 +193,5 @@ def limits_from(data: dict[str, Any]) -> KeyLimits | None:
     return KeyLimits(vals["rpm"], vals["tpm"], vals["max_concurrency"])
 
 
-__all__ = ["KeyLimits", "LocalBuckets", "RateLimited", "Ticket", "close_ticket", "format_reset",
-           "limits_from", "open_ticket", "ratelimit_headers", "refill", "refused"]
+__all__ = ["KeyLimits", "LocalBuckets", "RateLimited", "Ticket", "format_reset", "limits_from", "ratelimit_headers",
+           "refill", "refused"]

@@ -6,6 +6,10 @@ this module keeps a local, synchronously readable copy for the hot path and runs
 - health: GET /health every `health.interval_s`; out of rotation after `failures_to_eject` failures
   in a row, back after `successes_to_restore` successes (a worker starts out of rotation and joins
   on its first success);
+- outlier ejection: a worker that stalls against its pace (`suspect`) or fails request after request
+  (`note_outcome`) leaves rotation for Envoy's backoff (policies/pace.py `ejection_s`: base x times ejected,
+  capped; at most `resume.max_ejected_fraction` of its pool), and comes back only once a probe *generation*
+  (a max_tokens=1 completion) succeeds: a zombie engine answers /health while it never generates;
 - discovery: a worker without configured models gets them from its /v1/models;
 - scrape: every `scrape_interval_s` the engine's /metrics via the engine adapter, into the store;
 - sync: picks up workers added, drained or removed through another replica.
@@ -17,20 +21,22 @@ None of the loops is awaited by a request. They talk to workers through the gate
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from engine_adapters.base import EngineAdapter
 from engine_adapters.types import AWAKE
 from gateway.config import GatewayConfig, WorkerConfig
 from gateway.metrics import GatewayMetrics
-from gateway.outage import quiet_loop
+from gateway.outage import quiet_loop, stop_task
 from gateway.state.base import WORKER_ACTIVE, WORKER_DRAINING, EngineMetrics, StateStore, WorkerRecord
 from gateway.upstream import UpstreamPool
+from policies.pace import ejection_s, may_eject, times_ejected
 from policies.types import ROLE_MIXED, WorkerView
 
 log = logging.getLogger("fleetgate.registry")
@@ -51,8 +57,12 @@ class WorkerState:
     discovered_at: float = 0.0
     weight: float = 1.0
     reported: bool | None = None  # the health last logged (None: nothing yet), so each change is logged once
-    held_until: float = 0.0  # suspected hung: no health check restores it before this (time.monotonic())
+    held_until: float = 0.0  # ejected: no health check restores it before this (time.monotonic())
     errors_in_row: int = 0  # requests that failed on it since its last success (outlier ejection)
+    ejected: bool = False  # out as an outlier: back only after a probe generation succeeds
+    ejections: int = 0  # Envoy's ejection multiplier (policies/pace.py times_ejected)
+    restored_at: float = 0.0  # time.monotonic() it last came back from an ejection
+    probing: bool = False  # a probe generation is under way
     held: bool = False  # the swap controller keeps it out: asleep or on its way there (gateway/pooling.py)
     # url prefixes, computed once
     chat_url: str = ""
@@ -104,6 +114,7 @@ class Registry:
         self._route_asleep: set[str] = set()   # engines on turns hosts: they queue requests while paused/asleep
         self._eject_listeners: list[Callable[[str, bool], object]] = []
         self._probe_timeout = config.health.timeout_s
+        self.ejection = config.resume.ejection()
         self._scrape_timeout = max(0.2, min(2.0, config.scrape_interval_s * 2))
         store.on_restore(self.republish)
 
@@ -121,12 +132,10 @@ class Registry:
         ]
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *self._background]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        """Stop the health, scrape and sync loops and the probes under way; each cancellation is repeated while
+        its task runs on (`stop_task`: a Redis command in the loop can swallow one)."""
+        for t in [*self._tasks, *self._background]:
+            await stop_task(t)
         self._tasks = []
 
     def on_change(self, fn: Callable[[], None]) -> None:
@@ -233,9 +242,8 @@ class Registry:
         self._eject_listeners.append(fn)
 
     def suspect(self, worker_id: str, why: str) -> None:
-        """A worker stalled against its own pace (policies/pace.py): out of rotation at once; the health
-        checks bring it back after `successes_to_restore` good answers, not before `resume.suspect_hold_s`
-        (Envoy's ejection time: a worker whose /health answers while its engine hangs stays out a while)."""
+        """A worker stalled against its own pace (policies/pace.py): ejected at once (module docstring), its
+        exchanges in flight given up; a probe generation brings it back after its ejection time."""
         self._hold_out(worker_id, why, True)
 
     def note_outcome(self, worker_id: str, ok: bool) -> None:
@@ -257,13 +265,23 @@ class Registry:
         ws = self.workers.get(worker_id)
         if ws is None or not ws.healthy:
             return
+        pool = [w for w in self.workers.values() if w.rec.role == ws.rec.role and set(w.models) & set(ws.models)]
+        if not may_eject(sum(w.ejected for w in pool), len(pool), self.ejection):
+            log.warning("worker %s not ejected (%s): %d of its %d-worker pool are out already", worker_id, why,
+                        sum(w.ejected for w in pool), len(pool))
+            return
+        now = time.monotonic()
+        ws.ejections = times_ejected(ws.ejections, now - ws.restored_at if ws.restored_at else float("inf"),
+                                     self.ejection)
+        ws.ejected = True
         ws.healthy = False
         ws.oks = 0
         ws.fails = max(ws.fails, self.config.health.failures_to_eject)
         ws.checked = True
-        ws.held_until = time.monotonic() + self.config.resume.suspect_hold_s
+        hold = ejection_s(ws.ejections, self.ejection)
+        ws.held_until = now + hold
         self._rebuild()
-        log_health_change(ws, why)
+        log_health_change(ws, f"{why}; ejected for {hold:g}s")
         self._ejected(worker_id, suspected)
 
     def _ejected(self, worker_id: str, suspected: bool) -> None:
@@ -359,6 +377,48 @@ class Registry:
             why = f"no models listed at {self.adapter.models_path}"
         if ws.id in self.workers:
             self._note_health(ws, why is None, why)
+            if ok and ws.ejected and not ws.probing and time.monotonic() >= ws.held_until \
+                    and ws.id not in self._route_asleep:  # a turns engine may sleep: its /health decides
+                ws.probing = True  # in the background: a hung engine must not hold up the health round
+                t = asyncio.get_running_loop().create_task(self._probe_generation(ws))
+                self._background.add(t)
+                t.add_done_callback(self._background.discard)
+
+    async def _probe_generation(self, ws: WorkerState) -> None:
+        """An ejected worker whose ejection time is over: one max_tokens=1 completion decides its return (back
+        in rotation), or another, longer ejection."""
+        try:
+            why = await self._generate(ws)
+        finally:
+            ws.probing = False
+        if ws.id not in self.workers or not ws.ejected:
+            return
+        now = time.monotonic()
+        if why is None:
+            ws.ejected = False
+            ws.restored_at = now
+            self._note_health(ws, True, None)
+            return
+        ws.ejections += 1
+        hold = ejection_s(ws.ejections, self.ejection)
+        ws.held_until = now + hold
+        log.info("worker %s: probe generation failed (%s); ejected for another %gs", ws.id, why, hold)
+
+    async def _generate(self, ws: WorkerState) -> str | None:
+        """None when the worker generates one token within the probe timeout, else why not."""
+        assert self.upstream is not None
+        if not ws.models:
+            return "no models"
+        body = orjson.dumps({"model": ws.models[0], "prompt": "ping", "max_tokens": 1})
+        timeout = self.config.resume.probe_timeout_s
+        try:
+            r = await self.upstream.fetch(ws.completions_url, timeout, method=b"POST", body=body,
+                                          headers=b"Content-Type: application/json\r\n")
+        except TimeoutError:
+            return f"no answer within {timeout:g}s"
+        except OSError as e:
+            return f"{type(e).__name__}: {e}"
+        return None if r.status == 200 else f"answered {r.status}"
 
     def _note_health(self, ws: WorkerState, ok: bool, why: str | None = None) -> None:
         h = self.config.health
@@ -367,7 +427,9 @@ class Registry:
             ws.oks += 1
             ws.fails = 0
             if not ws.healthy and (not ws.checked or ws.oks >= h.successes_to_restore) \
-                    and time.monotonic() >= ws.held_until:
+                    and time.monotonic() >= ws.held_until \
+                    and (not ws.ejected or ws.id in self._route_asleep):
+                ws.ejected = False
                 ws.healthy = True
         else:
             ws.fails += 1

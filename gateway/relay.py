@@ -14,8 +14,9 @@ webhooks and the P/D prefill leg (gateway/pd_legs.py) use the same pool. Rules:
   and leaves the stream open for the dispatcher to continue on another worker (or end with `end_stream`);
 - a continuation leg (`resume.legs > 0`) sends no response start: its events are rewritten into the first
   answer's identity; an answer that is not a 200 stream is an `UpstreamFailure` of kind "continuation";
-- a worker is given as long as its own recent pace allows (policies/pace.py) to send a stream's first token and
-  each next one, within the fixed `timeouts:`; a stall is a timeout (`RelayResult.stalled`, or an
+- a worker is given as long as the stall rule allows (policies/pace.py: the caller's first-token limit, from the
+  leg's predicted time to first token, else the worker's own recent pace) to send a stream's first token, and
+  its pace for each next one, within the fixed `timeouts:`; a stall is a timeout (`RelayResult.stalled`, or an
   `UpstreamFailure` of kind "timeout"), and `abort_worker` fails every exchange in flight on a worker
   the gateway suspects (the dispatcher then resumes or retries them elsewhere);
 - upstream statuses and bodies other than retried 5xx are passed through unchanged, except that an error
@@ -25,7 +26,9 @@ webhooks and the P/D prefill leg (gateway/pd_legs.py) use the same pool. Rules:
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_adapters.base import EngineAdapter, Usage
@@ -35,6 +38,8 @@ from gateway.resume import StreamResume
 from gateway.upstream import TlsSettings, UpstreamConnection, UpstreamPool
 from policies.pace import FleetPace
 
+STATUS_429 = "status_429"  # UpstreamFailure.kind of a worker's 429 (a refusal, not a fault of the worker)
+TOO_LONG = "context_length"  # ... of a worker's 400 for a request longer than its context
 _BODY_END = {"type": "http.response.body", "body": b"", "more_body": False}
 
 
@@ -61,6 +66,13 @@ class RelayResult:
     midstream_error: str | None = None  # the stream broke after it started
     stalled: bool = False  # ... because the worker went silent for longer than its pace allows
     max_gap: float | None = None  # the longest wait between two output tokens (streams of 2+ tokens)
+    kv_params: dict | None = None  # a P/D prefill leg's answer: the kv_transfer_params for the decode leg
+
+    @property
+    def output_tokens(self) -> int:
+        """Generated tokens of the answer: the usage block's count, else the stream's token events (the one
+        definition: SLO judging, the learning loop, the placement step's feedback and metrics all read it)."""
+        return self.usage.completion_tokens if self.usage is not None else self.tokens
 
 
 class ResponseState:
@@ -103,10 +115,29 @@ class Relay:
         if suspected:
             for conn in legs:
                 conn.abort("the worker is suspected hung")
-        elif self.pace is not None:
+        elif self.pace is not None and worker_id not in self.pace.unpaced:   # a turns engine's silences are planned
             for conn in legs:
                 conn.set_read_timeout(self.pace.settings.gap_floor_s)
         return len(legs)
+
+    async def exchange(self, url: str, payload: bytes, headers: bytes, timeout_s: float,
+                       worker_id: str) -> tuple[int, bytes]:
+        """One whole non-relayed exchange with a worker (a P/D prefill leg) within `timeout_s`, reachable by
+        `abort_worker`: (status, body). Raises TimeoutError or OSError."""
+        track = self.legs.get(worker_id)
+        if track is None:
+            track = self.legs[worker_id] = set()
+        conn: UpstreamConnection | None = None
+        clean = False
+        try:
+            async with asyncio.timeout(timeout_s):
+                conn = await self.upstream.request(url, headers, payload, timeout_s, track=track)
+                body = await conn.read()
+            clean = True
+            return conn.status, body
+        finally:
+            if conn is not None:
+                _end(conn, track, clean)
 
     async def forward(
         self,
@@ -121,10 +152,17 @@ class Relay:
         state: ResponseState,
         resume: StreamResume | None = None,
         worker_id: str | None = None,
+        first_s: float | None = None,
+        on_first: Callable[[], object] | None = None,
+        retry_429: bool = False,
     ) -> RelayResult:
         """`upstream_headers`: extra request headers, as encoded lines (gateway/upstream.py encode_headers).
         `resume`: the stream may be continued elsewhere should this worker fail (gateway/resume.py).
-        `worker_id`: the worker's pace bounds the waits, and `abort_worker` can reach the exchange."""
+        `worker_id`: the worker's pace bounds the waits, and `abort_worker` can reach the exchange.
+        `first_s`: the stream's first-token limit (the caller's stall rule; default the worker's pace);
+        `on_first` is called at its first token. `retry_5xx` / `retry_429`: such an answer is a failure the
+        caller places again (raised as UpstreamFailure) rather than one passed to the client; with `retry_429`,
+        so is the engine's 400 for a request over its context."""
         track = None
         limits = (self.first_byte_s, self.idle_s)
         if worker_id is not None:
@@ -133,6 +171,8 @@ class Relay:
                 track = self.legs[worker_id] = set()
             if self.pace is not None:
                 first, gap = self.pace.limits(worker_id)
+                if first_s is not None:
+                    first = first_s
                 limits = (min(first, self.first_byte_s), min(gap, self.idle_s))
         t_sent = time.perf_counter()
         resp = await self._open(url, payload, upstream_headers, stream, limits[0], track)
@@ -143,6 +183,9 @@ class Relay:
             if status >= 500 and retry_5xx:
                 body = await self._read_all(resp, "status_5xx")
                 raise UpstreamFailure("status_5xx", f"worker answered {status}", status, body, ctype)
+            if status == 429 and retry_429:
+                body = await self._read_all(resp, STATUS_429)
+                raise UpstreamFailure(STATUS_429, "worker answered 429", status, body, ctype)
             if resume is not None and resume.legs and (status != 200 or not ctype.startswith(b"text/event-stream")):
                 body = await self._read_all(resp, "continuation")
                 raise UpstreamFailure("continuation", f"worker answered {status} to a continuation", status, body,
@@ -150,6 +193,8 @@ class Relay:
             if not (stream and ctype.startswith(b"text/event-stream")):
                 body = await self._read_all(resp, "body")
                 clean = True
+                if retry_429 and self.adapter.context_exceeded(status, body):
+                    raise UpstreamFailure(TOO_LONG, "longer than the worker's context", status, body, ctype)
                 result = RelayResult(status=status)
                 if status == 200:
                     result.usage = self.adapter.parse_usage(body)
@@ -163,18 +208,13 @@ class Relay:
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 return result
             result = await self._relay_stream(resp, send, ctype, client_headers, strip_usage, state, resume,
-                                              limits[1])
+                                              limits[1], on_first)
             clean = result.midstream_error is None
             if clean and self.pace is not None and worker_id is not None and result.first_token_at is not None:
                 self.pace.of(worker_id).observe(result.first_token_at - t_sent, result.max_gap)
             return result
         finally:
-            if track is not None:
-                track.discard(resp)
-            if clean:
-                resp.release()
-            else:
-                resp.close()  # drops the connection: vLLM sees the disconnect and aborts the request
+            _end(resp, track, clean)
 
     async def _open(self, url: str, payload: bytes, headers: bytes, stream: bool, first_s: float,
                     track: set[UpstreamConnection] | None) -> UpstreamConnection:
@@ -198,7 +238,8 @@ class Relay:
 
     async def _relay_stream(self, resp: UpstreamConnection, send, ctype: bytes,  # noqa: ANN001
                             client_headers: list[tuple[bytes, bytes]], strip_usage: bool,
-                            state: ResponseState, resume: StreamResume | None, gap_s: float) -> RelayResult:
+                            state: ResponseState, resume: StreamResume | None, gap_s: float,
+                            on_first: Callable[[], object] | None = None) -> RelayResult:
         result = RelayResult(status=resp.status)
         continuation = resume is not None and resume.legs > 0
         # a continuation's usage is rewritten (StreamResume.rewrite), not stripped here
@@ -222,6 +263,8 @@ class Relay:
                     if tokens == 0:
                         result.first_token_at = now
                         resp.set_read_timeout(gap_s)  # from now on the pace between tokens
+                        if on_first is not None:
+                            on_first()
                     elif now - result.last_token_at > max_gap:
                         max_gap = now - result.last_token_at
                     result.last_token_at = now
@@ -258,3 +301,14 @@ class Relay:
         state.ended = True
         await send({"type": "http.response.body", "more_body": False,
                     "body": body if body is not None else sse_error_event(error or "the worker failed")})
+
+
+def _end(conn: UpstreamConnection, track: set[UpstreamConnection] | None, clean: bool) -> None:
+    """An exchange is over: untracked, its connection back to the pool when it ended cleanly, else closed (vLLM
+    sees the disconnect and aborts the request)."""
+    if track is not None:
+        track.discard(conn)
+    if clean:
+        conn.release()
+    else:
+        conn.close()

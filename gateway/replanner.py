@@ -1,4 +1,4 @@
-"""Re-planning as traffic moves (issue 21 item 4; config `replan:`), run by the autoscaler's leader.
+"""Re-planning as traffic moves (config `replan:`; SeaLLM section 4.3), run by the autoscaler's leader.
 
 Every replica adds its traffic since start to its autoscaler load document (`autoscale:load:<replica>`, key
 `replan`): per model, the requests answered (any status: what arrived; gateway/metrics.py), the prompt and output
@@ -77,7 +77,7 @@ class Replanner:
         self._short: dict[str, str | None] = {}
         self._exported_changes = 0
         r = metrics.registry
-        self.c_changes = Counter("fleetgate_plan_changes", "Plan changes the re-planner applied (issue 21 item 4).",
+        self.c_changes = Counter("fleetgate_plan_changes", "Plan changes the re-planner applied.",
                                  registry=r)
         self.g_att = Gauge("fleetgate_plan_predicted_attainment",
                            "SLO attainment the plan in force is estimated to reach (closed form).", registry=r)

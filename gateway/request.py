@@ -1,5 +1,5 @@
 """What the gateway reads from a client's request before placing it: the route, the parsed and checked body,
-token estimates, the headers it acts on (and the ones it forwards), and the request id. Pure functions.
+the headers it acts on (and the ones it forwards), and the request id. Pure functions.
 
 Request headers the gateway reads: `Authorization: Bearer <key>` (when keys are set; gateway/auth.py),
 `X-Request-Id` (kept if 1-128 chars of [A-Za-z0-9._:-], else a uuid4 hex is generated),
@@ -22,6 +22,7 @@ from gateway import errors
 from gateway.forwarding import connection_named
 from gateway.upstream import encode_headers
 from gateway.validation import check_sampling
+from policies.tokens import content_text
 from policies.types import CLASS_BATCH, CLASS_INTERACTIVE
 
 _REQUEST_ID_RE = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
@@ -126,42 +127,9 @@ def _valid_prompt(p: Any) -> bool:
     return False
 
 
-def _utf8_len(s: str) -> int:
-    return len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
-
-
-def estimate_chat_tokens(messages: list[dict[str, Any]]) -> int:
-    """An estimate, not a tokenizer: ~4 UTF-8 bytes per token of each message's text plus its role
-    framing (`<|role|>\\n`...`\\n`, ~3 tokens) and the generation prompt. Exact for the simulator's
-    tokenizer (simulator/tokenizer.py), close for English text with Llama-3-class vocabularies."""
-    size = 14  # "<|assistant|>\n"
-    for m in messages:
-        size += _utf8_len(_content_text(m.get("content"))) + len(m.get("role", "")) + 5
-    return -(-size // 4)
-
-
-def estimate_prompt_tokens(prompt: Any) -> int:
-    """Completions: ~4 UTF-8 bytes per token for text, exact for token-id prompts."""
-    if isinstance(prompt, str):
-        return -(-_utf8_len(prompt) // 4)
-    if prompt and isinstance(prompt[0], str):
-        return sum(-(-_utf8_len(p) // 4) for p in prompt)
-    if prompt and isinstance(prompt[0], list):
-        return sum(len(p) for p in prompt)
-    return len(prompt)
-
-
 def chat_text(messages: list[dict[str, Any]]) -> str:
     """The messages' text in order: what prefix hashing looks at."""
-    return "\n".join(_content_text(m.get("content")) for m in messages)
+    return "\n".join(content_text(m.get("content")) for m in messages)
 
 
 # Not forwarded upstream: hop-by-hop headers (RFC 9110 section 7.6.1), what the gateway sets itself,

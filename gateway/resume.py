@@ -25,12 +25,14 @@ and tool calls already streaming.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from engine_adapters.base import Usage
+from policies.tokens import content_text
 
 EVENT_END = b"\n\n"
 FOLD_BYTES = 1 << 20  # relayed bytes kept unparsed per stream (~4,000 tokens of vLLM chat events)
@@ -76,10 +78,8 @@ class Delivered:
         return self.parts[0] if self.parts else ""
 
 
-def read_delivered(data: bytes, d: Delivered | None = None) -> Delivered:
-    """Parse relayed events (complete events only: the relay forwards nothing else) into `d` (or a new one)."""
-    d = d if d is not None else Delivered()
-    parts = d.parts
+def sse_objects(data: bytes) -> Iterator[dict[str, Any]]:
+    """The JSON objects of the complete `data: {...}` events in `data` (malformed ones skipped)."""
     for ev in data.split(EVENT_END):
         if not ev.startswith(b"data: {"):
             continue
@@ -87,7 +87,16 @@ def read_delivered(data: bytes, d: Delivered | None = None) -> Delivered:
             obj = orjson.loads(ev[6:])
         except orjson.JSONDecodeError:
             continue
-        if not isinstance(obj, dict) or "error" in obj:
+        if isinstance(obj, dict):
+            yield obj
+
+
+def read_delivered(data: bytes, d: Delivered | None = None) -> Delivered:
+    """Parse relayed events (complete events only: the relay forwards nothing else) into `d` (or a new one)."""
+    d = d if d is not None else Delivered()
+    parts = d.parts
+    for obj in sse_objects(data):
+        if "error" in obj:
             continue
         if d.id is None:
             d.id, d.created, d.model = obj.get("id"), obj.get("created"), obj.get("model")
@@ -145,7 +154,7 @@ def continuation_body(body: dict[str, Any], chat: bool, text: str, tokens_sent: 
         messages = list(body["messages"])
         if body.get("continue_final_message"):  # the client's own continuation: extend its final message
             last = dict(messages[-1])
-            last["content"] = _content_text(last.get("content")) + text
+            last["content"] = content_text(last.get("content")) + text
             messages[-1] = last
         else:
             messages.append({"role": "assistant", "content": text})
@@ -156,12 +165,6 @@ def continuation_body(body: dict[str, Any], chat: bool, text: str, tokens_sent: 
         prompt = body["prompt"]
         out["prompt"] = (prompt[0] if isinstance(prompt, list) else prompt) + text
     return out
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content or ""
 
 
 def tokenize_body(body: dict[str, Any], chat: bool) -> bytes:

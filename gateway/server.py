@@ -22,9 +22,10 @@ from urllib.parse import urlsplit
 
 import uvicorn
 
-from gateway.app import FleetgateApp, Gateway, create_app
+from gateway.app import FleetgateApp, create_app
 from gateway.client_limits import ClientLimits, protocol_factory
 from gateway.config import ConfigError, GatewayConfig, check_worker_url, load_config
+from gateway.core import Gateway
 from gateway.logs import setup_logging_from
 from gateway.state.base import StateStore
 
@@ -254,7 +255,7 @@ def run_serve(config: Path | None = None, host: str | None = None, port: int | N
             print(f"  - {p}", file=sys.stderr)
         raise SystemExit(1) from None
     setup_logging_from(cfg)
-    if not cfg.workers:
+    if not cfg.workers and not cfg.worker_discovery:
         log.warning("no workers configured; add some with POST /admin/workers")
     try:
         run(cfg)

@@ -28,14 +28,22 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway import errors
 from gateway.config import GatewayConfig, SloConfig
+from gateway.hooks import RequestHook
+from gateway.ratelimit import RateLimited
 from gateway.relay import RelayResult
+from policies.slo_targets import check_slo, whole_answer_met
 from policies.types import CLASS_BATCH, CLASS_INTERACTIVE, RequestFeatures
+
+if TYPE_CHECKING:
+    from gateway.context import Outcome, RequestContext
 
 TTFT_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"
@@ -102,8 +110,21 @@ class _Window:
         return self.met / len(self.events) if self.events else None
 
 
-class SloBook:
-    """SLO targets per (model, class) from the config, header parsing, and attainment accounting."""
+@dataclass(frozen=True, slots=True)
+class SloView:
+    """One (model, request class) of the SLO book, read from outside it (the status page)."""
+
+    attainment: float | None   # the windowed ratio (None: no judged request in the window)
+    met: int                   # judged requests that met their SLO since start
+    missed: int                # ... and that missed it
+    window_s: float            # the attainment window
+    ttft_s: float | None       # the configured targets (None: none)
+    tpot_s: float | None
+
+
+class SloBook(RequestHook):
+    """SLO targets per (model, class) from the config, header parsing, and attainment accounting. A request
+    hook (gateway/hooks.py): every finished request is judged and counted (`finished`)."""
 
     def __init__(self, config: GatewayConfig, registry: CollectorRegistry) -> None:
         self.config = config
@@ -149,15 +170,10 @@ class SloBook:
         if result.midstream_error is not None:
             return False
         if result.first_token_at is not None:  # streamed
-            n = result.usage.completion_tokens if result.usage is not None else result.tokens
-            met = ttft_t is None or result.first_token_at - t0 <= ttft_t
-            if met and tpot_t is not None and n > 1 and result.last_token_at is not None:
-                met = (result.last_token_at - result.first_token_at) / (n - 1) <= tpot_t
-            return met
+            return check_slo(t0, result.first_token_at, result.last_token_at, result.output_tokens, ttft_t,
+                             tpot_t).met
         if not stream and result.usage is not None:  # the whole answer at once
-            n = result.usage.completion_tokens
-            # ATGT alone cannot be observed without a stream: a TPOT-only target holds trivially.
-            return ttft_t is None or t_end - t0 <= ttft_t + (tpot_t or 0.0) * max(n - 1, 0)
+            return whole_answer_met(t0, t_end, result.usage.completion_tokens, ttft_t, tpot_t)
         return False  # a stream without any token
 
     def record(self, feats: RequestFeatures, stream: bool, t0: float, result: RelayResult, t_end: float) -> None:
@@ -165,6 +181,16 @@ class SloBook:
         met = self.judge(feats, stream, t0, result, t_end)
         if met is not None:
             self._count(feats, met)
+
+    def finished(self, ctx: RequestContext, outcome: Outcome) -> None:
+        """Request hook: an answered request is judged and counted; one the gateway turned away for capacity
+        (429 / 503, not the caller's own rate limit) is a miss."""
+        err = outcome.error
+        if err is None:
+            if outcome.result is not None:
+                self.record(ctx.feats, ctx.stream, ctx.t0, outcome.result, outcome.t_end)
+        elif outcome.feats is not None and err.status in (429, 503) and not isinstance(err, RateLimited):
+            self.record_refused(outcome.feats)
 
     def record_refused(self, feats: RequestFeatures) -> None:
         """The request was turned away for capacity (429 / 503): a miss, if it had a target."""
@@ -194,6 +220,24 @@ class SloBook:
         w.prune(time.monotonic())
         return w.ratio()
 
+    def windows(self) -> list[tuple[str, str, float | None, int, int]]:
+        """Every (model, class) judged so far: (model, class, the windowed ratio or None, met, missed since
+        start)."""
+        now = time.monotonic()
+        out = []
+        for (model, rclass), w in list(self._windows.items()):
+            w.prune(now)
+            out.append((model, rclass, w.ratio(), w.total_met, w.total_missed))
+        return out
+
+    def view(self, model: str, request_class: str) -> SloView | None:
+        """What the book knows of one model and class: attainment, totals and targets (None: nothing judged)."""
+        w = self._windows.get((model, request_class))
+        if w is None:
+            return None
+        ttft, tpot = self.config_targets(model, request_class)
+        return SloView(self.attainment(model, request_class), w.total_met, w.total_missed, self.window_s, ttft, tpot)
+
 
 class _SloCollector:
     """Builds the SLO series at scrape time from plain counts (the hot path touches no metric object)."""
@@ -213,13 +257,10 @@ class _SloCollector:
     def collect(self) -> Iterator[Metric]:
         g = GaugeMetricFamily(self.RATIO, self.RATIO_DOC, labels=["model", "class"])
         c = CounterMetricFamily(self.COUNT, self.COUNT_DOC, labels=["model", "class", "result"])
-        now = time.monotonic()
-        for (model, rclass), w in list(self.book._windows.items()):
-            w.prune(now)
-            ratio = w.ratio()
+        for model, rclass, ratio, met, missed in self.book.windows():
             if ratio is not None:
                 g.add_metric([model, rclass], ratio)
-            c.add_metric([model, rclass, "met"], w.total_met)
-            c.add_metric([model, rclass, "missed"], w.total_missed)
+            c.add_metric([model, rclass, "met"], met)
+            c.add_metric([model, rclass, "missed"], missed)
         yield g
         yield c

@@ -1,10 +1,16 @@
 """The status page: `GET /` (or `/ui`) is one HTML file with a little JS that polls `GET /ui/status.json`.
 
 The JSON (also for scripts) says, from this replica's point of view:
-    fleet       every worker: id, url, role, pool label, state (active/draining), health, in flight, cap,
-                engine running / waiting / KV-cache use (last scrape), models
-    models      per served model: policy, workers in rotation, SLO attainment per class over the window,
-                judged requests (met / missed), admission queue depth
+    fleet       every worker: id, url, role, pool label, state (active/draining), health, in flight, cap
+                (`cap_source`: the gateway's cap, set in the config or by the autoscaler, else the engine's own
+                batch limit from its performance model), engine running / waiting / KV-cache use / sleep state
+                (last scrape), output tokens per second over the window (`throughput_tokens_s`), models
+    models      per served model: policy, workers in rotation, admission queue depth, over the last `window_s`
+                the request rate (`request_rate`, requests/s, any status), TTFT and TPOT p50 / p99
+                (`ttft_p50_ms`, `ttft_p99_ms`, `tpot_p50_ms`, `tpot_p99_ms`) and `errors` (429, 5xx and
+                client_gone counts); SLO attainment per class over the SLO window, judged requests (met / missed)
+    history     the same per-model numbers and each worker's throughput and in flight, one point per
+                `status.sample_s` over the last `status.history_s` (gateway/status_history.py)
     autoscale   the leader's desired / current workers per pool and its recent scale actions (when on)
     batches     the Batch API's batches with their request counts (latest first, at most 20)
 No build step, no external assets: the page is `gateway/static/status.html`.
@@ -24,7 +30,8 @@ from gateway.auth import tenant_of_request
 from policies.types import CLASS_BATCH, CLASS_INTERACTIVE
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.core import Gateway
+    from gateway.registry import WorkerState
 
 MAX_BATCHES = 20
 
@@ -36,29 +43,45 @@ def _page() -> str:
 def _slo(gw: Gateway, model: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for rclass in (CLASS_INTERACTIVE, CLASS_BATCH):
-        w = gw.slo._windows.get((model, rclass))  # noqa: SLF001 - read-only view of the SLO book
-        if w is None:
+        v = gw.slo.view(model, rclass)
+        if v is None:
             continue
-        ttft, tpot = gw.slo.config_targets(model, rclass)
-        out[rclass] = {"attainment": gw.slo.attainment(model, rclass), "met": w.total_met,
-                       "missed": w.total_missed, "window_s": gw.slo.window_s,
-                       "ttft_ms": ttft * 1000 if ttft else None, "tpot_ms": tpot * 1000 if tpot else None}
+        out[rclass] = {"attainment": v.attainment, "met": v.met, "missed": v.missed, "window_s": v.window_s,
+                       "ttft_ms": v.ttft_s * 1000 if v.ttft_s else None,
+                       "tpot_ms": v.tpot_s * 1000 if v.tpot_s else None}
     return out
+
+
+def _cap(gw: Gateway, ws: WorkerState) -> tuple[int | None, str | None]:
+    """(cap, where it comes from): the gateway's (config or autoscaler), else the engine's batch limit."""
+    if ws.rec.cap is not None:
+        return ws.rec.cap, "gateway"
+    model = gw.learner.model_for(ws.rec.profile) if ws.rec.profile else None
+    return (model.max_batch, "engine") if model is not None else (None, None)
 
 
 async def status(gw: Gateway) -> dict[str, Any]:
     reg = gw.registry
+    window_s, figures, throughput = gw.status_history.current()
     fleet = []
     for d, ws in zip(reg.describe_all(), sorted(reg.workers.values(), key=lambda w: w.id), strict=True):
         d["pool"] = pool_label(ws) if ws.rec.role == "mixed" else None
+        d["cap"], d["cap_source"] = _cap(gw, ws)
+        d["throughput_tokens_s"] = throughput.get(ws.id)
         fleet.append(d)
     disp = gw.dispatcher
     models = []
     for m in reg.served_models():
         rt = disp.runtimes.get(m) if disp is not None else None
         policy = rt.policy_name if rt is not None else gw.config.model_settings(m)[0]
+        f = figures.get(m) or {}
         models.append({"id": m, "policy": policy, "workers_in_rotation": len(reg.rotation(m)),
-                       "queue": len(rt.queue) if rt is not None else 0, "slo": _slo(gw, m)})
+                       "queue": len(rt.queue) if rt is not None else 0,
+                       "request_rate": f.get("request_rate", 0.0),
+                       **{k: f.get(k) for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")},
+                       "errors": {"429": f.get("errors_429", 0), "5xx": f.get("errors_5xx", 0),
+                                  "client_gone": f.get("client_gone", 0)},
+                       "slo": _slo(gw, m)})
     state = gw.autoscaler.state if gw.config.autoscale.enabled else {}
     autoscale = {"enabled": gw.config.autoscale.enabled, "leader": state.get("leader"),
                  "desired": state.get("desired", {}), "current": state.get("current", {}),
@@ -69,8 +92,8 @@ async def status(gw: Gateway) -> dict[str, Any]:
         for doc in docs[:MAX_BATCHES]:
             doc = await gw.batch.with_counts(doc)
             batches.append({k: doc.get(k) for k in ("id", "status", "endpoint", "created_at", "request_counts")})
-    return {"time": time.time(), "replica": gw.store.replica_id, "fleet": fleet, "models": models,
-            "autoscale": autoscale, "batches": batches,
+    return {"time": time.time(), "replica": gw.store.replica_id, "window_s": window_s, "fleet": fleet,
+            "models": models, "history": gw.status_history.describe(), "autoscale": autoscale, "batches": batches,
             "shared_hosts": gw.pooling.describe() if gw.pooling.enabled else []}
 
 

@@ -1,5 +1,5 @@
-"""Aegaeon's decode turns enforced live on a shared host (config `shared_hosts[].scheduling: turns`, issue 20
-item 2; Aegaeon SOSP 2025 section 4.3).
+"""Aegaeon's decode turns enforced live on a shared host (config `shared_hosts[].scheduling: turns`;
+Aegaeon SOSP 2025 section 4.3).
 
 On a turns host every engine takes its model's requests at any time: the gateway keeps routing to an engine
 while it is paused or asleep between turns (vLLM queues them and runs them after the wake-up, as does the
@@ -28,6 +28,16 @@ stock rule a quota shorter than the recomputation decodes nothing: bench/results
 
 A wake-up that fails marks the engine failed for a while (out of rotation, its model left out of the work
 list); waiting requests for a model with no engine left get the OpenAI-style 503, as on request-level hosts.
+Two engines of the host are never woken at once (on a host sized for one they would run out of GPU memory): the
+next engine wakes only once the old one paused (`policies/pooling/turns.py` `pause_outcome`). A pause unanswered
+within `pause_timeout_s` (the connection fails, or a live engine answers late on a loaded machine) is followed
+by a GET /is_sleeping: asleep, the pause went through and the switch goes on; awake, the engine still runs, so
+its turn goes on and the switch is retried; no answer to that either (it died or hangs), it is taken for not
+running: it loses its turn, is suspected (out of rotation, its exchanges given up: its model's requests resume
+or retry on the model's engines on other hosts) and marked failed, and the switch goes on to wake the next
+engine. A dead engine is never waited on; an engine that answers with a refusal still runs, so its turn goes on.
+The gateway settles each turns host before it serves (`TurnDriver.settle`): the lease holder learns which
+engines are awake and pauses all but one, so no request ever finds two engines awake.
 With Redis only the replica holding the host's lease (`swap:<host>`) drives its turns; the others just route
 (their requests reach the engines whatever their state). The lease is short so that another replica takes over
 within seconds of the driver dying: its TTL is `lease_ttl_s` = max(LEASE_MIN_S, LEASE_SWITCHES x the host's
@@ -44,14 +54,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine_adapters.types import AWAKE
 from gateway.config import SharedHostConfig
-from policies.pooling.turns import HostTurns
+from gateway.outage import stop_task
+from policies.pooling.turns import LOST, PAUSED, REFUSED, HostTurns, pause_outcome
 
 if TYPE_CHECKING:
-    from gateway.pooling import SwapController
+    from gateway.learning import Learner
+    from gateway.metrics import GatewayMetrics
+    from gateway.registry import Registry
+    from gateway.state.base import StateStore
+    from policies.pooling.costs import SwapCost
 
 log = logging.getLogger("fleetgate.turns")
 
@@ -62,12 +77,33 @@ SWITCH_RETRY_S = 0.5     # after a switch that failed, the next attempt waits th
 SWITCH_EWMA = 0.3        # weight of the latest switch in the host's measured switch time
 LEASE_MIN_S = 3.0        # the host lease's shortest TTL (module docstring)
 LEASE_SWITCHES = 2.0     # the TTL covers this many of the host's longest switches
+PAUSE_FLOOR_S = 2.0      # a pause unanswered this long (or PAUSE_SLACK x its expected time if longer) has failed
+PAUSE_SLACK = 3.0
+
+
+class TurnHost(Protocol):
+    """What a turn driver uses of the swap controller that owns it (gateway/pooling.py `SwapController`)."""
+
+    store: StateStore
+    registry: Registry
+    metrics: GatewayMetrics
+    learner: Learner | None
+    costs: dict[str, dict[str, SwapCost]]      # host -> model -> its swap cost
+    failed_until: dict[str, float]            # worker id -> monotonic time its failed wake-up is forgotten
+    driving: set[str]                         # hosts whose swap lease this replica holds
+
+    def refresh_routable(self, now: float) -> None: ...
+    def wake_failed(self, model: str, wid: str) -> None: ...
+    def engine_lost(self, model: str, wid: str) -> None: ...
+    async def post(self, url: str, timeout_s: float) -> bool: ...
+    async def post_status(self, url: str, timeout_s: float) -> int | None: ...
+    async def is_sleeping(self, url: str) -> bool | None: ...
 
 
 class TurnDriver:
     """The turn loop of one host (module docstring)."""
 
-    def __init__(self, ctl: SwapController, host: SharedHostConfig, tbt_s: float) -> None:
+    def __init__(self, ctl: TurnHost, host: SharedHostConfig, tbt_s: float) -> None:
         self.ctl = ctl
         self.host = host
         self.keeper = HostTurns(host.id, tbt_s, host.q_max_s)
@@ -75,6 +111,7 @@ class TurnDriver:
         self.levels: dict[str, int] = {}          # model -> level its engine is paused at (after a fallback)
         self.running: str | None = None           # the model whose engine is awake (this replica's knowledge)
         self.known = False                        # `running` learnt since the lease was taken
+        self.lost: set[str] = set()               # models whose engine did not answer its pause (out a while)
         self.holding = False
         self.switches = 0
         self.switch_s = 0.0                       # measured switch time (EWMA)
@@ -89,13 +126,22 @@ class TurnDriver:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"fg-turns-{self.host.id}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
         if self.holding:
             with contextlib.suppress(Exception):
                 await self.ctl.store.release_lease(self.lease, self.ctl.store.replica_id)
+
+    async def settle(self) -> None:
+        """Before the gateway serves (`SwapController.start`): with the host's lease, learn which engine is awake
+        and pause the others, so that the host never runs two engines once requests come (the engines may all
+        start awake). Without the lease another replica drives the host and settles it. A failure here is left
+        to the loop, which learns anew."""
+        try:
+            if await self._hold_lease():
+                await self._learn()
+        except Exception:  # noqa: BLE001 - the gateway must start; the loop retries the learning
+            log.exception("turns on %s could not settle", self.host.id)
+            self.known = False
 
     async def _loop(self) -> None:
         while True:
@@ -113,9 +159,13 @@ class TurnDriver:
         self.ctl.refresh_routable(time.monotonic())     # an engine whose failed wake-up is forgotten routes again
         if not await self._hold_lease():
             return
+        now = time.monotonic()
+        back = {m for m in self.lost if self.usable(m, now)}
+        if back:                        # an engine taken for dead answers again: learn anew what is awake
+            self.lost -= back
+            self.known = False
         if not self.known:
             await self._learn()
-        now = time.monotonic()
         work = self._work(now)
         d = self.keeper.decide(now, work, self._step_time, self._switch_cost)
         if d.model is None or d.model not in work:
@@ -210,9 +260,8 @@ class TurnDriver:
                     return None
         finally:
             if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                with contextlib.suppress(Exception):
+                    await stop_task(task)
 
     async def _hold_lease(self) -> bool:
         now = time.monotonic()
@@ -246,8 +295,10 @@ class TurnDriver:
 
     async def _switch(self, old: str | None, new: str) -> bool:
         t0 = time.perf_counter()
-        if old is not None and not await self._leased(self._pause(old)):
-            return False
+        if old is not None:
+            outcome = await self._leased(self._pause(old))
+            if outcome is None or outcome == REFUSED:
+                return False        # the lease is lost (another replica drives the host), or the engine runs on
         self.running = None
         if not await self._leased(self._wake(new)):
             return False
@@ -258,25 +309,46 @@ class TurnDriver:
         self.ctl.metrics.swap_seconds.labels(self.host.id).observe(took)
         return True
 
-    async def _pause(self, model: str) -> bool:
-        """/sleep?level=L&mode=keep: its requests stay, paused; a 400 at level 0 retries at the fallback level."""
+    def pause_timeout_s(self, model: str) -> float:
+        """How long a pause of `model`'s engine may take before the engine is taken for dead or hung:
+        PAUSE_SLACK x what it should take (its offload at level >= 1, else nothing moves; or the measured switch
+        time if longer), at least PAUSE_FLOOR_S, at most the host's `swap_timeout_s`."""
+        moved = self.ctl.costs[self.host.id][model].offload_s if self._level(model) >= 1 else 0.0
+        return min(self.host.swap_timeout_s, max(PAUSE_FLOOR_S, PAUSE_SLACK * max(moved, self.switch_s)))
+
+    async def _pause(self, model: str) -> str:
+        """/sleep?level=L&mode=keep: its requests stay, paused; a 400 at level 0 retries at the fallback level.
+        Unanswered, the engine's /is_sleeping decides (`pause_outcome`). PAUSED; LOST when the engine answers
+        neither (dead or hung: it lost its turn and is out of rotation a while, module docstring); REFUSED when it
+        answered no or is still awake (it runs on)."""
         level = self._level(model)
         url = self.host.engine(model).url
         adapter = self.ctl.registry.adapter
+        wid = self.host.worker_id(model)
         while True:
-            status = await self.ctl.post_status(url + adapter.sleep_path(level, "keep"), self.host.swap_timeout_s)
-            if status == 200:
-                break
-            fallback = adapter.sleep_fallback(level, status) if status is not None else None
+            status = await self.ctl.post_status(url + adapter.sleep_path(level, "keep"), self.pause_timeout_s(model))
+            fallback = adapter.sleep_fallback(level, status) if status not in (200, None) else None
             if fallback is None:
-                log.warning("engine %s refused to pause (%s); its turn goes on", self.host.worker_id(model), status)
-                return False
-            log.info("engine %s refused level %d; paused at level %d from now on", self.host.worker_id(model),
-                     level, fallback)
+                break
+            log.info("engine %s refused level %d; paused at level %d from now on", wid, level, fallback)
             level = self.levels[model] = fallback
-        self.ctl.registry.set_sleep(self.host.worker_id(model), False, LEVEL_STATE[level])
+        asleep = await self.ctl.is_sleeping(url) if status is None else None
+        outcome = pause_outcome(status, asleep)
+        if outcome == LOST:
+            log.warning("engine %s (%s on %s) answered neither its pause nor /is_sleeping: taken for dead, it loses "
+                        "its turn", wid, model, self.host.id)
+            self.ctl.engine_lost(model, wid)
+            self.lost.add(model)
+            return LOST
+        if outcome == REFUSED:
+            log.warning("engine %s did not pause (%s); its turn goes on", wid,
+                        status if status is not None else "no answer in time, still awake")
+            return REFUSED
+        if status is None:
+            log.info("engine %s answered its pause late but is asleep: the switch goes on", wid)
+        self.ctl.registry.set_sleep(wid, False, LEVEL_STATE[level])
         self.ctl.metrics.model_swaps.labels(model, "out").inc()
-        return True
+        return PAUSED
 
     async def _wake(self, model: str) -> bool:
         wid = self.host.worker_id(model)

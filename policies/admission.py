@@ -11,6 +11,9 @@ Rules (in one place, so the simulator and the gateway cannot drift):
   its own deadline, does not block the requests behind it).
 - A request gives up at its deadline (`queue_budget`): an interactive request when its TTFT target has
   passed (waiting longer cannot meet it), else after the configured queue timeout. It is refused with 429.
+  A request whose model must first be woken on a shared host (none of its engines awake) has the swap time its
+  model needs added to that target (`swap_s`): the swap is part of its first token's time, as the pooled
+  simulator prices it, so it waits for the swap and a 429 means that the fleet really is full.
 - When to drain: whenever capacity may have been freed (a request finished, a worker joined) and at the
   earliest `retry_at` a policy asked for (Decision.retry_at: e.g. aladdin's risk-mode deadline), plus the
   earliest deadline (to refuse on time).
@@ -33,14 +36,16 @@ DEFAULT_QUEUE_TIMEOUT_S = 5.0     # the longest wait without a TTFT target (limi
 DEFAULT_QUEUE_LOOKAHEAD = 16
 
 
-def queue_budget(feats: RequestFeatures, now: float, timeout_s: float) -> tuple[float, str]:
+def queue_budget(feats: RequestFeatures, now: float, timeout_s: float, swap_s: float = 0.0) -> tuple[float, str]:
     """How long the request may wait for a worker from `now`, and why that long: an interactive request with a
-    TTFT target gives up when the target has passed (its arrival is `feats.arrival`, on the caller's clock);
-    else the configured queue timeout."""
+    TTFT target gives up when the target has passed (its arrival is `feats.arrival`, on the caller's clock), the
+    target counted after `swap_s`, the time its model needs to be woken (0: an engine of it is awake); else the
+    configured queue timeout."""
     if feats.slo_ttft_s is not None and feats.request_class != CLASS_BATCH:
-        left = feats.slo_ttft_s - max(now - feats.arrival, 0.0)
+        left = feats.slo_ttft_s + max(swap_s, 0.0) - max(now - feats.arrival, 0.0)
         if left < timeout_s:
-            return max(left, 0.0), f"its TTFT target of {feats.slo_ttft_s * 1000:g} ms passed while queued"
+            swap = f" after its model's {swap_s:g} s swap" if swap_s > 0 else ""
+            return max(left, 0.0), f"its TTFT target of {feats.slo_ttft_s * 1000:g} ms{swap} passed while queued"
     return timeout_s, f"waited {timeout_s:g}s in the admission queue"
 
 
@@ -83,10 +88,13 @@ class AdmissionQueue:
         """May a newly arrived request try to place itself before waiting?"""
         return len(self._items) < self.lookahead
 
-    def enter(self, feats: RequestFeatures, now: float, handle: Any = None) -> Waiting:
-        """Queue a request (the caller checked `full` first); its deadline from `queue_budget`."""
-        budget, reason = queue_budget(feats, now, self.timeout_s)
-        w = Waiting(feats, now, now + budget, reason, handle)
+    def enter(self, feats: RequestFeatures, now: float, handle: Any = None, swap_s: float = 0.0,
+              retry_at: float | None = None) -> Waiting:
+        """Queue a request (the caller checked `full` first); its deadline from `queue_budget` (`swap_s`: the time
+        its model needs to be woken, 0 when awake); `retry_at`: when the policy that could not place it asked to
+        be tried again (None: when capacity changes)."""
+        budget, reason = queue_budget(feats, now, self.timeout_s, swap_s)
+        w = Waiting(feats, now, now + budget, reason, handle, retry_at if retry_at is not None else math.inf)
         self._items[w] = None
         self.peak = max(self.peak, len(self._items))
         return w
@@ -117,6 +125,21 @@ class AdmissionQueue:
                 misses += 1
                 if misses >= self.lookahead:
                     return
+
+    def tried(self, w: Waiting, placed: bool, retry_at: float | None = None) -> None:
+        """A drain tried `w`: placed, it leaves the queue; not placed, it waits on until `retry_at` (its
+        Decision's; None: until capacity changes). Both drains (gateway/admission.py, simulator/cluster.py)
+        report every candidate through here."""
+        if placed:
+            self.remove(w)
+        else:
+            w.retry_at = retry_at if retry_at is not None else math.inf
+
+    def due(self, now: float, poll_s: float | None = None) -> float:
+        """When the next drain should run without any capacity freed: `next_wake`, and within `poll_s` while
+        requests wait (None: no polling)."""
+        t = self.next_wake()
+        return t if poll_s is None else min(t, now + poll_s)
 
     def next_wake(self) -> float:
         """The earliest time a drain is due without any capacity freed: a retry a policy asked for, or a

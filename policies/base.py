@@ -38,6 +38,9 @@ class Policy:
 
 PolicyFactory = Callable[..., Policy]
 _REGISTRY: dict[str, PolicyFactory] = {}
+# The policy of models that name none (config `default_policy`, the CLI's and demos' defaults): token-aware load,
+# which held on long-prompt traffic where counting requests did not (bench/results/peers_sched.md).
+DEFAULT_POLICY = "least_tokens"
 
 
 def register(name: str) -> Callable[[PolicyFactory], PolicyFactory]:

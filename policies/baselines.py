@@ -46,11 +46,14 @@ def _load(w: WorkerView) -> int:
     return w.load
 
 
-@register("round_robin")
-class RoundRobin(Policy):
-    """Cycle through candidate ids in sorted order; robust to candidates joining or leaving."""
+def _zero(w: WorkerView) -> int:
+    return 0
 
-    name = "round_robin"
+
+class _RotatingMinPolicy(Policy):
+    """The candidate with the smallest `key`, equals rotating by id (`_rotating_min`); the reason is the name."""
+
+    key = staticmethod(_zero)
 
     def __init__(self) -> None:
         self._last: str | None = None
@@ -58,13 +61,16 @@ class RoundRobin(Policy):
     def choose(self, request: RequestFeatures, workers: Sequence[WorkerView], now: float) -> Decision:
         if not workers:
             return NO_CANDIDATES
-        w = _rotating_min(workers, _zero, self._last)
+        w = _rotating_min(workers, self.key, self._last)
         self._last = w.id
-        return Decision(w.id, "round_robin")
+        return Decision(w.id, self.name)
 
 
-def _zero(w: WorkerView) -> int:
-    return 0
+@register("round_robin")
+class RoundRobin(_RotatingMinPolicy):
+    """Cycle through candidate ids in sorted order; robust to candidates joining or leaving."""
+
+    name = "round_robin"
 
 
 @register("weighted_round_robin")
@@ -115,20 +121,29 @@ class RandomChoice(Policy):
 
 
 @register("least_requests")
-class LeastRequests(Policy):
+class LeastRequests(_RotatingMinPolicy):
     """Join the shortest queue on `WorkerView.load`; equal loads rotate by id."""
 
     name = "least_requests"
+    key = staticmethod(_load)
 
-    def __init__(self) -> None:
-        self._last: str | None = None
 
-    def choose(self, request: RequestFeatures, workers: Sequence[WorkerView], now: float) -> Decision:
-        if not workers:
-            return NO_CANDIDATES
-        w = _rotating_min(workers, _load, self._last)
-        self._last = w.id
-        return Decision(w.id, "least_requests")
+def _tokens_then_load(w: WorkerView) -> tuple[int, int]:
+    return (w.inflight_tokens, w.load)
+
+
+@register("least_tokens")
+class LeastTokens(_RotatingMinPolicy):
+    """Fewest tokens in flight (`WorkerView.inflight_tokens`: the prompt and predicted output of every request
+    reserved on the worker), then fewest requests, then rotation by id: the default.
+
+    Counting requests treats a 123k-token prompt like a 1k one, so on long-context traffic least_requests piles
+    long prefills onto one worker and the decodes running there miss their TPOT; tokens in flight weigh each
+    request by the prefill and KV memory it costs.
+    """
+
+    name = "least_tokens"
+    key = staticmethod(_tokens_then_load)
 
 
 @register("power_of_two")
@@ -154,25 +169,16 @@ class PowerOfTwo(Policy):
         return Decision((b if b.load < a.load else a).id, "power_of_two")
 
 
+def _kv_then_load(w: WorkerView) -> tuple[float, int]:
+    return (w.kv_usage, w.load)
+
+
 @register("least_kv")
-class LeastKV(Policy):
+class LeastKV(_RotatingMinPolicy):
     """Lowest scraped KV-cache usage; ties by load, then rotation."""
 
     name = "least_kv"
-
-    def __init__(self) -> None:
-        self._last: str | None = None
-
-    def choose(self, request: RequestFeatures, workers: Sequence[WorkerView], now: float) -> Decision:
-        if not workers:
-            return NO_CANDIDATES
-        w = _rotating_min(workers, _kv_then_load, self._last)
-        self._last = w.id
-        return Decision(w.id, "least_kv")
-
-
-def _kv_then_load(w: WorkerView) -> tuple[float, int]:
-    return (w.kv_usage, w.load)
+    key = staticmethod(_kv_then_load)
 
 
 def _overloaded(w: WorkerView, min_load: int, guard_factor: float, slack: float) -> bool:

@@ -9,10 +9,19 @@ Two paces per worker:
   the relay only keeps a running maximum on the hot path).
 
 Until `min_samples` requests have been seen on a worker, its limits are the `cold_*` values (a new worker
-has no pace yet). Pure: the caller measures durations on its own clock and passes them in; the gateway's relay
-(gateway/relay.py) turns the limits into read timeouts. The rule follows issue 18 item 2; ejecting the worker
-at once and letting the health check bring it back is Envoy's outlier detection model
-(envoyproxy.io docs, "Outlier detection": eject, then return after the ejection time).
+has no pace yet), unless its first token can be predicted:
+
+- a request that has not started (no first token, or a P/D prefill leg with no answer yet) is judged against
+  its predicted time to first token on that worker, the prefill of its prompt behind the prompts still
+  waiting there, from the worker profile's performance model (`first_token_limit`): max(floor, k x
+  predicted), and never less than the worker's own recent pace allows. Only workers whose profile the caller
+  knows get a prediction; the others keep the cold limit.
+
+A stalled or failing worker is ejected with Envoy's outlier-ejection backoff (`ejection_s`): the base ejection
+time times the number of times it has been ejected, capped (envoyproxy.io docs, "Outlier detection",
+base_ejection_time / max_ejection_time), and at most `max_ejected` workers of a pool out at once
+(max_ejection_percent). Pure: the caller measures durations on its own clock and passes them in; the
+gateway's relay (gateway/relay.py) turns the limits into read timeouts.
 """
 
 from __future__ import annotations
@@ -65,6 +74,11 @@ class WorkerPace:
         """(first-token limit, gap limit) in seconds."""
         return self._limits
 
+    @property
+    def paced(self) -> bool:
+        """Enough samples for a pace of its own (else the limits are the cold ones)."""
+        return len(self._first) >= self.settings.min_samples
+
     def _compute(self) -> tuple[float, float]:
         s = self.settings
         first = _limit(self._first, s, s.first_floor_s, s.cold_first_s)
@@ -112,8 +126,56 @@ class FleetPace:
         p = self._workers.get(worker_id)
         return p.limits() if p is not None else (self.settings.cold_first_s, self.settings.cold_gap_s)
 
+    def first_limit(self, worker_id: str, predicted_s: float | None) -> float:
+        """How long a request that has not started may wait on `worker_id` for its first token (or a prefill
+        leg for its answer), given its predicted time to first token there (None: no prediction)."""
+        if worker_id in self.unpaced:
+            return math.inf
+        p = self._workers.get(worker_id)
+        paced = p.limits()[0] if p is not None and p.paced else None
+        return first_token_limit(predicted_s, paced, self.settings)
+
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
 
 
-__all__ = ["FleetPace", "PaceSettings", "WorkerPace"]
+def first_token_limit(predicted_s: float | None, paced_s: float | None, s: PaceSettings) -> float:
+    """The stall limit of a request that has not started: max(first_floor_s, factor x predicted_s), and at
+    least `paced_s` (the worker's own pace limit, None while it has none); without a prediction the pace limit,
+    else `cold_first_s`."""
+    if predicted_s is not None and predicted_s >= 0 and math.isfinite(predicted_s):
+        limit = max(s.first_floor_s, s.factor * predicted_s)
+        return limit if paced_s is None else max(limit, paced_s)
+    return paced_s if paced_s is not None else s.cold_first_s
+
+
+@dataclass(frozen=True, slots=True)
+class EjectionSettings:
+    """Envoy's outlier-ejection backoff (envoyproxy.io docs, "Outlier detection")."""
+
+    base_s: float = 10.0        # base_ejection_time: the first ejection's length
+    max_s: float = 300.0        # max_ejection_time: no ejection longer than this
+    max_fraction: float = 0.75  # max_ejection_percent / 100: of a pool, at least one worker may be out
+
+
+def ejection_s(times_ejected: int, s: EjectionSettings) -> float:
+    """How long the `times_ejected`-th ejection (1: the first) keeps a worker out: base x n, capped."""
+    return min(s.max_s, s.base_s * max(1, times_ejected))
+
+
+def times_ejected(previous: int, healthy_for_s: float, s: EjectionSettings) -> int:
+    """The ejection count of a worker ejected again after `healthy_for_s` back in rotation: Envoy lowers the
+    multiplier by one for every base ejection time the worker stayed healthy, then counts this ejection."""
+    if s.base_s <= 0 or healthy_for_s == math.inf:
+        return previous + 1 if healthy_for_s != math.inf else 1
+    return max(0, previous - int(healthy_for_s // s.base_s)) + 1
+
+
+def may_eject(ejected: int, pool: int, s: EjectionSettings) -> bool:
+    """Whether one more of a pool of `pool` workers may be ejected while `ejected` of them are out: at most
+    `max_fraction` of the pool, but one always may (Envoy ejects at least one host whatever the percentage)."""
+    return ejected == 0 or ejected + 1 <= s.max_fraction * pool
+
+
+__all__ = ["EjectionSettings", "FleetPace", "PaceSettings", "WorkerPace", "ejection_s", "first_token_limit",
+           "may_eject", "times_ejected"]

@@ -5,6 +5,8 @@
       -> class / pool filter  Chiron's worker pools: own pool first, then mixed (policies/autoscale/routing.py)
       -> profile              plain, or P/D when the fleet has prefill or decode workers: then `PdPolicy` plans
                               a prefill worker and a decode worker (or a local prefill) around the same policy
+      -> adapter              plain profile, a request naming a LoRA adapter: the policy among the workers
+                              serving it, else the cheapest load with its time priced in (policies/adapters.py)
       -> policy               any policy by name (policies/base.py)
       -> Decision             worker(s), or None with a reason and maybe a `retry_at` (the admission queue waits)
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from policies.adapters import choose_for_adapter, lora_costs
+from policies.aladdin.rebalancing import slow_workers
 from policies.autoscale.routing import pool_filter, pools_in_use
 from policies.base import Policy
 from policies.pd import DISAGGREGATED, LOCAL_CACHED, LOCAL_NO_PREFILL, LOCAL_OVERFLOW, LOCAL_SHORT, PdPolicy
@@ -25,6 +29,37 @@ from policies.types import ROLE_MIXED, Decision, Move, RequestFeatures, WorkerVi
 
 TOO_LONG = "too_long"        # Decision.reason of a request no candidate can hold (the caller answers 400)
 NO_WORKERS = "no_workers"
+
+
+def reserved_tokens(feats: RequestFeatures) -> int:
+    """What a placed request reserves on its (decode or mixed) worker: its prompt and its predicted output, in
+    tokens (`WorkerView.inflight_tokens` sums these). A P/D prefill leg reserves its prompt only."""
+    return feats.prompt_tokens + int(feats.predicted_output_tokens)
+
+
+def has_room(inflight: int, cap: int | None) -> bool:
+    """May a worker holding `inflight` requests take one more: it is under its cap (None: no cap). With
+    "available" (healthy or not draining, serving the model: each caller's own registry), this is the candidate
+    filter: only candidates are shown to the placement step."""
+    return cap is None or inflight < cap
+
+
+def _off_slow_workers(queued: Mapping[str, tuple[str, RequestFeatures]], views: Sequence[WorkerView],
+                      slow: set[str], max_moves: int | None) -> list[Move]:
+    """A policy without Algorithm 2: the requests queued on slow workers, in order, each to the least loaded
+    worker that is not slow (counting the moves already proposed)."""
+    if not slow:
+        return []
+    load = {v.id: v.load for v in views if v.id not in slow}
+    moves: list[Move] = []
+    for rid, (src, _) in queued.items():
+        if not load or (max_moves is not None and len(moves) >= max_moves):
+            break
+        if src in slow:
+            dst = min(load, key=load.__getitem__)
+            load[dst] += 1
+            moves.append(Move(rid, src, dst))
+    return moves
 
 
 def context_limit(views: Sequence[WorkerView]) -> int | None:
@@ -94,19 +129,33 @@ class ModelPlacement:
             views = [v for v in views if v.role == ROLE_MIXED]
             if not views:
                 return Decision(None, NO_WORKERS)
+        if feats.adapter is not None:
+            return choose_for_adapter(self.policy, feats, views, now, self.adapter_load_s(feats))
         return self.policy.choose(feats, views, now)
 
+    def adapter_load_s(self, feats: RequestFeatures) -> float:
+        """Seconds a runtime load of the request's adapter takes (policies/adapters.py)."""
+        return lora_costs(feats.model).runtime_load_s
+
     def rebalance(self, queued: Mapping[str, tuple[str, RequestFeatures]], views: Sequence[WorkerView],
-                  now: float) -> list[Move]:
+                  now: float, observed: Mapping[str, float] | None = None, bound: float = 2.0,
+                  max_moves: int | None = None) -> list[Move]:
         """Aladdin's Algorithm 2 over requests placed but not started (`queued`: request id -> (worker,
-        features)): the moves the policy proposes to cancel its workers' prediction errors; [] for policies
-        without a `rebalance` and for requests the P/D profile placed. The caller moves each request (it has
-        not started anywhere) and reports it with `moved`."""
+        features)): the moves the policy proposes to cancel its workers' prediction errors; [] for requests the
+        P/D profile placed. The caller moves each request (it has not started anywhere) and reports it with
+        `moved`. `observed`: worker -> its measured decode step over its model's prediction; a worker past
+        `bound` is slow and its queued requests move off it (policies/aladdin/rebalancing.py). A policy without
+        a `rebalance` (no ledger, so no length errors) still moves requests off slow workers, to the least
+        loaded of the others. At most `max_moves` moves."""
         hook = getattr(self.policy, "rebalance", None)
         plain = {rid: v for rid, v in queued.items() if rid not in self._via_pd}
-        if hook is None or not plain or len(views) < 2:
+        if not plain or len(views) < 2 or max_moves == 0:
             return []
-        return hook(plain, views, now)
+        if hook is None:
+            return _off_slow_workers(plain, views, slow_workers(observed or {}, bound), max_moves)
+        if observed is None and max_moves is None:
+            return hook(plain, views, now)
+        return hook(plain, views, now, observed=observed, bound=bound, max_moves=max_moves)
 
     def retry_prefill(self, feats: RequestFeatures, views: Sequence[WorkerView]) -> str | None:
         """Another prefill worker for a P/D request whose prefill leg failed (None: prefill locally)."""
@@ -119,20 +168,19 @@ class ModelPlacement:
         return pd.choose_decode(feats, views, now).worker_id if pd is not None else None
 
     # --- feedback -------------------------------------------------------------------------------------
-    def is_pd(self, request_id: str) -> bool:
-        """Was the request placed through the P/D profile (it runs as P/D legs, perhaps with a local prefill)?"""
-        return request_id in self._via_pd
-
     def _owner(self, request_id: str) -> Policy:
         return self._pd if self._pd is not None and request_id in self._via_pd else self.policy
 
-    def dispatched(self, feats: RequestFeatures, decision: Decision, now: float) -> None:
-        """The request was sent as decided (for P/D, `decision.worker_id` is its decode worker)."""
+    def dispatched(self, feats: RequestFeatures, decision: Decision, now: float) -> bool:
+        """The request was sent as decided (for P/D, `decision.worker_id` is its decode worker). Returns whether
+        the P/D profile placed it (it runs as P/D legs, perhaps with a local prefill): the caller keeps that
+        with the request (the gateway's request context)."""
         if self._pd is not None and (decision.prefill_worker_id is not None or decision.reason in _PD_REASONS):
             self._via_pd.add(feats.request_id)
             self._pd.on_dispatch(feats, decision.worker_id, now)
-        else:
-            self.policy.on_dispatch(feats, decision.worker_id, now)
+            return True
+        self.policy.on_dispatch(feats, decision.worker_id, now)
+        return False
 
     def moved(self, feats: RequestFeatures, old_worker: str, new_worker: str, now: float) -> None:
         """The request's (decode) worker changed before its first byte (a retry elsewhere)."""

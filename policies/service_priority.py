@@ -23,6 +23,9 @@ does not depend on how loaded the engines were when the profile was learned: `ex
 about as long as prefilling 256 prompt tokens: simulator/profiles/llama3-8b-h100.yaml, 5.3-7.3 ms per step vs
 24 us per prompt token).
 
+Virtual Token Counter (`vtc`; Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024): fair sharing
+between tenants (here: services) measured in the tokens each has been served; see VirtualTokenCounterScheduler.
+
 Every scheduler answers `key(request_id, now)`: a tuple, smaller first (the admission queue's order), and
 `engine_priority(request_id, now)`: vLLM's integer `priority` (smaller first; vLLM fixes it when the request
 arrives, so re-prioritising a running request needs the caller's preemption, simulator only).
@@ -34,7 +37,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-SERVICE_PRIORITIES = ("fcfs", "round_robin", "seallm")
+SERVICE_PRIORITIES = ("fcfs", "round_robin", "seallm", "vtc")
 DEFAULT_PROMPT_TOKEN_COST = 1.0 / 256.0   # decode iterations per prompt token (see the module docstring)
 DEFAULT_PRIOR_COST = 256.0                # L̂ of a service with no finished request yet (decode iterations)
 DEFAULT_STARVATION_S = 10.0               # a service's starvation threshold when none is configured
@@ -93,6 +96,10 @@ class _Tracked:
     level: int = 0                # seallm: how many times the budget doubled
     level_start: float = 0.0      # seallm: `executed` when the current budget began
     starved: bool = False         # seallm: it went without progress for its service's threshold (sticky)
+    prompt_tokens: int = 0        # as the caller told at arrival (vtc charges them when the request starts)
+    queued: bool = True           # vtc: arrived, not yet started (its tenant is backlogged)
+    charged_output: float = 0.0   # vtc: output tokens already added to its tenant's counter
+    charged_at: float | None = None  # vtc: when it started, then when its output was last charged
 
 
 class ServiceScheduler:
@@ -112,10 +119,10 @@ class ServiceScheduler:
         self._seq = 0
 
     # ---- what the caller reports -------------------------------------------------------------------
-    def arrived(self, request_id: str, service: str, now: float) -> None:
-        """A request of `service` arrived (before it is queued or sent to an engine)."""
+    def arrived(self, request_id: str, service: str, now: float, prompt_tokens: int = 0) -> None:
+        """A request of `service` with `prompt_tokens` arrived (before it is queued or sent to an engine)."""
         self._seq += 1
-        t = _Tracked(service, now, self._seq, now)
+        t = _Tracked(service, now, self._seq, now, prompt_tokens=prompt_tokens)
         self._reqs[request_id] = t
         self._init(t, now)
 
@@ -168,6 +175,10 @@ class ServiceScheduler:
 
     def __len__(self) -> int:
         return len(self._reqs)
+
+    def __bool__(self) -> bool:
+        """A scheduler is true even when it tracks no request (callers test `if service_priority` for "given")."""
+        return True
 
     # ---- what subclasses change --------------------------------------------------------------------
     def _init(self, t: _Tracked, now: float) -> None:
@@ -283,13 +294,186 @@ class DoublingBudgetScheduler(ServiceScheduler):
         return 0 if self._starved(t, now) else 1 + math.ceil(self._order(t))
 
 
+class VirtualTokenCounterScheduler(ServiceScheduler):
+    """VTC: the waiting request of the tenant (service) with the smallest virtual token counter goes first (Sheng et
+    al., "Fairness in Serving Large Language Models", OSDI 2024, arXiv:2401.00588: its VTC algorithm for continuous
+    batching and the weighted variant; the rules below follow the authors' public artifact,
+    github.com/Ying1123/VTC-artifact, slora/server/router/vtc_req_queue.py, whose section and algorithm numbers in
+    the paper we have not re-checked).
+
+    - Counter: a tenant's counter c_u grows by (input tokens x w_in + output tokens x w_out) / weight_u as it is
+      served: the prompt when one of its requests leaves the queue for an engine (`started`), the output tokens as
+      the caller reports them (`progressed`, once per engine step in the simulator when it re-prioritises) and at
+      the latest at `finished` (the live gateway reports output at the finish only). w_in = 1 and w_out = 2 by
+      default (the paper's prices); weight_u from `weights`, default `default_weight`.
+    - Counter lift (when a request arrives): a tenant with no request queued is not backlogged; when its
+      request arrives, c_u = max(c_u, min of the backlogged tenants' counters), or when no tenant is backlogged,
+      max(c_u, the counter of the tenant that left the queue last). An idle tenant so banks no credit. (The
+      artifact's queue applies the first case only; the second keeps a tenant returning to an empty system from
+      undercutting the one served just before it.)
+    - Output charged late: the artifact charges each output token at the step that makes it, so a lift takes the
+      max over all the service received before it. A caller that reports output later (at the finish, or every
+      few steps) would charge the tokens made before a lift on top of it, and a tenant whose earlier request was
+      still running when it came back would pay for them twice. So a late charge is spread evenly over the time
+      since the request's previous charge (its start at first), and the part that falls before a lift of its
+      tenant is absorbed by what that lift added (its slack), as the max would have; what a lift's slack cannot
+      absorb carries over to the tenant's next lift. With per-step reports nothing changes.
+    - Order: queued requests of one tenant in arrival order; across tenants the smallest counter first. The caller
+      sorts its queue once per drain, so a request's key is its tenant's counter plus the input charge of the
+      tenant's requests queued ahead of it (what the counter will be when it is its turn): one sort places the
+      requests as VTC's repeated argmin would, up to the output charged by finishes during the drain.
+    - Non-preemptive (`preemptible` is False) and work-conserving: the order only sorts the queue; whoever is first
+      is placed as soon as any worker can take it.
+    - It composes with SLO-aware placement: the order decides which waiting request is placed next, the placement
+      policy (Aladdin, least-load, ...) decides on which worker, and may still leave it queued when no worker can
+      meet its SLO (the next one in VTC order is tried, up to the queue's lookahead).
+    - `engine_priority`: the tenant's counter (rounded down) when the request starts, for engines that order their
+      own waiting queue by vLLM's `priority`.
+    """
+
+    name = "vtc"
+
+    def __init__(self, weights: Mapping[str, float] | None = None, input_weight: float = 1.0,
+                 output_weight: float = 2.0, default_weight: float = 1.0, **params: float) -> None:
+        super().__init__(**params)
+        if input_weight < 0 or output_weight < 0 or not default_weight > 0:
+            raise ValueError("vtc needs input_weight >= 0, output_weight >= 0 and default_weight > 0")
+        if any(not w > 0 for w in (weights or {}).values()):
+            raise ValueError("vtc weights must be > 0")
+        self.weights = dict(weights or {})
+        self.default_weight = default_weight
+        self.input_weight = input_weight
+        self.output_weight = output_weight
+        self.counters: dict[str, float] = {}
+        self._queued: dict[str, int] = {}          # tenant -> its requests arrived and not started
+        self._queued_in: dict[str, float] = {}     # tenant -> input charge of all its requests ever queued
+        self._left_in: dict[str, float] = {}       # tenant -> input charge of those that left the queue
+        self._last_left: str | None = None         # the tenant that stopped being backlogged last
+        self._lifts: dict[str, list[list[float]]] = {}   # tenant -> [time, slack left] of its lifts, oldest first
+
+    def weight(self, service: str) -> float:
+        return self.weights.get(service, self.default_weight)
+
+    def counter(self, service: str) -> float:
+        return self.counters.get(service, 0.0)
+
+    def backlogged(self, service: str) -> bool:
+        return self._queued.get(service, 0) > 0
+
+    def _input_charge(self, t: _Tracked) -> float:
+        return t.prompt_tokens * self.input_weight / self.weight(t.service)
+
+    def _init(self, t: _Tracked, now: float) -> None:
+        u = t.service
+        if not self.backlogged(u):   # VTC's counter lift
+            others = [self.counters.get(v, 0.0) for v, n in self._queued.items() if n > 0 and v != u]
+            if others:
+                floor = min(others)
+            else:
+                floor = self.counters.get(self._last_left, 0.0) if self._last_left is not None else 0.0
+            c = self.counters.get(u, 0.0)
+            if floor > c:
+                self.counters[u] = floor
+                if any(r.service == u and r.charged_at is not None for r in self._reqs.values()):
+                    self._lifts.setdefault(u, []).append([now, floor - c])   # a running request may owe output
+        self._queued[u] = self._queued.get(u, 0) + 1
+        t.rank = self._queued_in.get(u, 0.0)       # the input charge queued before it
+        self._queued_in[u] = t.rank + self._input_charge(t)
+
+    def _leave(self, t: _Tracked) -> None:
+        if not t.queued:
+            return
+        t.queued = False
+        u = t.service
+        self._queued[u] -= 1
+        self._left_in[u] = self._left_in.get(u, 0.0) + self._input_charge(t)
+        if self._queued[u] == 0:
+            self._last_left = u
+
+    def _charge_output(self, t: _Tracked, generated: float, now: float) -> None:
+        if generated <= t.charged_output:
+            return
+        u = t.service
+        charge = (generated - t.charged_output) * self.output_weight / self.weight(u)
+        since = t.charged_at if t.charged_at is not None else now
+        self.counters[u] = self.counters.get(u, 0.0) + charge - self._absorbed(u, charge, since, now)
+        t.charged_output = generated
+        t.charged_at = now
+
+    def _absorbed(self, u: str, charge: float, since: float, now: float) -> float:
+        """How much of `charge`, made evenly over [since, now], the lifts of `u` inside that span took already."""
+        lifts = self._lifts.get(u)
+        if not lifts or now <= since:
+            return 0.0
+        absorbed, carry, prev = 0.0, 0.0, since
+        for lift in lifts:
+            at, slack = lift
+            if at <= since:
+                continue
+            if at > now:
+                break
+            carry += charge * (at - prev) / (now - since)   # made between the previous lift and this one
+            prev = at
+            took = min(carry, slack)
+            lift[1] -= took
+            absorbed += took
+            carry -= took
+        # a lift no later charge can reach (every running request of u was charged after it) is dropped
+        oldest = min((r.charged_at for r in self._reqs.values() if r.service == u and r.charged_at is not None),
+                     default=now)
+        self._lifts[u] = [x for x in lifts if x[1] > 0 and x[0] > oldest]
+        return absorbed
+
+    def started(self, request_id: str, now: float) -> None:
+        t = self._reqs.get(request_id)
+        if t is not None and t.queued:
+            self._leave(t)
+            self.counters[t.service] = self.counters.get(t.service, 0.0) + self._input_charge(t)
+            t.charged_at = now
+
+    def progressed(self, request_id: str, prompt_tokens: int, generated_tokens: float, now: float) -> None:
+        t = self._reqs.get(request_id)
+        if t is None:
+            return
+        self.started(request_id, now)
+        self._charge_output(t, generated_tokens, now)
+
+    def finished(self, request_id: str, prompt_tokens: int, generated_tokens: int, now: float,
+                 completed: bool = True) -> None:
+        t = self._reqs.get(request_id)
+        if t is not None:
+            self.started(request_id, now)          # a caller that never reported the start
+            self._charge_output(t, generated_tokens, now)
+        super().finished(request_id, prompt_tokens, generated_tokens, now, completed)
+
+    def forget(self, request_id: str) -> None:
+        """The request never ran (refused): it leaves the queue without any charge."""
+        t = self._reqs.pop(request_id, None)
+        if t is not None:
+            self._leave(t)
+
+    def preemptible(self, request_id: str, now: float) -> bool:
+        return False
+
+    def _key(self, t: _Tracked, now: float) -> tuple[float, ...]:
+        c = self.counters.get(t.service, 0.0)
+        if t.queued:
+            c += max(0.0, t.rank - self._left_in.get(t.service, 0.0))
+        return (c, t.seq)
+
+    def engine_priority(self, request_id: str, now: float) -> int:
+        t = self._reqs.get(request_id)
+        return max(0, math.floor(self.counters.get(t.service, 0.0))) if t is not None else 0
+
+
 _SCHEDULERS: dict[str, type[ServiceScheduler]] = {
     "fcfs": ServiceScheduler, "round_robin": RoundRobinScheduler, "seallm": DoublingBudgetScheduler,
+    "vtc": VirtualTokenCounterScheduler,
 }
 
 
 def make_service_scheduler(name: str, **params: object) -> ServiceScheduler:
-    """A scheduler by name (`fcfs`, `round_robin`, `seallm`) with its keyword parameters."""
+    """A scheduler by name (`fcfs`, `round_robin`, `seallm`, `vtc`) with its keyword parameters."""
     cls = _SCHEDULERS.get(name)
     if cls is None:
         raise ValueError(f"unknown service priority {name!r}; use one of {', '.join(SERVICE_PRIORITIES)}")

@@ -7,6 +7,7 @@ both TTFT and ATGT are within target (Aladdin appendix G, "Metrics").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from policies.types import CLASS_INTERACTIVE, RequestFeatures
@@ -53,15 +54,28 @@ class SloCheck:
         return self.ttft_met and self.atgt_met
 
 
-def check_slo(
-    arrival_s: float, first_token_s: float | None, last_token_s: float | None, output_tokens: int, target: SloTarget
-) -> SloCheck:
-    """Measure one finished request; no first token at all (error, abort) misses both targets."""
+def check_slo(arrival_s: float, first_token_s: float | None, last_token_s: float | None, output_tokens: int,
+              ttft_target_s: float | None, atgt_target_s: float | None) -> SloCheck:
+    """Judge one streamed answer (the gateway's streams, every simulated request): TTFT and ATGT against their
+    targets; a target of None holds trivially. No first token at all (error, abort) misses both. The one test
+    of a streamed request's SLO: gateway/slo.py `SloBook.judge` and simulator/cluster.py `RequestResult.slo_met`
+    both call it."""
     if first_token_s is None:
-        return SloCheck(float("inf"), float("inf"), False, False)
+        return SloCheck(math.inf, math.inf, False, False)
     ttft = first_token_s - arrival_s
     a = atgt(first_token_s, last_token_s if last_token_s is not None else first_token_s, output_tokens)
-    return SloCheck(ttft, a, ttft <= target.ttft_s, a <= target.atgt_s)
+    return SloCheck(ttft, a, ttft_target_s is None or ttft <= ttft_target_s,
+                    atgt_target_s is None or a <= atgt_target_s)
+
+
+def whole_answer_met(arrival_s: float, end_s: float, output_tokens: int, ttft_target_s: float | None,
+                     atgt_target_s: float | None) -> bool:
+    """Judge a non-streamed answer, whose first byte is its whole answer (TTFT and ATGT are not separable): met iff
+    it ended no later than a streamed answer within both targets would have, arrival + TTFT target + ATGT target
+    x (n - 1). ATGT alone cannot be observed without a stream: a target of ATGT only holds trivially."""
+    if ttft_target_s is None:
+        return True
+    return end_s - arrival_s <= ttft_target_s + (atgt_target_s or 0.0) * max(output_tokens - 1, 0)
 
 
 @dataclass(slots=True)

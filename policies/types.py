@@ -43,6 +43,7 @@ class RequestFeatures:
     # holds for this request, from the engines' KV events; workers holding none are absent (read with
     # .get(id, 0)). Filled by the gateway / simulator only for policies with `needs_kv_blocks = True`.
     cached_prefix_tokens: Mapping[str, int] = field(default_factory=lambda: NO_CACHED_PREFIX)
+    adapter: str | None = None   # the LoRA adapter the request names (its `model`); None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,8 @@ class WorkerView:
     weight: float = 1.0
     labels: Mapping[str, str] = field(default_factory=dict)
     max_model_len: int | None = None   # the engine's context limit (from /v1/models); None: not known
+    adapters: frozenset[str] = frozenset()   # LoRA adapters it serves now (policies/adapters.py)
+    max_loras: int | None = None       # its GPU slots for adapters (vLLM --max-loras); None: not known
 
     @property
     def load(self) -> int:

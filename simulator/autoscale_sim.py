@@ -24,6 +24,8 @@ What the driver adds to `ClusterSim` (all in the `AutoscaleSim` subclass; cluste
   "swap" (Chiron section 4's fast restart, simulator only: its KV goes to host memory and it keeps its
   generated tokens; placed again, it waits for the swap-in, KV bytes / `Profile.host_link_bytes_per_s`,
   instead of recomputing, and decodes on). Real vLLM has no API to move a request's KV out and back in.
+  "continue" (what the live gateway does for requests the resume continuation can carry: it keeps the
+  generated text, and its next run prefills the prompt plus that text and decodes only the rest).
 
 Routing sees each engine's live state (`scrape_interval_s` 0) and the queues are retried after every
 engine step that leaves a worker with room. `has_room` (nothing sent to a worker waits inside its engine)
@@ -48,7 +50,7 @@ import math
 import random
 import statistics
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,9 +67,11 @@ from policies.autoscale.global_ import (
     theta_from_spikes,
 )
 from policies.autoscale.local import LocalAutoscaler, LocalConfig
-from policies.autoscale.routing import eviction_victim, has_room
+from policies.autoscale.observation import FleetTick, ObservationBuilder, OutputStats, WorkerTick
+from policies.autoscale.routing import eviction_victim
 from policies.autoscale.utilization_band import StaticProvisioning, UtilizationBand, fleet_utilization
 from policies.batch_queue import BatchQueue
+from policies.placement import has_room, reserved_tokens
 from policies.types import CLASS_BATCH, Decision, RequestFeatures
 from simulator.cluster import _STEP, ClusterSim, RequestResult, SimWorker
 from simulator.engine import EngineConfig, SimRequest
@@ -75,7 +79,7 @@ from simulator.profiles import load_profile
 from simulator.workload import WorkloadRequest, load_workload
 
 ARMS = ("chiron", "utilization", "utilization_local", "static")
-EVICT_MODES = ("restart", "swap")
+EVICT_MODES = ("restart", "swap", "continue")
 
 
 # ---- scenario and arm -----------------------------------------------------------------------------
@@ -121,7 +125,7 @@ class Arm:
     global_config: GlobalConfig | None = None
     static_cap: int | None = None      # utilization / static: the per-worker cap (None: profile max_num_seqs)
     batch_max_cap: int = 4096          # chiron: local-autoscaler ceiling on batch-pool workers (sec. 6.2: 2048-4096)
-    evict_mode: str = "restart"        # chiron: "restart" (live gateway) or "swap" (sec. 4 fast restart, sim only)
+    evict_mode: str = "restart"        # chiron: "restart", "continue" (live gateway) or "swap" (sec. 4, sim only)
     policy: str = "least_fill"         # the placement policy behind the pool filter (the gateway's config name)
     policy_params: dict[str, Any] = field(default_factory=dict)
     joint: bool = False                # feed the placement shortfall (aladdin) to the global autoscaler
@@ -164,50 +168,6 @@ class ArmResult:
         }
 
 
-# ---- small online statistics --------------------------------------------------------------------
-class RunningStats:
-    """Welford mean / standard deviation."""
-
-    __slots__ = ("n", "mean", "_m2")
-
-    def __init__(self) -> None:
-        self.n, self.mean, self._m2 = 0, 0.0, 0.0
-
-    def add(self, x: float) -> None:
-        self.n += 1
-        d = x - self.mean
-        self.mean += d / self.n
-        self._m2 += d * (x - self.mean)
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(self._m2 / (self.n - 1)) if self.n > 1 else 0.0
-
-
-class WindowSum:
-    """Sum of (time, value) samples over the last `window_s` seconds."""
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self._q: deque[tuple[float, float]] = deque()
-        self._sum = 0.0
-
-    def add(self, t: float, v: float = 1.0) -> None:
-        self._q.append((t, v))
-        self._sum += v
-
-    def total(self, now: float) -> float:
-        q = self._q
-        while q and q[0][0] <= now - self.window_s:
-            self._sum -= q.popleft()[1]
-        return self._sum if q else 0.0
-
-    def mean(self, now: float) -> float | None:
-        """Mean of the samples in the window (None if there are none)."""
-        total = self.total(now)
-        return total / len(self._q) if self._q else None
-
-
 @dataclass(slots=True)
 class _Swapped:
     """An evicted batch request whose KV waits in host memory (evict_mode "swap")."""
@@ -233,6 +193,7 @@ class _WState:
     gen_mark: int = 0              # engine generation tokens at the window start (local)
     gen_mark_global: int = 0
     peak: int = 0                  # highest in-flight count this window
+    tick_peak: int = 0             # highest in-flight count since the last global tick
     t_mark: float = 0.0            # time-weighted in-flight counts since the last global tick
     inter_area: float = 0.0
     total_area: float = 0.0
@@ -273,10 +234,11 @@ class AutoscaleSim(ClusterSim):
         self.use_local = arm.kind in ("chiron", "utilization_local")
         self.evict = arm.kind == "chiron"
         self.swap = self.evict and arm.evict_mode == "swap"
+        self.keep = self.evict and arm.evict_mode != "restart"     # evicted requests keep their tokens
         self.swapped: dict[str, _Swapped] = {}
         self._host_held: dict[str, int] = {}                   # request id -> KV bytes in host memory
         self.swap_stats = {"evicted_tokens": 0, "swap_ins": 0, "swap_in_s": 0.0, "host_kv_bytes": 0,
-                           "peak_host_kv_bytes": 0}
+                           "peak_host_kv_bytes": 0, "continued": 0}
         self.rng = random.Random(scenario.seed * 7919 + 17)
         self.batch_queue = BatchQueue()
         self.deadline: dict[str, float] = {}
@@ -292,11 +254,10 @@ class AutoscaleSim(ClusterSim):
         self.cap_log: list[tuple[float, str, int, float | None]] = []    # (t, worker, new cap, window ITL)
         self._wids = itertools.count()
         self._pump_due: float | None = None
-        self._rate = WindowSum(arm.rate_window_s)
-        self._batch_tokens = WindowSum(arm.throughput_window_s)     # per-tick samples of batch tokens/s
-        self._batch_pool_tokens = WindowSum(arm.throughput_window_s)      # per batch worker, tokens/s
-        self._full_worker_tokens = WindowSum(arm.throughput_window_s)     # per full mixed worker, tokens/s
-        self._batch_out = RunningStats()
+        self.observations = ObservationBuilder(arm.rate_window_s, arm.throughput_window_s)
+        self._arrivals = 0                                       # interactive arrivals since the last global tick
+        self._wait_area, self._wait_t = 0.0, 0.0                 # interactive requests waiting x seconds, since when
+        self._batch_out = OutputStats()
         self._last_global = 0.0
         self.on_arrival.append(_on_arrival)
         self.on_dispatch.append(_on_dispatch)
@@ -471,8 +432,7 @@ class AutoscaleSim(ClusterSim):
         ev = best.engine.abort(victim, now)
         r, feats = self._pending.pop(victim)
         self._evicted(victim, r, ev.record if ev is not None else None, best, now)
-        best.inflight -= 1
-        best.inflight_tokens -= r.prompt_tokens + int(feats.predicted_output_tokens)
+        best.reserve(reserved_tokens(feats), -1)
         self.placement.finished(feats, best.id, 0, now)
         st.touch(now)
         del st.batch[victim]
@@ -486,7 +446,7 @@ class AutoscaleSim(ClusterSim):
         """Account an eviction; in swap mode keep the generated tokens and put the KV in host memory."""
         out = rec.num_output if rec is not None else 0
         self.swap_stats["evicted_tokens"] += out
-        if not self.swap:
+        if not self.keep:
             return
         prev = self.swapped.get(rid)
         if out == 0:        # nothing new on the GPU (not admitted yet, or still waiting for its swap-in)
@@ -494,6 +454,9 @@ class AutoscaleSim(ClusterSim):
         generated = out + (prev.generated if prev is not None else 0)
         kv_tokens = r.prompt_tokens + generated
         first = prev if prev is not None else rec
+        if not self.swap:   # continue: the text is kept, the KV is not
+            self.swapped[rid] = _Swapped(generated, first.first_token, first.first_scheduled, kv_tokens, w.id, now)
+            return
         self._host_kv(rid, kv_tokens * w.profile.kv_bytes_per_token)
         self.swapped[rid] = _Swapped(generated, first.first_token, first.first_scheduled, kv_tokens, w.id,
                                      now + w.profile.kv_swap_s(kv_tokens))    # GPU -> host copy (PCIe)
@@ -509,19 +472,26 @@ class AutoscaleSim(ClusterSim):
 
     def _engine_add(self, wid: str, rid: str, now: float) -> None:
         """A swapped-out request resumes: its context arrives from host memory, no prefill (Chiron section 4)."""
-        sw = self.swapped.get(rid) if self.swap else None
+        sw = self.swapped.get(rid) if self.keep else None
         if sw is None:
             super()._engine_add(wid, rid, now)
             return
         r, _ = self._pending[rid]
         w = self.workers[wid]
         prof = w.profile
+        max_tokens = r.max_tokens or max(1, w.engine.max_model_len - r.prompt_tokens)
+        target = min(r.output_tokens, max_tokens)
+        if not self.swap:   # continue: prefill the prompt plus the kept text, decode the rest
+            w.engine.add(SimRequest(rid, sw.kv_tokens, [], max_tokens - sw.generated, target - sw.generated,
+                                    priority=r.priority, arrival=now), now)
+            sw.attempt += 1
+            self.swap_stats["continued"] += 1
+            self._poke(w, now)
+            return
         # Same worker: host -> GPU over its PCIe link; another worker: the KV also crosses the network.
         link = None if wid == sw.source else min(prof.host_link_bytes_per_s, prof.pd_link_bytes_per_s)
         swap_in = prof.kv_swap_s(sw.kv_tokens, link)
         ready = max(now, sw.host_ready) + swap_in
-        max_tokens = r.max_tokens or max(1, w.engine.max_model_len - r.prompt_tokens)
-        target = min(r.output_tokens, max_tokens)
         w.engine.add(SimRequest(rid, sw.kv_tokens, [], max_tokens - sw.generated, target - sw.generated,
                                 priority=r.priority, arrival=now, remote_prefill=True, kv_ready_at=ready), now)
         sw.attempt += 1
@@ -552,7 +522,7 @@ class AutoscaleSim(ClusterSim):
                 st.itl_tokens += tokens
         # The engine admitted what it was sent and the cap allows more: look at the queues now.
         if ((self.queue or (self.batch_queue and w.labels.get("pool") != POOL_INTERACTIVE))
-                and not w.draining and w.removed_at is None and (w.cap is None or w.inflight < w.cap)
+                and not w.draining and w.removed_at is None and has_room(w.inflight, w.cap)
                 and w.engine.num_waiting == 0 and w.inflight <= w.engine.num_running):
             self._request_pump(now)
 
@@ -575,6 +545,9 @@ class AutoscaleSim(ClusterSim):
         wall0 = time.perf_counter()
         self.run(workload, until=sc.horizon_s)
         wall = time.perf_counter() - wall0
+        engines = [w.engine.stats for w in list(self.workers.values()) + self.retired]
+        self.swap_stats["engine_prompt_tokens"] = sum(e.prompt_tokens for e in engines)      # prefill work
+        self.swap_stats["engine_generation_tokens"] = sum(e.generation_tokens for e in engines)
         return ArmResult(sc.name, self.arm.name, self.gpu_seconds(sc.horizon_s), self._interactive_stats(),
                          self._batch_stats(), self.evictions, dict(self.actions), self.timeline, wall,
                          dict(self.swap_stats))
@@ -603,13 +576,12 @@ class AutoscaleSim(ClusterSim):
 
     # ---- measurements for the controllers ----------------------------------------------------------
     def observe_fleet(self, now: float) -> FleetObservation:
-        """The global autoscaler's inputs, averaged over the time since the last global tick."""
-        active, pending = self.pool_counts()
-        busy = 0.0
+        """The global autoscaler's inputs over the time since the last global tick, built by the gateway's builder
+        (policies/autoscale/observation.py) from this simulator's exact in-flight integrals and engine counters."""
+        _, pending = self.pool_counts()
+        workers: list[WorkerTick] = []
         batch_inflight = 0
         batch_thr = 0.0                 # batch output tokens/s, all workers
-        batch_gen = mixed_gen = 0
-        n_batch = n_mixed_full = 0
         window = max(now - self._last_global, 1e-9)
         for w in self.workers.values():
             st = self.state[w.id]
@@ -618,45 +590,26 @@ class AutoscaleSim(ClusterSim):
             st.inter_area = st.total_area = 0.0
             gen = w.engine.stats.generation_tokens
             produced, st.gen_mark_global = gen - st.gen_mark_global, gen
+            peak, st.tick_peak = st.tick_peak, w.inflight
             batch_inflight += len(st.batch)
-            pool = w.labels.get("pool", POOL_MIXED)
             if avg_total > 0:           # split the worker's output between the classes by their share
                 batch_thr += produced / window * (1.0 - avg_inter / avg_total)
-            if w.draining:
-                continue
-            if pool == POOL_BATCH:
-                batch_gen += produced
-                n_batch += 1
-            else:
-                busy += min(1.0, avg_inter / w.cap) if w.cap else 0.0
-                if pool == POOL_MIXED and not has_room(self._view(w, now)):
-                    mixed_gen += produced
-                    n_mixed_full += 1
-        if self.queue:                  # interactive requests waiting for room count as demand too
-            caps = sorted(w.cap for w in self.workers.values() if w.cap and not w.draining)
-            busy += len(self.queue) / (caps[len(caps) // 2] if caps else 1)
-        if n_batch:
-            self._batch_pool_tokens.add(now, batch_gen / window / n_batch)
-        if self.batch_queue or batch_inflight:     # measure while there is batch work, from its start
-            self._batch_tokens.add(now, batch_thr)
-            if n_mixed_full:                       # a mixed worker full of work: what one worker makes
-                self._full_worker_tokens.add(now, mixed_gen / window / n_mixed_full)
-        else:
-            self._batch_tokens = WindowSum(self.arm.throughput_window_s)
-            self._full_worker_tokens = WindowSum(self.arm.throughput_window_s)
-        thr = self._batch_tokens.mean(now) or 0.0
-        per_worker = self._batch_pool_tokens.mean(now) or self._full_worker_tokens.mean(now)
-        rate_span = min(self.arm.rate_window_s, now) or 1.0
-        stats = self._batch_out
-        return FleetObservation(
-            interactive_busy=busy, workers=active, pending=pending,
-            interactive_rate=self._rate.total(now) / rate_span,
-            queue=self.batch_queue.deadline_counts(), batch_inflight=batch_inflight,
-            batch_tokens_per_s=thr, worker_tokens_per_s=per_worker,
-            output_mean=stats.mean if stats.n >= 20 else self.predicted_output_tokens_value(),
-            output_std=stats.std if stats.n >= 20 else 0.0,
-            placement_shortfall=float(getattr(self.policy, "shortfall", 0)) if self.arm.joint else 0.0,
-        )
+            if not w.draining:
+                workers.append(WorkerTick(w.id, w.labels.get("pool", POOL_MIXED), avg_inter, w.cap,
+                                          produced / window, bool(w.cap) and peak >= w.cap))
+        out = self._batch_out
+        self.touch_wait(now)
+        waiting, self._wait_area = self._wait_area / window, 0.0
+        tick = FleetTick(workers, pending, waiting, float(self._arrivals), self.batch_queue.deadline_counts(),
+                         batch_inflight, batch_thr, (out.n, out.total, out.total_sq), self.predicted_output_tokens_value(),
+                         float(getattr(self.policy, "shortfall", 0)) if self.arm.joint else 0.0)
+        self._arrivals = 0
+        return self.observations.build(tick, now)
+
+    def touch_wait(self, now: float) -> None:
+        """Integrate the admission queue's length up to `now` (the hooks call it before the queue changes)."""
+        self._wait_area += len(self.queue) * max(0.0, now - self._wait_t)
+        self._wait_t = now
 
     def predicted_output_tokens_value(self) -> float:
         """The mean output length the run's predictor has seen (the gateway's view, not the trace's)."""
@@ -702,11 +655,13 @@ def _per_minute(rs: list[RequestResult]) -> list[tuple[int, int, int]]:
 
 # ---- hooks and timers -------------------------------------------------------------------------------
 def _on_arrival(sim: AutoscaleSim, r: WorkloadRequest, now: float) -> None:
+    sim.touch_wait(now)
     if r.request_id not in sim.deadline:
-        sim._rate.add(now)
+        sim._arrivals += 1
 
 
 def _on_dispatch(sim: AutoscaleSim, r: WorkloadRequest, wid: str, now: float) -> None:
+    sim.touch_wait(now)
     st = sim.state[wid]
     st.touch(now)
     if r.request_id in sim.deadline:
@@ -714,6 +669,7 @@ def _on_dispatch(sim: AutoscaleSim, r: WorkloadRequest, wid: str, now: float) ->
     else:
         st.interactive += 1
     st.peak = max(st.peak, sim.workers[wid].inflight)
+    st.tick_peak = max(st.tick_peak, sim.workers[wid].inflight)
 
 
 def _on_finish(sim: AutoscaleSim, res: RequestResult) -> None:
@@ -723,6 +679,7 @@ def _on_finish(sim: AutoscaleSim, res: RequestResult) -> None:
     if sw is not None and res.completed:
         res.output_tokens += sw.generated
         res.first_token, res.first_scheduled = sw.first_token, sw.first_scheduled
+    sim.touch_wait(sim.now)
     st = sim.state.get(res.worker_id or "")
     if st is not None:
         st.touch(sim.now)

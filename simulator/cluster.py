@@ -57,7 +57,15 @@ from policies.base import Policy, make_policy
 from policies.length_predictor import LengthPredictor
 from policies.pd import PdPolicy, pd_policy_for_profiles
 from policies.perf_model import PerfModel
-from policies.placement import TOO_LONG, ModelPlacement, context_limit, too_long_message
+from policies.placement import (
+    TOO_LONG,
+    ModelPlacement,
+    context_limit,
+    has_room,
+    reserved_tokens,
+    too_long_message,
+)
+from policies.slo_targets import check_slo
 from policies.types import (
     NO_CACHED_PREFIX,
     ROLE_DECODE,
@@ -142,7 +150,9 @@ class RequestResult:
 
     @property
     def slo_met(self) -> bool:
-        return self.completed and self.ttft <= self.slo_ttft_s and self.tpot <= self.slo_tpot_s
+        """Completed within its targets (policies/slo_targets.py `check_slo`, the gateway's test of a stream)."""
+        return self.completed and check_slo(self.arrival, self.first_token, self.finished, self.output_tokens,
+                                            self.slo_ttft_s, self.slo_tpot_s).met
 
 
 @dataclass(slots=True)
@@ -175,11 +185,6 @@ class SimWorker:
         """Count `n` requests of `tokens` (prompt + predicted output) in flight here (n = -1: one leaves)."""
         self.inflight += n
         self.inflight_tokens += n * tokens
-
-
-def _reserved(r: WorkloadRequest, feats: RequestFeatures) -> int:
-    """The tokens a placed request reserves on its worker: its prompt and its predicted output."""
-    return r.prompt_tokens + int(feats.predicted_output_tokens)
 
 
 @dataclass(slots=True)
@@ -475,8 +480,7 @@ class ClusterSim:
     def _try_dispatch(self, r: WorkloadRequest, feats: RequestFeatures, now: float) -> Decision | None:
         """Place and send the request; None when it was handled (sent, or refused as too long), else the
         Decision that found no worker (its retry_at tells the queue when to ask again)."""
-        views = [self._view(w, now) for w in self.workers.values()
-                 if not w.draining and (w.cap is None or w.inflight < w.cap)]
+        views = [self._view(w, now) for w in self.workers.values() if not w.draining and has_room(w.inflight, w.cap)]
         decision = self.placement.place(feats, views, now)
         wid = decision.worker_id
         if wid is None:
@@ -494,7 +498,7 @@ class ClusterSim:
         if decision.prefill_worker_id is not None:
             self._dispatch_pd(r, feats, w, decision.prefill_worker_id, now)
             return None
-        w.reserve(_reserved(r, feats))
+        w.reserve(reserved_tokens(feats))
         res = self.results[r.request_id]
         res.worker_id, res.dispatched = wid, now
         for hook in self.on_dispatch:
@@ -526,16 +530,16 @@ class ClusterSim:
             self.results[r.request_id].service = r.service
         feats = self.features(r)
         q = self.queue
-        retry_at = math.inf
+        retry_at = None
         if q.admits_directly():
             d = self._try_dispatch(r, feats, now)
             if d is None:
                 return
-            retry_at = d.retry_at if d.retry_at is not None else math.inf
+            retry_at = d.retry_at
         if q.full():
             self._reject(r, REFUSED, 429, "admission queue full", now)
             return
-        q.enter(feats, now, r).retry_at = retry_at
+        q.enter(feats, now, r, retry_at=retry_at)
         self._arm(now)
 
     def _drain_queue(self, now: float) -> None:
@@ -545,10 +549,7 @@ class ClusterSim:
         order = self.services.queue_order(now) if self.services is not None else None
         for w in q.candidates(order):
             d = self._try_dispatch(w.handle, w.features, now)
-            if d is None:
-                q.remove(w)
-            else:
-                w.retry_at = d.retry_at if d.retry_at is not None else math.inf
+            q.tried(w, d is None, d.retry_at if d is not None else None)
         self._arm(now)
 
     def _arm(self, now: float) -> None:
@@ -556,9 +557,7 @@ class ClusterSim:
         `queue_poll_s` while requests wait when polling is on."""
         if not self.queue:
             return
-        t = self.queue.next_wake()
-        if self.queue_poll_s is not None:
-            t = min(t, now + self.queue_poll_s)
+        t = self.queue.due(now, self.queue_poll_s)
         if t < self._wake_at:
             self._wake_at = t
             self.schedule(t, _wake_queue)
@@ -587,8 +586,8 @@ class ClusterSim:
         if src.step_end is not None and src.step_end > now:
             self._truncate(src, now)
         src.engine.abort(m.request_id, now)
-        src.reserve(_reserved(r, feats), -1)
-        dst.reserve(_reserved(r, feats))
+        src.reserve(reserved_tokens(feats), -1)
+        dst.reserve(reserved_tokens(feats))
         self.results[m.request_id].worker_id = dst.id
         self.placement.moved(feats, src.id, dst.id, now)
         self.moves += 1
@@ -597,7 +596,7 @@ class ClusterSim:
         self._maybe_retire(src, now)
 
     def _complete(self, w: SimWorker, r: WorkloadRequest, feats: RequestFeatures, now: float) -> None:
-        w.reserve(_reserved(r, feats), -1)
+        w.reserve(reserved_tokens(feats), -1)
         res = self.results[r.request_id]
         self._decisions.pop(r.request_id, None)
         if self.services is not None:
@@ -684,7 +683,7 @@ class ClusterSim:
         wp = self.workers.get(pid)
         if wp is None or wp.draining or wp is wd:
             raise RuntimeError(f"policy {self.policy_name} chose prefill worker {pid!r}, which is not a candidate")
-        wd.reserve(_reserved(r, feats))
+        wd.reserve(reserved_tokens(feats))
         wp.reserve(r.prompt_tokens)                  # a prefill leg reserves its prompt only
         res = self.results[r.request_id]
         res.worker_id, res.prefill_worker_id, res.dispatched = wd.id, pid, now

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from policies.adapters import MODEL_SHAPES, lora_costs
 from simulator.engine import EngineConfig, EngineCore, SimRequest, StepEvent
 from simulator.faults import Faults
 from simulator.profiles import Profile
@@ -103,6 +104,7 @@ class EngineDriver:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sleeping = False
+        self._stalled = False  # the stall_after_tokens fault fired: no step runs until the fault is cleared
         self._sleep_level: int | None = None
         self._woken_tags: set[str] = set()
         self._drop_kv_due = False
@@ -144,16 +146,27 @@ class EngineDriver:
     def model_now(self) -> float:
         return (time.monotonic() - self._t0) * self.time_scale
 
+    @property
+    def stalled(self) -> bool:
+        """Frozen by the stall_after_tokens fault (it fired and has not been cleared yet)."""
+        return self._stalled and self.faults.stall_after_tokens is not None
+
+    def faults_changed(self) -> None:
+        """Call after changing `faults` at run time: a cleared stall only ends when the loop wakes to see it."""
+        self._wakeup.set()
+
     # --- requests ------------------------------------------------------------------------------------
     def submit(self, *, request_id: str, prompt_len: int, block_hashes: list[int], max_tokens: int,
                target_tokens: int, priority: int, arrival: float, remote_decode: bool = False,
-               remote_kv_delay: float | None = None, token_ids: list[int] | None = None) -> RequestHandle:
+               remote_kv_delay: float | None = None, token_ids: list[int] | None = None, lora_id: int = 0,
+               lora_name: str | None = None) -> RequestHandle:
         """Register a request; it enters the engine `profile.pre_engine_delay` (model time) after `arrival`."""
         enqueue_at = arrival + self.profile.pre_engine_delay(self.core.num_running)
         req = SimRequest(request_id=request_id, prompt_len=prompt_len, block_hashes=block_hashes,
                          max_tokens=max_tokens, target_output_tokens=target_tokens, priority=priority,
                          arrival=arrival, remote_decode=remote_decode, remote_prefill=remote_kv_delay is not None,
-                         kv_ready_at=enqueue_at + (remote_kv_delay or 0.0), token_ids=token_ids)
+                         kv_ready_at=enqueue_at + (remote_kv_delay or 0.0), token_ids=token_ids,
+                         lora_id=lora_id, lora_name=lora_name)
         h = RequestHandle(req, arrival, enqueue_at)
         if self._sleeping:
             self.submitted_asleep += 1
@@ -209,8 +222,11 @@ class EngineDriver:
             if self._drop_kv_due:     # a sleep at level >= 1 kept its requests: their KV is gone (between steps)
                 self._drop_kv_due = False
                 core.drop_kv()
+            if self._stalled and not self.stalled:  # the stall was cleared: the frozen time is gone, not lag
+                self._stalled = False
+                t = max(t, self.model_now())
             self._admit_due(t)
-            if not self._sleeping and core.has_work():
+            if not self._sleeping and not self._stalled and core.has_work():
                 now = self.model_now()
                 if now - t > MAX_LAG_WALL_S * scale:  # the host stalled for long: the GPU lost that time
                     self.lag_resyncs += 1
@@ -234,12 +250,14 @@ class EngineDriver:
                         self.publisher.publish(core.take_kv_events())
                     self._deliver(events, t_end)
                     self.metrics.observe_iteration(core.stats.prompt_tokens + core.stats.generation_tokens - before)
+                    if core.max_loras:   # vLLM records the adapters' states with every step's stats
+                        self.metrics.observe_loras(*core.lora_adapters())
                     t = t_end
                     continue
             # Idle, asleep, or nothing schedulable yet: wait for the next due arrival, the engine's next
             # event (P/D KV ready, pinned blocks expiring), or a wake-up (submit, release, wake_up).
             due = [self._pending[0][0]] if self._pending else []
-            if not self._sleeping and core.has_work():
+            if not self._sleeping and not self._stalled and core.has_work():
                 nxt = core.next_event_time()
                 if nxt is not None:
                     due.append(nxt)
@@ -257,6 +275,7 @@ class EngineDriver:
     def _deliver(self, events: list[StepEvent], t_end: float) -> None:
         handles = self._handles
         metrics = self.metrics
+        stall_at = self.faults.stall_after_tokens
         itl_counts: dict[float, int] = {}
         for ev in events:
             h = handles.get(ev.request_id)
@@ -271,6 +290,8 @@ class EngineDriver:
                     itl_counts[itl] = itl_counts.get(itl, 0) + 1
                 h.last_token_at = t_end
                 h.generated += ev.new_tokens
+                if stall_at is not None and h.generated >= stall_at:
+                    self._stalled = True  # after this step: the loop runs one iteration per step, so exactly N
                 if not ev.finished:
                     h.event.set()
             if ev.finished:
@@ -406,7 +427,7 @@ class EngineDriver:
         core = self.core
         out: dict[str, Any] = dict(core.snapshot())
         out.update(model_time=self.model_now(), time_scale=self.time_scale, sleeping=self._sleeping,
-                   sleep_state=self.sleep_state,
+                   stalled=self.stalled, sleep_state=self.sleep_state,
                    num_gpu_blocks=core.num_gpu_blocks, block_size=core.block_size,
                    pending=sum(1 for _, _, h in self._pending if not h.finished),
                    pinned_kv=len(self._pinned), submitted_asleep=self.submitted_asleep, lag_resyncs=self.lag_resyncs, lost_model_s=self.lost_model_s,
@@ -466,8 +487,15 @@ def cache_config_labels(core: EngineCore, enable_prefix_caching: bool,
 def build_engine(profile: Profile, config: Any, model: str, faults: Faults, engine_id: str,
                  kv_events: bool = False) -> EngineDriver:
     """An EngineCore, its metrics and its driver from a server config (simulator.vllm_api.ServerConfig)."""
-    core = EngineCore(profile, EngineConfig(scheduling_policy=config.scheduling_policy,
-                                            kv_hold_s=config.kv_lease_s, kv_events=kv_events), seed=config.seed)
+    lora: dict[str, Any] = {}
+    max_loras = config.max_loras if getattr(config, "enable_lora", False) else 0
+    if max_loras:
+        costs = lora_costs(model if model in MODEL_SHAPES else profile.model, config.max_lora_rank,
+                           profile.host_link_bytes_per_s, profile.tp)
+        lora = {"max_loras": max_loras, "max_cpu_loras": config.max_cpu_loras or max_loras,
+                "lora_activate_s": costs.activate_s, "lora_disk_s": costs.disk_s, "lora_step_s": costs.step_s}
+    core = EngineCore(profile, EngineConfig(scheduling_policy=config.scheduling_policy, kv_hold_s=config.kv_lease_s,
+                                            kv_events=kv_events, **lora), seed=config.seed)
     metrics = VllmMetrics(model, core.max_model_len, cache_config_labels(
-        core, core.caching, getattr(config, "prefix_caching_hash_algo", "sha256")))
+        core, core.caching, getattr(config, "prefix_caching_hash_algo", "sha256")), max_lora=max_loras or None)
     return EngineDriver(core, profile, metrics, faults, config.time_scale, engine_id, config.kv_lease_s)

@@ -11,6 +11,8 @@ simulator/cluster.py both drive this class; keep these names and meanings):
     core.has_work() -> bool
     core.num_running, core.num_waiting, core.kv_usage  (0..1), core.stats (EngineStats counters)
     core.take_kv_events()               # KV-cache events since the last call (EngineConfig.kv_events)
+    core.add_lora(lora_id, now)         # LoRA (EngineConfig.max_loras > 0): load an adapter into host memory
+    core.lora_adapters()                # (running, waiting) adapter names, vllm:lora_requests_info's labels
 
 Only one step is in flight at a time: plan_step, then finish_step, then plan_step again.
 All times are model seconds; a real-time driver sleeps dur / time_scale between the two calls.
@@ -46,6 +48,11 @@ Details of this implementation (docs/reference/vllm-interface.md §5.2 and §8; 
   eviction run is one event here; the wire publisher splits it one hash per event, as vLLM sends them),
   AllBlocksCleared when reset_prefix_cache succeeds. Only prompt blocks are cached (vLLM also caches the full
   blocks of generated tokens).
+- LoRA (simulator/lora.py): a request with `lora_id` > 0 runs with that adapter. At most `max_loras` distinct
+  adapters are scheduled in one step; a waiting request of another adapter is skipped and keeps its place
+  (vLLM V1's scheduler). A step that needs an adapter outside the GPU slots pays `lora_activate_s` for it (plus
+  `lora_disk_s` when it was evicted from the `max_cpu_loras` host cache, LRU), and every step with an adapter pays
+  `lora_step_s`.
 - P/D: a `remote_decode` request (producer) finishes with "length" after its first token and keeps its
   blocks pinned (not running, not freeable) until `release_remote(request_id, now)` or `config.kv_hold_s`
   elapses (`expire_remote(now)`, also called by `plan_step`). A `remote_prefill` request (consumer) is
@@ -92,6 +99,9 @@ class SimRequest:
     remote_decode: bool = False
     # The prompt's token ids, when known (the HTTP server): KV events' BlockStored carry them.
     token_ids: list[int] | None = None
+    # LoRA adapter serving this request (vLLM's LoRARequest): its integer id (> 0) and its name; 0 = base model.
+    lora_id: int = 0
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -135,6 +145,8 @@ class EngineStats:
     preemptions: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     iterations: int = 0
+    lora_disk_loads: int = 0       # adapters read from disk into host memory (runtime loads and cache misses)
+    lora_activations: int = 0      # adapters copied from host memory into a GPU slot
 
 
 @dataclass(slots=True)
@@ -149,6 +161,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_hold_s: float = 120.0               # vLLM 0.11 VLLM_NIXL_ABORT_REQUEST_TIMEOUT
     kv_events: bool = False                # record KV-cache events (take_kv_events), as --kv-events-config
+    # LoRA (simulator/lora.py): distinct adapters per step (vLLM --max-loras; 0 = LoRA off), adapters kept in host
+    # memory (--max-cpu-loras, LRU), and the model seconds of a slot load, a disk load and a step with adapters.
+    max_loras: int = 0
+    max_cpu_loras: int = 0
+    lora_activate_s: float = 0.0
+    lora_disk_s: float = 0.0
+    lora_step_s: float = 0.0
 
 
 _WAITING, _RUNNING, _DONE = 0, 1, 2
@@ -299,6 +318,13 @@ class EngineCore:
         self._c_d, self._k_ctx, self._k_attn = p.c_decode_s, p.k_ctx_s, p.k_attn_s
         self._c_admit = p.c_admit_s
         self._speed = SpeedDrift(p.speed_quantiles, p.speed_tau_s, seed) if p.speed_quantiles else None
+        # LoRA: adapter ids in the max_loras GPU slots and in the max_cpu_loras host cache, least recently used
+        # first (vLLM's LRUCacheWorkerLoRAManager); every adapter name seen, in first-seen order (its stats dict).
+        self.max_loras = cfg.max_loras
+        self._lora_gpu: OrderedDict[int, None] = OrderedDict()
+        self._lora_cpu: OrderedDict[int, None] = OrderedDict()
+        self._lora_names: dict[str, None] = {}
+        self._lora_busy_until = 0.0     # model time a runtime adapter load keeps the engine busy until
         self._f = 1.0                                           # speed factor of the step being planned
         # Simulator only (vLLM fixes a request's priority at arrival): `reprioritize(req, generated, now)` gives
         # every live request's current priority and whether it may be preempted for a better one, before each
@@ -358,6 +384,8 @@ class EngineCore:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if req.prompt_len < 1:
             raise ValueError("prompt must have at least one token")
+        if req.lora_id and not self.max_loras:
+            raise ValueError("a LoRA request on an engine without LoRA (EngineConfig.max_loras = 0)")
         if req.prompt_len >= self.max_model_len:
             raise ValueError(f"prompt of {req.prompt_len} tokens does not fit max_model_len {self.max_model_len}")
         if -(-(req.prompt_len + 1) // self.block_size) > self.num_gpu_blocks:
@@ -377,6 +405,8 @@ class EngineCore:
         self._seqs[req.request_id] = seq
         if req.remote_prefill:
             self._pending_consumers += 1
+        if req.lora_name is not None:
+            self._lora_names.setdefault(req.lora_name)
         self._push_waiting(seq, front=False)
 
     def _push_waiting(self, seq: _Seq, front: bool) -> None:
@@ -425,6 +455,76 @@ class EngineCore:
         for rid in expired:
             self.release_remote(rid, now)
         return expired
+
+    # ---- LoRA adapters -----------------------------------------------------------------------------
+    def add_lora(self, lora_id: int, now: float, at_start: bool = False) -> float:
+        """Load an adapter from disk into host memory (vLLM's add_lora: a runtime load or a static module). The
+        engine does it between steps, so it waits for the step in flight and delays the next one. Returns model
+        seconds from `now` until the load is done (0 if the adapter is in host memory already, or `at_start`: a
+        static module, loaded before the server serves)."""
+        if lora_id in self._lora_cpu:
+            self._lora_cpu.move_to_end(lora_id)
+            return 0.0
+        self._cache_lora(lora_id)
+        if at_start:
+            return 0.0
+        start = max(now, self._lora_busy_until)
+        if self._plan is not None:
+            start = max(start, self._plan.start + self._plan.dur)
+        self._lora_busy_until = start + self.config.lora_disk_s
+        return self._lora_busy_until - now
+
+    def has_lora(self, lora_id: int) -> tuple[bool, bool]:
+        """Whether the adapter is in host memory and whether it is in a GPU slot."""
+        return lora_id in self._lora_cpu, lora_id in self._lora_gpu
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """Adapter names with requests running (scheduled at least once) and waiting (never scheduled yet), in
+        first-seen order: the labels of vLLM's vllm:lora_requests_info (vllm/v1/metrics/stats.py)."""
+        running: set[str] = set()
+        waiting: set[str] = set()
+        for seq in self._seqs.values():
+            name = seq.req.lora_name
+            if name is not None:
+                (running if seq.rec.first_scheduled is not None else waiting).add(name)
+        order = self._lora_names
+        return [n for n in order if n in running], [n for n in order if n in waiting]
+
+    def _cache_lora(self, lora_id: int) -> None:
+        cpu = self._lora_cpu
+        cpu[lora_id] = None
+        self.stats.lora_disk_loads += 1
+        while len(cpu) > max(self.config.max_cpu_loras, self.max_loras):
+            old, _ = cpu.popitem(last=False)    # evicted from host memory: out of its GPU slot too
+            self._lora_gpu.pop(old, None)
+
+    def _lora_step_cost(self, seqs: Any) -> tuple[float, bool]:
+        """Model seconds a step with these requests spends on LoRA (slot loads, disk reads of evicted adapters,
+        the batched LoRA kernels), and whether it loaded anything."""
+        ids = {s.req.lora_id for s in seqs if s.req.lora_id}
+        if not ids:
+            return 0.0, False
+        cfg = self.config
+        cost = cfg.lora_step_s
+        loaded = False
+        gpu, cpu = self._lora_gpu, self._lora_cpu
+        for lora_id in sorted(ids):
+            if lora_id in gpu:
+                gpu.move_to_end(lora_id)
+                cpu.move_to_end(lora_id)
+                continue
+            if lora_id in cpu:
+                cpu.move_to_end(lora_id)
+            else:
+                self._cache_lora(lora_id)
+                cost += cfg.lora_disk_s
+            gpu[lora_id] = None
+            while len(gpu) > self.max_loras:
+                gpu.popitem(last=False)
+            self.stats.lora_activations += 1
+            cost += cfg.lora_activate_s
+            loaded = True
+        return cost, loaded
 
     # ---- blocks -----------------------------------------------------------------------------------
     def _free(self, seq: _Seq) -> None:
@@ -515,8 +615,13 @@ class EngineCore:
         if self._speed is not None:
             self._f = self._speed.factor(now)
             dur *= self._f
+        lora_loaded = False
+        if self.max_loras:
+            lora_s, lora_loaded = self._lora_step_cost(sched)
+            dur += lora_s + max(0.0, self._lora_busy_until - now)
         plan = _Plan(now, list(sched.items()), swapped_out + preempted, dur)
-        if max_iterations > 1 and P == 0 and not preempted and not admitted and len(sched) == len(running):
+        if max_iterations > 1 and P == 0 and not preempted and not admitted and len(sched) == len(running) \
+                and not lora_loaded and self._lora_busy_until <= now:
             self._extend(plan, max_iterations, now)
         self._plan = plan
         return plan.dur
@@ -581,11 +686,17 @@ class EngineCore:
         running = self._running
         skipped: list[_Seq] = []
         admitted = 0
+        # vLLM's scheduler: adapters of the requests scheduled so far; a waiting request of another adapter is
+        # skipped (it keeps its place) once max_loras distinct adapters are in the step.
+        loras = {s.req.lora_id for s in sched if s.req.lora_id} if self.max_loras else None
         while budget > 0 and len(running) < self.max_num_seqs:
             seq = self._peek_waiting()
             if seq is None:
                 break
             req = seq.req
+            if loras is not None and req.lora_id and req.lora_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self._pop_waiting())
+                continue
             if seq.paused:          # resumes with its KV (reprioritize only)
                 n_new = min(seq.num_tokens - seq.num_computed, budget)
                 need = -(-(seq.num_computed + n_new) // bs) - seq.num_blocks
@@ -633,6 +744,8 @@ class EngineCore:
                 if seq.rec.first_scheduled is None:
                     seq.rec.num_cached_tokens = cached
             self._pop_waiting()
+            if loras is not None and req.lora_id:
+                loras.add(req.lora_id)
             seq.status = _RUNNING
             running.append(seq)
             if seq.rec.first_scheduled is None:

@@ -7,7 +7,14 @@ endpoints `GET/POST/DELETE /sim/faults` (see simulator/vllm_api.py).
     drop_after_tokens  close the TCP connection once a response has carried N tokens (0: before any)
     hang               accept generation requests and never answer (until the client goes away)
     slowdown           every engine iteration takes this many times longer (1.0: normal)
-    error_status       answer generation requests with this 5xx status and a vLLM-style error body
+    stall_after_tokens the engine freezes once a request has generated N tokens (N >= 1): that response stops
+                       after its Nth token and stays open, no request gets another token, new ones get none, while
+                       /health keeps answering (a deadlocked engine behind a live API server: a zombie only its
+                       pace gives away); clearing the fault lets the engine go on. Unlike slowdown, the point
+                       where the stall starts does not depend on when the fault was posted
+    error_status       answer generation requests with this status (429 or 5xx) and a vLLM-style error body: 5xx
+                       as a failing engine answers; 429 as a worker behind its own rate limiter or router does
+                       (vLLM itself refuses overload with 503, docs/reference/vllm-interface.md §1.2)
     error_rate         fraction of generation requests that get `error_status` (default all)
     health_fail        /health and /ping answer 503 (as vLLM does when its engine is dead)
 """
@@ -18,7 +25,7 @@ import random
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-_FIELDS = ("drop_after_tokens", "hang", "slowdown", "error_status", "error_rate", "health_fail")
+_FIELDS = ("drop_after_tokens", "hang", "slowdown", "stall_after_tokens", "error_status", "error_rate", "health_fail")
 
 
 class FaultConfigError(ValueError):
@@ -30,6 +37,7 @@ class Faults:
     drop_after_tokens: int | None = None
     hang: bool = False
     slowdown: float = 1.0
+    stall_after_tokens: int | None = None
     error_status: int | None = None
     error_rate: float = 1.0
     health_fail: bool = False
@@ -73,8 +81,13 @@ def parse_faults(spec: dict[str, Any] | None, base: Faults | None = None) -> Fau
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise FaultConfigError("slowdown must be a number > 0")
         out.slowdown = float(v)
+    if "stall_after_tokens" in spec:
+        out.stall_after_tokens = _opt_int(spec, "stall_after_tokens", lo=1)
     if "error_status" in spec:
-        out.error_status = _opt_int(spec, "error_status", lo=500, hi=599)
+        v = spec["error_status"]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not (v == 429 or 500 <= v <= 599)):
+            raise FaultConfigError("error_status must be null, 429 or an integer in [500, 599]")
+        out.error_status = v
     if "error_rate" in spec:
         v = spec["error_rate"]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:

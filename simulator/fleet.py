@@ -17,6 +17,10 @@ Fleet file (YAML):
       - profile: llama3-8b-a100
         scheduling_policy: priority
         faults: {slowdown: 2.0}     # see simulator/faults.py
+      - enable_lora: true           # vLLM's LoRA flags (simulator/lora.py)
+        lora_modules: ["sql=/adapters/sql", {name: chat, path: /adapters/chat}]
+        max_loras: 2
+        allow_runtime_lora_updating: true   # as VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
         profile_overrides: {num_gpu_blocks: 512, max_model_len: 4096}
 
 Python API (tests, `fleetgate demo`):
@@ -52,7 +56,8 @@ from simulator.vllm_api import ConfigError, ServerConfig, SimServer
 
 _SERVER_KEYS = {"name", "port", "replicas", "profile", "model", "role", "scheduling_policy", "time_scale",
                 "seed", "faults", "profile_overrides", "dev_mode", "kv_lease_s", "side_channel_port",
-                "kv_events_config", "kv_events_format", "prefix_caching_hash_algo", "hash_seed"}
+                "kv_events_config", "kv_events_format", "prefix_caching_hash_algo", "hash_seed", "enable_lora",
+                "lora_modules", "max_loras", "max_cpu_loras", "max_lora_rank", "allow_runtime_lora_updating"}
 _DEFAULT_KEYS = _SERVER_KEYS - {"name", "port", "replicas"}
 
 
@@ -400,7 +405,8 @@ def run_fleet_cli(workers: int = 1, base_port: int = 8100, profile: str = "llama
                   model: str | None = None, time_scale: float = 1.0, fleet: Path | None = None,
                   host: str = "127.0.0.1", seed: int = 0, list_profiles: bool = False,
                   scheduling_policy: str = "fcfs", kv_events_config: str | None = None,
-                  kv_events_format: str = "0.11", hash_algo: str = "sha256") -> None:
+                  kv_events_format: str = "0.11", hash_algo: str = "sha256",
+                  lora: dict[str, Any] | None = None) -> None:
     """`fleetgate sim`: serve until SIGINT / SIGTERM. With a fleet file, the options are its defaults."""
     if list_profiles:
         for name in builtin_profiles():
@@ -420,10 +426,14 @@ def run_fleet_cli(workers: int = 1, base_port: int = 8100, profile: str = "llama
                     cfg.kv_events_format = kv_events_format
                 if cfg.prefix_caching_hash_algo == "sha256":
                     cfg.prefix_caching_hash_algo = hash_algo
+                if lora and not cfg.enable_lora and not cfg.lora_modules:
+                    for key, value in lora.items():
+                        setattr(cfg, key, value)
         else:
             specs = specs_from_options(workers, base_port, profile, model, time_scale, seed,
                                        scheduling_policy=scheduling_policy, kv_events_config=kv_events_config,
-                                       kv_events_format=kv_events_format, prefix_caching_hash_algo=hash_algo)
+                                       kv_events_format=kv_events_format, prefix_caching_hash_algo=hash_algo,
+                                       **(lora or {}))
         sim = SimFleet(specs, host=host)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -433,9 +443,10 @@ def run_fleet_cli(workers: int = 1, base_port: int = 8100, profile: str = "llama
         gc.freeze()  # a long-running server: keep start-up objects out of every later collection
         for spec, server, url in zip(f.specs, f.servers, f.urls, strict=True):
             kv = f" kv_events={server.driver.publisher.endpoint}" if server.driver.publisher is not None else ""
+            lora = f" loras={','.join(server.adapters) or '-'}" if server.driver.core.max_loras else ""
             print(f"{spec.name} {url} model={server.model} profile={server.profile.name} "
                   f"role={spec.config.role} policy={spec.config.scheduling_policy} "
-                  f"time_scale={spec.config.time_scale:g}{kv}", flush=True)
+                  f"time_scale={spec.config.time_scale:g}{kv}{lora}", flush=True)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

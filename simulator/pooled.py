@@ -1,4 +1,4 @@
-"""Virtual-time simulation of many models sharing hosts (issue 20 items 1-3 and 5): `fleetgate simulate
+"""Virtual-time simulation of many models sharing hosts (Aegaeon's setting and its baselines): `fleetgate simulate
 --num-models M --pooling dedicated|request|multiplex|aegaeon`.
 
     res = simulate_pooled(PooledSpec(num_models=16, rate=1.6, workers=4, pooling="aegaeon"))
@@ -14,8 +14,10 @@ policies deciding what runs are the pure objects of policies/pooling:
 - dedicated   one model per host, placed by popularity (`static_placement`, per_host 1); no swaps.
 - multiplex   as many models awake per host as its memory holds (`resident_capacity`), each engine with its
               share of the KV cache, stepped in round robin (`RoundRobin`); no swaps.
-- request     one model awake per host; a host switches only when its engine is idle, to the model of its
-              oldest queued request (`RequestSwapping`); sleeping drops nothing (the engine was idle).
+- request     one model awake per host; the gateway's planner (policies/pooling/swapping.py `RequestLevelSwaps`):
+              requests wait per model, the model waiting longest is woken on a host with no engine awake or
+              an idle one, else the busy engine with the fewest requests drains at once (it takes no new
+              request) and the host switches when it is idle; sleeping drops nothing (the engine was idle).
 - aegaeon     prefill and decode partitions (section 4.1; `prefill_fraction` of the hosts prefill): grouped
               FCFS prefill, batch size one (`GroupedPrefill`); KV moves to a decode batch over the P/D link;
               decode rounds of time-quota turns (`DecodeWorkLists`). A batch's KV stays in host memory while
@@ -81,13 +83,13 @@ from policies.pooling.aegaeon import (
     Turn,
 )
 from policies.pooling.baselines import (
-    RequestSwapping,
     RoundRobin,
     resident_capacity,
     shared_kv_capacity,
     static_placement,
 )
 from policies.pooling.costs import REINIT_OPTIMIZED, expected_active_models, kv_copy_time_s, swap_cost
+from policies.pooling.swapping import EngineView, HostView, RequestLevelSwaps
 from policies.pooling.turns import HostTurns
 from policies.service_priority import SERVICE_PRIORITIES, ServiceScheduler, make_service_scheduler
 from simulator.cluster import RequestResult, SimResult
@@ -258,6 +260,10 @@ class _Host:
     level: int = 1                              # colocated turns: the sleep level of an engine leaving its turn
     blocks: int | None = None                   # colocated turns at level 0: each engine's share of the KV cache
     grace: float = 0.0                          # colocated turns, recompute_quota: the next turn's recompute estimate
+    inflight: int = 0                           # request-level swapping: requests on the resident engine
+    idle_since: float = 0.0                     # request-level swapping: when its last request ended
+    target: str | None = None                   # request-level swapping: the model a planned swap brings in; the
+                                                # resident engine takes no new request until it is idle (drains)
 
     @property
     def busy(self) -> bool:
@@ -302,7 +308,8 @@ class PooledSim:
             self._setup_static(mode)
         elif mode == "request":
             self.hosts = [_Host(f"w{i}", "mixed") for i in range(spec.workers)]
-            self.swapping = RequestSwapping([h.id for h in self.hosts])
+            self.swapping = RequestLevelSwaps()     # the gateway's planner (gateway/pooling.py)
+            self._waiting: dict[str, deque[str]] = {}   # model -> its requests waiting for an awake engine
         elif spec.colocated:
             self._setup_turns()
         else:
@@ -494,14 +501,7 @@ class PooledSim:
         elif self.spec.colocated:
             self._reach_turns(r, now)
         elif mode == "request":
-            placed = self.swapping.place(r.request_id, r.model)
-            h = self._by_id[placed.host]
-            if placed.direct:
-                self._add(h, r.model, self._sim_request(r, now), now)
-            else:
-                self._next(h, now)
-                if h.busy:
-                    self._prefetch(h, self.swapping.peek(h.id, self._pick), now)
+            self._reach_request(r, now)
         else:
             h = self._by_id[self.grouped.place(PrefillJob(r.request_id, r.model, r.prompt_tokens))]
             self._next(h, now)
@@ -513,13 +513,57 @@ class PooledSim:
         return SimRequest(r.request_id, r.prompt_tokens, [], r.output_tokens, r.output_tokens, arrival=now,
                           priority=prio)
 
-    def _pick(self, queue: Any) -> str:
-        """Request-level swapping's next model: the oldest queued request's, or with a service priority the
-        model of the queued request it ranks first (SeaLLM section 4.2)."""
+    # ---- request-level swapping: the gateway's planner (policies/pooling/swapping.py) over one engine per host --
+    def _reach_request(self, r: ModelRequest, now: float) -> None:
+        """To an awake engine of the model taking requests (the one with the fewest in flight), else wait for a
+        swap: the model's demand joins the planner's book, FCFS, as the gateway's swap controller reports it."""
+        waiting = self._waiting.get(r.model)
+        hosts = [h for h in self.hosts if h.resident_model == r.model and h.target is None and h.swap_end is None]
+        if hosts and not waiting:
+            h = min(hosts, key=lambda x: x.inflight)
+            h.inflight += 1
+            self._add(h, r.model, self._sim_request(r, now), now)
+            return
+        self._waiting.setdefault(r.model, deque()).append(r.request_id)
+        self.swapping.want(r.model, now)
+        self._plan_swaps(now)
+
+    def _swap_views(self) -> dict[str, HostView]:
+        """What the planner sees: per host one engine per model (any can be loaded), at most one awake (the
+        resident, or the model a planned swap brings in), drained at once (`drain_after_s` 0: a host switches
+        only once its engine is idle, Aegaeon section 3.1's head-of-line blocking)."""
+        out = {}
+        for h in self.hosts:
+            awake = h.target or h.resident_model
+            engines = {m: EngineView(m == awake, h.inflight if m == h.resident_model else 0,
+                                     h.idle_since if m == h.resident_model else 0.0) for m in self.wl.rates}
+            out[h.id] = HostView(1, engines, h.target is not None or h.swap_end is not None, 0.0)
+        return out
+
+    def _plan_swaps(self, now: float) -> None:
+        if not self.swapping.demand:
+            return
+        waiting = {m for m, q in self._waiting.items() if q}
+        for step in self.swapping.plan(self._swap_views(), waiting, now, self._order(now)):
+            h = self._by_id[step.host]
+            h.target = step.wake
+            if h.busy or h.inflight:
+                self._prefetch(h, step.wake, now)
+            self._switch_if_idle(h, now)
+
+    def _order(self, now: float) -> Callable[[str], Any] | None:
+        """With a service priority: a waiting model ranks as the first of its waiting requests in the order
+        (SeaLLM section 4.2); None: FCFS."""
         if self.sched is None:
-            return queue[0][1]
+            return None
         key = self.sched.key
-        return min(queue, key=lambda q: key(q[0], self.now))[1]
+        return lambda m: min((key(rid, now) for rid in self._waiting.get(m, ())), default=(math.inf,))
+
+    def _switch_if_idle(self, h: _Host, now: float) -> None:
+        """A planned swap starts once the host's engine has drained (no request in flight, no step)."""
+        if h.target is not None and h.inflight == 0 and not h.busy:
+            model, h.target = h.target, None
+            self._swap_in(h, model, now)
 
     def _prefetch(self, h: _Host, model: str | None, now: float) -> None:
         """Start copying `model`'s weights onto host h beside the running model (Aegaeon section 5.2, quick
@@ -622,11 +666,16 @@ class PooledSim:
         if token != h.token:
             return
         h.swap_end = None
+        if self.spec.pooling == "request":     # the model's waiting requests drain onto its engine, in order
+            h.after_swap = list(self._waiting.pop(h.resident_model, ()))
+            h.inflight += len(h.after_swap)
         pending, h.after_swap = h.after_swap, []
         for rid in pending:
             self._engine(h, h.resident_model).add(self._sim_request(self.requests[rid], now), now)
             self._host_of[rid] = h
         self._next(h, now)
+        if self.spec.pooling == "request":     # the host takes part in the plan again
+            self._plan_swaps(now)
 
     def _wake(self, now: float, h: _Host, token: int) -> None:
         if token == h.token and not h.busy:
@@ -664,17 +713,11 @@ class PooledSim:
 
     def _next_request(self, h: _Host, now: float) -> None:
         if self._step_resident(h, now, macro=True):
-            self._prefetch(h, self.swapping.peek(h.id, self._pick), now)
+            if h.target is not None:
+                self._prefetch(h, h.target, now)
             return
-        nxt = self.swapping.next_load(h.id, self._pick)
-        if nxt is None:
-            return
-        model, rids = nxt
-        h.after_swap = rids
-        if model == h.resident_model:
-            self._swap_done(now, h, h.token)
-        else:
-            self._swap_in(h, model, now)
+        self._switch_if_idle(h, now)
+        self._plan_swaps(now)
 
     def _next_prefill(self, h: _Host, now: float) -> None:
         if self._step_resident(h, now, macro=False):
@@ -893,7 +936,9 @@ class PooledSim:
         res.first_scheduled, res.first_token = rec.first_scheduled, rec.first_token
         self._done(r, res, rec.finished, rec.num_output, rec.finish_reason, now)
         if self.spec.pooling == "request":
-            self.swapping.finished(h.id)
+            h.inflight -= 1
+            if not h.inflight:
+                h.idle_since = now
         elif h.role == "turns":
             h.reqs[r.model].discard(rid)
 

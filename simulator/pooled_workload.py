@@ -1,4 +1,4 @@
-"""Multi-model workloads for pooled serving (issue 20 item 5; Aegaeon section 7.1's setting).
+"""Multi-model workloads for pooled serving (Aegaeon section 7.1's setting).
 
     wl = multi_model_workload(ModelMix(num_models=16, total_rate=1.6, skew=1.0), duration=300, seed=1)
     wl.requests[0].model, wl.rates            # per request its model; per model its Poisson rate

@@ -11,6 +11,9 @@ the way the gateway drives it, plus one thing only the simulator can do.
   budget) is set aside whenever a better waiting one cannot start beside it (EngineCore.reprioritize). It keeps its
   KV, as over SeaLLM's unified KV cache (section 4.4), and resumes where it was; only when blocks run short is a
   paused request's KV dropped (it then recomputes, as after vLLM's preemption).
+- Token accounting (`vtc`): a request's prompt is charged when it leaves for its engine and its output tokens at its
+  finish; with `preempt=True` they are charged as the engine steps (the per-step `progressed` report; VTC itself
+  never preempts).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class ServicePriority:
             engine.reprioritize = self._reprioritize
 
     def arrived(self, r: WorkloadRequest, now: float) -> None:
-        self.scheduler.arrived(r.request_id, r.service, now)
+        self.scheduler.arrived(r.request_id, r.service, now, prompt_tokens=r.prompt_tokens)
 
     def queue_order(self, now: float) -> Callable[[Waiting], Any]:
         key = self.scheduler.key

@@ -56,7 +56,7 @@ class SimSpec:
     seed: int = 0
     profile: str = "llama3-8b-h100"      # one name, or several comma-separated (a mixed fleet)
     workers: int = 8
-    policy: str = "least_requests"
+    policy: str = "least_requests"      # what benches built on SimSpec ran; `fleetgate simulate` defaults to least_tokens
     policy_params: dict[str, Any] = field(default_factory=dict)
     slo_ttft_s: float = 0.6
     slo_tpot_s: float = 0.03

@@ -1,7 +1,8 @@
 """The simulator's deterministic tokenizer: one token per 4 bytes of UTF-8 text.
 
 The rule is simple on purpose: a gateway can estimate prompt tokens as ceil(bytes / 4) without a
-vocabulary and be exact against the simulator (and close, ~4 bytes/token, for real English text).
+vocabulary and be exact against the simulator (and close, ~4 bytes/token, for real English text). The byte
+rule and the chat template are policies/tokens.py's, the gateway's estimate.
 Token ids depend on content, so equal prefixes give equal ids and equal block hashes, which is what
 prefix caching needs. A trace replay makes a prompt of exactly n tokens with `synthetic_text(n, key)`.
 """
@@ -9,16 +10,25 @@ prefix caching needs. A trace replay makes a prompt of exactly n tokens with `sy
 from __future__ import annotations
 
 import hashlib
+import random
 import zlib
 from collections.abc import Sequence
 
-BYTES_PER_TOKEN = 4
+from policies.tokens import (
+    BYTES_PER_TOKEN,
+    CHAT_GENERATION_PROMPT,
+    CHAT_ROLE_PREFIX,
+    CHAT_TURN_END,
+    DEFAULT_ROLE,
+    content_text,
+    tokens_of_bytes,
+)
+
+__all__ = ["BLOCK_SIZE", "BYTES_PER_TOKEN", "VOCAB_SIZE", "block_hashes", "count_tokens", "encode", "message_text",
+           "render_chat", "synthetic_text"]
+
 VOCAB_SIZE = 128_256  # Llama-3's, so ids look plausible
 BLOCK_SIZE = 16
-
-CHAT_ROLE_PREFIX = "<|{role}|>\n"
-CHAT_TURN_END = "\n"
-CHAT_GENERATION_PROMPT = "<|assistant|>\n"
 
 
 def encode(text: str) -> list[int]:
@@ -29,7 +39,7 @@ def encode(text: str) -> list[int]:
 
 
 def count_tokens(text: str) -> int:
-    return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN)
+    return tokens_of_bytes(len(text.encode("utf-8")))
 
 
 def render_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
@@ -42,7 +52,7 @@ def render_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
     """
     parts: list[str] = []
     for m in messages:
-        parts.append(CHAT_ROLE_PREFIX.format(role=m.get("role", "user")) + message_text(m) + CHAT_TURN_END)
+        parts.append(CHAT_ROLE_PREFIX.format(role=m.get("role", DEFAULT_ROLE)) + message_text(m) + CHAT_TURN_END)
     if continue_final_message and parts:
         parts[-1] = parts[-1][: -len(CHAT_TURN_END)]
     if add_generation_prompt:
@@ -52,10 +62,7 @@ def render_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
 
 def message_text(message: dict) -> str:
     """A chat message's text: its string content, or the text of its parts."""
-    content = message.get("content") or ""
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return str(content)
+    return content_text(message.get("content"))
 
 
 def block_hashes(token_ids: Sequence[int], salt: str | None = None) -> list[int]:
@@ -74,18 +81,14 @@ _WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "wit
 
 
 def synthetic_text(num_tokens: int, key: int | str = 0) -> str:
-    """Readable filler text of exactly `num_tokens` tokens under this tokenizer; same key, same text."""
+    """Readable filler text of exactly `num_tokens` tokens under this tokenizer; same key, same text, and keys
+    that differ give texts that differ from their first words on (a generator seeded by the key's hash picks the
+    words: a fixed stride over the word list would give only len(_WORDS) distinct texts, whose shared prefixes
+    the prefix caches would count as hits)."""
     if num_tokens <= 0:
         return ""
-    seed = zlib.crc32(str(key).encode())
-    words: list[str] = []
-    size = 0
+    rng = random.Random(zlib.crc32(str(key).encode()))
     target = num_tokens * BYTES_PER_TOKEN
-    i = 0
-    while size < target:
-        w = _WORDS[(seed + i * 2654435761) % len(_WORDS)]
-        words.append(w)
-        size += len(w) + 1
-        i += 1
+    words = rng.choices(_WORDS, k=target // 2 + 1)     # no word is shorter than 2 bytes with its space
     text = " ".join(words)[:target]
     return text.ljust(target, ".")

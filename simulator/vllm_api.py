@@ -35,6 +35,7 @@ from policies.kv_hash import HASH_ALGOS, BlockHasher, engine_seed
 from simulator import tokenizer
 from simulator.driver import SLEEP_MODES, EngineDriver, RequestHandle, build_engine, claim_remote_kv
 from simulator.faults import FaultConfigError, Faults, parse_faults
+from simulator.lora import LoraError, LoraModule, check_limits, parse_lora_modules, runtime_updating_from_env
 from simulator.profiles import Profile, load_profile, profile_from_dict
 
 VLLM_VERSION = "0.11.0"
@@ -76,6 +77,15 @@ class ServerConfig:
     kv_events_offset: int | None = None     # publisher port offset; None: the server's index in its fleet
     prefix_caching_hash_algo: str = "sha256"  # vLLM --prefix-caching-hash-algo: sha256 | sha256_cbor
     hash_seed: str | None = None            # PYTHONHASHSEED for block hashes; None: the environment's
+    # LoRA adapters (simulator/lora.py), vLLM's flags: --enable-lora, --lora-modules (name=path or JSON strings, or
+    # dicts), --max-loras (distinct adapters per step), --max-cpu-loras (None: = max_loras), --max-lora-rank.
+    enable_lora: bool = False
+    lora_modules: list[Any] = field(default_factory=list)
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+    # The runtime load/unload routes, as VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; None: read that variable.
+    allow_runtime_lora_updating: bool | None = None
 
 
 class ConfigError(ValueError):
@@ -161,6 +171,26 @@ class DetokenizeRequest(_Lenient):
     tokens: list[int]
 
 
+class LoadLoraRequest(_Lenient):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(_Lenient):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A served LoRA adapter (vLLM's LoRARequest): the name clients use as `model`, its path, id and parent."""
+
+    name: str
+    path: str
+    lora_id: int
+    parent: str
+
+
 # --- errors (vllm-interface §1.2) -----------------------------------------------------------------------------
 class ApiError(Exception):
     def __init__(self, status: int, message: str, err_type: str | None = None, param: str | None = None):
@@ -243,10 +273,19 @@ class SimServer:
         self.rng = random.Random(config.seed)
         self.engine_id = str(uuid.uuid4())  # KVTransferConfig.engine_id default (docs/reference/vllm-interface.md §4.1)
         self.kv_events, self.hasher = _kv_setup(config, self.profile)
+        try:
+            modules = parse_lora_modules(config.lora_modules)
+            check_limits(config.enable_lora, config.max_loras, config.max_cpu_loras, config.max_lora_rank, modules)
+        except LoraError as exc:
+            raise ConfigError(str(exc)) from None
         self.driver: EngineDriver = build_engine(self.profile, config, self.model, self.faults, self.engine_id,
                                                  self.kv_events.active)
         self.created = int(time.time())
         self._model_json = orjson.dumps(self.model)
+        self.adapters: dict[str, Adapter] = {}
+        self._lora_ids = 0
+        for module in modules:   # static adapters: loaded at start-up, before the server answers
+            self._register(module)
         self._inflight = 0
         self._sleep_api_033 = False    # the last /sleep was 0.33-style: /wake_up answers with JSON
         self._counter = 0
@@ -269,6 +308,10 @@ class SimServer:
         }
         if config.kv_events_format == "0.33":   # ref §5.1: 0.33 advertises its publishers
             self._routes["/kv_event_sources"] = {"GET": self._kv_event_sources}
+        runtime_lora = config.allow_runtime_lora_updating
+        if runtime_lora if runtime_lora is not None else runtime_updating_from_env():
+            self._routes["/v1/load_lora_adapter"] = {"POST": self._load_lora}
+            self._routes["/v1/unload_lora_adapter"] = {"POST": self._unload_lora}
         if config.dev_mode:
             self._routes.update({
                 "/sleep": {"POST": self._sleep},
@@ -295,6 +338,55 @@ class SimServer:
         publisher, self.driver.publisher = self.driver.publisher, None
         if publisher is not None:
             publisher.close()
+
+    # --- LoRA adapters (simulator/lora.py; vLLM 0.11 serving_models.py, docs/reference/vllm-interface.md §6.2) ----
+    def _register(self, module: LoraModule, now: float | None = None) -> float:
+        """Serve an adapter under its name, with the next integer id; its weights go to the engine's host-memory
+        cache. Returns the model seconds the load takes (`now` None: a static module, loaded before the server
+        starts, at no cost to the engine's clock)."""
+        self._lora_ids += 1
+        parent = module.base_model_name if module.base_model_name == self.model else self.model
+        adapter = Adapter(module.name, module.path, self._lora_ids, parent)
+        self.adapters[adapter.name] = adapter
+        core = self.driver.core
+        return core.add_lora(adapter.lora_id, now or 0.0, at_start=now is None) if core.max_loras else 0.0
+
+    def _resolve(self, model: str | None) -> Adapter | None:
+        """The adapter a request's `model` names (None: the base model), else vLLM's 404
+        (serving_engine.py::_check_model; a missing or empty `model` means the base model)."""
+        if not model or model == self.model:
+            return None
+        adapter = self.adapters.get(model)
+        if adapter is None:
+            raise ApiError(404, f"The model `{model}` does not exist.")
+        return adapter
+
+    async def _load_lora(self, scope: dict, receive: Receive, send: Send) -> None:
+        """POST /v1/load_lora_adapter: 200 with a plain-text body and no content type (a bare Starlette Response),
+        after the engine has read the adapter from disk; errors as serving_models.py words them."""
+        req = _parse(LoadLoraRequest, await _read_body(receive))
+        if not req.lora_name or not req.lora_path:
+            raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if req.lora_name in self.adapters:
+            raise ApiError(400, f"The lora adapter '{req.lora_name}' has already been loaded.", "InvalidUserInput")
+        if not self.driver.core.max_loras:   # the worker's add_lora without --enable-lora (engine error: 400)
+            raise ApiError(400, "LoRA is not enabled. Use --enable-lora to enable LoRA.")
+        wait = self._register(LoraModule(req.lora_name, req.lora_path), self.driver.model_now())
+        if wait > 0:
+            await asyncio.sleep(wait / self.config.time_scale)
+        await _respond(send, 200, f"Success: LoRA adapter '{req.lora_name}' added successfully.".encode(),
+                       headers=[])
+
+    async def _unload_lora(self, scope: dict, receive: Receive, send: Send) -> None:
+        """POST /v1/unload_lora_adapter: the name leaves the registry (0.11 does not evict the engine's copy)."""
+        req = _parse(UnloadLoraRequest, await _read_body(receive))
+        if not req.lora_name and not req.lora_int_id:
+            raise ApiError(400, "either 'lora_name' and 'lora_int_id' needs to be provided.", "InvalidUserInput")
+        if req.lora_name not in self.adapters:
+            raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.")
+        del self.adapters[req.lora_name]
+        await _respond(send, 200, f"Success: LoRA adapter '{req.lora_name}' removed successfully.".encode(),
+                       headers=[])
 
     # --- ASGI entry ----------------------------------------------------------------------------
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -362,6 +454,7 @@ class SimServer:
             block_hashes=plan.block_hashes, max_tokens=plan.max_tokens, target_tokens=plan.target_tokens,
             priority=req.priority, arrival=arrival, remote_decode=plan.remote_decode,
             remote_kv_delay=plan.remote_kv_delay, token_ids=plan.token_ids,
+            lora_id=plan.adapter.lora_id if plan.adapter else 0, lora_name=plan.adapter.name if plan.adapter else None,
         )
         try:
             if req.stream:
@@ -374,8 +467,7 @@ class SimServer:
 
     def _plan(self, req: ChatRequest | CompletionRequest, headers: dict[bytes, bytes], chat: bool) -> _Plan:
         """Everything vLLM decides before the request reaches the engine, with its error messages."""
-        if req.model and req.model != self.model:  # serving_engine.py::_check_model (vllm-interface §1.2)
-            raise ApiError(404, f"The model `{req.model}` does not exist.")
+        adapter = self._resolve(req.model)  # serving_engine.py::_check_model (vllm-interface §1.2)
         L = self.max_model_len
         if chat:
             messages = [m.model_dump() for m in req.messages]
@@ -437,6 +529,10 @@ class SimServer:
             # "recompute", vllm-interface §4.1). Only producers in this process can be reached (no real NIXL).
             remote_kv_delay = claim_remote_kv(kv, n, self.profile)
         stream_opts = req.stream_options
+        offset = self.rng.randrange(len(_WORDS))
+        seed = (req.model_extra or {}).get("seed")
+        if isinstance(seed, int):  # seeded sampling repeats its answer, as vLLM's does
+            offset = random.Random(seed).randrange(len(_WORDS))
         return _Plan(
             response_id=response_id, prompt_len=n, max_tokens=max_tokens, target_tokens=target,
             block_hashes=self.hasher.hashes(token_ids, req.cache_salt),
@@ -445,8 +541,8 @@ class SimServer:
             continuous_usage=bool(req.stream and stream_opts and stream_opts.include_usage
                                   and stream_opts.continuous_usage_stats),
             remote_decode=remote_decode, remote_kv_delay=remote_kv_delay,
-            word_offset=self.rng.randrange(len(_WORDS)), created=int(time.time()),
-            continued=_continued_word(text_so_far),
+            word_offset=offset, created=int(time.time()),
+            continued=_continued_word(text_so_far), adapter=adapter,
         )
 
     def _target_tokens(self, req: ChatRequest | CompletionRequest, headers: dict[bytes, bytes],
@@ -486,8 +582,9 @@ class SimServer:
         usage = {"prompt_tokens": plan.prompt_len, "total_tokens": plan.prompt_len + h.generated,
                  "completion_tokens": h.generated, "prompt_tokens_details": None}
         kv_params = self._kv_params(h) if plan.remote_decode else None
+        model = plan.adapter.name if plan.adapter else self.model   # vLLM answers with the adapter's name
         if chat:
-            body = {"id": plan.response_id, "object": "chat.completion", "created": plan.created, "model": self.model,
+            body = {"id": plan.response_id, "object": "chat.completion", "created": plan.created, "model": model,
                     "choices": [{"index": 0, "message": {
                         "role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
                         "function_call": None, "tool_calls": [], "reasoning_content": None},
@@ -495,7 +592,7 @@ class SimServer:
                     "service_tier": None, "system_fingerprint": None, "usage": usage,
                     "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": kv_params}
         else:
-            body = {"id": plan.response_id, "object": "text_completion", "created": plan.created, "model": self.model,
+            body = {"id": plan.response_id, "object": "text_completion", "created": plan.created, "model": model,
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": h.finish_reason,
                                  "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
                                  "prompt_token_ids": None}],
@@ -523,7 +620,8 @@ class SimServer:
         """SSE exactly as vLLM 0.11 frames it (vllm-interface §2); several ready tokens go out in one write."""
         rid = plan.response_id.encode()
         head = b'data: {"id":"' + rid + b'","object":"' + (b"chat.completion.chunk" if chat else b"text_completion")
-        head += b'","created":' + str(plan.created).encode() + b',"model":' + self._model_json + b',"choices":['
+        model = orjson.dumps(plan.adapter.name) if plan.adapter else self._model_json
+        head += b'","created":' + str(plan.created).encode() + b',"model":' + model + b',"choices":['
         if chat:
             tok_open = head + b'{"index":0,"delta":{"content":"'
             tok_mid = b'"},"logprobs":null,"finish_reason":null,"token_ids":null}]'
@@ -594,7 +692,11 @@ class SimServer:
                                 "created": self.created, "allow_create_engine": False, "allow_sampling": True,
                                 "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                                 "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}]}
-        await _respond(send, 200, orjson.dumps({"object": "list", "data": [card]}))
+        cards = [card]
+        for a in self.adapters.values():   # serving_models.py::show_available_models: root = path, parent = base
+            cards.append({**card, "id": a.name, "root": a.path, "parent": a.parent, "max_model_len": None,
+                          "permission": [{**card["permission"][0], "id": f"modelperm-{uuid.uuid4().hex}"}]})
+        await _respond(send, 200, orjson.dumps({"object": "list", "data": cards}))
 
     async def _health(self, scope: dict, receive: Receive, send: Send) -> None:
         await _respond(send, 503 if self.faults.health_fail else 200, b"", headers=[])
@@ -613,8 +715,7 @@ class SimServer:
 
     async def _tokenize(self, scope: dict, receive: Receive, send: Send) -> None:
         req = _parse(TokenizeRequest, await _read_body(receive))
-        if req.model and req.model != self.model:
-            raise ApiError(404, f"The model `{req.model}` does not exist.")
+        self._resolve(req.model)
         if req.messages is not None:
             text = tokenizer.render_chat([m.model_dump() for m in req.messages], req.add_generation_prompt)
         elif req.prompt is not None:
@@ -632,8 +733,7 @@ class SimServer:
 
     async def _detokenize(self, scope: dict, receive: Receive, send: Send) -> None:
         req = _parse(DetokenizeRequest, await _read_body(receive))
-        if req.model and req.model != self.model:
-            raise ApiError(404, f"The model `{req.model}` does not exist.")
+        self._resolve(req.model)
         bad = [t for t in req.tokens if not 0 <= t < tokenizer.VOCAB_SIZE]
         if bad:
             raise ApiError(400, f"Token id {bad[0]} is out of vocabulary")
@@ -708,10 +808,12 @@ class SimServer:
             self.faults.update(spec)
         except FaultConfigError as exc:
             raise ApiError(400, str(exc)) from None
+        self.driver.faults_changed()
         await _respond(send, 200, orjson.dumps(self.faults.to_dict()))
 
     async def _delete_faults(self, scope: dict, receive: Receive, send: Send) -> None:
         self.faults.reset()
+        self.driver.faults_changed()
         await _respond(send, 200, orjson.dumps(self.faults.to_dict()))
 
     async def _state(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -720,6 +822,15 @@ class SimServer:
                      scheduling_policy=self.config.scheduling_policy, engine_id=self.engine_id,
                      inflight_http=self._inflight, faults=self.faults.to_dict(),
                      traceparents=list(self.traceparents))
+        core = self.driver.core
+        if core.max_loras:   # sim-only view: which adapters are served, and where their weights are
+            by_id = {a.lora_id: a.name for a in self.adapters.values()}
+            cached = [i for i in by_id if core.has_lora(i)[0]]
+            state["lora"] = {"adapters": {a.name: {"path": a.path, "lora_int_id": a.lora_id}
+                                          for a in self.adapters.values()},
+                             "in_host_memory": [by_id[i] for i in cached],
+                             "in_gpu_slots": [by_id[i] for i in cached if core.has_lora(i)[1]],
+                             "disk_loads": core.stats.lora_disk_loads, "activations": core.stats.lora_activations}
         await _respond(send, 200, orjson.dumps(state))
 
 
@@ -754,6 +865,7 @@ class _Plan:
     created: int
     continued: int | None = None    # the text ends with filler word number `continued`: go on after it
     token_ids: list[int] | None = None
+    adapter: Adapter | None = None  # the LoRA adapter serving it; None: the base model
 
 
 def _finish_only(head: bytes, chat: bool, reason: str | None, usage: bytes | None) -> bytes:

@@ -57,7 +57,8 @@ class FinishedRequestTimes:
 class VllmMetrics:
     """The metric objects of one engine plus the glue that keeps them in step with EngineCore."""
 
-    def __init__(self, model_name: str, max_model_len: int, cache_config: Mapping[str, object]):
+    def __init__(self, model_name: str, max_model_len: int, cache_config: Mapping[str, object],
+                 max_lora: int | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         names = ["model_name", "engine"]
@@ -140,6 +141,16 @@ class VllmMetrics:
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
               registry=r).labels(**info).set(1)
 
+        # Only with --enable-lora (loggers.py): labels max_lora, waiting and running adapter names (comma-separated),
+        # no model_name; the value is the time of the step that saw this label set (set_to_current_time), and label
+        # sets seen earlier stay exported with their last time.
+        self.max_lora = max_lora
+        self.lora_info = None if max_lora is None else Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+        self._lora_labels: tuple[str, str] | None = None
+        self._lora_child = None
+
         self._synced = {"prompt": 0, "generation": 0, "queries": 0, "hits": 0, "preemptions": 0}
         self._synced_finished = dict.fromkeys(FINISH_REASONS, 0)
 
@@ -169,6 +180,16 @@ class VllmMetrics:
             self.req_params_max_tokens.observe(t.max_tokens)
         if t.generation_tokens > 1:
             self.req_tpot.observe(t.decode / (t.generation_tokens - 1))
+
+    def observe_loras(self, running: list[str], waiting: list[str]) -> None:
+        """One step's adapter states (vllm:lora_requests_info)."""
+        if self.lora_info is None:
+            return
+        labels = (",".join(waiting), ",".join(running))
+        if labels != self._lora_labels:
+            self._lora_labels = labels
+            self._lora_child = self.lora_info.labels(str(self.max_lora), *labels)
+        self._lora_child.set_to_current_time()
 
     # --- scrape time ---------------------------------------------------------------------------
     def sync(self, stats, running: int, waiting: int, kv_usage: float, extra_aborts: int = 0) -> None:

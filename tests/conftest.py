@@ -28,7 +28,9 @@ or specs: `sim_fleet(specs=[ServerSpec(...), ...])`. Outside pytest, `simulator.
 from __future__ import annotations
 
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,48 @@ from tests.helpers import REDIS_URL, GatewayProcess, require_redis
 
 FAST_TIME_SCALE = 20.0
 _FLEET_FILE_OPTIONS = ("profile", "model", "time_scale", "seed")
+
+# --- lanes --------------------------------------------------------------------------------------------------
+# `make test` runs the product's tests; `make test-slow` the second lane: the benchmark studies (tests that re-run
+# a bench/ study, check its recorded results or drive the peers harness: marker `study`) and the longest
+# integration tests (marker `long`); `make test-all` both. The lists live here, not in the files, so a test
+# moves lanes with one line. Node ids without parameters; a file pattern takes every test in it.
+STUDY = (
+    "tests/test_bench_*.py",
+    "tests/test_fidelity_tools.py",
+)
+LONG = (
+    "tests/test_gateway_autoscale.py::test_demo_autoscale_scales_out_under_its_burst_and_back_in_after",
+    "tests/test_gateway_autoscale.py::test_desired_workers_rise_under_a_burst_and_fall_after_it_without_failed_requests",
+    "tests/test_gateway_autoscale.py::test_only_the_leader_acts_and_every_replica_exports_the_same_numbers",
+    "tests/test_gateway_demo.py::test_plain_demo_exports_slo_attainment",
+    "tests/test_gateway_demo.py::test_killed_demo_takes_its_workers_with_it",
+    "tests/test_gateway_learning.py::test_two_gateway_processes_share_fitted_models_through_redis",
+    "tests/test_gateway_replan.py::test_a_traffic_step_grows_that_models_group_through_the_actuator_without_failed_requests",
+    "tests/test_ops_progress.py::test_a_bench_reports_progress_on_stderr_only",
+    "tests/test_ops_prometheus.py::test_every_panel_and_alert_returns_data_from_a_real_prometheus",
+    "tests/test_packaging.py::test_wheel_carries_the_simulators_data_and_not_bench",
+    "tests/test_packaging.py::test_simulate_runs_from_the_wheel_outside_the_repo",
+    "tests/test_plan_cli.py::test_two_models_share_the_gpus_and_throughput_uses_the_budget",
+    "tests/test_pooling_turns.py::test_when_the_driving_replica_dies_the_other_drives_within_seconds",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test of the second lane `study` or `long` (see STUDY and LONG); warn about a listed test that its
+    collected file no longer has (renamed: it would silently run in the first lane)."""
+    for item in items:
+        node = item.nodeid.split("[")[0]
+        path = node.split("::")[0]
+        for marker, patterns in (("study", STUDY), ("long", LONG)):
+            if any(node == p or fnmatch(path, p) for p in patterns):
+                item.add_marker(marker)
+    modules = {item.nodeid.split("::")[0]: item.module for item in items if isinstance(item, pytest.Function)}
+    for listed in STUDY + LONG:
+        path, _, name = listed.partition("::")
+        if name and path in modules and not hasattr(modules[path], name):
+            warnings.warn(pytest.PytestConfigWarning(f"tests/conftest.py lists {listed}, which does not exist"),
+                          stacklevel=1)
 
 
 @pytest.fixture

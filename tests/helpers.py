@@ -68,21 +68,48 @@ def poll_sync(cond: Callable[[], Any], timeout: float = 5.0, what: str = "condit
 
 # --- ports -------------------------------------------------------------------------------------------------
 def free_port() -> int:
-    """A loopback TCP port that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port that nothing listens on right now, drawn below the kernel's ephemeral range (so that no
+    outgoing connection can take it before the test binds it, as one could take a port the kernel just handed
+    out for bind(("127.0.0.1", 0)))."""
+    return free_ports(1)[0]
 
 
-def free_port_range(n: int) -> int:
-    """A base port P such that P..P+n-1 are all free right now (for CLIs that take a --base-port). P is drawn
-    below the kernel's ephemeral range, so that outgoing connections cannot take the ports before the CLI binds."""
+def _below_ephemeral(n: int) -> tuple[int, int]:
+    """The range [low, high) to draw ports (or a first port of `n` consecutive ones) from: below the kernel's
+    ephemeral range, where only an explicit bind takes a port."""
     try:
         ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
+    return (10000, ephemeral_low - n) if ephemeral_low - n > 12000 else (20000, 60000)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback TCP ports that are all free right now (each probed while the others are held, so two
+    calls' worth of ports never coincide), drawn like free_port's."""
+    low, high = _below_ephemeral(1)
     rng = random.Random()
-    low, high = (10000, ephemeral_low - n) if ephemeral_low - n > 12000 else (20000, 60000)
+    ports: list[int] = []
+    with contextlib.ExitStack() as stack:
+        for _ in range(200 + 20 * n):
+            port = rng.randrange(low, high)
+            if port in ports:
+                continue
+            try:
+                stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"no {n} free ports")
+
+
+def free_port_range(n: int) -> int:
+    """A base port P such that P..P+n-1 are all free right now (for CLIs that take a --base-port), drawn like
+    free_port's."""
+    low, high = _below_ephemeral(n)
+    rng = random.Random()
     for _ in range(200):
         base = rng.randrange(low, high)
         with contextlib.ExitStack() as stack:
@@ -306,7 +333,7 @@ class GatewayProcess(CliProcess):
                          env={"FLEETGATE_ADMIN_KEY": ADMIN_KEY, **(env or {})})
         self._url: str | None = None
 
-    def listening_url(self, timeout: float = 30.0) -> str:
+    def listening_url(self, timeout: float = 60.0) -> str:   # a bound on a hang: a loaded machine took > 30 s
         if self._url is None:
             self._url = self.wait_for(LISTENING, timeout).split()[-1]
         return self._url

@@ -124,16 +124,30 @@ def _evict_once_at(t_evict: float, mode: str) -> tuple[AutoscaleSim, str, float]
     return sim, seen["victim"], t_evict
 
 
-def test_swap_mode_eviction_keeps_generated_tokens_and_charges_the_swap_in():
-    swap, victim, t = _evict_once_at(20.0, "swap")
+def _against_restart(mode: str) -> tuple[AutoscaleSim, AutoscaleSim, int]:
+    """_evict_once_at in `mode` and in restart mode: the same victim, completed in full by both, and the
+    tokens it had generated before the eviction (the same in both)."""
+    sim, victim, t = _evict_once_at(20.0, mode)
     restart, victim_r, _ = _evict_once_at(20.0, "restart")
     assert victim == victim_r
-    rs, rr = swap.results[victim], restart.results[victim]
+    rs, rr = sim.results[victim], restart.results[victim]
     assert rs.completed and rr.completed and rs.output_tokens == rr.output_tokens == 2000
     assert rs.first_token < t                        # its first token came before the eviction and is kept
     assert rr.first_token > t                        # restarted: a new prefill, a new first token
-    kept = swap.swap_stats["evicted_tokens"]
+    assert rs.finished < rr.finished                 # the kept work makes it finish sooner
+    kept = sim.swap_stats["evicted_tokens"]
     assert kept > 0 and kept == restart.swap_stats["evicted_tokens"]
+    return sim, restart, kept
+
+
+def _engine_tokens(sim: AutoscaleSim) -> tuple[int, int]:
+    """(prefill, decode) tokens of every engine of the run."""
+    engines = [w.engine.stats for w in list(sim.workers.values()) + sim.retired]
+    return sum(e.prompt_tokens for e in engines), sum(e.generation_tokens for e in engines)
+
+
+def test_swap_mode_eviction_keeps_generated_tokens_and_charges_the_swap_in():
+    swap, restart, kept = _against_restart("swap")
     prof = load_profile(swap.scenario.profile)
     # placed again, it waits for its copy: the swap-in, (prompt + generated) x KV bytes / host link, plus
     # whatever remained of the swap-out when it was placed (here it had landed: placed after the next step)
@@ -143,10 +157,17 @@ def test_swap_mode_eviction_keeps_generated_tokens_and_charges_the_swap_in():
     assert swap.swap_stats["peak_host_kv_bytes"] == (1000 + kept) * prof.kv_bytes_per_token
     assert swap.swap_stats["host_kv_bytes"] == 0     # freed once the copy landed
     # nothing recomputed in swap mode: each prompt was prefilled once; restart prefills the victim twice
-    prompt = {name: sum(w.engine.stats.prompt_tokens for w in list(s.workers.values()) + s.retired)
-              for name, s in (("swap", swap), ("restart", restart))}
-    assert prompt["swap"] == 5 * 1000 and prompt["restart"] == 6 * 1000
-    assert rs.finished < rr.finished                 # the swapped request finishes sooner
+    assert _engine_tokens(swap)[0] == 5 * 1000 and _engine_tokens(restart)[0] == 6 * 1000
+
+
+def test_continue_mode_eviction_prefills_the_kept_text_and_decodes_only_the_rest():
+    cont, restart, kept = _against_restart("continue")
+    assert cont.swap_stats["continued"] == 1 and cont.swap_stats["swap_ins"] == 0
+    assert cont.swap_stats["peak_host_kv_bytes"] == 0   # no KV kept, only the text
+    # its next run prefills the prompt plus the kept text, then generates only what remained
+    (pre_c, dec_c), (pre_r, dec_r) = _engine_tokens(cont), _engine_tokens(restart)
+    assert pre_c == 6 * 1000 + kept and pre_r == 6 * 1000
+    assert dec_r - dec_c == kept
 
 
 def test_routing_fills_a_large_worker_faster_than_one_request_per_scrape():

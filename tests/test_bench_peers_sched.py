@@ -115,9 +115,14 @@ def test_sweep_modes_run_live_end_to_end(tmp_path):
         [sys.executable, "-m", "bench.peers_sched", "--sweep-workers", "--sweep-rate", "--requests", "12",
          "--time-scale", "20", "--workers", "1", "--workers-range", "0", "2", "--rates", "0.5", "1",
          "--arms", "fleetgate aladdin + KV events", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
+    # the probes next to the answer ran twice (--repeats 2 by default); every run is listed with its load
+    assert "#### The boundary probes, 2 runs each, interleaved across arms" in text
+    assert "| fleetgate aladdin + KV events, 1 workers | 2 |" in text or "| fleetgate aladdin + KV events, 2 " \
+        "workers | 2 |" in text
+    assert "#### Every live run, in order" in text and " -> " in text
     assert "### Workers needed for 99% SLO attainment" in text and "### Goodput at 99% SLO attainment" in text
     assert "| fleetgate aladdin + KV events |" in text
     assert "--sweep-workers --workers-range 0 2 --sweep-rate --rates 0.5 1" in text
@@ -132,3 +137,149 @@ def test_the_virtual_time_check_runs_aladdin_with_and_without_cache_pricing():
     assert len(rows) == 3 and rows[2].startswith("| 2 | ")
     cells = [c.strip() for c in rows[2].strip("|").split("|")]
     assert len(cells) == 7 and all(c.endswith("%") for c in (cells[1], cells[2], cells[4], cells[5]))
+
+
+# --- repeats, failures, hygiene ---------------------------------------------------------------------------
+def test_repeats_interleave_the_arms_and_flag_a_spread_over_five_points():
+    from bench.peers import Arm
+    from bench.peers_sched import interleaved, spread_rows
+
+    a, b, c = (Arm(n, "fleetgate", "least_requests") for n in "abc")
+    assert [x.name for x in interleaved([a, b, c], 3)] == list("abccbaabc")
+    rows = spread_rows([("a", 0.90), ("b", 0.99), ("a", 0.96), ("b", 0.97)])
+    assert rows[2] == "| a | 2 | 90.0%, 96.0% | 6.0 points | **> 5 points** |"
+    assert rows[3] == "| b | 2 | 99.0%, 97.0% | 2.0 points |  |"
+
+
+def test_boundary_probes_rerun_interleaved_and_an_answer_on_both_sides_is_not_confirmed():
+    from bench.peers_sched import repeat_boundary
+    from bench.peers_sweep import Probe, sweep_workers
+
+    class Runner:   # fleetgate a needs 7 workers every time; b needs 5 in its first run at 5, then 6
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, int]] = []
+
+        def __call__(self, arm: str, n: int, rate: float) -> Probe:
+            return self.live(arm, n, rate)
+
+        def live(self, arm: str, n: int, rate: float) -> Probe:
+            self.calls.append((arm, n))
+            need = 7 if arm == "a" else (5 if self.calls.count((arm, 5)) == 1 else 6)
+            return Probe(arm, n, rate, 1.0 if n >= need else 0.9, 1.0, 0.1)
+
+    run = Runner()
+    res = [sweep_workers(arm, run, 2, 10) for arm in ("a", "b")]
+    first = len(run.calls)
+    rows = repeat_boundary(res, run, 2)
+    reruns = run.calls[first:]
+    assert reruns == [("b", 4), ("b", 5), ("a", 6), ("a", 7)]   # second pass in reverse arm order
+    assert "| a, 7 workers | 2 | 100.0%, 100.0% | 0.0 points |  |" in rows
+    assert "| b, 5 workers | 2 | 100.0%, 90.0% | 10.0 points | **> 5 points** |" in rows
+    assert rows[-1] == "- b at 5 workers: runs on both sides of 99% (100.0%, 90.0%), so its answer is not confirmed"
+
+
+def test_every_failure_is_labelled_by_status_code_or_kind_over_real_http():
+    """replay against a loopback server answering each request differently: a 429 with Retry-After (the
+    gateway's admission), a 503 with an OpenAI error code, a stream cut before [DONE], a dropped connection and
+    a complete stream."""
+    import asyncio
+
+    from aiohttp import web
+
+    from bench.peers_sched import REJECTED, ArmRun, failure_cells, replay
+    from scripts.vllm_servers import free_port
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        kind = body["prompt"]
+        if kind == "reject":
+            return web.json_response({"error": {"message": "over capacity", "type": "rate_limit_error",
+                                                "code": "overloaded"}}, status=429, headers={"Retry-After": "1"})
+        if kind == "fail":
+            return web.json_response({"error": {"message": "no worker", "type": "server_error",
+                                                "code": "no_healthy_worker"}}, status=503)
+        if kind == "drop":
+            request.transport.close()
+            return web.Response()
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        if kind == "ok":
+            await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def main() -> list:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            kinds = ["reject", "fail", "cut", "drop", "ok"]
+            reqs = [WorkloadRequest(k, 0.0, 10, 2, slo_ttft_s=5.0, slo_tpot_s=5.0) for k in kinds]
+            outcomes, _ = await replay(f"http://127.0.0.1:{port}", reqs, kinds, 1.0)
+            return outcomes
+        finally:
+            await runner.cleanup()
+
+    outcomes = asyncio.run(main())
+    assert [o.error for o in outcomes[:3]] == [REJECTED, "HTTP 503 no_healthy_worker", "stream cut"]
+    assert outcomes[3].error.startswith("connection: ") and not outcomes[3].ok
+    assert outcomes[4].ok and outcomes[4].error == ""
+    run = ArmRun("x", outcomes)
+    assert failure_cells(run)[0] == "1"   # rejections apart from the failures
+    assert set(failure_cells(run)[1].split(", ")) == {"1 HTTP 503 no_healthy_worker", "1 stream cut",
+                                                      f"1 {outcomes[3].error}"}
+
+
+def test_a_run_does_not_start_while_the_previous_ones_process_or_port_is_alive():
+    import socket
+    import subprocess
+    import sys
+
+    import pytest
+
+    from bench.run_hygiene import assert_clean
+    from scripts.vllm_servers import free_port
+
+    port = free_port()
+    code = (f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); "
+            "print('up', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        with pytest.raises(RuntimeError, match=rf"process {proc.pid} .*port {port} in use"):
+            assert_clean([port], wait_s=0.5)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert_clean([port], wait_s=5.0)        # gone and reaped: the next run may start
+    with socket.socket() as s:               # and the port really is free
+        s.bind(("127.0.0.1", port))
+
+
+def test_the_default_holds_on_long_prompts_where_least_requests_does_not_in_virtual_time():
+    """Mooncake requests 0-399 (prompts up to ~83k tokens, little reuse) on 6 workers: counting requests puts
+    long prefills together and misses 99%; counting tokens in flight (the default) reaches it."""
+    from bench.peers_sched import PROFILE
+    from bench.peers_sched_virtual import sim_probe
+    from gateway.config import GatewayConfig
+
+    reqs = trace_window(0, 400)
+    assert max(r.prompt_tokens for r in reqs) > 80_000   # (those over the context are left out)
+    default = GatewayConfig.model_fields["default_policy"].default
+    assert default == "least_tokens"
+    assert sim_probe(reqs, default, 6, 0, PROFILE).attainment >= 0.99
+    assert sim_probe(reqs, "least_requests", 6, 0, PROFILE).attainment < 0.95
+
+
+def test_jittered_arrivals_keep_the_requests_and_their_order_by_arrival():
+    from bench.peers_sched_virtual import jittered
+
+    reqs = trace_window(0, 50)
+    assert jittered(reqs, 0.05, 0) == reqs
+    moved = jittered(reqs, 0.05, 3)
+    assert sorted(r.request_id for r in moved) == sorted(r.request_id for r in reqs)
+    assert moved != reqs and all(0.0 <= a.arrival <= b.arrival for a, b in zip(moved, moved[1:], strict=False))
+    assert max(abs(m.arrival - r.arrival) for m in moved for r in reqs if r.request_id == m.request_id) < 0.5

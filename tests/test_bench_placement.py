@@ -16,7 +16,8 @@ import pytest
 
 import bench.hetero_pair as hp
 import bench.placement as bp
-from policies.aladdin import AladdinPolicy, _cond_cdf
+from policies.aladdin import AladdinPolicy
+from policies.aladdin.constraints import cond_cdf
 from policies.base import Policy, make_policy
 from policies.baselines import LeastRequests
 from policies.length_predictor import LengthPredictor
@@ -189,10 +190,10 @@ def test_queue_poll_and_lookahead():
 def test_cond_cdf_by_hand():
     s = np.array([1.0, 2.0, 5.0, 10.0, 50.0])
     # P(L < 2 + 4 | L >= 2) = #{2, 5} / #{2, 5, 10, 50} = 0.5
-    assert _cond_cdf(s, np.array([2.0]), np.array([4.0]))[0] == pytest.approx(0.5)
-    assert _cond_cdf(s, np.array([2.0]), np.array([-3.0]))[0] == 0.0          # no deficit
-    assert _cond_cdf(s, np.array([2.0]), np.array([1e30]))[0] == 1.0          # never recovers
-    assert _cond_cdf(s, np.array([60.0]), np.array([5.0]))[0] == 0.0          # older than every sample
+    assert cond_cdf(s, np.array([2.0]), np.array([4.0]))[0] == pytest.approx(0.5)
+    assert cond_cdf(s, np.array([2.0]), np.array([-3.0]))[0] == 0.0          # no deficit
+    assert cond_cdf(s, np.array([2.0]), np.array([1e30]))[0] == 1.0          # never recovers
+    assert cond_cdf(s, np.array([60.0]), np.array([5.0]))[0] == 0.0          # older than every sample
 
 
 def risk_policy(output_length: int) -> AladdinPolicy:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def exported_series() -> set[str]:
     """Every series a gateway can export: its own, the SLO book's and the P/D router's."""
-    from gateway.app import Gateway
+    from gateway.core import Gateway
     from gateway.pd_legs import PdMetrics
 
     gw = Gateway(load_config(None))
@@ -55,8 +55,8 @@ def test_dashboard_only_uses_exported_gateway_series() -> None:
 
 
 def test_shipped_configs_are_valid() -> None:
-    for path in (ROOT / "deploy/compose/fleetgate.yaml", ROOT / "deploy/compose/fleetgate-gpu.yaml",
-                 ROOT / "examples/fleetgate.yaml"):
+    for path in (ROOT / "deploy/compose/fleetgate.yaml", ROOT / "deploy/compose/fleetgate-autoscale.yaml",
+                 ROOT / "deploy/compose/fleetgate-gpu.yaml", ROOT / "examples/fleetgate.yaml"):
         cfg = load_config(path)
-        assert cfg.workers, path
+        assert cfg.workers or cfg.worker_discovery, path   # listed, or found by DNS (the compose stack's sim)
     # docker-compose.yml and deploy/kubernetes (with its gateway config): tests/test_ops_deploy_files.py

@@ -118,7 +118,7 @@ async def test_metrics_are_exported_and_move(sim_fleet) -> None:
                 break
             await asyncio.sleep(0.02)
         assert sample(text, "fleetgate_requests_total", model=MODEL, status="499") == 1
-        labels = {"model": MODEL, "policy": "least_requests", "status": "200"}
+        labels = {"model": MODEL, "policy": "least_tokens", "status": "200"}
         assert sample(text, "fleetgate_requests_total", **labels) == 2
         assert sample(text, "fleetgate_request_duration_seconds_count", model=MODEL) == 3
         assert sample(text, "fleetgate_time_to_first_token_seconds_count", model=MODEL) == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -75,16 +76,51 @@ async def recording_worker() -> AsyncIterator[RecordingWorker]:
         await w.stop()
 
 
-async def raw(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+class Raw:
+    """A raw client connection on a non-blocking socket, read as the kernel delivers it: the gateway's answer is
+    read even when a reset follows it (asyncio's StreamReader raises a reset that arrives before its reader has
+    run, with the answer still in its buffer)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+
+    async def send(self, data: bytes) -> None:
+        """Send `data`; a connection the gateway closed meanwhile ends the sending, quietly."""
+        with contextlib.suppress(ConnectionError):
+            await self.loop.sock_sendall(self.sock, data)
+
+    async def closed_within(self, seconds: float) -> tuple[bytes, float]:
+        """Read until the gateway closes the connection; (what it sent, seconds it took). Fails past `seconds`."""
+        t0 = time.monotonic()
+        data = bytearray()
+
+        async def read_all() -> None:
+            while True:
+                try:
+                    chunk = await self.loop.sock_recv(self.sock, 65536)
+                except ConnectionResetError:
+                    return  # closed with a reset: what came before it is the answer
+                if not chunk:
+                    return
+                data.extend(chunk)
+        await asyncio.wait_for(read_all(), seconds)
+        return bytes(data), time.monotonic() - t0
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def raw(url: str) -> Raw:
     host, port = url.removeprefix("http://").split(":")
-    return await asyncio.open_connection(host, int(port))
-
-
-async def closed_within(reader: asyncio.StreamReader, seconds: float) -> tuple[bytes, float]:
-    """Read until the gateway closes the connection; (what it sent, seconds it took). Fails past `seconds`."""
-    t0 = time.monotonic()
-    data = await asyncio.wait_for(reader.read(-1), seconds)
-    return data, time.monotonic() - t0
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    except BaseException:
+        sock.close()
+        raise
+    return Raw(sock)
 
 
 # --- what the worker is told ---------------------------------------------------------------------------------------
@@ -118,38 +154,37 @@ async def test_dripped_headers_stalled_bodies_and_idle_connections_are_closed_in
     async with recording_worker() as w, running_gateway(workers=[{"id": "w", "url": w.url, "models": [MODEL]}],
                                                         server=LIMITS) as gw:
         async def drip() -> tuple[bytes, float]:
-            reader, writer = await raw(gw.url)
-            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            conn = await raw(gw.url)
+            await conn.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
 
             async def more() -> None:
-                with contextlib.suppress(ConnectionError):
-                    for i in range(100):
-                        await asyncio.sleep(0.2)
-                        writer.write(b"X-Drip-%d: 1\r\n" % i)
-                        await writer.drain()
+                for i in range(100):
+                    await asyncio.sleep(0.2)
+                    await conn.send(b"X-Drip-%d: 1\r\n" % i)
             t = asyncio.create_task(more())
             try:
-                return await closed_within(reader, 3.0)
+                return await conn.closed_within(3.0)
             finally:
                 t.cancel()
-                writer.close()
+                await asyncio.gather(t, return_exceptions=True)
+                conn.close()
 
         async def stall() -> tuple[bytes, float]:
-            reader, writer = await raw(gw.url)
-            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 1000\r\n\r\n{\"model\":")
+            conn = await raw(gw.url)
+            await conn.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 1000\r\n\r\n{\"model\":")
             try:
-                return await closed_within(reader, 3.0)
+                return await conn.closed_within(3.0)
             finally:
-                writer.close()
+                conn.close()
 
         async def idle(data: bytes = b"") -> tuple[bytes, float]:
-            reader, writer = await raw(gw.url)
-            writer.write(data)
+            conn = await raw(gw.url)
+            await conn.send(data)
             try:
-                return await closed_within(reader, 3.0)
+                return await conn.closed_within(3.0)
             finally:
-                writer.close()
+                conn.close()
 
         results = await asyncio.gather(*(drip() for _ in range(5)), *(stall() for _ in range(5)),
                                        *(idle() for _ in range(3)), idle(b"\r\n\r\n\r\n"))
@@ -170,7 +205,7 @@ async def test_dripped_headers_stalled_bodies_and_idle_connections_are_closed_in
 async def test_oversized_headers_get_431_and_are_never_forwarded(case: str) -> None:
     async with recording_worker() as w, running_gateway(workers=[{"id": "w", "url": w.url, "models": [MODEL]}],
                                                         server={**LIMITS, "header_timeout_s": 10.0}) as gw:
-        reader, writer = await raw(gw.url)
+        conn = await raw(gw.url)
         if case == "8 MB header":
             head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (8 << 20) + b"\r\n"
         elif case == "100,000 headers":
@@ -180,16 +215,13 @@ async def test_oversized_headers_get_431_and_are_never_forwarded(case: str) -> N
             head = b"POST /v1/chat/completions?" + b"q" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n"
         request = head + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT
 
-        async def send() -> None:
-            with contextlib.suppress(ConnectionError):
-                writer.write(request)
-                await writer.drain()
-        sender = asyncio.create_task(send())
+        sender = asyncio.create_task(conn.send(request))
         try:
-            answer, took = await closed_within(reader, 10.0)
+            answer, took = await conn.closed_within(10.0)
         finally:
             sender.cancel()
-            writer.close()
+            await asyncio.gather(sender, return_exceptions=True)
+            conn.close()
         assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
         assert took < 5.0
         assert w.seen == []
@@ -200,12 +232,12 @@ async def test_connections_beyond_the_limit_are_closed_at_once() -> None:
                                                         server={**LIMITS, "max_connections": 4,
                                                                 "keepalive_s": 30.0}) as gw:
         held = [await raw(gw.url) for _ in range(4)]
-        reader, writer = await raw(gw.url)
-        answer, took = await closed_within(reader, 2.0)
+        conn = await raw(gw.url)
+        answer, took = await conn.closed_within(2.0)
         assert answer == b"" and took < 1.0
-        writer.close()
-        for _, wr in held:
-            wr.close()
+        conn.close()
+        for c in held:
+            c.close()
 
         async def serves() -> bool:
             async with httpx.AsyncClient(base_url=gw.url, timeout=5) as http:

@@ -64,6 +64,14 @@ def test_config_check_explains_every_problem(tmp_path: Path) -> None:
     ("models: {m: {policy: round_robin, params: {speed: 3}}}\n", "models.m.policy: policy 'round_robin' rejects"),
     ("workers: [{id: a, url: 'http://x:1'}, {id: a, url: 'http://y:1'}]\n", "duplicate worker id 'a'"),
     ("redis_url: localhost:6379\n", "redis_url: expected redis://host:port/db"),
+    ("worker_discovery: [{dns: 'sim x', port: 8000}]\n", "worker_discovery[0].dns: must be a DNS name"),
+    ("worker_discovery: [{dns: sim, port: 0}]\n", "worker_discovery[0].port: Input should be greater than or equal"),
+    ("worker_discovery: [{dns: sim, port: 8000, nameservers: [consul]}]\n", "nameserver 'consul': expected an IP"),
+    ("worker_discovery: [{dns: sim, port: 8000, nameservers: ['10.0.0.1:99999']}]\n", "port must be 1-65535"),
+    ("worker_discovery: [{dns: sim, port: 8000, intervals: 5}]\n", "worker_discovery[0].intervals: unknown field"),
+    ("autoscale: {actuator: {kind: docker}}\n", "docker.services is required with kind: docker"),
+    ("autoscale: {actuator: {kind: docker, docker: {services: {interactive: sim}}}}\n",
+     "autoscale.actuator.docker.services.interactive"),
 ])
 def test_config_semantic_and_syntax_errors(tmp_path: Path, text: str, message: str) -> None:
     f = tmp_path / "c.yaml"
@@ -144,7 +152,7 @@ def test_slo_aware_policies_refuse_workers_without_a_model(tmp_path) -> None:
     cfg.write_text(cfg.read_text() + "learning: {priors: {mystery-gpu: {k1: 1.0e-4, c1: 0.02}}}\n")
     assert load_config(cfg).default_policy == "aladdin"          # declared coefficients: accepted
     cfg.write_text("workers:\n  - {id: a, url: 'http://127.0.0.1:9', profile: mystery-gpu}\n")
-    assert load_config(cfg).default_policy == "least_requests"   # a plain policy needs no model
+    assert load_config(cfg).default_policy == "least_tokens"   # a plain policy needs no model
 def test_keys_are_checked_for_repeats_and_for_an_admin_key_that_is_also_an_inference_key() -> None:
     import hashlib
 
@@ -164,3 +172,17 @@ def test_keys_are_checked_for_repeats_and_for_an_admin_key_that_is_also_an_infer
     assert "auth.admin_key" in e.value.problems[0]
     with pytest.raises(ConfigError):
         load_config(None, server={"trusted_proxies": ["not-an-ip"]})
+
+
+def test_deprecated_stall_knobs_still_load_with_a_warning(tmp_path: Path) -> None:
+    f = tmp_path / "old.yaml"
+    f.write_text("workers: [{id: w0, url: 'http://127.0.0.1:9'}]\n"
+                 "resume: {suspect_hold_s: 3.0}\npd: {prefill_timeout_s: 20.0}\n")
+    with pytest.warns(DeprecationWarning) as seen:
+        cfg = load_config(f)
+    assert {str(w.message).split(" is ")[0] for w in seen} == {"config key resume.suspect_hold_s",
+                                                               "config key pd.prefill_timeout_s"}
+    assert cfg.resume.ejection_base_s == 3.0  # the hold is now the base of the ejection backoff
+    assert cfg.pd.prefill_timeout_s == 20.0   # now only the cap of the stall rule's wait for a prefill leg
+    fresh = load_config(None)
+    assert fresh.resume.ejection_base_s == 10.0 and fresh.pd.prefill_timeout_s is None

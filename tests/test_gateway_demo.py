@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 
 import openai
+import pytest
 
 from tests.helpers import MODEL, CliProcess, free_port_range, poll_sync, refused
 
@@ -78,3 +79,21 @@ def test_killed_demo_takes_its_workers_with_it() -> None:
         demo.proc.kill()  # SIGKILL: no cleanup code runs in the demo
         demo.proc.wait(10)
     poll_sync(lambda: refused(base + 1) and refused(base + 2), 10, "the simulated workers to exit")
+
+
+@pytest.mark.parametrize(("mode", "prefix", "when"), [
+    (("--pd", "1:1"), "fleetgate-pd-", "fleetgate listening on"),
+    (("--num-models", "2", "--workers", "1"), "fleetgate-pooled-", "fleetgate listening on"),
+    (("--num-models", "2", "--workers", "1"), "fleetgate-pooled-", "starting "),      # while the fleet starts
+])
+def test_sigterm_removes_the_demos_temporary_files(tmp_path, mode: tuple[str, ...], prefix: str, when: str) -> None:
+    base = free_port_range(3)
+    with CliProcess("demo", "--port", str(base), "--base-port", str(base + 1), "--time-scale", "20", *mode,
+                    env={"TMPDIR": str(tmp_path)}, merge_stderr=True) as demo:
+        demo.wait_for(when, timeout=60)
+        made = [p.name for p in tmp_path.iterdir()]
+        assert len(made) == 1 and made[0].startswith(prefix), made     # the demo's fleet file, in its TMPDIR
+        assert demo.send_signal(signal.SIGTERM, timeout=20) == 0
+        assert "demo stopped" in demo.read_to_end()
+    assert list(tmp_path.iterdir()) == []
+    poll_sync(lambda: all(refused(base + i) for i in range(3)), 10, "the gateway and the workers to exit")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from contextlib import AbstractAsyncContextManager
@@ -145,17 +146,42 @@ async def test_5xx_before_any_byte_is_retried_and_the_last_answer_passed_through
         assert set(r.json()["error"]) == set(direct.json()["error"])
 
 
+async def test_a_retry_whose_other_workers_are_full_waits_for_a_slot_instead_of_failing(sim_fleet) -> None:
+    """w0 holds its one slot with a long answer; a request placed on w1 gets a 503 from it before any byte. The
+    retry finds no free worker (w0 at its cap, w1 tried): it waits in the admission queue and runs on w0 once the
+    long answer is done, where it would otherwise have failed with w1's 503."""
+    fleet = sim_fleet(2, time_scale=20)
+    w0, w1 = fleet.urls
+    settings = {"workers": [{"id": "w0", "url": w0, "cap": 1}, {"id": "w1", "url": w1, "cap": 1}],
+                "limits": {"queue_timeout_s": 30}, "default_policy": "round_robin"}
+    async with gateway(fleet.urls, **settings) as gw, httpx.AsyncClient(headers=ADMIN, timeout=60) as http:
+        await http.post(w1 + "/sim/faults", json={"error_status": 503})
+        # the long answer (~2 s at time scale 20) pins w0's slot; round robin sends it to w0 first
+        long = asyncio.create_task(http.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2000},
+                                             headers={"x-sim-output-tokens": "2000"}))
+        await poll(lambda: (gw.gateway.store.inflight().get("w0") or None) is not None
+                   and gw.gateway.store.inflight()["w0"].requests == 1, what="w0 holding its slot")
+        r = await http.post(gw.url + "/v1/chat/completions", json=CHAT)   # w1 (503), then waits for w0
+        assert r.status_code == 200, r.text
+        assert (await long).status_code == 200
+        text = (await http.get(gw.url + "/metrics")).text
+        assert metric(text, "fleetgate_upstream_errors_total", worker="w1", kind="status_5xx") >= 1
+        assert metric(text, "fleetgate_requests_total", status="200") == 2
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_hung_worker_times_out_before_headers_and_is_retried(sim_fleet, stream: bool) -> None:
     fleet = sim_fleet(2, time_scale=20)
-    timeouts = {"connect_s": 1, "first_byte_s": 0.3, "idle_s": 5}
+    # a hung worker is given up after first_byte_s, long before idle_s: the bound below tells the two apart with a
+    # margin no loaded machine eats
+    timeouts = {"connect_s": 1, "first_byte_s": 0.3, "idle_s": 60}
     async with gateway(fleet.urls, default_policy="round_robin", timeouts=timeouts) as gw, \
             httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         await http.post(fleet.urls[0] + "/sim/faults", json={"hang": True})
         for _ in range(2):
             t = time.monotonic()
             r = await http.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": stream})
-            assert r.status_code == 200 and time.monotonic() - t < 5
+            assert r.status_code == 200 and time.monotonic() - t < 20
         text = (await http.get(gw.url + "/metrics")).text
         assert metric(text, "fleetgate_upstream_errors_total", worker="w0", kind="timeout") >= 1
         await http.delete(fleet.urls[0] + "/sim/faults")

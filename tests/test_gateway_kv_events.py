@@ -22,7 +22,7 @@ from engine_adapters.vllm.kv_events import END_SEQ, encode_batch, seq_bytes
 from gateway.kv_events import KvEventsMetrics, Source, Subscriber, source_from_listing
 from policies.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvIndex
 from simulator import tokenizer
-from tests.helpers import ADMIN, free_port, metric, poll, running_gateway
+from tests.helpers import ADMIN, free_port_range, metric, poll, running_gateway
 
 
 class ScriptedPublisher:
@@ -31,15 +31,14 @@ class ScriptedPublisher:
     def __init__(self, fmt: str = "0.11") -> None:
         self.fmt = fmt
         self.ctx = zmq.Context.instance()
-        self.port, self.replay_port = free_port(), free_port()
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")   # bound at once: no port to lose meanwhile
         self.buffer: dict[int, bytes] = {}
         self.ts = 1000.0
         self._router = self.ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        self.replay_port = self._router.bind_to_random_port("tcp://127.0.0.1")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_replay, daemon=True)
         self._thread.start()
@@ -152,24 +151,6 @@ def _kv_json(port: int, replay: int) -> str:
                        "replay_endpoint": f"tcp://*:{replay}"})
 
 
-def _ports(n: int) -> int:
-    """A base port whose next n-1 ports are free too (each server i binds base + i)."""
-    while True:
-        base = free_port()
-        try:
-            socks = []
-            for i in range(n):
-                s = zmq.Context.instance().socket(zmq.PUB)
-                socks.append(s)
-                s.bind(f"tcp://127.0.0.1:{base + i}")
-            return base
-        except zmq.ZMQError:
-            continue
-        finally:
-            for s in socks:
-                s.close(linger=0)
-
-
 def _stats(url: str) -> dict:
     return httpx.get(url + "/sim/state", timeout=5).json()["stats"]
 
@@ -179,7 +160,8 @@ async def test_gateway_routes_to_the_cached_prefix_and_predicts_the_hits(sim_fle
     """configured: 0.11 engines with sha256_cbor and a shared PYTHONHASHSEED, endpoints in the config;
     discovered: 0.33-style engines found through GET /kv_event_sources; token_ids: 0.11 engines with their
     default sha256 and no seed (a random NONE_HASH per engine, irreproducible): keys rebuilt from token ids."""
-    base, replay = _ports(2), _ports(2)
+    base = free_port_range(4)   # server i publishes on base + i, replays on base + 2 + i
+    replay = base + 2
     fmt = "0.33" if mode == "discovered" else "0.11"
     engine = {"prefix_caching_hash_algo": "sha256_cbor", "hash_seed": "11"} if mode != "token_ids" else {}
     fleet = sim_fleet(2, time_scale=50, kv_events_config=_kv_json(base, replay), kv_events_format=fmt, **engine)

@@ -23,6 +23,7 @@ from engine_adapters.vllm.kv_transfer import PREFILL_LEG_PARAMS
 from gateway.server import GatewayServer
 from simulator.tokenizer import count_tokens, render_chat, synthetic_text
 from tests.helpers import ADMIN, MODEL, CliProcess, free_port_range, poll, run_cli, running_gateway
+from tests.test_gateway_resume import assert_continuous
 
 PRODUCER = {"role": "kv_producer"}
 CONSUMER = {"role": "kv_consumer"}
@@ -276,7 +277,7 @@ async def test_prefill_failure_everywhere_falls_back_to_local_prefill(sim_fleet,
     fleet = sim_fleet(fleet={"servers": [PRODUCER, CONSUMER]}, time_scale=20)
     p, d = fleet.urls
     messages, n = long_chat("fallback")
-    async with gateway([("p0", p, "prefill"), ("d0", d, "decode")], pd={"prefill_timeout_s": 0.5}) as gw, \
+    async with gateway([("p0", p, "prefill"), ("d0", d, "decode")], resume={"cold_first_token_s": 0.5}) as gw, \
             httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
         await http.post(p + "/sim/faults", json=fault)
         text, out, finish, _ = await chat(gw, messages, stream=False)
@@ -426,7 +427,47 @@ async def test_plain_and_pd_requests_take_one_path(sim_fleet, monkeypatch) -> No
             if kind == "pd":
                 assert any(pre == "p0" for _, _, pre in seen) and "disaggregated" in reasons
             else:
-                assert all(pre is None for _, _, pre in seen) and reasons <= {"least_requests", "no_workers", ""}
+                assert all(pre is None for _, _, pre in seen) and reasons <= {"least_tokens", "no_workers", ""}
             # the second request found the one worker (pair) full and waited in the model's admission queue
             assert {rid for rid, *_ in seen} == {f"{kind}-0", f"{kind}-1"} and len(seen) >= 3
             assert await metric(http, gw.url, "fleetgate_queue_wait_seconds_count", model=MODEL) == 1
+
+
+# --- the decode leg as any leg: resume, progress -----------------------------------------------------------
+
+async def test_a_decode_worker_dying_mid_stream_is_resumed_on_another_decode_worker(sim_fleet) -> None:
+    fleet = sim_fleet(fleet={"servers": [PRODUCER, CONSUMER, CONSUMER]}, time_scale=20)
+    p, d0, d1 = fleet.urls
+    messages, _ = long_chat("pd-resume")
+    async with gateway([("p0", p, "prefill"), ("d0", d0, "decode"), ("d1", d1, "decode")]) as gw, \
+            httpx.AsyncClient(headers=ADMIN, timeout=20) as http:
+        await http.post(d0 + "/sim/faults", json={"drop_after_tokens": 5})  # d0: least_requests' first choice
+        text, out, finish, _ = await chat(gw, messages, stream=True, max_tokens=40)
+        assert (out, finish) == (40, "length")  # one stream, every token, the usage of the whole answer
+        assert_continuous(text, 40)
+        g = (await http.get(gw.url + "/metrics")).text
+        assert samples(g, "fleetgate_stream_breaks_total", outcome="resumed") == 1
+        assert samples(g, "fleetgate_requests_total", status="200") == 1
+        prompt, generated = await tokens(http, d1)
+        assert generated == 35 and prompt > 0  # the rest of the answer, its prompt prefilled there
+        assert all(held(gw, w) == 0 for w in ("p0", "d0", "d1"))
+
+
+async def test_the_decode_policy_hears_the_progress_of_its_streams(sim_fleet) -> None:
+    fleet = sim_fleet(fleet={"servers": [PRODUCER, CONSUMER]}, time_scale=5)
+    p, d = fleet.urls
+    async with gateway([("p0", p, "prefill"), ("d0", d, "decode")], learning={"interval_s": 0.05}) as gw:
+        await chat(gw, long_chat("warm")[0], stream=False)  # builds the P/D profile's policy
+        pd = gw.gateway.dispatcher.runtime(MODEL).placement.pd
+        heard: list[tuple[str, int]] = []
+        forward = pd.report_progress
+
+        def report(request_id: str, generated: int, now: float) -> None:  # the real policy still hears it
+            heard.append((request_id, generated))
+            forward(request_id, generated, now)
+
+        pd.report_progress = report
+        _, out, _, _ = await chat(gw, long_chat("progress")[0], stream=True, max_tokens=200, request_id="prog-1")
+        assert out == 200
+        counts = [n for rid, n in heard if rid == "prog-1"]
+        assert len(counts) >= 2 and counts == sorted(counts) and 0 < counts[-1] <= 200

@@ -117,3 +117,35 @@ async def test_policy_end_to_end(sim_fleet, policy: str) -> None:
         await check(http, gw, fleet.urls)
         metrics = (await http.get(gw.url + "/metrics")).text
         assert f'policy="{policy}"' in metrics
+
+
+@pytest.mark.parametrize("policy", ["least_tokens", "least_requests"])
+async def test_least_tokens_keeps_short_requests_off_the_worker_holding_a_long_prompt(sim_fleet, policy) -> None:
+    """Three workers with one request in flight each, one of them a long prompt: least_requests sees three equal
+    loads and rotates over all three; least_tokens (the default) sends the next short requests to the two
+    workers holding fewer tokens."""
+    fleet = sim_fleet(3, time_scale=1)   # real time: the held streams stay open while the short requests run
+    held = {**chat("x"), "max_tokens": 2000, "stream": True}
+    big = {**held, "messages": [{"role": "user", "content": "long context " * 3000}]}
+    hold = {"x-sim-output-tokens": "2000"}
+    async with gateway(fleet.urls, policy) as gw, httpx.AsyncClient(timeout=60) as http:
+        url = gw.url + "/v1/chat/completions"
+        async with http.stream("POST", url, json=big, headers=hold) as r0:
+            chunks = [r0.aiter_bytes()]   # kept: a dropped iterator closes its stream
+            await chunks[0].__anext__()   # placed (on w0: every worker idle, the first id)
+            async with http.stream("POST", url, json=held, headers=hold) as r1, \
+                    http.stream("POST", url, json=held, headers=hold) as r2:
+                chunks += [r1.aiter_bytes(), r2.aiter_bytes()]
+                await chunks[1].__anext__()
+                await chunks[2].__anext__()
+                inflight = gw.gateway.store.inflight()
+                assert [inflight[w].requests for w in ("w0", "w1", "w2")] == [1, 1, 1]
+                assert inflight["w0"].tokens > 10 * inflight["w1"].tokens
+                before = await served(http, fleet.urls)
+                await sequential(http, gw, [chat(f"q{i}") for i in range(4)])
+                counts = spread(before, await served(http, fleet.urls))
+    assert sum(counts) == 4
+    if policy == "least_tokens":
+        assert counts == [0, 2, 2]
+    else:
+        assert counts[0] >= 1

@@ -39,7 +39,9 @@ async def test_two_leasing_replicas_never_hold_more_than_the_cap(sim_fleet, redi
     urls = [gateway_process(cfg, "--redis-url", REDIS_URL).listening_url() for _ in range(2)]
     raw = aioredis.from_url(REDIS_URL, decode_responses=True)
     key = redis_prefix + "res:only"
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "stream": True}
+    # requests long enough (~0.2 s) that 16 clients keep the worker at its cap even when a loaded machine slows
+    # the gateways' own work per request
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 120, "stream": True}
     done = asyncio.Event()
     held: list[int] = []
     inflight: list[int] = []
@@ -55,10 +57,12 @@ async def test_two_leasing_replicas_never_hold_more_than_the_cap(sim_fleet, redi
                 await asyncio.sleep(0.005)
 
         async def client(i: int) -> list[int]:
-            codes = []
-            for _ in range(6):
+            # 4 requests each, then on until the watcher has sampled the busy worker 20 times: how many samples
+            # fit into 64 requests depends on how loaded the machine is, the test's claim does not.
+            codes: list[int] = []
+            while len(codes) < 4 or sum(n > 0 for n in inflight) < 20:
                 r = await http.post(urls[i % 2] + "/v1/chat/completions", json=body,
-                                    headers={"x-sim-output-tokens": "30"})
+                                    headers={"x-sim-output-tokens": "120"})
                 codes.append(r.status_code)
             return codes
 
@@ -67,10 +71,14 @@ async def test_two_leasing_replicas_never_hold_more_than_the_cap(sim_fleet, redi
         done.set()
         await watcher
 
-        assert [c for codes in results for c in codes] == [200] * 96
-        assert len(held) > 20
-        assert max(held) <= cap, max(held)          # leased slots count against the cap, across both replicas
-        assert max(inflight) == cap                 # the cap was reached, never exceeded
+        codes = [c for codes in results for c in codes]
+        assert len(codes) >= 64 and set(codes) == {200}
+        assert sum(n > 0 for n in inflight) >= 20
+        # leased slots count against the cap across both replicas: the cap was reached in Redis, never exceeded
+        # there or at the worker (whether a sample catches the worker with all 6 running at once depends on how
+        # fast a loaded machine lets the gateways hand the next request on: 5 of 6 in 1 of 10 loaded runs)
+        assert max(held) == cap, max(held)
+        assert 0 < max(inflight) <= cap, max(inflight)
         assert {m.split("|")[0] for m in leased_members} and len(leased_members) >= 2   # slots were leased
         # once idle, each replica gives its leased slots back (lease_idle_s 1 s, checked every refresh)
         t = time.monotonic()

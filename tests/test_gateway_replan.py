@@ -142,7 +142,7 @@ async def test_the_leader_plans_from_every_replicas_traffic_and_the_other_replic
         leader = await poll(lambda: next((g for g in pair if g.gateway.autoscaler.leader), None), 10, "a leader")
         other = g2 if leader is g1 else g1
         rp = leader.gateway.autoscaler.replanner
-        sent = [0]
+        sent: list[float] = []      # when each request was answered (wall clock, as the leader's round times)
 
         async def send(stop: asyncio.Event) -> None:
             k = 0
@@ -151,19 +151,22 @@ async def test_the_leader_plans_from_every_replicas_traffic_and_the_other_replic
                 r = await http.post(pair[k % 2].url + "/v1/completions",
                                     json={"model": MODEL, "prompt": "hello " * 50, "max_tokens": 20})
                 assert r.status_code == 200
-                sent[0] += 1
+                sent.append(time.time())
                 await asyncio.sleep(0.1)
 
         stop = asyncio.Event()
         users = [asyncio.create_task(send(stop)) for _ in range(3)]
         try:
             first = len(rp.history)
-            done = await poll(lambda: [h for h in rp.history[first + 1:] if h["demands"].get("llama3-8b")], 15,
+            done = await poll(lambda: [i for i in range(first + 1, len(rp.history))
+                                       if rp.history[i]["demands"].get("llama3-8b")], 15,
                               "a round that saw a full interval of both replicas' traffic")
         finally:
             stop.set()
             await asyncio.gather(*users)
-        seen = done[0]["demands"]["llama3-8b"]
+        round_, before = rp.history[done[0]], rp.history[done[0] - 1]
+        seen = round_["demands"]["llama3-8b"]
+        answered = sum(before["t"] < t <= round_["t"] for t in sent) / (round_["t"] - before["t"])
         names = ("fleetgate_plan_gpus", "fleetgate_plan_cost_per_hour", "fleetgate_replan_interval_seconds",
                  "fleetgate_plan_predicted_attainment")
 
@@ -174,9 +177,10 @@ async def test_the_leader_plans_from_every_replicas_traffic_and_the_other_replic
 
         exported = await poll(same_numbers, 5, "both replicas to export the leader's plan", every=0.1)
         assert other.gateway.autoscaler.replanner.history == []          # only the leader re-plans
-    # ~3 users x ~8 requests/s through the two replicas: the leader's rate counts both halves (one replica alone
-    # would see half of it).
-    assert 15 <= seen <= 45, seen
+    # 3 users through the two replicas (~8 requests/s each on a quiet machine, fewer on a loaded one): the
+    # leader's rate is the rate the test sent in that round's interval, both halves of it (one replica alone would
+    # see half). The replicas' load documents lag the requests by a refresh, hence the margins.
+    assert 0.75 * answered <= seen <= 1.3 * answered, (seen, answered)
     gpus, cost = exported[0][:2]
     assert gpus >= 1 and cost == pytest.approx(1.8 * gpus)           # A100s at their list price
 

@@ -103,34 +103,50 @@ async def test_out_of_workers_ends_with_an_error_event_counted_as_502(sim_fleet)
 async def test_stalled_worker_is_suspected_and_its_stream_finishes_elsewhere(sim_fleet) -> None:
     fleet = sim_fleet(2, time_scale=20)
     resume = {"gap_floor_s": 0.5, "first_token_floor_s": 1.0, "cold_gap_s": 1.0, "cold_first_token_s": 2.0,
-              "suspect_hold_s": 2.0}
-    async with running_gateway(fleet.urls, health=HEALTH, resume=resume) as gw, \
+              "ejection_base_s": 2.0, "probe_timeout_s": 1.0}
+    async with running_gateway(fleet.urls, health=HEALTH, resume=resume, default_policy="round_robin") as gw, \
             httpx.AsyncClient(timeout=30) as http:
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=30)
         for _ in range(20):  # both workers get a pace
             await client.completions.create(model=MODEL, prompt="warm", max_tokens=4)
+        before = await served(http, fleet.urls)
+        await client.completions.create(model=MODEL, prompt="warm", max_tokens=4)
+        after = await served(http, fleet.urls)
+        # round robin sends the stream to the worker the last warm-up did not go to: armed before the request,
+        # its engine freezes after the stream's 5th token (its /health still answers), however loaded the host
+        idx = 0 if after[1] > before[1] else 1
+        sick_url = fleet.urls[idx]
+        await http.post(sick_url + "/sim/faults", json={"stall_after_tokens": 5})
+        tokens_before = [await generated(http, u) for u in fleet.urls]
         t0 = asyncio.get_running_loop().time()
         stream = await client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=400, stream=True, extra_body={"ignore_eos": True},
             extra_headers={"x-request-id": "stall-1"})
-        parts: list[str] = []
-        async for c in stream:
-            if c.choices and c.choices[0].delta.content:
-                parts.append(c.choices[0].delta.content)
-                if len(parts) == 5:  # the worker serving it hangs (every engine step takes 10^5 x longer)
-                    served = [u for u in fleet.urls
-                              if (await http.get(u + "/sim/state")).json()["inflight_http"] == 1]
-                    assert len(served) == 1
-                    await http.post(served[0] + "/sim/faults", json={"slowdown": 100000.0})
+        parts = [c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content]
         took = asyncio.get_running_loop().time() - t0
         assert_continuous("".join(parts), 400)
         assert took < 8.0  # the 60 s idle timeout never came into it
+        assert (await http.get(sick_url + "/sim/state")).json()["stalled"]
+        tokens_after = [await generated(http, u) for u in fleet.urls]
+        assert tokens_after[idx] - tokens_before[idx] == 5  # 5 tokens there, the other 395 on the other worker
+        assert tokens_after[1 - idx] - tokens_before[1 - idx] == 395
         text = (await http.get(gw.url + "/metrics", headers=ADMIN)).text
         assert metric(text, "fleetgate_stream_breaks_total", outcome="resumed") == 1
-        sick = gw.gateway.registry.workers["w0" if served[0] == fleet.urls[0] else "w1"]
+        sick = gw.gateway.registry.workers[f"w{idx}"]
+        assert (await http.get(sick_url + "/health")).status_code == 200
         assert not sick.healthy  # left rotation at once, and stays out its hold time though /health answers
-        await http.delete(served[0] + "/sim/faults")  # it recovers: the health checks bring it back
-        await poll_until(lambda: sick.healthy, 10.0)
+        await http.delete(sick_url + "/sim/faults")  # it recovers: a probe generation brings it back
+        await poll_until(lambda: sick.healthy, 15.0)
+
+
+async def served(http: httpx.AsyncClient, urls: list[str]) -> list[int]:
+    """Requests each simulated worker finished by length (the warm-ups)."""
+    return [(await http.get(u + "/sim/state")).json()["stats"]["finished"]["length"] for u in urls]
+
+
+async def generated(http: httpx.AsyncClient, url: str) -> int:
+    """Tokens the simulated worker's engine generated so far."""
+    return (await http.get(url + "/sim/state")).json()["stats"]["generation_tokens"]
 
 
 async def poll_until(cond, timeout_s: float) -> None:  # noqa: ANN001
@@ -142,7 +158,7 @@ async def poll_until(cond, timeout_s: float) -> None:  # noqa: ANN001
 
 async def test_a_worker_failing_every_request_is_ejected_though_its_health_answers(sim_fleet) -> None:
     fleet = sim_fleet(2, time_scale=20)
-    resume = {"eject_after_errors": 3, "suspect_hold_s": 1.0}
+    resume = {"eject_after_errors": 3, "ejection_base_s": 1.0}
     async with running_gateway(fleet.urls, health=HEALTH, resume=resume, default_policy="round_robin") as gw, \
             httpx.AsyncClient(timeout=20) as http:
         await http.post(fleet.urls[0] + "/sim/faults", json={"error_status": 500})

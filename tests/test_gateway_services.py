@@ -8,15 +8,16 @@ import asyncio
 import math
 import time
 
+import httpx
 import openai
 import pytest
 
 from gateway.auth import ANONYMOUS, Tenant
 from gateway.config import ServicePriorityConfig, load_config
-from gateway.request import estimate_chat_tokens
 from gateway.services import ServiceOrder
+from policies.tokens import estimate_chat_tokens
 from simulator.engine import EngineCore
-from tests.helpers import MODEL, running_gateway, worker_entries
+from tests.helpers import MODEL, poll, running_gateway, worker_entries
 
 FAST = 20.0
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -116,9 +117,13 @@ async def test_bad_service_header_is_a_400(sim_fleet, make_client):
 
 async def finish_order(make_client, urls: list[str], order: str) -> list[str]:
     """cap=1: one request at a time; a long one runs while two long and then two short ones queue. The order in
-    which the queued four finish."""
+    which the queued four finish. The blocker is held at its first token (the simulator's stall_after_tokens
+    fault) until the four have queued: at time scale 20 it would otherwise finish in ~0.15 s, before a loaded
+    machine has queued them."""
+    # hung_detection off: the held blocker is not yet answered (not streamed), and on a loaded machine queueing
+    # the four can outlast the stall rule's 2 s floor, which would eject the worker and place the blocker again.
     settings = {"workers": worker_entries(urls, cap=1), "service_priority": {"order": order},
-                "limits": {"queue_timeout_s": 60}}
+                "limits": {"queue_timeout_s": 60}, "resume": {"hung_detection": False}}
     async with running_gateway(**settings) as gw:
         client = make_client(gw.url)
         await teach(client, {"long": 400, "short": 2})
@@ -128,18 +133,31 @@ async def finish_order(make_client, urls: list[str], order: str) -> list[str]:
             await chat(client, service, tokens)
             done.append(name)
 
-        blocker = asyncio.ensure_future(one("blocker", "long", 400))
-        queue = gw.gateway.dispatcher.runtime(MODEL).queue
-        tasks = []
-        for name, service, tokens in [("long-a", "long", 400), ("long-b", "long", 400), ("short-a", "short", 2),
-                                      ("short-b", "short", 2)]:
-            tasks.append(asyncio.ensure_future(one(name, service, tokens)))
-            deadline = time.monotonic() + 5
-            while len(queue) < len(tasks) and time.monotonic() < deadline:   # queued in this order
-                await asyncio.sleep(0.002)
-        assert len(queue) == 4, "the four did not queue behind the blocker"
+        async with httpx.AsyncClient(timeout=10) as http:
+            await http.post(urls[0] + "/sim/faults", json={"stall_after_tokens": 1})
+            blocker = asyncio.ensure_future(one("blocker", "long", 400))
+            async def held() -> bool:    # it runs, held at its first token
+                return (await http.get(urls[0] + "/sim/state")).json()["stalled"]
+
+            await poll(held, timeout=30, what="the blocker to start", every=0.01)
+            tasks = await queue_four(gw, one)
+            await http.delete(urls[0] + "/sim/faults")
         await asyncio.gather(blocker, *tasks)
         return [n for n in done if n != "blocker"]
+
+
+async def queue_four(gw, one) -> list[asyncio.Future]:  # noqa: ANN001
+    """Send the four, each once the previous one has queued (so they queue in this order)."""
+    queue = gw.gateway.dispatcher.runtime(MODEL).queue
+    tasks = []
+    for name, service, tokens in [("long-a", "long", 400), ("long-b", "long", 400), ("short-a", "short", 2),
+                                  ("short-b", "short", 2)]:
+        tasks.append(asyncio.ensure_future(one(name, service, tokens)))
+        deadline = time.monotonic() + 30      # a bound on a hang: a loaded machine took more than 5 s
+        while len(queue) < len(tasks) and time.monotonic() < deadline:   # queued in this order
+            await asyncio.sleep(0.002)
+    assert len(queue) == 4, "the four did not queue behind the blocker"
+    return tasks
 
 
 async def test_admission_queue_serves_short_services_first_with_seallm(sim_fleet, make_client):

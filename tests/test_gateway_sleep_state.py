@@ -1,4 +1,4 @@
-"""The gateway routes nothing to a sleeping engine (issue 20 item 1): the registry reads each worker's
+"""The gateway routes nothing to a sleeping engine: the registry reads each worker's
 vllm:engine_sleep_state from its scraped /metrics (docs/reference/vllm-interface.md §6.1) and takes a sleeping
 or paused worker out of the candidates until it is awake again; fleetgate_engine_state reports it. Real HTTP,
 simulated vLLM servers, the official openai client."""

@@ -149,6 +149,10 @@ def test_queue_budget_is_the_ttft_left_for_interactive_requests() -> None:
     assert queue_budget(feats(9.0, None, arrival=now), now, 5.0)[0] == 5.0     # the timeout is shorter
     assert queue_budget(feats(2.0, None, "batch", now), now, 5.0)[0] == 5.0    # batch waits the timeout
     assert queue_budget(feats(None, 0.05, arrival=now), now, 5.0)[0] == 5.0
+    # a model that must be woken first: its swap counts into the TTFT target (the pooled demo's 1 s swap, 1 s TTFT)
+    budget, why = queue_budget(feats(1.0, None, arrival=now - 0.5), now, 5.0, swap_s=1.64)
+    assert budget == pytest.approx(2.14) and "1.64 s swap" in why
+    assert queue_budget(feats(1.0, None, arrival=now), now, 5.0, swap_s=10.0)[0] == 5.0   # still the timeout at most
 
 
 def test_window_counts_only_recent_requests() -> None:

@@ -7,7 +7,7 @@
 - the Kubernetes kustomizations (base = GPU workers, overlays/cpu, overlays/sim) rendered with `kubectl
   kustomize`, every object against Kubernetes 1.37's schemas (strict, kubernetes-validate) and the KEDA
   ScaledObjects against KEDA's CRD schema (deploy/schemas/keda), plus what ties them together (ScaledObject ->
-  StatefulSet, gateway config -> pods, images named in one place)."""
+  StatefulSet, gateway config -> headless Services -> pods, images named in one place)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.config import load_config
+from gateway.config import GatewayConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy/kubernetes"
 KUBE_VERSION = "1.37.0"
-PROFILES = (None, "ha", "gpu")
+PROFILES = (None, "ha", "gpu", "autoscale")
 SCRAPED = ("gateway", "sim", "vllm")  # services exporting /metrics: gateway*, sim, vllm-*
 
 
@@ -59,12 +59,19 @@ def test_each_compose_profile_is_a_complete_stack(profile: str | None, tmp_path)
             assert dep in services, f"{name} depends on {dep}, which profile {profile} does not start"
         for vol in svc.get("volumes", []):
             src = vol.split(":")[0]
+            if src == "/var/run/docker.sock":  # the host's Docker socket (profile autoscale)
+                assert name == "gateway-autoscale" and profile == "autoscale"
+                continue
             assert (ROOT / src).exists(), f"{name} mounts {src}, which does not exist"
         if svc.get("command", [None])[0] == "serve":
             cfg_src = next(v.split(":")[0] for v in svc["volumes"] if v.endswith("fleetgate.yaml:ro"))
             cfg = load_config(ROOT / cfg_src)
             hosts = {re.match(r"https?://([^:/]+)", w.url).group(1) for w in cfg.workers}
+            hosts |= {e.dns for e in cfg.worker_discovery}
             assert hosts and hosts <= set(services), f"{name}'s workers {hosts} are not all started by {profile}"
+            if cfg.autoscale.actuator.kind == "docker":  # it scales services of this file, through the socket
+                assert set(cfg.autoscale.actuator.docker.services.values()) <= hosts
+                assert any(v.startswith(cfg.autoscale.actuator.docker.socket + ":") for v in svc["volumes"])
             redis = svc["command"][svc["command"].index("--redis-url") + 1] if "--redis-url" in svc["command"] else ""
             assert not redis or "redis" in services
     ports = [p.split(":")[0] for s in services.values() for p in s.get("ports", [])]
@@ -123,17 +130,31 @@ def test_kubernetes_manifests_validate_and_fit_together(kustomization: str) -> N
     assert set(sts) == {"vllm-interactive", "vllm-mixed", "vllm-batch"}
     assert {"fleetgate", "fleetgate-redis"} <= set(by_kind["Deployment"])
     # KEDA scales the StatefulSets the manifests ship, from the gateway's desired worker counts.
-    workers = load_workers(by_kind["ConfigMap"]["fleetgate-config"])
+    cfg = load_gateway_config(by_kind["ConfigMap"]["fleetgate-config"])
+    assert cfg.workers == [], "pods are found through DNS, not listed"
+    found = {e.dns: e for e in cfg.worker_discovery}
+    assert len(found) == len(cfg.worker_discovery) == len(by_kind["ScaledObject"])
     for so in by_kind["ScaledObject"].values():
         target = so["spec"]["scaleTargetRef"]
         assert target["kind"] == "StatefulSet" and target["name"] in sts
         pool = target["name"].removeprefix("vllm-")
         assert f'fleetgate_desired_workers{{pool="{pool}"}}' in so["spec"]["triggers"][0]["metadata"]["query"]
-        # the gateway knows every pod KEDA may create, with its pool label and the headless Service's DNS name
-        for i in range(so["spec"]["maxReplicaCount"]):
-            w = workers[f"{target['name']}-{i}"]
-            assert w.labels["pool"] == pool and w.url == f"http://{target['name']}-{i}.{target['name']}:8000"
-        assert sts[target["name"]]["spec"]["serviceName"] in by_kind["Service"]
+        # the gateway resolves the StatefulSet's headless Service, whose DNS name lists exactly its ready pods,
+        # so every pod KEDA starts is found with its pool label, up to any maxReplicaCount
+        st = sts[target["name"]]
+        svc = by_kind["Service"][st["spec"]["serviceName"]]
+        assert svc["spec"]["clusterIP"] == "None" and not svc["spec"].get("publishNotReadyAddresses")
+        assert svc["spec"]["selector"] == st["spec"]["selector"]["matchLabels"]
+        entry = found[svc["metadata"]["name"]]
+        pod = _containers(st)[0]
+        assert entry.labels == {"pool": pool}
+        assert entry.port == svc["spec"]["ports"][0]["port"] == pod["ports"][0]["containerPort"]
+        # the preStop hook drains the pod under the id the gateway gives it: <StatefulSet>-<pod IP>:<port>
+        assert entry.prefix() == target["name"] and {"name": "POD_IP", "valueFrom": {
+            "fieldRef": {"fieldPath": "status.podIP"}}} in pod["env"]
+        hook = " ".join(pod["lifecycle"]["preStop"]["exec"]["command"])
+        assert ("${HOSTNAME%-*}-$POD_IP:8000/drain" in hook
+                or "nodename.rsplit('-', 1)[0] + '-' + os.environ['POD_IP'] + ':8000/drain'" in hook), hook
     images = [c["image"] for d in docs for c in _containers(d)]
     assert all(":" in i and not i.endswith(":latest") for i in images), images  # every image pinned
     gpus = ["nvidia.com/gpu" in json.dumps(c.get("resources", {})) for s in sts.values() for c in _containers(s)]
@@ -156,11 +177,11 @@ def test_kubernetes_validation_catches_mistakes() -> None:
         validate(so)
 
 
-def load_workers(config_map: dict) -> dict:
+def load_gateway_config(config_map: dict) -> GatewayConfig:
     path = Path(__file__).parent / ".k8s-fleetgate.yaml"
     try:
         path.write_text(config_map["data"]["fleetgate.yaml"])
-        return {w.id: w for w in load_config(path).workers}
+        return load_config(path)
     finally:
         path.unlink(missing_ok=True)
 

@@ -125,7 +125,7 @@ async def test_tracing_spans_and_traceparent_reach_the_worker(sim_fleet) -> None
     assert format(root.context.trace_id, "032x") == client_trace  # continues the client's trace
     assert root.attributes["fleetgate.model"] == MODEL and root.attributes["http.response.status_code"] == 200
     assert spans["placement"].attributes["fleetgate.worker"] == "w0"
-    assert spans["placement"].attributes["fleetgate.policy"] == "least_requests"
+    assert spans["placement"].attributes["fleetgate.policy"] == "least_tokens"
     leg = spans["upstream upstream"]
     assert leg.parent.span_id == root.context.span_id
     # The worker got the leg's traceparent, not the client's.

@@ -47,6 +47,8 @@ def wheel(tmp_path_factory) -> Path:
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                            str(src), "-w", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # No setuptools deprecation (a `project.license` table stops building in 2027): the SPDX string form.
+    assert "deprecated" not in proc.stderr.lower(), proc.stderr[-3000:]
     (whl,) = out.glob("fleetgate-*.whl")
     return whl
 

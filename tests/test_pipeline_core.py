@@ -144,13 +144,12 @@ def test_pd_is_a_profile_of_the_same_step() -> None:
     f = feats(1, 500)
     d = step.place(f, pd_fleet, 0.0)
     assert (d.worker_id, d.prefill_worker_id, d.reason) == ("d0", "p0", "disaggregated") and len(built) == 1
-    step.dispatched(f, d, 0.0)
-    assert step.is_pd(f.request_id)
+    assert step.dispatched(f, d, 0.0)   # the P/D profile placed it (the gateway keeps that in the request)
     short = feats(2, 10)
     d = step.place(short, pd_fleet, 0.0)
     assert (d.worker_id, d.prefill_worker_id, d.reason) == ("d0", None, "local_short")
     step.finished(f, "d0", 7, 1.0)
-    assert not step.is_pd(f.request_id)
+    assert f.request_id not in step._via_pd   # noqa: SLF001 - its ledger forgot the request
     # Without a P/D factory, prefill/decode workers are not candidates of a plain policy.
     plain = ModelPlacement(make_policy("least_requests"))
     assert plain.place(feats(3), [*pd_fleet, WorkerView("m0")], 0.0).worker_id == "m0"

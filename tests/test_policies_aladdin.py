@@ -16,6 +16,13 @@ from policies.aladdin import (
     error_distance,
     propose_moves,
 )
+from policies.aladdin.rebalancing import (
+    MoveBudget,
+    observed_error,
+    observed_ratio,
+    slow_workers,
+    still_queued,
+)
 from policies.base import make_policy, policy_names
 from policies.length_predictor import LengthPredictor
 from policies.perf_model import PerfModel
@@ -118,7 +125,7 @@ def test_engine_reported_load_counts_against_atgt():
 
 
 
-# --- cache pricing (price_cache: issue 22 item 3) ---------------------------------------------------------
+# --- cache pricing (price_cache: only the uncached prompt is prefill work) -------------------------------
 def test_cache_pricing_is_opt_in_and_asks_for_the_kv_view():
     assert AladdinPolicy().needs_kv_blocks is False
     assert make_policy("aladdin", price_cache=True).needs_kv_blocks is True
@@ -386,6 +393,41 @@ def test_rebalance_moves_queued_work_off_an_underestimated_worker():
     assert moves == [Move("q1", "w0", "w1")]
 
 
+def test_a_slow_worker_is_no_length_error_so_its_queue_moves_in_the_second_pass():
+    """A transfer from a worker with a positive error to a balanced one leaves Σ distance unchanged, so Algorithm
+    2 alone keeps the queue of a slow worker; `slow` moves it, each request to the feasible worker left with the
+    least distance, never a slow one, within max_moves."""
+    errors = {"w0": observed_error(5.0, 0.01, 1e-6, 2.0), "w1": WorkerError(), "w2": WorkerError(50, 0)}
+    assert errors["w0"] == WorkerError(pytest.approx(40_000), 0.0)          # (5 − 1)·10 ms / 1e-6 s per token
+    coeffs = {w: (1e-6, 1e-3) for w in errors}
+    placements = {"j1": ("w0", 100.0), "j2": ("w0", 100.0), "j3": ("w1", 100.0)}
+    assert propose_moves(placements, errors, coeffs) == []
+    moves = propose_moves(placements, errors, coeffs, slow={"w0"})
+    assert moves == [Move("j1", "w0", "w1"), Move("j2", "w0", "w2")]      # w1 holds j1 now: w2 is left lower
+    assert propose_moves(placements, errors, coeffs, slow={"w0"}, max_moves=1) == [Move("j1", "w0", "w1")]
+    no_w1 = propose_moves(placements, errors, coeffs, slow={"w0"}, feasible=lambda rid, dst: dst != "w1")
+    assert no_w1 == [Move("j1", "w0", "w2"), Move("j2", "w0", "w2")]
+    assert propose_moves(placements, errors, coeffs, slow={"w0", "w1", "w2"}) == []
+
+
+def test_observed_error_ignores_noise_and_counts_a_fast_worker_as_overestimated():
+    assert observed_error(1.5, 0.01, 1e-6, 2.0) == WorkerError()
+    assert observed_error(0.6, 0.01, 1e-6, 2.0) == WorkerError()
+    assert observed_error(0.25, 0.01, 1e-6, 2.0).l_err == pytest.approx(-7500)
+    assert slow_workers({"a": 2.5, "b": 1.9}, 2.0) == {"a"}
+    assert observed_ratio([(0.5, 10), (0.2, 10), (0.3, 10)], 0.01) == pytest.approx(3.0)
+    assert observed_ratio([(0.5, 0)], 0.01) is None
+
+
+def test_only_the_requests_the_engine_still_queues_may_move_within_a_budget():
+    assert still_queued(["a", "b", "c"], 2) == ["b", "c"]      # "a" was sent first: it is in prefill
+    assert still_queued(["a"], 0) == [] and still_queued(["a"], 5) == ["a"]
+    b = MoveBudget(rate=2.0, burst=2.0)
+    assert b.available(10.0) == 2
+    b.spend(2)
+    assert b.available(10.2) == 0 and b.available(10.6) == 1 and b.available(100.0) == 2
+
+
 def test_batch_and_per_event_clocks_agree_over_a_long_run():
     """`choose` advances all workers at once (numpy), events advance one (scalars): same ledger, up to
     the decode clock's piecewise integration (the step time is re-evaluated at each advance)."""
@@ -425,11 +467,11 @@ def test_slo_checks_by_hand():
     assert atgt(1.0, 2.0, 11) == pytest.approx(0.1)  # (last − first) / (n − 1)
     assert atgt(1.0, 1.0, 1) == 0.0
     target = SloTarget(0.6, 0.03)
-    ok = check_slo(0.0, 0.5, 0.5 + 0.029 * 99, 100, target)
+    ok = check_slo(0.0, 0.5, 0.5 + 0.029 * 99, 100, target.ttft_s, target.atgt_s)
     assert ok.met and ok.ttft_s == pytest.approx(0.5) and ok.atgt_s == pytest.approx(0.029)
-    slow = check_slo(0.0, 0.5, 0.5 + 0.031 * 99, 100, target)
+    slow = check_slo(0.0, 0.5, 0.5 + 0.031 * 99, 100, target.ttft_s, target.atgt_s)
     assert slow.ttft_met and not slow.atgt_met and not slow.met
-    assert not check_slo(0.0, None, None, 0, target).met  # never produced a token
+    assert not check_slo(0.0, None, None, 0, target.ttft_s, target.atgt_s).met  # never produced a token
     assert target_for(req(0, slo_ttft_s=2.0), target) == SloTarget(2.0, 0.03)
     assert target_for(req(0), target) is target
     with pytest.raises(ValueError):
@@ -476,7 +518,7 @@ def test_memory_stays_bounded_over_many_requests():
         if i >= 30:
             p.report_progress(f"r{i - 30}", 5, now)
             p.on_complete(req(i - 30, l_in=10, lp=20), "w0", now)
-    row = p._rows[0]
+    row = p.ledger.rows[0]
     assert len(row.reqs) == 30
     assert len(row.ends) <= 2 * 30 + 64 + 1 and all(len(h) <= 2 * 30 + 64 + 1 for h in row.heaps.values())
     assert len(row.early) <= row.early.maxlen

@@ -14,7 +14,7 @@ from policies.prefix import prompt_chunk_hashes
 from policies.types import RequestFeatures, WorkerView
 
 BASELINES = [
-    "round_robin", "random", "least_requests", "power_of_two", "least_kv", "session_affinity", "prefix_affinity",
+    "round_robin", "random", "least_requests", "least_tokens", "power_of_two", "least_kv", "session_affinity", "prefix_affinity",
 ]
 
 
@@ -78,6 +78,20 @@ def test_least_requests_picks_minimum_and_rotates_ties():
     # equal loads spread instead of piling onto one worker
     equal = views({"a": 1, "b": 1, "c": 1, "d": 9})
     assert sorted(p.choose(req(i), equal, 0.0).worker_id for i in range(3)) == ["a", "b", "c"]
+
+
+def test_least_tokens_weighs_requests_by_their_tokens_then_count_then_rotates():
+    p = make_policy("least_tokens")
+    # one 100k-token request outweighs three short ones: least_requests would pick "long"
+    ws = [WorkerView(id="long", inflight=1, inflight_tokens=100_000),
+          WorkerView(id="short", inflight=3, inflight_tokens=3_000)]
+    assert p.choose(req(), ws, 0.0).worker_id == "short"
+    assert make_policy("least_requests").choose(req(), ws, 0.0).worker_id == "long"
+    # equal tokens: fewer requests (gateway's or engine's count), then rotation over the equals
+    tie = [WorkerView(id="a", inflight_tokens=500, running=4), WorkerView(id="b", inflight_tokens=500, inflight=1)]
+    assert p.choose(req(), tie, 0.0).worker_id == "b"
+    idle, fresh = [WorkerView(id=w) for w in "abc"], make_policy("least_tokens")
+    assert [fresh.choose(req(i), idle, 0.0).worker_id for i in range(6)] == ["a", "b", "c", "a", "b", "c"]
 
 
 def test_power_of_two_never_picks_the_larger_of_its_two():

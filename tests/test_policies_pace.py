@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import math
 
-from policies.pace import FleetPace, PaceSettings, WorkerPace
+from policies.pace import (
+    EjectionSettings,
+    FleetPace,
+    PaceSettings,
+    WorkerPace,
+    ejection_s,
+    first_token_limit,
+    may_eject,
+    times_ejected,
+)
 
 S = PaceSettings(factor=4.0, gap_floor_s=2.0, first_floor_s=5.0, cold_gap_s=30.0, cold_first_s=60.0,
                  min_samples=8)
@@ -68,3 +77,33 @@ def test_unpaced_workers_have_no_pace_limit() -> None:
     fleet = FleetPace(PaceSettings(), unpaced=["turns-engine"])
     assert fleet.limits("turns-engine") == (math.inf, math.inf)
     assert fleet.limits("other") == (PaceSettings().cold_first_s, PaceSettings().cold_gap_s)
+
+
+def test_a_not_started_leg_is_judged_by_its_predicted_first_token() -> None:
+    s = PaceSettings(factor=4.0, first_floor_s=2.0, cold_first_s=60.0)
+    assert first_token_limit(None, None, s) == 60.0  # nothing known: the cold limit
+    assert first_token_limit(0.1, None, s) == 2.0  # 4 x 0.1 s is under the floor
+    assert first_token_limit(1.5, None, s) == 6.0  # k x predicted
+    assert first_token_limit(1.5, 9.0, s) == 9.0  # never before the worker's own pace allows
+    assert first_token_limit(None, 9.0, s) == 9.0
+    fleet = FleetPace(s, unpaced=["turns-engine"])
+    assert fleet.first_limit("w0", 1.5) == 6.0 and fleet.first_limit("turns-engine", 1.5) == math.inf
+    for _ in range(8):  # w0 gets a pace: 4 x 3 s
+        fleet.of("w0").observe(3.0, 0.1)
+    assert fleet.first_limit("w0", 0.1) == 12.0 and fleet.first_limit("w0", 5.0) == 20.0
+
+
+def test_envoy_ejection_backoff_grows_caps_and_decays() -> None:
+    s = EjectionSettings(base_s=10.0, max_s=35.0, max_fraction=0.5)
+    assert [ejection_s(n, s) for n in (1, 2, 3, 4)] == [10.0, 20.0, 30.0, 35.0]
+    assert times_ejected(0, math.inf, s) == 1  # the first ejection
+    assert times_ejected(3, 5.0, s) == 4  # ejected again soon after it returned
+    assert times_ejected(3, 25.0, s) == 2  # two base times healthy: the multiplier fell by two first
+    assert times_ejected(3, 1000.0, s) == 1
+
+
+def test_at_most_a_fraction_of_a_pool_is_ejected_but_always_one() -> None:
+    s = EjectionSettings(max_fraction=0.5)
+    assert may_eject(0, 1, s) and may_eject(0, 3, s)  # one always may
+    assert not may_eject(1, 3, s)  # a second of three would be 67 %
+    assert may_eject(1, 5, s) and not may_eject(2, 5, s)

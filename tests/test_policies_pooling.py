@@ -15,14 +15,13 @@ from policies.pooling.aegaeon import (
     decode_quotas,
 )
 from policies.pooling.baselines import (
-    Placed,
-    RequestSwapping,
     RoundRobin,
     resident_capacity,
     shared_kv_capacity,
     static_placement,
 )
 from policies.pooling.costs import expected_active_models, kv_copy_time_s, swap_cost, switch_time_s
+from policies.pooling.swapping import EngineView, HostView, RequestLevelSwaps, SwapStep
 
 
 def test_switch_time_eq4_and_section_4_2_example():
@@ -157,31 +156,6 @@ def test_round_robin_skips_models_without_work():
     assert [rr.next({"a", "c"}), rr.next({"a", "c"}), rr.next({"a", "b", "c"}), rr.next(set())] == ["a", "c", "a", None]
 
 
-def test_request_swapping_fcfs_and_switch_only_when_idle():
-    rs = RequestSwapping(["h0"])
-    assert rs.place("r1", "A") == Placed("h0", False)     # nothing runs yet: it queues
-    assert rs.next_load("h0") == ("A", ["r1"])           # idle host: loads A for the queue head
-    assert rs.place("r2", "A").direct                    # A runs and nobody waits: join at once
-    assert not rs.place("r3", "B").direct                # B waits for the host to go idle
-    assert not rs.place("r4", "A").direct                # FCFS: no overtaking the waiting B
-    assert rs.next_load("h0") is None                    # still busy (r1, r2)
-    rs.finished("h0")
-    rs.finished("h0")
-    assert rs.idle("h0")
-    assert rs.next_load("h0") == ("B", ["r3"])
-    rs.finished("h0")
-    assert rs.next_load("h0") == ("A", ["r4"])
-
-
-def test_request_swapping_spreads_over_hosts():
-    rs = RequestSwapping(["h0", "h1"])
-    assert rs.place("r1", "A").host == "h0"
-    assert rs.place("r2", "B").host == "h1"
-    assert rs.next_load("h0") == ("A", ["r1"]) and rs.next_load("h1") == ("B", ["r2"])
-    assert rs.place("r3", "B") == Placed("h1", True)
-    assert rs.place("r4", "C").host == "h0"              # h0: 1 in flight, h1: 2
-
-
 @pytest.mark.parametrize("steps, c", [((0.025, 0.025, 0.025), 3.0), ((0.02, 0.05), 1.3), ((0.017, 0.03, 0.06), 0.2),
                                       ((0.09, 0.09), 2.0)])
 def test_quota_mean_tpot_is_alpha_times_tbt(steps, c):
@@ -227,12 +201,15 @@ def test_shared_kv_capacity_fits_three_8b_models_per_h100():
         shared_kv_capacity(mem, 0, kv, 1)
 
 
-def test_request_swapping_pick_chooses_the_next_model():
-    rs = RequestSwapping(["h"])
-    for rid, m in (("r1", "A"), ("r2", "B"), ("r3", "B")):
-        rs.place(rid, m)
-    assert rs.peek("h") == "A"                                  # FCFS: the oldest queued request's model
-    shortest_first = lambda queue: max(queue, key=lambda q: q[0])[1]   # noqa: E731 (any order the caller has)
-    assert rs.peek("h", shortest_first) == "B"
-    assert rs.next_load("h", shortest_first) == ("B", ["r2", "r3"])
-    assert rs.peek("h") == "A" and RequestSwapping(["g"]).peek("g") is None
+def test_request_level_swaps_serve_demand_first_come_or_by_an_order():
+    """One planner for the gateway and the simulator: the oldest demand first, or the one a service order ranks
+    first (the simulator's --service-priority); the host's idle engine goes to sleep for it."""
+    host = {"h": HostView(1, {"A": EngineView(False), "B": EngineView(False), "C": EngineView(True)})}
+    fcfs = RequestLevelSwaps()
+    fcfs.want("A", 0.0)
+    fcfs.want("B", 1.0)
+    assert fcfs.plan(host, now=2.0) == [SwapStep("h", "A", ("C",))]
+    ranked = RequestLevelSwaps()
+    ranked.want("A", 0.0)
+    ranked.want("B", 1.0)
+    assert ranked.plan(host, now=2.0, order=lambda m: m != "B") == [SwapStep("h", "B", ("C",))]

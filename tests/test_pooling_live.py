@@ -1,4 +1,4 @@
-"""Pooled serving in the live gateway (issue 20): models sharing a host through vLLM sleep mode, woken by the
+"""Pooled serving in the live gateway: models sharing a host through vLLM sleep mode, woken by the
 gateway's swap controller (gateway/pooling.py, decisions in policies/pooling/swapping.py). Real HTTP, simulated
 vLLM servers with sleep mode, the official openai client; the engines' own counters say whether a request ever
 reached a sleeping engine."""
@@ -6,13 +6,17 @@ reached a sleeping engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from gateway.config import ConfigError, load_config
+from gateway.outage import stop_task
 from gateway.pooling import swap_costs
 from policies.pooling.swapping import EngineView, HostView, RequestLevelSwaps, SwapStep
 from tests.helpers import metric, redis_prefix
@@ -187,26 +191,113 @@ def test_planner_is_fcfs_and_drains_the_least_busy_engine() -> None:
 POOL_REDIS_URL = "redis://127.0.0.1:6379/12"     # this module's own Redis DB
 
 
-async def test_two_replicas_share_a_host_through_redis(sim_fleet, make_client) -> None:
+@contextlib.asynccontextmanager
+async def _two_replicas(sim_fleet) -> AsyncIterator[tuple[Any, Any, str, str]]:  # noqa: ANN001
+    """Two gateway replicas r1, r2 on one Redis prefix in front of one shared host (models A and B, max_awake 1);
+    yields them and the engines' URLs."""
     with redis_prefix(POOL_REDIS_URL, "pool") as prefix:
         fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=20)
         url_a, url_b = fleet.urls
         cfg = {**_shared({A: url_a, B: url_b}), "redis_url": POOL_REDIS_URL, "redis_key_prefix": prefix,
                "limits": {"queue_timeout_s": 30}}
         async with gateway(**cfg, replica_id="r1") as g1, gateway(**cfg, replica_id="r2") as g2:
-            clients = [make_client(g.url, max_retries=0, timeout=60) for g in (g1, g2)]
+            yield g1, g2, url_a, url_b
 
-            async def one(i: int) -> int:
-                await asyncio.sleep(0.02 * i)
-                out = await clients[i % 2].completions.create(model=(A, A, B, B)[i % 4], prompt=f"q {i}",
-                                                              max_tokens=6)
-                return out.usage.completion_tokens
 
-            assert await asyncio.gather(*(one(i) for i in range(16))) == [6] * 16
-            assert _state(url_a)["submitted_asleep"] == 0
-            assert _state(url_b)["submitted_asleep"] == 0
-            asleep = [httpx.get(u + "/is_sleeping").json()["is_sleeping"] for u in (url_a, url_b)]
-            assert asleep.count(False) == 1                  # max_awake 1 held across both replicas
+async def test_two_replicas_share_a_host_through_redis(sim_fleet, make_client) -> None:
+    async with _two_replicas(sim_fleet) as (g1, g2, url_a, url_b):
+        clients = [make_client(g.url, max_retries=0, timeout=60) for g in (g1, g2)]
+
+        async def one(i: int) -> int:
+            await asyncio.sleep(0.02 * i)
+            out = await clients[i % 2].completions.create(model=(A, A, B, B)[i % 4], prompt=f"q {i}",
+                                                          max_tokens=6)
+            return out.usage.completion_tokens
+
+        assert await asyncio.gather(*(one(i) for i in range(16))) == [6] * 16
+        assert _state(url_a)["submitted_asleep"] == 0
+        assert _state(url_b)["submitted_asleep"] == 0
+        asleep = [httpx.get(u + "/is_sleeping").json()["is_sleeping"] for u in (url_a, url_b)]
+        assert asleep.count(False) == 1                  # max_awake 1 held across both replicas
+
+
+async def test_a_lagging_replica_never_sends_a_request_to_an_engine_put_to_sleep(sim_fleet, make_client,
+                                                                             monkeypatch) -> None:
+    """The replica swapping a host sleeps an engine only once every live replica has acknowledged the hold and
+    ended its requests there. Here r2's hold sync runs 1.5 s late each time (a replica on a loaded host) while
+    it keeps sending model A's requests; r1 swaps A out for B. Nothing reaches A asleep, nothing fails."""
+    async with _two_replicas(sim_fleet) as (g1, g2, url_a, url_b):
+        lagging = g2.gateway.pooling
+        sync = lagging.sync_holds
+
+        async def late() -> None:
+            await asyncio.sleep(1.5)
+            await sync()
+
+        monkeypatch.setattr(lagging, "sync_holds", late)
+        c1, c2 = (make_client(g.url, max_retries=0, timeout=60) for g in (g1, g2))
+        stop = asyncio.Event()
+
+        async def keep_sending_a() -> int:
+            n = 0
+            while not stop.is_set():
+                out = await c2.completions.create(model=A, prompt=f"a {n}", max_tokens=20)
+                assert out.usage.completion_tokens == 20
+                n += 1
+            return n
+
+        sender = asyncio.ensure_future(keep_sending_a())
+        await asyncio.sleep(0.3)
+        out = await c1.completions.create(model=B, prompt="b", max_tokens=6)    # r1 swaps A out for B
+        assert out.usage.completion_tokens == 6
+        stop.set()
+        assert await sender > 1
+        assert _state(url_a)["submitted_asleep"] == 0
+        assert _state(url_b)["submitted_asleep"] == 0
+
+
+def _swallowing_once(reading: asyncio.Event, swallowed: list[str], result: object = None) -> Callable[..., Awaitable]:
+    """A store call that is under way until cancelled, and swallows its first cancellation: what redis-py does
+    now and then when a cancellation lands while a command reads its reply (the command returns normally)."""
+    async def call(key: str = "", *args: object) -> object:
+        reading.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if key in swallowed:
+                raise
+            swallowed.append(key)
+        return result
+
+    return call
+
+
+async def _stops(stop: Callable[[], Awaitable[None]]) -> bool:
+    """Whether `stop()` ends within 10 s by itself (not wait_for: its own cancellation would end it)."""
+    stopping = asyncio.get_running_loop().create_task(stop())
+    done, _ = await asyncio.wait({stopping}, timeout=10)
+    if not done:
+        await stop_task(stopping)
+    return bool(done)
+
+
+async def test_shutdown_ends_though_a_redis_call_swallows_its_cancellation(sim_fleet) -> None:
+    """redis-py can lose the cancellation of a task whose command is reading its reply; the swap controller's
+    hold-sync loop and the registry's sync loop then ran on, and a replica's shutdown waited on them forever
+    (the hang of the two-replica test under load). Here their store calls swallow the first cancellation."""
+    with redis_prefix(POOL_REDIS_URL, "pool") as prefix:
+        fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=20)
+        cfg = {**_shared(dict(zip((A, B), fleet.urls, strict=True))), "redis_url": POOL_REDIS_URL,
+               "redis_key_prefix": prefix}
+        async with gateway(**cfg, replica_id="r1") as gw:
+            store, swallowed = gw.gateway.store, []
+            holds, workers = asyncio.Event(), asyncio.Event()
+            store.get_doc = _swallowing_once(holds, swallowed)
+            store.list_workers = _swallowing_once(workers, swallowed, [])
+            await asyncio.wait_for(asyncio.gather(holds.wait(), workers.wait()), 10)
+            assert await _stops(gw.gateway.pooling.stop), "the controller waited on its hold-sync loop"
+            assert await _stops(gw.gateway.registry.stop), "the registry waited on its sync loop"
+            assert swallowed == ["pool:host:gpu0", ""], swallowed
 
 
 def test_pooled_demo_serves_every_model_of_a_shared_host() -> None:
@@ -229,6 +320,32 @@ def test_pooled_demo_serves_every_model_of_a_shared_host() -> None:
         assert asleep.count(False) == 2 and asleep[:2].count(False) == 1, asleep
         assert demo.send_signal(signal.SIGINT, timeout=20) == 0
     assert all(refused(base + i) for i in range(5))
+
+
+def test_pooled_demo_answers_one_request_per_model_sequentially_with_200() -> None:
+    """`fleetgate demo --num-models 4 --workers 2` at real time (a swap takes the profile's 1 s wake-up, as long
+    as the demo's 1 s TTFT target), then one plain HTTP request per model twice over, no client retries: each
+    request to a sleeping model waits for its swap (its swap time counts into its TTFT budget) and gets a 200."""
+    import signal
+
+    from tests.helpers import CliProcess, free_port_range
+
+    base = free_port_range(9)
+    with CliProcess("demo", "--port", str(base), "--workers", "2", "--num-models", "4", "--base-port",
+                    str(base + 1), merge_stderr=True) as demo:
+        demo.wait_for("fleetgate listening on", timeout=60)
+        models = [f"meta-llama/Llama-3.1-8B-Instruct-{j}" for j in range(4)]
+        answers = []
+        with httpx.Client(base_url=f"http://127.0.0.1:{base}", timeout=60) as http:
+            for m in models * 2:
+                r = http.post("/v1/completions", json={"model": m, "prompt": "Hello", "max_tokens": 16})
+                answers.append((m, r.status_code, r.text[:200] if r.status_code != 200 else ""))
+            text = http.get("/metrics").text
+        assert [a for a in answers if a[1] != 200] == [], answers
+        swaps = sum(metric(text, "fleetgate_model_swaps_total", {"model": m, "direction": "in"}) or 0
+                    for m in models)
+        assert swaps >= 6, swaps            # the requests did wait for swaps (two hosts: at most 2 models awake)
+        assert demo.send_signal(signal.SIGINT, timeout=20) == 0
 
 
 async def test_drain_after_s_serves_a_model_while_another_keeps_its_host_busy(sim_fleet, make_client) -> None:

@@ -9,6 +9,8 @@
 - Imports run one way (docs/design.md, "Component boundaries"): `policies` imports no other component,
   `engine_adapters` only `policies`, the product (`gateway`) never `bench` and the simulator only lazily,
   inside the function that needs it (the `sim` actuator, `fleetgate sim`/`demo`/`simulate`, the priors).
+- No two modules of `gateway/` import each other, directly or round a loop (type-only imports count).
+- No Python file cites an issue number.
 """
 
 from __future__ import annotations
@@ -210,3 +212,116 @@ def test_arrow_checker_sees_what_it_must():
         "2: policies -> simulator", "4: policies -> bench", "6: policies -> simulator", "7: policies -> gateway"]
     assert arrow_violations("from engine_adapters.types import EngineMetrics\n", "policies") == [
         "1: policies -> engine_adapters"]
+
+
+# --- import cycles inside gateway/ ---------------------------------------------------------------------------
+# Every pair of gateway modules imports one way: the leg runner and the P/D legs take the request context
+# (gateway/context.py) and typed collaborators, not the dispatcher; the turns driver takes the narrow `TurnHost`
+# view of the swap controller that owns it.
+CYCLE_EXEMPT: set[frozenset[str]] = set()
+
+
+def module_imports(sources: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the modules among `sources` it imports anywhere: at top level, under TYPE_CHECKING (a type is
+    a dependency too) or inside a function. `from pkg import mod` counts as importing pkg.mod."""
+    graph: dict[str, set[str]] = {m: set() for m in sources}
+    for mod, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            graph[mod].update(n for n in names if n in sources and n != mod)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]], exempt: set[frozenset[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), after dropping the exempt pairs'
+    edges between each other."""
+    edges = {m: {n for n in out if frozenset({m, n}) not in exempt} for m, out in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def gateway_sources() -> dict[str, str]:
+    out = {}
+    for name, text in tracked_text_files():
+        if name.startswith("gateway/") and name.endswith(".py"):
+            mod = name[:-3].replace("/", ".")
+            out[mod.removesuffix(".__init__")] = text
+    return out
+
+
+def test_no_import_cycles_inside_gateway():
+    sources = gateway_sources()
+    assert "gateway.core" in sources and "gateway.app" in sources
+    cycles = import_cycles(module_imports(sources), CYCLE_EXEMPT)
+    assert not cycles, "gateway modules that import each other (directly or round a loop):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_cycle_finder_sees_what_it_must():
+    src = {
+        "g.app": "from g import router\nfrom g.core import Gateway\n",
+        "g.router": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from g.app import Gateway\n",
+        "g.core": "def f():\n    import g.leaf\n",
+        "g.leaf": "",
+        "g.a": "from g.b import x\n",
+        "g.b": "from g.a import y\n",
+    }
+    graph = module_imports(src)
+    assert graph["g.app"] == {"g.router", "g.core"} and graph["g.core"] == {"g.leaf"}
+    assert import_cycles(graph, set()) == [["g.a", "g.b"], ["g.app", "g.router"]]
+    assert import_cycles(graph, {frozenset({"g.a", "g.b"})}) == [["g.app", "g.router"]]
+
+
+# --- no text cites an issue number -----------------------------------------------------------------------------
+# A reader of the repository cannot look an issue number up: a comment, docstring or message says the reason.
+ISSUE_CITATION = re.compile(r"\b[Ii]ss" + r"ue ?#?\d+")   # built from pieces so this file does not match itself
+
+
+def issue_citations(text: str) -> list[int]:
+    return [text.count("\n", 0, m.start()) + 1 for m in ISSUE_CITATION.finditer(text)]
+
+
+def test_no_python_file_cites_an_issue_number():
+    bad = [f"{name}:{line}" for name, text in tracked_text_files() if name.endswith(".py")
+           for line in issue_citations(text)]
+    assert not bad, "say the reason instead of the issue number:\n" + "\n".join(bad)
+
+
+def test_issue_citation_finder():
+    cited = "x = 1  # see " + "iss" + "ue 18 item 2\n" + '"""(' + "Iss" + 'ue #7)"""\n'
+    assert issue_citations(cited) == [1, 2]
+    assert issue_citations("# the issues/1177 page of an upstream tracker; tissue 3\n") == []

@@ -32,7 +32,7 @@ def test_cli_json_on_a_slice():
     out = json.loads(p.stdout)          # exactly one JSON object on stdout
     assert out.keys() >= KEYS
     assert out["requests"] == len(load_workload("azure_conv", duration=60)) > 100
-    assert out["completed"] == out["requests"] and out["workers"] == 4 and out["policy"] == "least_requests"
+    assert out["completed"] == out["requests"] and out["workers"] == 4 and out["policy"] == "least_tokens"
     assert 0 < out["ttft_p50"] <= out["ttft_p99"] and 0 < out["tpot_p50"] <= out["tpot_p99"]
     assert out["gpu_seconds"] == pytest.approx(4 * out["duration_s"])
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import httpx
@@ -36,9 +38,12 @@ def test_parse_faults_validates():
     assert parse_faults(None) == Faults()
     f = parse_faults({"slowdown": 2, "error_status": 503})
     assert (f.slowdown, f.error_status, f.error_rate) == (2.0, 503, 1.0)
-    for bad, msg in [({"bogus": 1}, "unknown fault"), ({"slowdown": 0}, "slowdown"), ({"error_status": 404}, "500"),
+    assert parse_faults({"error_status": 429}).error_status == 429
+    for bad, msg in [({"bogus": 1}, "unknown fault"), ({"slowdown": 0}, "slowdown"), ({"error_status": 404}, "429"),
+                     ({"error_status": 428}, "429"), ({"error_status": True}, "429"),
                      ({"error_rate": 2}, "error_rate"), ({"hang": "yes"}, "hang"),
-                     ({"drop_after_tokens": -1}, "drop_after_tokens"), ([1], "JSON object")]:
+                     ({"drop_after_tokens": -1}, "drop_after_tokens"), ({"stall_after_tokens": 0}, "stall_after"),
+                     ({"stall_after_tokens": 2.5}, "stall_after"), ([1], "JSON object")]:
         with pytest.raises(FaultConfigError, match=msg):
             parse_faults(bad)
 
@@ -76,6 +81,11 @@ def test_error_status(client):
     statuses = {client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code
                 for _ in range(30)}
     assert statuses == {200, 502}
+    client.post("/sim/faults", json={"error_status": 429, "error_rate": 1.0})
+    with pytest.raises(openai.RateLimitError) as limited:
+        oa.chat.completions.create(model=MODEL, messages=CHAT["messages"])
+    err = limited.value.response.json()["error"]
+    assert (err["type"], err["code"]) == ("Too Many Requests", 429)
     client.delete("/sim/faults")
     assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
 
@@ -125,10 +135,46 @@ def test_hang(client):
     assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 
+def test_stall_after_tokens_freezes_the_engine_at_that_token_until_cleared(client):
+    # The point where the stream stops is the fault's N, however late the reader runs: the engine freezes after
+    # the step that brings a request to N tokens, the response stays open, and nothing else progresses either.
+    client.post("/sim/faults", json={"stall_after_tokens": 5})
+    tokens: list[str] = []
+    ends: list[str | None] = []
+
+    def read() -> None:
+        with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 50}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    if choice["delta"].get("content"):
+                        tokens.append(choice["delta"]["content"])
+                    ends.append(choice["finish_reason"])
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    poll(lambda: len(tokens) == 5, what="five tokens")
+    assert client.get("/sim/state").json()["stalled"]
+    time.sleep(0.3)  # 0.3 s is ~400 decode steps at this time scale: none of them ran
+    assert len(tokens) == 5 and reader.is_alive()
+    assert client.get("/health").status_code == 200  # a zombie: alive to its health checks
+    with pytest.raises(httpx.ReadTimeout):  # new work gets nothing either (a gateway's probe fails)
+        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=0.3)
+    client.delete("/sim/faults")
+    reader.join(10)
+    assert not reader.is_alive() and len(tokens) == 50 and ends[-1] == "length"  # went on where it stopped
+    assert not client.get("/sim/state").json()["stalled"]
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_a_short_answer_under_stall_after_tokens_is_untouched(client):
+    client.post("/sim/faults", json={"stall_after_tokens": 5})
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 4 and not client.get("/sim/state").json()["stalled"]
+
+
 def test_hung_request_does_not_block_shutdown(sim_fleet):
     fleet = sim_fleet(1, time_scale=20, faults={"hang": True})
-    import threading
-
     errors: list[Exception] = []
 
     def call() -> None:

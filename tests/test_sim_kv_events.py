@@ -16,7 +16,7 @@ from simulator.cluster import ClusterSim
 from simulator.engine import EngineConfig, EngineCore, SimRequest
 from simulator.vllm_api import ConfigError, ServerConfig, SimServer
 from simulator.workload import WorkloadRequest
-from tests.helpers import free_port, poll_sync
+from tests.helpers import free_port_range, free_ports, poll_sync
 
 # ---- the engine: events at the moments vLLM emits them ---------------------------------------------
 
@@ -125,7 +125,7 @@ def _complete(url: str, prompt: str, salt: str | None = None) -> None:
 
 @pytest.mark.parametrize("fmt", ["0.11", "0.33"])
 def test_server_publishes_stored_blocks_with_vllm_hashes(sim_fleet, fmt: str) -> None:  # noqa: ANN001
-    port, replay = free_port(), free_port()
+    port, replay = free_ports(2)
     fleet = sim_fleet(1, time_scale=50, kv_events_config=_kv_config(port, replay), kv_events_format=fmt,
                       prefix_caching_hash_algo="sha256_cbor", hash_seed="7")
     url = fleet.urls[0]
@@ -175,16 +175,7 @@ def test_server_publishes_stored_blocks_with_vllm_hashes(sim_fleet, fmt: str) ->
 
 
 def test_fleet_worker_i_publishes_on_port_plus_i(sim_fleet) -> None:  # noqa: ANN001
-    base = free_port()
-    while True:   # two consecutive free ports
-        if base + 1 < 65535:
-            try:
-                with zmq.Context.instance().socket(zmq.PUB) as probe:
-                    probe.bind(f"tcp://127.0.0.1:{base + 1}")
-                break
-            except zmq.ZMQError:
-                pass
-        base = free_port()
+    base = free_port_range(2)
     fleet = sim_fleet(2, time_scale=50, kv_events_config=_kv_config(base, topic=""))
     assert [s.driver.publisher.endpoint for s in fleet.servers] == [f"tcp://*:{base}", f"tcp://*:{base + 1}"]
     ctx = zmq.Context.instance()

@@ -225,12 +225,14 @@ def test_shared_kv_fits_more_services_per_host():
 
 @pytest.mark.parametrize("order, first", [("fcfs", "long"), ("seallm", "short")])
 def test_request_level_swapping_next_model_by_service_priority(order, first):
-    # One host busy with model 2 for ~5 s (under the 10 s starvation threshold); meanwhile a request of model 0 (a service whose requests are long)
-    # and then one of model 1 (short) queue. FCFS brings model 0 next; the doubling budget, whose profiles have
-    # learned the two services, brings model 1 (smallest O_r = Q_r L_s).
+    # One host loading model 2 (0.65 s) for a request that keeps it busy ~5 s (under the 10 s starvation threshold);
+    # while it loads, a request of model 0 (a service whose requests are long) and then one of model 1 (short) queue,
+    # so the planner chooses between them once the host takes part in the plan again (a swap's wake target is fixed
+    # when its drain starts: policies/pooling/swapping.py). FCFS brings model 0 next; the doubling budget, whose
+    # profiles have learned the two services, brings model 1 (smallest O_r = Q_r L_s).
     reqs = [ModelRequest("busy", 0.0, 100, 250, max_tokens=250, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-02"),
-            ModelRequest("long", 1.0, 100, 400, max_tokens=400, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-00"),
-            ModelRequest("short", 2.0, 100, 20, max_tokens=20, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-01")]
+            ModelRequest("long", 0.1, 100, 400, max_tokens=400, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-00"),
+            ModelRequest("short", 0.2, 100, 20, max_tokens=20, slo_ttft_s=10.0, slo_tpot_s=0.1, model="model-01")]
     rates = {"model-00": 0.1, "model-01": 0.1, "model-02": 0.1}
     sim = PooledSim(PooledSpec(num_models=3, workers=1, pooling="request", duration=3.0, service_priority=order),
                     MultiModelWorkload(reqs, rates, {}, {}))

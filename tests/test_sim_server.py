@@ -357,11 +357,18 @@ def test_metrics_names_labels_buckets_and_counters(sim_url):
 # --- engine behaviour seen over HTTP ---------------------------------------------------------------------
 def test_ttft_grows_with_prompt_length(sim_fleet):
     url = sim_fleet(1, time_scale=5, seed=1).urls[0]
+    prefill = "vllm:request_prefill_time_seconds_sum"   # the engine's own, in model time (see the next test)
     with httpx.Client(base_url=url, timeout=30) as client:
         stream_ttft(client, {"prompt": "warm up", "max_tokens": 1})
-        short = min(stream_ttft(client, {"prompt": synthetic_text(16, i), "max_tokens": 1}) for i in range(3))
-        long = min(stream_ttft(client, {"prompt": synthetic_text(16000, i), "max_tokens": 1}) for i in range(3))
-    # model: ~22 ms vs ~15 ms + 2 x 8192-token chunks (~0.45 s) -> at 5x, ~5 ms vs ~95 ms wall
+        m0 = metrics(url)
+        for i in range(3):
+            stream_ttft(client, {"prompt": synthetic_text(16, i), "max_tokens": 1})
+        m1 = metrics(url)
+        for i in range(3):
+            stream_ttft(client, {"prompt": synthetic_text(16000, i), "max_tokens": 1})
+        m2 = metrics(url)
+    short, long = m1[prefill] - m0[prefill], m2[prefill] - m1[prefill]
+    # model: ~22 ms vs ~15 ms + 2 x 8192-token chunks (~0.45 s) per request
     assert long > short * 5, (short, long)
 
 
@@ -371,15 +378,20 @@ def test_prefix_cache_hit_lowers_ttft(sim_fleet):
     with httpx.Client(base_url=url, timeout=30) as client:
         stream_ttft(client, {"prompt": "warm up", "max_tokens": 1})
         m0 = metrics(url)
-        first = stream_ttft(client, body)
+        stream_ttft(client, body)
         m1 = metrics(url)
-        second = stream_ttft(client, body)
+        stream_ttft(client, body)
         m2 = metrics(url)
     assert m1["vllm:prefix_cache_hits_total"] == m0["vllm:prefix_cache_hits_total"]
     hits = m2["vllm:prefix_cache_hits_total"] - m1["vllm:prefix_cache_hits_total"]
     assert hits >= 7900 and hits % 16 == 0  # whole blocks, the last token is recomputed
     assert m2["vllm:prefix_cache_queries_total"] - m1["vllm:prefix_cache_queries_total"] == 8000
-    assert second < first * 0.6, (first, second)
+    # The engine's own prefill time (model time, from first scheduled to first token) is the part a cache hit
+    # saves; the wall TTFT around it is mostly HTTP and tokenizing 8000 tokens, which no cache hit shortens and
+    # a loaded machine stretches at random.
+    prefill = "vllm:request_prefill_time_seconds_sum"
+    first, second = m1[prefill] - m0[prefill], m2[prefill] - m1[prefill]
+    assert 0 < second < first * 0.1, (first, second)
 
 
 async def test_kv_exhaustion_preempts(sim_fleet):

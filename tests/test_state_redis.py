@@ -192,24 +192,25 @@ def _hold_forever(url: str, prefix: str, replica: str, ttl: float, n: int, q) ->
 
 
 async def test_killed_replica_reservations_expire_after_the_ttl(redis_url, prefix):
-    ttl = 0.8
+    ttl = 2.0   # a loaded machine starves a process for longer than a sub-second TTL: its leases would lapse
     q = SPAWN.Queue()
     child = SPAWN.Process(target=_hold_forever, args=(redis_url, prefix, "doomed", ttl, 3, q), daemon=True)
     child.start()
     me = store(redis_url, prefix, "survivor", lease_ttl_s=ttl)
     raw = aioredis.from_url(redis_url, **BOUNDED)
     try:
-        assert await asyncio.to_thread(q.get, True, 20) == "held"
+        assert await asyncio.to_thread(q.get, True, 60) == "held"   # a spawned child imports, slowly when loaded
         await me.start()
         await asyncio.sleep(2 * ttl)  # the child's heartbeat must keep its leases alive meanwhile
         assert await raw.zcard(prefix + "res:w") == 3
         os.kill(child.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         assert not await me.try_reserve("w", "mine", cap=3)  # the dead replica's leases still hold
-        await poll(lambda: me.try_reserve("w", "mine", cap=3), timeout=ttl + 2.0, every=0.02)
+        await poll(lambda: me.try_reserve("w", "mine", cap=3), timeout=ttl + 5.0, every=0.02)
         waited = time.monotonic() - killed_at
-        # The last heartbeat was at most ttl/3 before the kill, so expiry comes 2/3 ttl .. ttl after it.
-        assert ttl / 3 < waited < ttl + 1.0, waited
+        # The last heartbeat was at most ttl/3 before the kill, so expiry comes 2/3 ttl .. ttl after it: not
+        # before (a bound no load can break), and not never (the poll's bound, with room for a loaded machine).
+        assert ttl / 3 < waited, waited
         await poll(lambda: me.inflight().get("w") == Inflight(1, 0))
         assert await raw.zcard(prefix + "res:w") == 1
     finally:
@@ -220,17 +221,42 @@ async def test_killed_replica_reservations_expire_after_the_ttl(redis_url, prefi
         await me.close()
 
 
+async def test_a_release_that_races_the_heartbeat_is_replayed_and_the_store_stays_up(redis_url, prefix):
+    """A release made while a heartbeat is in flight is sent again after it (the heartbeat may have re-added the
+    member). That replay once went out with too few keys: a Lua error, taken for Redis being down, so the store
+    failed open and admitted past the cap; under load a two-process cap check saw 7 holders of a cap of 5."""
+    s = store(redis_url, prefix, "hb-race")
+    await s.start()
+    raw = aioredis.from_url(redis_url, **BOUNDED)
+    try:
+        assert await s.try_reserve("w", "r1", cap=5, tokens=1)
+        beat = asyncio.create_task(s._heartbeat())   # noqa: SLF001 - the race, made on purpose
+        await asyncio.sleep(0)                       # the heartbeat's script call is in flight: r1 in its snapshot
+        await s.release("w", "r1")
+        await beat
+        assert s.available
+        assert await raw.zcard(prefix + "res:w") == 0
+        assert await s.try_reserve("w", "r2", cap=1, tokens=1)
+        assert not await s.try_reserve("w", "r3", cap=1, tokens=1)   # the cap holds: nothing failed open
+    finally:
+        await s.close()
+        await raw.aclose()
+
+
 # --- two processes, one cap -------------------------------------------------------------------------
 
 
-def _hammer(url: str, prefix: str, replica: str, cap: int, duration: float, go, q) -> None:
+def _hammer(url: str, prefix: str, replica: str, cap: int, duration: float, go, q, held) -> None:
     async def main() -> dict:
-        s = RedisStore(url, replica_id=replica, key_prefix=prefix, lease_ttl_s=5.0, refresh_interval_s=0.05)
+        # a Redis call slower than the default 1 s makes the store fail open (admit against its last view, by
+        # design: tests/test_state_faults.py); a loaded machine must not turn this cap check into that one
+        s = RedisStore(url, replica_id=replica, key_prefix=prefix, lease_ttl_s=5.0, refresh_interval_s=0.05,
+                       socket_timeout_s=10.0)
         await s.start()
         raw = aioredis.from_url(url, **BOUNDED)
         q.put("ready")
         await asyncio.to_thread(go.wait, 20)
-        stats = {"wins": 0, "refused": 0, "max_held": 0, "max_zcard": 0}
+        stats = {"wins": 0, "refused": 0, "max_held": 0, "max_zcard": 0, "failed_open": 0}
         rng = random.Random(replica)
         deadline = time.monotonic() + duration
 
@@ -241,11 +267,16 @@ def _hammer(url: str, prefix: str, replica: str, cap: int, duration: float, go, 
                 rid = f"{i}-{j}"
                 if await s.try_reserve("w", rid, cap=cap, tokens=1):
                     stats["wins"] += 1
-                    # held counts slots between a successful reserve and the release: never above the cap
-                    stats["max_held"] = max(stats["max_held"], await raw.incr(prefix + "held"))
+                    stats["failed_open"] += not s.available   # admitted without Redis: the cap is not enforced
+                    # held counts slots between a successful reserve and the release, in memory both processes
+                    # share (a Redis counter could count one twice: its client retries a command that timed out)
+                    with held.get_lock():
+                        held.value += 1
+                        stats["max_held"] = max(stats["max_held"], held.value)
                     stats["max_zcard"] = max(stats["max_zcard"], await raw.zcard(prefix + "res:w"))
                     await asyncio.sleep(rng.random() * 0.004)
-                    await raw.decr(prefix + "held")
+                    with held.get_lock():
+                        held.value -= 1
                     await s.release("w", rid)
                 else:
                     stats["refused"] += 1
@@ -260,9 +291,9 @@ def _hammer(url: str, prefix: str, replica: str, cap: int, duration: float, go, 
 
 
 async def test_two_processes_never_exceed_the_cap(redis_url, prefix):
-    q, go = SPAWN.Queue(), SPAWN.Event()
+    q, go, held = SPAWN.Queue(), SPAWN.Event(), SPAWN.Value("i", 0)
     procs = [
-        SPAWN.Process(target=_hammer, args=(redis_url, prefix, f"proc{i}", 5, 1.5, go, q), daemon=True)
+        SPAWN.Process(target=_hammer, args=(redis_url, prefix, f"proc{i}", 5, 1.5, go, q, held), daemon=True)
         for i in range(2)
     ]
     for p in procs:
@@ -278,6 +309,7 @@ async def test_two_processes_never_exceed_the_cap(redis_url, prefix):
             p.join(5)
     print("two-process hammer:", results)
     assert all(r["wins"] > 0 and r["refused"] > 0 for r in results)  # both competed and both hit the cap
+    assert sum(r["failed_open"] for r in results) == 0, results   # every admission went through Redis
     assert max(r["max_held"] for r in results) == 5
     # ZCARD itself may exceed the cap for a moment: a heartbeat in flight re-scores a member that its replica
     # released meanwhile, and the replica releases it again right after (RedisStore._heartbeat). That ghost only

@@ -2,7 +2,7 @@
 (SIGSTOP), the gateway SIGKILLed with a batch in flight. Workers are `fleetgate sim --workers 1` processes,
 the gateway `fleetgate serve`, Redis a `redis-server` of the test's own on a free port.
 
-Numbers each must hold (issue 18): 0 failed requests and the fleet intact through the Redis faults (with the
+Numbers each must hold (the state store is not a single point of failure): 0 failed requests and the fleet intact through the Redis faults (with the
 reservations rebuilt and a bounded number of log lines); after the gateway's SIGKILL, 0 lost and 0 duplicated
 output lines and the batch moving again within 15 s.
 """

@@ -1,5 +1,5 @@
 """Workers that die or hang under load, with real processes: each worker a `fleetgate sim --workers 1` process,
-the gateway `fleetgate serve`. Streams that survive their worker and hung-worker detection (issue 18 items 1, 2).
+the gateway `fleetgate serve`. Streams that survive their worker and hung-worker detection.
 
 - `kill -9` of one of 4 workers under 200 concurrent streams: 0 client-visible failures, 0 error events, every
   stream's text continuous and complete (the simulator's filler words follow a fixed cycle, so a gap or a
@@ -40,6 +40,7 @@ class Stream:
     words: list[str] = field(default_factory=list)
     max_gap_s: float = 0.0
     error: str | None = None
+    sent_at: float = 0.0
     done_at: float = 0.0
 
 
@@ -55,12 +56,15 @@ def continuous(words: list[str]) -> bool:
     return -1 not in idx and all(b == (a + 1) % len(FILLER_WORDS) for a, b in zip(idx, idx[1:], strict=False))
 
 
-async def stream_chat(http: httpx.AsyncClient, url: str, max_tokens: int, progress: list[int], i: int) -> Stream:
-    """One streamed chat; the bytes are parsed at the end (the client must not be the bottleneck)."""
+async def stream_chat(http: httpx.AsyncClient, url: str, max_tokens: int, progress: list[int], i: int,
+                      content: str | None = None) -> Stream:
+    """One streamed chat (`content`: its prompt, default a short one); the bytes are parsed at the end (the
+    client must not be the bottleneck)."""
     s = Stream()
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"chaos stream {i}"}], "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content or f"chaos stream {i}"}],
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     chunks: list[bytes] = []
+    s.sent_at = time.monotonic()
     try:
         async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -77,22 +81,28 @@ async def stream_chat(http: httpx.AsyncClient, url: str, max_tokens: int, progre
         s.error = f"{type(e).__name__}: {e}"
         return s
     s.done_at = time.monotonic()
-    events = [e for e in b"".join(chunks).split(b"\n\n") if e]
-    if events[-1] != b"data: [DONE]":
+    judge(s, b"".join(chunks), max_tokens)
+    return s
+
+
+def judge(s: Stream, data: bytes, max_tokens: int) -> None:
+    """Read a whole stream's bytes into `s`: its words, or what went wrong (no [DONE], an error event, text not
+    continuous or incomplete, usage not exact)."""
+    events = [e for e in data.split(b"\n\n") if e]
+    if not events or events[-1] != b"data: [DONE]":
         s.error = "no [DONE]"
-        return s
+        return
     objs = [json.loads(e[6:]) for e in events[:-1]]
     errors = [o["error"]["message"] for o in objs if "error" in o]
     if errors:
         s.error = f"error event: {errors[0]}"
-        return s
+        return
     s.words = "".join(c["delta"].get("content") or "" for o in objs for c in o["choices"]).split(" ")
     usage = [o["usage"] for o in objs if o.get("usage")]
     if len(s.words) != max_tokens or not continuous(s.words):
         s.error = f"text not continuous or incomplete ({len(s.words)} words)"
     elif len(usage) != 1 or usage[0]["completion_tokens"] != max_tokens:
         s.error = f"usage {usage}"
-    return s
 
 
 async def gateway_metric(url: str, name: str, **labels: str) -> float:
@@ -154,7 +164,7 @@ async def chat_once(http: httpx.AsyncClient, url: str, max_tokens: int) -> tuple
 async def test_sigstop_of_a_worker_its_requests_finish_elsewhere(sim_fleet_process, gateway_process,
                                                                  tmp_path) -> None:
     fleet = [sim_fleet_process(1, time_scale=1.0, seed=i) for i in range(4)]
-    gw = gateway_process(write_config(tmp_path, [f.urls[0] for f in fleet], resume={"suspect_hold_s": 3.0}))
+    gw = gateway_process(write_config(tmp_path, [f.urls[0] for f in fleet], resume={"ejection_base_s": 3.0}))
     url = gw.listening_url(timeout=120)
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
     victim = fleet[0].proc

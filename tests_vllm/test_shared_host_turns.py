@@ -1,4 +1,4 @@
-"""Live decode turns against real vLLM (issue 20 item 2): the gateway runs Aegaeon's turns (gateway/turns.py,
+"""Live decode turns against real vLLM: the gateway runs Aegaeon's turns (gateway/turns.py,
 `scheduling: turns`) between the two real tiny-model servers declared as ONE host, through vLLM's dev-mode
 /sleep?level=0&mode=keep (pause, in-flight requests kept) and /wake_up, while each has a long streamed request
 in flight.
@@ -71,27 +71,30 @@ def test_gateway_runs_decode_turns_between_two_real_engines(prio_server, plain_s
                 except BaseException as exc:  # handed to the test
                     errors.append(exc)
 
-            both_awake, streak, longest, polls = 0, 0, 0, 0
+            both_awake, polls, quick = 0, 0, 0
             threads = [threading.Thread(target=stream, args=(k,), daemon=True) for k in urls]
             for t in threads:
                 t.start()
             while any(t.is_alive() for t in threads):
-                # A, B, A again: "both awake" only when B was awake between two moments A was
+                # A, B, A again: "both awake" only when B was awake between two moments A was. A poll that took
+                # longer than a turn can see that legitimately (A, then B after a switch, then A after the
+                # next), so only polls shorter than the quota count: within one, A could only have been
+                # paused and woken again if B's turn ended at once (its stream finished): once at most.
+                t0 = time.monotonic()
                 a1, b, a2 = (not is_sleeping(urls["a"]), not is_sleeping(urls["b"]), not is_sleeping(urls["a"]))
-                both = a1 and b and a2
-                both_awake += both
-                streak = streak + 1 if both else 0
-                longest = max(longest, streak)
+                if time.monotonic() - t0 < QUOTA_S:
+                    quick += 1
+                    both_awake += a1 and b and a2
                 polls += 1
                 time.sleep(0.02)
             for t in threads:
                 t.join(5)
             assert not errors, errors
             assert results == {"a": ("length", TOKENS), "b": ("length", TOKENS)}, results
-            # A poll slower than two switches (three HTTP calls to busy servers on a loaded machine) can see
-            # A, then B after the switch, then A after the next: once. Both engines left awake would show in
-            # every poll after it.
-            assert polls > 10 and longest <= 1 and both_awake <= polls / 10, (both_awake, longest, polls)
+            # How many polls fit in the run, and how many are quick, depends on the machine's load (three HTTP
+            # calls to busy servers each; CI once fitted 8), so no count is required; the runs and the engines'
+            # own counters below are the main evidence. Both engines left awake would show in every quick poll.
+            assert both_awake <= 1, (both_awake, quick, polls)
             events = sorted((t, k) for k, ts in times.items() for t in ts)
             runs = 1 + sum(1 for (_, k1), (_, k2) in zip(events, events[1:], strict=False) if k1 != k2)
 

@@ -6,7 +6,11 @@ engine_sleep_state gauge; a request sent while asleep blocks (not fails) and fin
 
 from __future__ import annotations
 
+import time
+
 import httpx
+import openai
+import pytest
 
 from tests_vllm.conftest import (
     Background,
@@ -23,7 +27,16 @@ def _sleep_state(url: str, state: str) -> float:
     return engine_metric(url, "vllm:engine_sleep_state", sleep_state=state)
 
 
+def _gateway_sees(gw, state: str) -> bool:  # noqa: ANN001
+    return any(v == 1 for labels, v in metric_samples(gw.metrics(), "fleetgate_engine_state")
+               if labels.get("state") == state)
+
+
 def test_request_blocks_while_asleep_and_finishes_after_wake_up(plain_server) -> None:  # noqa: ANN001
+    """Sent straight to the sleeping engine, a request is held and finishes after /wake_up (vLLM's behaviour).
+    The gateway routes nothing to a sleeping engine (gateway/registry.py `awake`): once its scrape has seen its
+    only engine asleep, a request gets an OpenAI-style 503 at once (what a client retries, and what a model's
+    fallbacks act on), never a hang; once it has seen the engine awake again, requests through it succeed."""
     url = plain_server.url
     with run_gateway([url]) as gw:
         wait_until(lambda: engine_metric(url, "vllm:num_requests_running") == 0, 30, "the server to be idle")
@@ -36,19 +49,26 @@ def test_request_blocks_while_asleep_and_finishes_after_wake_up(plain_server) ->
             assert is_sleeping(url) is True
             wait_until(lambda: _sleep_state(url, "weights_offloaded") == 1 and _sleep_state(url, "awake") == 0,
                        5, "engine_sleep_state to say weights_offloaded")
-            call = Background(completion_call(gw.client(), 8, prompt="wake"))
-            # The gateway has reserved and forwarded it ...
-            wait_until(lambda: sum(v for _, v in metric_samples(gw.metrics(), "fleetgate_worker_inflight")) == 1,
-                       10, "the gateway to forward the request")
-            # ... and the sleeping engine holds it rather than failing it.
-            assert not call.done.wait(1.5), f"the request ended while the engine slept: {call.error or call.result}"
+            wait_until(lambda: _gateway_sees(gw, "weights_offloaded"), 30, "the gateway to scrape the sleep state")
+            direct = Background(completion_call(openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0,
+                                                              timeout=120), 8, prompt="wake"))
+            # the engine holds the request sent to it ...
+            assert not direct.done.wait(1.5), f"the request ended while the engine slept: {direct.error or direct.result}"
+            # ... and the gateway, with no engine awake, says so at once
+            t0 = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as refused:
+                completion_call(gw.client(), 8, prompt="wake")()
+            assert refused.value.status_code == 503 and time.monotonic() - t0 < 30, refused.value
+            assert sum(v for _, v in metric_samples(gw.metrics(), "fleetgate_worker_inflight")) == 0
         finally:
             wake = httpx.post(url + "/wake_up", timeout=30)
         assert wake.status_code == 200, wake.text
         assert wake.json().get("status") == "awake"
         assert is_sleeping(url) is False
-        resp = call.wait(60)
+        held = direct.wait(60)
+        assert held.choices[0].finish_reason == "length" and held.usage.completion_tokens == 8
+        wait_until(lambda: _gateway_sees(gw, "awake"), 30, "the gateway to scrape the engine awake")
+        resp = completion_call(gw.client(), 8, prompt="wake")()
+        assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 8
 
-    assert resp.choices[0].finish_reason == "length"
-    assert resp.usage.completion_tokens == 8
     wait_until(lambda: _sleep_state(url, "awake") == 1, 5, "engine_sleep_state to say awake")

@@ -9,7 +9,7 @@ from pathlib import Path
 def vllm(name: str) -> str:
     """A vLLM series under both of the names it is stored as. prometheus_client 0.26 (vLLM's) writes `vllm:x` in
     # HELP/# TYPE but `vllm_x` on the sample lines when the scraper negotiates OpenMetrics, as Prometheus does by
-    default (prometheus/client_python issue #1177, open); Prometheus then stores `vllm_x`. Plain-text scrapes
+    default (an open prometheus/client_python bug, github.com/prometheus/client_python/issues/1177); Prometheus then stores `vllm_x`. Plain-text scrapes
     (scrape_protocols: [PrometheusText0.0.4], Prometheus >= 2.49) keep `vllm:x`."""
     return f'{{__name__=~"vllm[:_]{name}"}}'
 
@@ -81,7 +81,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
      [("max by (worker) (fleetgate_worker_batch_cap)", "{{worker}}")]),
     ("Autoscaler leader", "short",
      [("fleetgate_autoscaler_leader", "{{instance}}")]),
-    # Pooled serving (issue 20): engines asleep or paused take no requests (gateway/registry.py).
+    # Pooled serving (shared hosts): engines asleep or paused take no requests (gateway/registry.py).
     ("Engines by sleep state (awake, paused, weights_offloaded, discard_all)", "short",
      [("sum by (state) (max by (worker, model, state) (fleetgate_engine_state))", "{{state}}")]),
 ]

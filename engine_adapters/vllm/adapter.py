@@ -9,7 +9,7 @@ import orjson
 
 from engine_adapters.base import EngineAdapter, ShapedRequest, Usage
 from engine_adapters.types import EngineMetrics
-from engine_adapters.vllm.errors import openai_error_body
+from engine_adapters.vllm.errors import context_exceeded, openai_error_body
 from engine_adapters.vllm.metrics_parser import parse_vllm_metrics
 from engine_adapters.vllm.shaping import shape_for_vllm
 from engine_adapters.vllm.sse import VllmStreamScanner
@@ -26,6 +26,9 @@ class VllmAdapter(EngineAdapter):
 
     def openai_error(self, status: int, body: bytes) -> bytes:
         return openai_error_body(status, body)
+
+    def context_exceeded(self, status: int, body: bytes) -> bool:
+        return status == 400 and context_exceeded(body)
 
     def new_stream_scanner(self, strip_usage: bool, whole_events: bool = False) -> VllmStreamScanner:
         return VllmStreamScanner(strip_usage, whole_events)

@@ -25,6 +25,16 @@ _BY_STATUS = {400: "invalid_request_error", 404: "not_found_error", 422: "invali
               503: "service_unavailable_error"}
 
 
+# vLLM's 400 for a request over max_model_len words it one of these ways, depending on the version and on where
+# the check fails (prompt alone, prompt plus max_tokens)
+_CONTEXT_MARKERS = (b"maximum context length", b"longer than the maximum model length")
+
+
+def context_exceeded(body: bytes) -> bool:
+    """Is `body` vLLM's refusal of a request longer than the model's context?"""
+    return any(m in body for m in _CONTEXT_MARKERS)
+
+
 def openai_error_body(status: int, body: bytes) -> bytes:
     """The same error in OpenAI's shape; `body` unchanged when it is not a vLLM error object."""
     try:

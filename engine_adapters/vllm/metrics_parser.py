@@ -38,6 +38,7 @@ _WANTED: dict[str, tuple[str, int]] = {
 }
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 SLEEP_STATE = "vllm:engine_sleep_state"      # 0.33: one series per state, 1 for the current one
+LORA_INFO = "vllm:lora_requests_info"       # one series per adapter set seen; the value: when it was last set
 _LABEL_RE = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
 
 
@@ -48,6 +49,7 @@ def parse_vllm_metrics(text: str, now: float = 0.0) -> EngineMetrics:
     blocks: int | None = None
     block_size: int | None = None
     sleep_state = AWAKE
+    lora: tuple[float, dict[str, str]] | None = None
     for line in text.split("\n"):
         if not line.startswith("vllm:"):
             continue
@@ -55,7 +57,7 @@ def parse_vllm_metrics(text: str, now: float = 0.0) -> EngineMetrics:
         space = line.find(" ")
         has_labels = brace != -1 and (space == -1 or brace < space)
         name = line[:brace] if has_labels else (line[:space] if space != -1 else line)
-        if name not in _WANTED and name != CACHE_CONFIG_INFO and name != SLEEP_STATE:
+        if name not in _WANTED and name != CACHE_CONFIG_INFO and name != SLEEP_STATE and name != LORA_INFO:
             continue  # most lines: histogram buckets and series we do not use
         labels_end = _labels_end(line, brace) if has_labels else len(name)
         if labels_end < 0:
@@ -68,6 +70,11 @@ def parse_vllm_metrics(text: str, now: float = 0.0) -> EngineMetrics:
                 sleep_state = state
             elif state == AWAKE and value == 0 and sleep_state == AWAKE:
                 sleep_state = PAUSED      # vLLM 0.32 after /sleep?level=0: awake 0 and no other state 1
+            continue
+        if name == LORA_INFO:
+            value = _sample_value(line, labels_end)
+            if has_labels and value is not None and (lora is None or value > lora[0]):
+                lora = (value, parse_labels(line[brace + 1 : labels_end - 1]))
             continue
         if name == CACHE_CONFIG_INFO:
             labels = parse_labels(line[brace + 1 : labels_end - 1]) if has_labels else {}
@@ -88,6 +95,11 @@ def parse_vllm_metrics(text: str, now: float = 0.0) -> EngineMetrics:
             cur[1] += value
             cur[2] += 1
     m = EngineMetrics(scraped_at=now, num_gpu_blocks=blocks, block_size=block_size, sleep_state=sleep_state)
+    if lora is not None:
+        labels = lora[1]
+        m.lora_running = _names(labels.get("running_lora_adapters", ""))
+        m.lora_waiting = _names(labels.get("waiting_lora_adapters", ""))
+        m.max_lora = _int_or_none(labels.get("max_lora"))
     for field, (_, total, count) in acc.items():
         # usage is a fraction per engine: average it; request counts and counters add up over engines
         setattr(m, field, total / count if field == "kv_usage" else total)
@@ -137,3 +149,8 @@ def _int_or_none(s: str | None) -> int | None:
         return int(float(s))
     except ValueError:
         return None  # "None" when vLLM has not resolved the value
+
+
+def _names(joined: str) -> tuple[str, ...]:
+    """vLLM joins the adapter names of vllm:lora_requests_info's labels with commas."""
+    return tuple(n for n in (p.strip() for p in joined.split(",")) if n)

@@ -99,6 +99,15 @@ class StateStore(JobStore, ABC):
     def inflight(self) -> dict[str, Inflight]:
         """Cached in-flight reservations per worker, summed over replicas (no I/O)."""
 
+    def own_inflight(self, worker_id: str) -> int:
+        """This replica's own requests in flight on the worker, exact (no I/O)."""
+        f = self.inflight().get(worker_id)
+        return f.requests if f is not None else 0
+
+    async def live_replicas(self) -> list[str]:
+        """The ids of the gateway replicas sharing this store now (their leases not expired)."""
+        return [self.replica_id]
+
     # --- per-key limits (gateway/ratelimit.py) -----------------------------------------------------
     # A request of a limited key has an open ticket from dispatch to its end: its first successful
     # try_reserve also takes the key's request and tokens (atomically with the reservation, or raises

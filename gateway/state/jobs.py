@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -81,6 +82,11 @@ class QueuedRequest:
 class StoreUnavailableError(ConnectionError):
     """The shared store cannot be reached right now (Redis down or frozen); callers retry later. The store
     logs the outage itself (one line when it starts, reminders, one when it ends)."""
+
+
+def new_id(prefix: str) -> str:
+    """A fresh file or batch id: `prefix` and 24 random hex digits."""
+    return prefix + secrets.token_hex(12)
 
 
 def request_id_for(batch_id: str, index: int) -> str:

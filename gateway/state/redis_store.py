@@ -343,7 +343,8 @@ def _record_from(raw: str | bytes) -> WorkerRecord:
 def _metrics_from(raw: str | bytes) -> EngineMetrics:
     d = orjson.loads(raw)
     names = {f.name for f in dataclasses.fields(EngineMetrics)}
-    return EngineMetrics(**{k: v for k, v in d.items() if k in names})
+    # JSON has no tuples: the adapter name lists come back as the tuples they were
+    return EngineMetrics(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})
 
 
 class RedisStore(RedisJobs, StateStore):
@@ -393,7 +394,7 @@ class RedisStore(RedisJobs, StateStore):
         self._others_waiting = False
         # Releases to replay: ones that raced an in-flight heartbeat, and ones made while Redis was down.
         self._hb_running = False
-        self._released_during_hb: list[tuple[str, str, int]] = []
+        self._released_during_hb: list[tuple[list[str], list[str | int]]] = []   # _RELEASE's keys and args
         self._returned_during_hb: list[tuple[str, str]] = []      # leased slots: (worker, member)
         self._pending_release: list[tuple[str, str]] = []         # (worker, member)
         # Last known registry and metrics, served while Redis is down; registry writes made meanwhile.
@@ -766,11 +767,8 @@ class RedisStore(RedisJobs, StateStore):
             for wid, member in returned:
                 pipe.zrem(self._k(f"res:{wid}"), member)
             await pipe.execute()
-        for wid, rid, tokens in raced:  # released while the heartbeat may have re-added them: release again
-            await self._release_script(
-                keys=[self._k(f"res:{wid}"), self._k(f"load:{self.replica_id}")],
-                args=[self._member(rid), wid, tokens],
-            )
+        for keys, args in raced:  # released while the heartbeat may have re-added them: the same release again
+            await self._release_script(keys=keys, args=args)
 
     async def _refresh(self) -> None:
         q, settle = self._take_settlements()
@@ -991,20 +989,33 @@ class RedisStore(RedisJobs, StateStore):
                 self._local_buckets.unhold(t)
                 if t.limits.max_concurrency is not None:
                     keys.append(self._k(f"kc:{t.tenant_id}"))
+        args: list[str | int] = [self._member(request_id), worker_id, tokens, self._k("released"), self.replica_id]
         if self._hb_running:
-            self._released_during_hb.append((worker_id, request_id, tokens))
+            self._released_during_hb.append((keys, args))
         if not self._ok:
             self._pending_release.append((worker_id, self._member(request_id)))
             return
         try:
-            await self._release_script(keys=keys, args=[self._member(request_id), worker_id, tokens,
-                                                         self._k("released"), self.replica_id], client=r)
+            await self._release_script(keys=keys, args=args, client=r)
         except _DOWN_ERRORS as exc:
             self._mark_down(exc)
             self._pending_release.append((worker_id, self._member(request_id)))
 
     def inflight(self) -> dict[str, Inflight]:
         return dict(self._view)
+
+    def own_inflight(self, worker_id: str) -> int:
+        own = self._own_by_worker.get(worker_id)
+        return own.requests if own is not None else 0
+
+    async def live_replicas(self) -> list[str]:
+        """Every refresh drops the replicas whose lease expired from the set; Redis down: this one only."""
+        if self._ok:
+            try:
+                return list(await self._client().zrange(self._k("replicas"), 0, -1))
+            except _DOWN_ERRORS as exc:
+                self._mark_down(exc)
+        return [self.replica_id]
 
     # --- registry -------------------------------------------------------------------------------
     async def upsert_worker(self, rec: WorkerRecord) -> None:

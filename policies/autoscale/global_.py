@@ -19,15 +19,22 @@ workers form one pool sized by interactive backpressure; the batch pool by batch
   which moves before the busy count does.
 - Aladdin's joint placement and scaling (section 4.2's MIP opens a new bin when no worker fits): the
   placement step's shortfall (`placement_shortfall`: how many more empty workers the requests that fit
-  nowhere within their SLO need, policies/aladdin.py `shortfall`) is demand the busy count cannot show (those
+  nowhere within their SLO need, policies/aladdin/shortfall.py) is demand the busy count cannot show (those
   requests are not running anywhere). It raises the interactive + mixed target to at least the active workers
   plus the shortfall; a scale-out it causes is counted as `placement_shortfall`.
 - Batch backpressure BBP (section 5.3, eq. 1-2, Algorithm 2): queued requests are grouped by deadline;
   a group is late if the output of every request up to and including it cannot be generated before its
   deadline; the batch pool gets the fewest extra workers that leave no group late, and goes to zero when
   the queue is empty.
-- A `PoolScaler` per pool turns targets into desired counts: min/max bounds, cooldowns, and an HPA-like
-  stabilisation window for scale-in (the largest target of the last `stabilization_s` wins).
+- Scale-in of the interactive + mixed pool (HPA's scale-down stabilisation): the band is applied to the
+  largest need of the last `stabilization_s`, so a dip inside a burst removes nothing; the window holds the
+  need itself, in workers' worth, because a band target is relative to the pool size it was computed for.
+  Nothing is removed while the burst that a scale-out answered goes on (arrival rate within
+  `burst_rate_drop` of its peak since, for at most `burst_hold_s`): while new workers start (cold start,
+  Chiron section 2.3) and settle, the busy count measures a fleet in transition; one burst, one change of
+  direction. The rate forecast is used only while its fitted slope is positive.
+- A `PoolScaler` per pool turns targets into desired counts: min/max bounds, cooldowns, and (batch pool) an
+  HPA-like stabilisation window for scale-in (the largest target of the last `stabilization_s` wins).
 """
 
 from __future__ import annotations
@@ -94,8 +101,11 @@ class RateWorkerFit:
         return self.coefficients is not None
 
     def predict(self, rate: float) -> float | None:
+        """None until fitted, and while the fitted slope is not positive: more arrivals never need fewer workers,
+        so such a fit learned pairs whose rate and busy count were measured at different moments (the rate's
+        window still holds a burst the busy count has already seen end) and forecasts nothing."""
         coef = self.coefficients
-        if coef is None or rate <= self.min_rate:
+        if coef is None or rate <= self.min_rate or coef[0] <= 0:
             return None
         return max(0.0, coef[0] * rate + coef[1])
 
@@ -291,6 +301,8 @@ class GlobalConfig:
     rate_min: float = 0.0              # Aladdin's R
     rate_min_samples: int = 8
     use_rate_forecast: bool = True
+    burst_rate_drop: float = 0.5       # after a scale-out, no scale-in until the rate falls this far below its peak
+    burst_hold_s: float = 600.0        # ... or this long after the scale-out
 
     def __post_init__(self) -> None:
         if not 0 < self.theta <= 1 or not 0 <= self.delta < self.theta:
@@ -328,10 +340,16 @@ class GlobalAutoscaler:
         self.config = cfg = config or GlobalConfig()
         common = {"cooldown_in_s": cfg.cooldown_in_s, "stabilization_s": cfg.stabilization_s,
                   "max_step_in": cfg.max_step_in}
-        self.im = PoolScaler(cfg.min_interactive, cfg.max_interactive, cfg.cooldown_out_s, **common)
+        # The interactive + mixed pool's scale-in window holds its need (`update`), not its targets: a second
+        # window here would only stretch the first one.
+        self.im = PoolScaler(cfg.min_interactive, cfg.max_interactive, cfg.cooldown_out_s,
+                             **{**common, "stabilization_s": 0.0})
         self.batch = PoolScaler(0, cfg.max_batch, cfg.batch_cooldown_s, **common)
         self.fit = RateWorkerFit(cfg.rate_forget, cfg.rate_min, cfg.rate_min_samples)
         self._queue_since: float | None = None
+        self._needs: deque[tuple[float, float]] = deque()   # (time, interactive need): the scale-in window
+        self._burst_rate: float | None = None    # highest arrival rate since the last interactive scale-out
+        self._burst_t = -math.inf                # that scale-out's time
 
     def update(self, obs: FleetObservation, now: float) -> ScalePlan:
         cfg = self.config
@@ -348,6 +366,25 @@ class GlobalAutoscaler:
             self.fit.observe(obs.interactive_rate, busy)
         need = max(busy, forecast or 0.0)
         target, why = interactive_target(need, total_im, cfg.theta, cfg.delta)
+        needs = self._needs
+        needs.append((now, need))
+        while needs[0][0] < now - cfg.stabilization_s:
+            needs.popleft()
+        if why != "ibp_high":
+            # Scale-in is judged on the largest need of the stabilisation window (HPA's rule, applied to the demand
+            # itself: a band target is relative to the size it was computed for). Not while the burst a scale-out
+            # answered goes on: its arrival rate still within `burst_rate_drop` of the highest since then (for at
+            # most `burst_hold_s`), whatever the busy count says while the new workers start and settle. Removing
+            # a worker the burst then needs again costs a cold start and a second change of direction (Chiron's
+            # hysteresis, section 2.3); an overshoot is given back once the load falls.
+            held = max(n for _, n in needs)
+            target, why = interactive_target(held, total_im, cfg.theta, cfg.delta)
+            burst_on = (self._burst_rate is not None and now - self._burst_t < cfg.burst_hold_s
+                        and obs.interactive_rate >= (1.0 - cfg.burst_rate_drop) * self._burst_rate)
+            if why != "ibp_low" or burst_on:
+                target, why = total_im, None
+        if self._burst_rate is not None:
+            self._burst_rate = max(self._burst_rate, obs.interactive_rate)
         reason_up = "rate_forecast" if forecast is not None and forecast > busy and why == "ibp_high" else "ibp_high"
         short = max(0.0, obs.placement_shortfall)
         if short > 0 and active_im + math.ceil(short) > target:    # joint placement and scaling
@@ -355,6 +392,10 @@ class GlobalAutoscaler:
         room = cfg.max_total - cur[POOL_BATCH]
         target = min(target, max(cfg.min_interactive, room))
         new_im, reason_im = self.im.decide(total_im, target, now, reason_up, "ibp_low")
+        if new_im > total_im:
+            self._burst_rate, self._burst_t = obs.interactive_rate, now
+        elif new_im < total_im:
+            self._burst_rate = None
         n_int = min(new_im, max(1 if new_im else 0, math.floor(cfg.theta * new_im + 1e-9)))
         desired = {POOL_INTERACTIVE: n_int, POOL_MIXED: new_im - n_int}
 

@@ -1,4 +1,4 @@
-"""Many models on shared hosts (issue 20): Aegaeon's token-level pooling and the request-level baselines.
+"""Many models on shared hosts: Aegaeon's token-level pooling and the request-level baselines.
 
     costs.py      swap-time estimates (Aegaeon appendix A.2 eq. 4) and the active-model count (Theorem 3.1)
     aegaeon.py    grouped-FCFS prefill placement (Algorithm 1) and decode work lists with time quotas

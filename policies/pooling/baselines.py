@@ -5,17 +5,14 @@ compares against, pure like every policy.
 - Co-resident multiplexing (MuxServe-style, section 2.3): as many models awake on a host as its memory holds
   (`resident_capacity`), placed once by popularity (`static_placement`), time-shared step by step in round
   robin (`RoundRobin`). Models beyond the hosts' room are not served.
-- Request-level swapping (ServerlessLLM-style, sections 2.3 and 3.1, `RequestSwapping`): one model awake per
-  host; requests queue on a host in arrival order (FCFS) and the host switches to the model of the oldest
-  waiting request only when its engine is idle, so a long request blocks every other model queued behind it
-  (the head-of-line blocking of section 3.1).
+- Request-level swapping (ServerlessLLM-style, sections 2.3 and 3.1): policies/pooling/swapping.py
+  `RequestLevelSwaps`, the one planner the live gateway (gateway/pooling.py) and the simulator
+  (simulator/pooled.py, `--pooling request`) both use.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
 
 
 def resident_capacity(memory_bytes: float, weight_bytes: float, kv_bytes_per_token: float,
@@ -85,63 +82,3 @@ class RoundRobin:
                 self._last = i
                 return self.models[i]
         return None
-
-
-@dataclass(frozen=True, slots=True)
-class Placed:
-    host: str
-    direct: bool        # True: join the host's engine now (it runs this model and nobody waits before it)
-
-
-class RequestSwapping:
-    """Request-level auto-scaling over hosts that each hold one model awake (module docstring).
-
-    The caller reports: `place` (a request arrived), `finished` (one of a host's requests ended) and asks
-    `next_load` when a host's engine is idle; it answers which model to run next and which queued requests
-    go to it (all queued requests of that model: its engine batches them)."""
-
-    def __init__(self, hosts: Sequence[str]) -> None:
-        if not hosts:
-            raise ValueError("request-level swapping needs at least one host")
-        self.hosts = list(hosts)
-        self.current: dict[str, str | None] = dict.fromkeys(self.hosts)
-        self.queues: dict[str, deque[tuple[str, str]]] = {h: deque() for h in self.hosts}
-        self.inflight: dict[str, int] = dict.fromkeys(self.hosts, 0)
-
-    def place(self, request_id: str, model: str) -> Placed:
-        serving = [h for h in self.hosts if self.current[h] == model and not self.queues[h]]
-        if serving:
-            h = min(serving, key=lambda x: self.inflight[x])
-            self.inflight[h] += 1
-            return Placed(h, True)
-        h = min(self.hosts, key=lambda x: (len(self.queues[x]) + self.inflight[x], self.current[x] != model))
-        self.queues[h].append((request_id, model))
-        return Placed(h, False)
-
-    def finished(self, host: str) -> None:
-        self.inflight[host] -= 1
-
-    def idle(self, host: str) -> bool:
-        return self.inflight[host] == 0
-
-    def peek(self, host: str, pick: Callable[[Sequence[tuple[str, str]]], str] | None = None) -> str | None:
-        """The model `next_load` would bring next (None: nothing queued); what a prefetch should bring."""
-        queue = self.queues[host]
-        if not queue:
-            return None
-        return pick(queue) if pick is not None else queue[0][1]
-
-    def next_load(self, host: str, pick: Callable[[Sequence[tuple[str, str]]], str] | None = None
-                  ) -> tuple[str, list[str]] | None:
-        """With the host's engine idle: the model of its oldest queued request (or the one `pick` chooses from
-        the queue's (request id, model) pairs: a service priority) and every queued request of that model, now
-        in flight (None: nothing queued)."""
-        queue = self.queues[host]
-        if not queue or self.inflight[host]:
-            return None
-        model = self.peek(host, pick)
-        taken = [rid for rid, m in queue if m == model]
-        self.queues[host] = deque((rid, m) for rid, m in queue if m != model)
-        self.current[host] = model
-        self.inflight[host] += len(taken)
-        return model, taken

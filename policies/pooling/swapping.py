@@ -1,17 +1,21 @@
 """Request-level swapping over shared hosts whose engines sleep and wake (ServerlessLLM-style, Aegaeon SOSP 2025
-sections 2.3 and 3.1), pure: the caller (the gateway's swap controller, gateway/pooling.py) says which models
-have requests waiting for an awake engine and what each host's engines are doing; `RequestLevelSwaps.plan`
-answers which engine to put to sleep and which to wake.
+sections 2.3 and 3.1), pure: the caller says which models have requests waiting for an awake engine and what
+each host's engines are doing; `RequestLevelSwaps.plan` answers which engine to put to sleep and which to wake.
+The one planner of the live gateway (its swap controller, gateway/pooling.py) and the simulator
+(simulator/pooled.py `--pooling request`, one engine awake per host, drained at once).
 
-The rules are `baselines.RequestSwapping`'s, over engines instead of one resident model per host:
+The rules:
 
-- demand is served first come, first served: the model whose requests started waiting first is woken first;
+- requests wait in one queue per model (not on a host: the first engine of the model awake takes them), and
+  demand is served first come, first served: the model whose requests started waiting first is woken first
+  (or, given an `order`, the model a service-aware priority ranks first); the model a swap wakes is fixed when
+  the swap is planned (the drain of a busy engine included);
 - a host wakes a model while fewer than `max_awake` of its engines are awake (or waking);
 - else an idle engine is swapped out (nothing in flight), the one idle longest first;
 - with none idle, once the demand has waited the host's `drain_after_s`, the engine with the fewest requests in flight is
-  drained: it takes no new request (its model's later requests queue behind the waiting one, FCFS, as
-  `RequestSwapping.place` queues them behind a host's queue) and sleeps when its last request ends. A long
-  request so blocks every model queued behind it (the head-of-line blocking of section 3.1). Draining at once
+  drained: it takes no new request (its model's later requests queue behind the waiting one, FCFS) and sleeps
+  when its last request ends. A long request so blocks every model queued behind it (the head-of-line blocking
+  of section 3.1). Draining at once
   (0) is strict FCFS but swaps more (the drained model's next requests want a host too); never (None) lets a
   model with steady traffic keep its host while others wait;
 - an engine whose model has requests waiting in the gateway is not swapped out;
@@ -20,8 +24,9 @@ The rules are `baselines.RequestSwapping`'s, over engines instead of one residen
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +72,15 @@ class RequestLevelSwaps:
     def served(self, model: str) -> None:
         self.demand.pop(model, None)
 
-    def plan(self, hosts: Mapping[str, HostView], waiting: Collection[str] = (), now: float = 0.0) -> list[SwapStep]:
+    def plan(self, hosts: Mapping[str, HostView], waiting: Collection[str] = (), now: float = 0.0,
+             order: Callable[[str], Any] | None = None) -> list[SwapStep]:
         """The swaps to start now, at most one per host. `waiting`: models with requests waiting in the gateway
-        (their engines are never swapped out). Demand already met (an engine of the model awake) is dropped."""
+        (their engines are never swapped out). Demand already met (an engine of the model awake) is dropped.
+        `order`: a service-aware priority's key of a waiting model (smaller first; SeaLLM section 4.2, the
+        simulator's `--service-priority`); None: first come, first served."""
         steps: list[SwapStep] = []
         blocked: set[str] = set()     # hosts taken by an older demand (a step, or waiting for an idle engine)
-        for model in sorted(self.demand, key=self.demand.__getitem__):
+        for model in sorted(self.demand, key=order or self.demand.__getitem__):
             holders = [h for h, v in hosts.items() if model in v.engines and v.engines[model].usable]
             if any(hosts[h].engines[model].awake for h in holders):
                 self.served(model)      # awake (or waking) somewhere: its requests are placed there

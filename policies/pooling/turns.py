@@ -19,6 +19,11 @@ its `round` (eq. 2-3 through `decode_quotas`). The turn-boundary rules, ours whe
 - a model that gets work during a round joins the next one; the next round starts with the model after the
   one that ran last (round robin across rounds);
 - with no work at all nothing switches: the engine that ran last stays awake.
+
+How a pause between turns ended (`pause_outcome`), which decides whether the next engine may wake: at most one
+engine of the host may be awake at once (on a host sized for one, two would run out of GPU memory), so the next
+one wakes only after the old one paused, or when the old one is taken for dead (not answering at all: a dead
+engine must not hold the other models back forever).
 """
 
 from __future__ import annotations
@@ -28,6 +33,27 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from policies.pooling.aegaeon import Q_MAX_S, DecodeBatch, DecodeWorkLists, RoundPlan, Turn
+
+PAUSED, REFUSED, LOST = "paused", "refused", "lost"   # how a pause ended: the next may wake / may not / may
+
+
+def pause_outcome(status: int | None, asleep: bool | None) -> str:
+    """How a pause ended, from its HTTP status (None: no answer within its timeout) and, when it had none, the
+    engine's own /is_sleeping asked afterwards (None: no answer either).
+
+    200 is PAUSED. Any other answer is REFUSED: the engine answered, so it runs on (its turn goes on). A pause
+    unanswered is not taken for a dead engine on its own: on a loaded machine a live engine answers late, and
+    waking the next one while it is still awake puts two engines on the host at once. So the engine is asked:
+    asleep is PAUSED (its pause went through, the answer was slow), awake is REFUSED (alive, still running: the
+    switch is retried), and only no answer to that either is LOST (dead or hung: it loses its turn and the next
+    engine wakes)."""
+    if status == 200:
+        return PAUSED
+    if status is not None:
+        return REFUSED
+    if asleep is None:
+        return LOST
+    return PAUSED if asleep else REFUSED
 
 
 @dataclass(frozen=True, slots=True)
