@@ -64,6 +64,7 @@ class WorkerState:
     restored_at: float = 0.0  # time.monotonic() it last came back from an ejection
     probing: bool = False  # a probe generation is under way
     held: bool = False  # the swap controller keeps it out: asleep or on its way there (gateway/pooling.py)
+    sleep_told_at: float = 0.0  # time.monotonic() the swap controller last said what its engine is (set_sleep)
     # url prefixes, computed once
     chat_url: str = ""
     completions_url: str = ""
@@ -226,6 +227,7 @@ class Registry:
         ws.held = held
         if sleep_state is not None:
             ws.metrics.sleep_state = sleep_state
+            ws.sleep_told_at = time.monotonic()
             self.metrics.set_engine_state(ws.id, ws.models, sleep_state)
         if ws.awake != was:
             self._rebuild()
@@ -478,6 +480,7 @@ class Registry:
 
     async def scrape(self, ws: WorkerState) -> None:
         assert self.upstream is not None
+        sent_at = time.monotonic()
         try:
             r = await self.upstream.fetch(ws.rec.url + self.adapter.metrics_path, self._scrape_timeout)
             text = r.body.decode("utf-8") if r.status == 200 else None
@@ -487,6 +490,10 @@ class Registry:
             self.metrics.upstream_error(ws.id, "scrape")
             return
         m = self.adapter.parse_metrics(text, time.time())
+        if sent_at < ws.sleep_told_at:
+            # The engine answered before the swap controller's last /sleep or /wake_up came back: its sleep
+            # state is older than what the controller knows (a stale "asleep" would plan a second wake-up).
+            m.sleep_state = ws.metrics.sleep_state
         was_awake = ws.awake
         ws.metrics = m
         self.metrics.set_engine_state(ws.id, ws.models, m.sleep_state)

@@ -5,6 +5,8 @@ simulated vLLM servers, the official openai client."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 
@@ -75,3 +77,57 @@ async def test_every_engine_asleep_is_an_openai_error_not_a_hang(sim_fleet) -> N
             assert exc.body and "message" in exc.body
         else:
             raise AssertionError("a request was served by a paused engine")
+
+
+async def test_a_scrape_older_than_the_swap_controllers_word_does_not_undo_it() -> None:
+    """A scrape sent before the swap controller's /wake_up came back may answer "asleep" after it: the
+    controller's word (Registry.set_sleep) stands until a scrape sent later says otherwise. Trusting the late
+    answer took the woken engine out of rotation and made the controller wake it a second time (seen against
+    real vLLM: tests_vllm/test_shared_hosts.py counted three wake-ups for two swaps)."""
+    from aiohttp import web
+
+    from engine_adapters.types import AWAKE
+    from tests.helpers import loopback_app
+
+    state = {"asleep": True}
+    answer = asyncio.Event()
+    asked = asyncio.Event()
+
+    async def metrics(_: web.Request) -> web.Response:
+        gauge = ("weights_offloaded", "awake") if state["asleep"] else ("awake", "weights_offloaded")
+        text = (f'vllm:engine_sleep_state{{engine="0",model_name="{MODEL}",sleep_state="{gauge[0]}"}} 1.0\n'
+                f'vllm:engine_sleep_state{{engine="0",model_name="{MODEL}",sleep_state="{gauge[1]}"}} 0.0\n')
+        asked.set()
+        await answer.wait()
+        return web.Response(text=text)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    async with loopback_app(app) as url, gateway([url], scrape_interval_s=3600) as gw:
+        registry = gw.gateway.registry
+        ws = registry.workers["w0"]
+        answer.set()
+        await registry.scrape(ws)
+        assert not ws.awake                                 # the engine said it sleeps
+
+        answer.clear()
+        asked.clear()
+        late = asyncio.create_task(registry.scrape(ws))     # sent while the engine still sleeps ...
+        await asked.wait()
+        state["asleep"] = False
+        registry.set_sleep("w0", False, AWAKE)              # ... the controller's /wake_up came back ...
+        answer.set()
+        await late                                          # ... and the old answer arrives after it
+        assert ws.awake and registry.candidates(MODEL) == (ws,)
+
+        state["asleep"] = True                              # a scrape sent afterwards is believed again
+        await registry.scrape(ws)
+        assert not ws.awake and registry.candidates(MODEL) == ()
