@@ -3,6 +3,10 @@
 Every open stream must end within a bounded time (completed, resumed elsewhere, an SSE error event or a
 truncated stream: anything but a hang), the gateway takes the dead worker out of rotation, and new requests
 go to the surviving server. Runs last (marker `destructive`); the killed server stays down.
+
+The test runs its own gateway, started just before the streams: the session gateway has judged both servers
+for the whole suite (paces, stall ejections, sleep states seen), and what is tested here is only what a kill
+does. CI once saw the session gateway place none of the four streams on the server about to die.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import time
 import openai
 import pytest
 
-from tests_vllm.conftest import MODEL, engine_metric, metric_samples, wait_until
+from tests_vllm.conftest import MODEL, engine_metric, metric_samples, run_gateway, wait_until
 
 STREAMS = 4
 STREAM_END_S = 60.0
@@ -54,11 +58,16 @@ class StreamWatch:
 
 @pytest.mark.destructive
 def test_killed_server_ends_open_streams_and_traffic_moves_to_the_survivor(  # noqa: ANN001
-        gateway, vllm_fleet, plain_server, prio_server) -> None:
-    client = gateway.client(timeout=STREAM_END_S)
+        vllm_fleet, plain_server, prio_server) -> None:
     wait_until(lambda: engine_metric(plain_server.url, "vllm:num_requests_running") == 0, 30, "idle servers")
-    # An earlier test slept and woke the plain server: both must be back in rotation before the streams start.
-    wait_until(lambda: all(w["healthy"] for w in gateway.workers()), 30, "both workers in rotation")
+    with run_gateway([plain_server.url, prio_server.url]) as gateway:
+        _kill_under_streams(gateway, plain_server, prio_server)
+
+
+def _kill_under_streams(gateway, plain_server, prio_server) -> None:  # noqa: ANN001
+    client = gateway.client(timeout=STREAM_END_S)
+    wait_until(lambda: all(w["healthy"] and w["engine"]["sleep_state"] == "awake" for w in gateway.workers())
+               and len(gateway.workers()) == 2, 30, "both workers in rotation and awake")
     watches = [StreamWatch(client, i) for i in range(STREAMS)]
     for w in watches:
         w.thread.start()
@@ -68,8 +77,14 @@ def test_killed_server_ends_open_streams_and_traffic_moves_to_the_survivor(  # n
         assert not failed, f"streams failed before the kill: {failed}"
         return engine_metric(plain_server.url, "vllm:num_requests_running") >= 1
 
-    # least_requests spreads the streams; the plain server runs its share at once (prio queues them 1 by 1).
-    wait_until(plain_generating, 30, "a stream to be generating on the server about to die")
+    # least_tokens spreads the streams (two each); the plain server runs its share at once (prio queues them
+    # one by one).
+    try:
+        wait_until(plain_generating, 30, "a stream to be generating on the server about to die")
+    except BaseException:
+        print(f"gateway's workers: {gateway.workers()}\nstreams: {[(w.chunks, w.error) for w in watches]}\n"
+              f"gateway log:\n{gateway.log_tail(40)}")
+        raise
     wait_until(lambda: sum(w.chunks > 0 for w in watches) >= 1, 30, "a stream to deliver chunks")
     killed_at = time.monotonic()
     plain_server.kill()
