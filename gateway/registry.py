@@ -491,8 +491,8 @@ class Registry:
             return
         m = self.adapter.parse_metrics(text, time.time())
         if sent_at < ws.sleep_told_at:
-            # The engine answered before the swap controller's last /sleep or /wake_up came back: its sleep
-            # state is older than what the controller knows (a stale "asleep" would plan a second wake-up).
+            # Sent before the swap controller's last /sleep or /wake_up came back, the answer may predate what
+            # the controller knows (a stale "asleep" would plan a second wake-up): the controller's word stands.
             m.sleep_state = ws.metrics.sleep_state
         was_awake = ws.awake
         ws.metrics = m
