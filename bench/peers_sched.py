@@ -29,6 +29,11 @@ checks that nothing of the previous one is left (bench/run_hygiene.py: no child 
 raises), records the machine's load before and after and each worker's peak queue, and keeps the fleet's log.
 Results: bench/results/peers_sched.md; `--virtual-sweep` adds every policy by name in virtual time
 (bench/peers_sched_virtual.py).
+
+`--trace chat [--chat-rate C]` replays multi-turn chats instead (bench/prefix.py's conversation_workload: C new
+conversations a second, 1-8 turns each, one of 8 shared 2,048-token system prompts; ShareGPT message and answer
+lengths; turn k+1's prompt is turn k's prompt + its answer + a new message, so a turn can reuse every full block
+of the one before). Requests --start.. of it by arrival, built into text the same way.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ from bench.peers_sweep import (
     workers_table,
     workers_verdict,
 )
-from bench.prefix import SLO_TPOT_S, best_hit_rate, mooncake_workload, with_slos
+from bench.prefix import SLO_TPOT_S, best_hit_rate, conversation_workload, mooncake_workload, with_slos
 from bench.report import write_report, write_section
 from bench.run_hygiene import assert_clean
 from simulator.fleet import FleetProcess
@@ -81,6 +86,8 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROFILE = "llama3-8b-h100"
 FLEET_CORE, ROUTER_CORE = "1", "0"
 ALADDIN_KV = "fleetgate aladdin + KV events"
+CHAT_RATE = 1.0   # --trace chat: new conversations per second (mean 4 turns each)
+CHAT_SEED = 1     # bench/prefix.py's conversations use seed 1 too (its weights were picked on seed 0)
 ARMS: tuple[Arm, ...] = (
     Arm("vllm-router round_robin", "vllm-router", "round_robin"),
     Arm("vllm-router power_of_two", "vllm-router", "power_of_two"),
@@ -445,9 +452,40 @@ def spread_rows(results: list[tuple[str, float]], label: str = "router, policy")
 
 def trace_window(start: int, n: int) -> list[WorkloadRequest]:
     """Requests start..start+n-1 of the Mooncake trace (those that fit the context), arrivals from 0, with SLOs."""
-    reqs = mooncake_workload(None)[0][start:start + n]
+    return _from_zero(mooncake_workload(None)[0][start:start + n])
+
+
+def chat_window(start: int, n: int, rate: float, seed: int = CHAT_SEED) -> list[WorkloadRequest]:
+    """Requests start..start+n-1, by arrival, of bench/prefix.py's multi-turn chats (conversation_workload: a new
+    conversation `rate` times a second, 1-8 turns, each turn's prompt = the previous prompt + its answer + a new
+    message, 8 shared system prompts), arrivals from 0, with SLOs. Conversations are generated until every one
+    that could have a turn in the window has started, so the window holds every turn that arrives in it."""
+    horizon = 60.0
+    while True:
+        reqs = conversation_workload(rate, horizon, seed)
+        if len(reqs) >= start + n and reqs[start + n - 1].arrival < horizon:
+            return _from_zero(reqs[start:start + n])
+        horizon *= 2
+
+
+def _from_zero(reqs: list[WorkloadRequest]) -> list[WorkloadRequest]:
     t0 = reqs[0].arrival
     return with_slos([dataclasses.replace(r, arrival=r.arrival - t0) for r in reqs], load_profile(PROFILE))
+
+
+def window(args: argparse.Namespace, start: int, n: int) -> list[WorkloadRequest]:
+    """The --trace window the arms replay: Mooncake requests or multi-turn chats from request `start` on."""
+    return chat_window(start, n, args.chat_rate) if args.trace == "chat" else trace_window(start, n)
+
+
+def trace_args(args: argparse.Namespace) -> str:
+    """The --trace options of a report's command line ('' for the Mooncake default)."""
+    return f" --trace chat --chat-rate {args.chat_rate:g}" if args.trace == "chat" else ""
+
+
+def trace_name(args: argparse.Namespace) -> str:
+    return (f"multi-turn chat trace ({args.chat_rate:g} new conversations/s, seed {CHAT_SEED})"
+            if args.trace == "chat" else "Mooncake trace")
 
 
 def headline(runs: list[ArmRun], reqs: list[WorkloadRequest]) -> str:
@@ -552,28 +590,32 @@ def virtual_time_rows(reqs: list[WorkloadRequest], sizes: list[int]) -> list[str
 
 
 def virtual_sweep(args: argparse.Namespace, n: int) -> None:
-    """The report's virtual-time section: every policy by name, workers for 99% on both windows."""
+    """The report's virtual-time section: every policy by name, workers for 99% on both Mooncake windows (requests
+    0- and --start's), or on the --trace chat window."""
     from bench.peers_sched_virtual import Window, jitter_table, user_policies, virtual_table
 
     lo, hi = args.workers_range
+    chat = args.trace == "chat"
     windows = [Window(f"requests {s}-{s + n - 1} (reuse {best_hit_rate(w):.0%})", s, w)
-               for s in (0, args.start) for w in [trace_window(s, n)]]
+               for s in ((args.start,) if chat else (0, args.start)) for w in [window(args, s, n)]]
     rows = virtual_table(windows, user_policies(), lo, hi, args.seeds, PROFILE)
     jitter = jitter_table(windows[0], ("least_requests", "least_tokens", "aladdin"), 6, range(6), 0.05, PROFILE)
-    cmd = (f"python -m bench.peers_sched --virtual-sweep --start {args.start} --requests {n} --workers-range {lo} {hi}"
-           f" --seeds {' '.join(map(str, args.seeds))}")
+    cmd = (f"python -m bench.peers_sched{trace_args(args)} --virtual-sweep --start {args.start} --requests {n} "
+           f"--workers-range {lo} {hi} --seeds {' '.join(map(str, args.seeds))}")
     body = "\n".join([
-        f"Every policy a user can pick by name, in virtual time (ClusterSim, {PROFILE} workers, the policy's default "
-        "parameters, the same SLO rule as the live runs; bench/peers_sched_virtual.py). Workers for 99%: the fewest "
-        f"in ({lo}, {hi}] by bisection. The seed reaches random and power_of_two only. Mean prompt: "
+        f"Every policy a user can pick by name, in virtual time, on the {trace_name(args)} (ClusterSim, {PROFILE} "
+        "workers, the policy's default parameters, the same SLO rule as the live runs; bench/peers_sched_virtual.py). "
+        f"Workers for 99%: the fewest in ({lo}, {hi}] by bisection. The seed reaches random and power_of_two only. "
+        "Mean prompt: "
         + ", ".join(f"{w.name} {statistics.fmean(r.prompt_tokens for r in w.reqs):,.0f} tokens (longest "
                     f"{max(r.prompt_tokens for r in w.reqs):,})" for w in windows) + ".", "", *rows, "",
         f"Stable against a live replay's timing noise? {windows[0].name} at 6 workers, every arrival moved by a "
         "Gaussian offset of sigma 50 ms (jitter seed 0: the trace as it is; bench/peers_sched_virtual.py "
         "jittered):", "", *jitter])
-    write_section(Path(args.out), "Virtual time: every policy by name, workers for 99% on low and high reuse", cmd,
-                  body)
-    print(Path(args.out).read_text().split("## Virtual time: every policy", 1)[1])
+    title = ("Virtual time: every policy by name on multi-turn chats" if chat
+             else "Virtual time: every policy by name, workers for 99% on low and high reuse")
+    write_section(Path(args.out), title, cmd, body)
+    print(Path(args.out).read_text().split(f"## {title}", 1)[1])
 
 
 def sweep_body(args: argparse.Namespace, arms: list[Arm], reqs: list[WorkloadRequest], texts: list[str],
@@ -586,7 +628,7 @@ def sweep_body(args: argparse.Namespace, arms: list[Arm], reqs: list[WorkloadReq
         results = [sweep_workers(a.name, run, lo, hi) for a in arms]
         spreads = repeat_boundary(results, run, args.repeats)
         png = out.with_name(out.stem + "_workers.png")
-        plot(results, "workers", png, f"SLO attainment vs workers, {len(reqs)} Mooncake requests")
+        plot(results, "workers", png, f"SLO attainment vs workers, {len(reqs)} requests, {trace_name(args)}")
         body += [f"### Workers needed for {TARGET:.0%} SLO attainment (fleet sizes searched in ({lo}, {hi}])", "",
                  *workers_table(results, lo, hi), "", workers_verdict(results, ALADDIN_KV, hi), "",
                  f"![attainment vs workers]({png.name})", "",
@@ -615,6 +657,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="120 requests (a smoke run)")
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--trace", choices=("mooncake", "chat"), default="mooncake",
+                    help="the shipped Mooncake trace, or multi-turn chats built from ShareGPT lengths (bench/prefix.py)")
+    ap.add_argument("--chat-rate", type=float, default=CHAT_RATE, help="--trace chat: new conversations per second")
     ap.add_argument("--start", type=int, default=3000, help="first request of the trace window")
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--time-scale", type=float, default=1.0)
@@ -639,7 +684,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "peers_sched.md"))
     args = ap.parse_args()
     n = 120 if args.quick else args.requests
-    reqs = trace_window(args.start, n)
+    reqs = window(args, args.start, n)
     if args.virtual_time:
         print("\n".join(virtual_time_rows(reqs, args.virtual_time)))
         return
@@ -650,7 +695,7 @@ def main() -> None:
     texts = [prompt_text(r, cache) for r in reqs]
     arms = [a for a in ARMS if not args.arms or a.name in args.arms]
     loads = [os.getloadavg()[0]]
-    setting = (f"Requests {args.start}-{args.start + len(reqs) - 1} of the Mooncake trace ({reqs[-1].arrival:.0f} "
+    setting = (f"Requests {args.start}-{args.start + len(reqs) - 1} of the {trace_name(args)} ({reqs[-1].arrival:.0f} "
                f"model seconds, mean prompt {statistics.fmean(r.prompt_tokens for r in reqs):,.0f} tokens, best "
                f"possible prefix-cache hit rate {best_hit_rate(reqs):.1%}), {PROFILE} workers simulated at time "
                f"scale {args.time_scale:g}")
@@ -678,7 +723,7 @@ def main() -> None:
             *([h + " (each arm's worst run)", ""] if (h := headline(list(worst.values()), reqs)) else []),
             slo_note,
         ])
-    cmd = (f"python -m bench.peers_sched --workers {args.workers} --start {args.start} --requests {n} "
+    cmd = (f"python -m bench.peers_sched{trace_args(args)} --workers {args.workers} --start {args.start} --requests {n} "
            f"--time-scale {args.time_scale:g} --repeats {args.repeats}"
            + (f" --sweep-workers --workers-range {args.workers_range[0]} {args.workers_range[1]}"
               if args.sweep_workers else "")

@@ -283,3 +283,30 @@ def test_jittered_arrivals_keep_the_requests_and_their_order_by_arrival():
     assert sorted(r.request_id for r in moved) == sorted(r.request_id for r in reqs)
     assert moved != reqs and all(0.0 <= a.arrival <= b.arrival for a, b in zip(moved, moved[1:], strict=False))
     assert max(abs(m.arrival - r.arrival) for m in moved for r in reqs if r.request_id == m.request_id) < 0.5
+
+
+def test_the_chat_window_holds_every_turn_in_it_and_each_turn_replays_the_previous_one_as_its_prefix():
+    """--trace chat: a conversation's turn k+1 prompt starts with turn k's prompt (every full block of it, token for
+    token once built as text), and a window from request 200 on holds every turn arriving in it, not only the turns
+    of conversations generated so far."""
+    from bench.peers_sched import chat_window
+    from bench.prefix import conversation_workload
+
+    reqs = chat_window(200, 300, 2.0)
+    assert len(reqs) == 300 and reqs[0].arrival == 0.0
+    assert all(r.slo_ttft_s and r.slo_tpot_s == 0.1 for r in reqs)
+    full = conversation_workload(2.0, 600.0, 1)   # every conversation of that seed that starts in 10 minutes
+    t0 = full[200].arrival
+    assert [r.request_id for r in reqs] == [r.request_id for r in full[200:500]]
+    assert [round(r.arrival, 9) for r in reqs] == [round(r.arrival - t0, 9) for r in full[200:500]]
+    turns = {r.request_id: r for r in reqs}
+    pairs = [(turns[before], r) for r in reqs for c, k in [r.request_id.rsplit("-t", 1)]
+             for before in [f"{c}-t{int(k) - 1}"] if before in turns]
+    assert len(pairs) > 20
+    cache: dict[int, str] = {}
+    for prev, nxt in pairs[:5]:
+        assert nxt.prompt_tokens > prev.prompt_tokens
+        full_blocks = prev.prompt_tokens // BLOCK_SIZE
+        assert nxt.prefix_blocks[:full_blocks] == prev.prefix_blocks[:full_blocks]
+        n = full_blocks * BLOCK_SIZE
+        assert encode(prompt_text(nxt, cache))[:n] == encode(prompt_text(prev, cache))[:n]
