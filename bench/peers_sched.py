@@ -33,7 +33,9 @@ Results: bench/results/peers_sched.md; `--virtual-sweep` adds every policy by na
 `--trace chat [--chat-rate C]` replays multi-turn chats instead (bench/prefix.py's conversation_workload: C new
 conversations a second, 1-8 turns each, one of 8 shared 2,048-token system prompts; ShareGPT message and answer
 lengths; turn k+1's prompt is turn k's prompt + its answer + a new message, so a turn can reuse every full block
-of the one before). Requests --start.. of it by arrival, built into text the same way.
+of the one before). Requests --start.. of it by arrival, built into text the same way. Its answers average ~430
+tokens, so replay it slowed down (--time-scale 0.2 at the default rate): at time scale 1 the fleet would stream
+~14k tokens/s through the router and the client, which share one core.
 """
 
 from __future__ import annotations
@@ -86,7 +88,10 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROFILE = "llama3-8b-h100"
 FLEET_CORE, ROUTER_CORE = "1", "0"
 ALADDIN_KV = "fleetgate aladdin + KV events"
-CHAT_RATE = 1.0   # --trace chat: new conversations per second (mean 4 turns each)
+# --trace chat: new conversations per second (mean 4 turns each: ~32 requests/s once under way). Chosen, before any
+# arm ran live, as the load at which llama3-8b-h100 fleets need 4-6 workers for 99% in virtual time; at 1 a second
+# two workers hold 99% with any policy, so a sweep would compare nothing.
+CHAT_RATE = 12.0
 CHAT_SEED = 1     # bench/prefix.py's conversations use seed 1 too (its weights were picked on seed 0)
 ARMS: tuple[Arm, ...] = (
     Arm("vllm-router round_robin", "vllm-router", "round_robin"),
