@@ -1,7 +1,8 @@
 """The gateway's ASGI application.
 
 A thin raw-ASGI front serves the two proxy routes (POST /v1/chat/completions, /v1/completions)
-straight into the dispatcher, with no framework on the hot path. Everything else (/v1/models,
+straight into the dispatcher, with no framework on the hot path, and POST /v1/responses through its front door
+(gateway/responses_api.py), which runs it as a chat request. Everything else (/v1/models,
 /health, /ready, /metrics, /admin/*) goes to a FastAPI app. There is no ASGI lifespan: the server
 (gateway/server.py) starts the gateway (state store, upstream pool, control loops) before uvicorn serves and
 stops it after, so start-up errors surface before the port opens. The `Gateway` (the process's parts) lives
@@ -26,6 +27,8 @@ from gateway.core import Gateway
 from gateway.dispatch import ROUTES
 from gateway.errors import GatewayError
 from gateway.passthrough import passthrough_router
+from gateway.responses_api import PATH as RESPONSES_PATH
+from gateway.responses_api import ResponsesFrontDoor, responses_router
 from gateway.state.base import StateStore
 from gateway.status_page import status_router
 
@@ -40,6 +43,7 @@ class FleetgateApp:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.api = build_api(gateway)
+        self.responses = ResponsesFrontDoor(gateway)   # POST /v1/responses (gateway/responses_api.py)
 
     async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001
         kind = scope["type"]
@@ -47,6 +51,9 @@ class FleetgateApp:
             route = ROUTES.get(scope["path"])
             if route is not None and scope["method"] == "POST":
                 await self.gateway.dispatcher.handle(scope, receive, send, route)
+                return
+            if scope["path"] == RESPONSES_PATH and scope["method"] == "POST":
+                await self.responses(scope, receive, send)
                 return
             await self._api(scope, receive, send)
         elif kind == "lifespan":
@@ -164,6 +171,7 @@ def build_api(gw: Gateway) -> FastAPI:
 
     api.include_router(admin_router())
     api.include_router(batch_router())
+    api.include_router(responses_router())
     api.include_router(status_router())
     api.include_router(passthrough_router())
     return api

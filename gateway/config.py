@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from gateway.keys import digest
 from gateway.priors import known_profile, prior_from_mapping
+from gateway.responses_config import ResponsesConfig
 from policies.admission import DEFAULT_QUEUE_LOOKAHEAD, DEFAULT_QUEUE_SIZE, DEFAULT_QUEUE_TIMEOUT_S
 from policies.base import DEFAULT_POLICY
 from policies.pace import EjectionSettings, PaceSettings
@@ -1059,6 +1060,8 @@ class GatewayConfig(BaseSettings):
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Talking to workers.")
     resume: ResumeConfig = Field(default_factory=ResumeConfig,
                                  description="Streams that survive their worker, and hung-worker detection.")
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig,
+                                       description="The Responses API's stored conversations (previous_response_id).")
     rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig,
                                        description="Moving queued requests between workers (Aladdin's "
                                                    "Algorithm 2), for every model unless models.<name> sets "

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from engine_adapters.types import EngineMetrics
 from gateway.state.jobs import JobStore, StoreUnavailableError
+from gateway.state.responses import ResponseDocs
 
 if TYPE_CHECKING:
     from gateway.ratelimit import Ticket
@@ -47,10 +48,11 @@ class Inflight:
     tokens: int = 0
 
 
-class StateStore(JobStore, ABC):
+class StateStore(JobStore, ResponseDocs, ABC):
     """What the gateway shares between its control loops and, with Redis, between replicas.
 
     Batch files, batch objects, the durable batch queue and leases: gateway/state/jobs.py (JobStore).
+    Stored Responses-API responses: gateway/state/responses.py (ResponseDocs).
     """
 
     replica_id: str

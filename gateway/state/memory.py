@@ -16,6 +16,7 @@ import orjson
 from gateway.ratelimit import LocalBuckets, Ticket
 from gateway.state.base import EngineMetrics, Inflight, StateStore, WorkerRecord
 from gateway.state.jobs import MemoryJobs
+from gateway.state.responses import MemoryResponses
 
 
 def default_replica_id() -> str:
@@ -23,7 +24,7 @@ def default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class MemoryStore(MemoryJobs, StateStore):
+class MemoryStore(MemoryJobs, MemoryResponses, StateStore):
     """All state in this process. `inflight()` is exact and costs O(workers) for the copy only."""
 
     def __init__(self, replica_id: str | None = None) -> None:

@@ -74,6 +74,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.ratelimit import LocalBuckets, Ticket, refused
 from gateway.state.base import EngineMetrics, Inflight, StateStore, WorkerRecord
 from gateway.state.jobs import RedisJobs
+from gateway.state.responses import RedisResponses
 
 log = logging.getLogger("fleetgate.state.redis")
 
@@ -347,7 +348,7 @@ def _metrics_from(raw: str | bytes) -> EngineMetrics:
     return EngineMetrics(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})
 
 
-class RedisStore(RedisJobs, StateStore):
+class RedisStore(RedisJobs, RedisResponses, StateStore):
     def __init__(
         self,
         url: str,
