@@ -157,8 +157,9 @@ class Translator(Protocol):
 class TranslatedSend:
     """An ASGI `send` for the dispatcher that sends the translated answer to the client's `send`.
 
-    `finish`, when given, is awaited once before the answer's last bytes go out (the JSON body, or a stream's
-    closing events), so what it stores (a Responses conversation) is there when the client can ask again."""
+    `finish`, when given, is awaited once after the translator made the answer's last bytes (the JSON body, or a
+    stream's closing events) and before they go out, so what it stores (a Responses conversation, read from the
+    translator) is there when the client can ask again."""
 
     def __init__(self, send: Send, translator: Translator,
                  finish: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -211,10 +212,10 @@ class TranslatedSend:
                 if out:
                     await self._send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 return
-        # `[DONE]`, or the stream's end without it: the closing events, after `finish`
+        # `[DONE]`, or the stream's end without it: the closing events, sent after `finish`
+        out.append(self.translator.stream_end())
         if self._finish is not None:
             await self._finish()
-        out.append(self.translator.stream_end())
         self.ended = True
         await self._send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
 

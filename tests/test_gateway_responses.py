@@ -1,0 +1,235 @@
+"""OpenAI's Responses API through the gateway (gateway/responses_api.py), as a user runs it: the official `openai`
+client over loopback HTTP, simulated vLLM workers, the gateway's state store (in memory, or a real Redis shared by
+two `fleetgate serve` processes). Workers get chat completions; conversation state lives in the gateway."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from simulator.tokenizer import count_tokens, render_chat
+from tests.helpers import ADMIN, MODEL, REDIS_URL, running_gateway
+from tests.test_gateway_failures import metric
+from tests.test_gateway_resume import HEALTH, assert_continuous, drop_after
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+KEYS = ["sk-tenant-a-0123456789", "sk-tenant-b-0123456789"]
+
+
+def client(url: str, key: str = "x") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def tokens(n: int) -> dict:
+    """The simulated worker generates exactly `n` tokens (forwarded by the gateway like any end-to-end header)."""
+    return {"x-sim-output-tokens": str(n)}
+
+
+def prompt_tokens(messages: list[dict]) -> int:
+    """What the worker counts for these chat messages: the input tokens a response reports."""
+    return count_tokens(render_chat(messages))
+
+
+async def read_stream(stream) -> list:  # noqa: ANN001
+    events = [ev async for ev in stream]
+    assert [e.sequence_number for e in events] == list(range(len(events))), "sequence numbers not contiguous"
+    return events
+
+
+async def test_create_plain_and_streamed_then_get_list_delete(sim_fleet) -> None:
+    fleet = sim_fleet(2, time_scale=20)
+    async with running_gateway(fleet.urls) as gw:
+        c = client(gw.url)
+        r = await c.responses.create(model=MODEL, input="Say something.", instructions="Be brief.",
+                                     max_output_tokens=20, metadata={"case": "plain"}, extra_headers=tokens(6))
+        assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
+        assert r.model == MODEL and r.metadata == {"case": "plain"} and r.instructions == "Be brief."
+        assert_continuous(r.output_text, 6)
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+        assert r.usage.input_tokens == prompt_tokens(msgs)
+        assert r.usage.output_tokens == 6 and r.usage.total_tokens == r.usage.input_tokens + 6
+
+        stream = await c.responses.create(model=MODEL, input="Stream it.", max_output_tokens=5, stream=True)
+        events = await read_stream(stream)
+        kinds = [e.type for e in events]
+        assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                             "response.content_part.added"]
+        assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                              "response.output_item.done", "response.incomplete"]   # capped at 5 tokens
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        final = events[-1].response
+        assert final.incomplete_details.reason == "max_output_tokens" and final.usage.output_tokens == 5
+        assert "".join(deltas) == final.output_text and len(deltas) == 5
+
+        got = await c.responses.retrieve(r.id)
+        assert got.id == r.id and got.output_text == r.output_text
+        items = await c.responses.input_items.list(r.id)
+        assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "Say something.")]
+        assert items.first_id == items.last_id == items.data[0].id and not items.has_more
+        await c.responses.delete(r.id)
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.retrieve(r.id)
+        # store: false keeps nothing
+        nostore = await c.responses.create(model=MODEL, input="hi", store=False, max_output_tokens=3)
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.retrieve(nostore.id)
+
+
+async def test_three_turn_chain_survives_a_worker_dying_in_turn_two(sim_fleet) -> None:
+    fleet = sim_fleet(3, time_scale=20)
+    async with running_gateway(fleet.urls, health=HEALTH) as gw, httpx.AsyncClient(timeout=20) as http:
+        c = client(gw.url)
+        t1 = await c.responses.create(model=MODEL, input="Turn one.", max_output_tokens=16, extra_headers=tokens(4))
+        await drop_after(http, fleet.urls, 4)   # every worker now drops its connection after 4 tokens: 4 + 4 + 2
+        stream = await c.responses.create(model=MODEL, input="Turn two.", previous_response_id=t1.id, stream=True,
+                                          max_output_tokens=10, extra_headers=tokens(10))
+        events = await read_stream(stream)
+        for url in fleet.urls:
+            await http.delete(url + "/sim/faults")
+        kinds = [e.type for e in events]
+        assert kinds.count("response.created") == 1 and kinds.count("response.output_item.added") == 1
+        assert "error" not in kinds and "response.failed" not in kinds and kinds[-1] == "response.incomplete"
+        t2 = events[-1].response
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert_continuous(text, 10)   # no token lost or repeated across the two resumes
+        assert t2.output_text == text and t2.usage.output_tokens == 10 and t2.previous_response_id == t1.id
+        assert metric((await http.get(gw.url + "/metrics", headers=ADMIN)).text,
+                      "fleetgate_stream_breaks_total", outcome="resumed") == 2
+
+        t3 = await c.responses.create(model=MODEL, input="Turn three.", previous_response_id=t2.id,
+                                      max_output_tokens=16, extra_headers=tokens(3))
+        history = [{"role": "user", "content": "Turn one."}, {"role": "assistant", "content": t1.output_text},
+                   {"role": "user", "content": "Turn two."}, {"role": "assistant", "content": t2.output_text},
+                   {"role": "user", "content": "Turn three."}]
+        assert t3.status == "completed" and t3.usage.input_tokens == prompt_tokens(history)
+        assert (await c.responses.retrieve(t2.id)).output_text == text
+
+
+async def test_function_tool_round_trip_streamed_and_not(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    async with running_gateway(fleet.urls) as gw:
+        c = client(gw.url)
+        r = await c.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+                                     tool_choice={"type": "function", "name": "get_weather"},
+                                     max_output_tokens=20, extra_headers=tokens(3))
+        (call,) = r.output
+        assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+        args = orjson.loads(call.arguments)
+        assert_continuous(args["input"], 3)
+        r2 = await c.responses.create(
+            model=MODEL, previous_response_id=r.id, tools=[WEATHER], max_output_tokens=20, extra_headers=tokens(4),
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+        assert r2.output[0].type == "message" and r2.status == "completed"
+        chat = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+                 "function": {"name": "get_weather", "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
+        assert r2.usage.input_tokens == prompt_tokens(chat)
+
+        stream = await c.responses.create(model=MODEL, input="And Rome?", tools=[WEATHER], tool_choice="required",
+                                          stream=True, max_output_tokens=20, extra_headers=tokens(4))
+        events = await read_stream(stream)
+        kinds = [e.type for e in events]
+        assert kinds[2:] == ["response.output_item.added"] + ["response.function_call_arguments.delta"] * 4 + [
+            "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+        done = events[-1].response.output[0]
+        assert done.type == "function_call" and done.name == "get_weather"
+        assert "".join(e.delta for e in events if e.type.endswith("arguments.delta")) == done.arguments
+        assert_continuous(orjson.loads(done.arguments)["input"], 4)
+
+
+async def test_a_response_belongs_to_its_key(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    async with running_gateway(fleet.urls, api_keys=KEYS) as gw:
+        a, b = client(gw.url, KEYS[0]), client(gw.url, KEYS[1])
+        r = await a.responses.create(model=MODEL, input="mine", max_output_tokens=4)
+        with pytest.raises(openai.NotFoundError) as e:
+            await b.responses.retrieve(r.id)
+        assert e.value.body["code"] == "not_found"
+        with pytest.raises(openai.NotFoundError) as e:
+            await b.responses.create(model=MODEL, input="yours?", previous_response_id=r.id)
+        assert e.value.body["param"] == "previous_response_id"
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.input_items.list(r.id)
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.delete(r.id)
+        with pytest.raises(openai.AuthenticationError):
+            await client(gw.url, "sk-wrong").responses.create(model=MODEL, input="x")
+        assert (await a.responses.retrieve(r.id)).id == r.id   # still there for its owner
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"model": MODEL}, 400, "input"),
+    ({"model": MODEL, "input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
+    ({"model": MODEL, "input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"model": MODEL, "input": "x", "max_output_tokens": -5}, 400, "max_output_tokens"),
+    ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400,
+     "input[0].content[0].text"),
+    ({"model": MODEL, "input": [{"type": "function_call", "name": "f"}]}, 400, "input[0].call_id"),
+    ({"model": MODEL, "input": [7]}, 400, "input[0]"),
+    ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
+    ({"model": MODEL, "input": "x", "temperature": 9}, 400, "temperature"),
+    ({"model": "no-such-model", "input": "x"}, 404, "model"),
+    ({"model": MODEL, "input": "x" * 5000}, 413, None),
+])
+async def test_bad_input_gets_an_openai_error(sim_fleet, body, status, param) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    async with running_gateway(fleet.urls, limits={"max_body_bytes": 4096}) as gw, \
+            httpx.AsyncClient(timeout=20) as http:
+        for stream in (False, True):
+            r = await http.post(gw.url + "/v1/responses", json={**body, "stream": stream})
+            assert r.status_code == status, r.text
+            assert r.headers["content-type"].startswith("application/json")
+            err = r.json()["error"]
+            assert err["param"] == param and err["message"] and err["type"]
+        r = await http.post(gw.url + "/v1/responses", content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_simulated_worker_serves_responses_as_vllm_0_33_not_0_11(sim_fleet) -> None:
+    new, old = sim_fleet(1, time_scale=20, kv_events_format="0.33"), sim_fleet(1, time_scale=20)
+    c = client(new.urls[0])
+    r = await c.responses.create(model=MODEL, input="hi", max_output_tokens=8, extra_headers=tokens(5))
+    assert r.status == "completed" and r.usage.output_tokens == 5
+    assert_continuous(r.output_text, 5)
+    events = await read_stream(await c.responses.create(model=MODEL, input="hi", stream=True, max_output_tokens=3))
+    assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 3
+    with pytest.raises(openai.NotFoundError):   # vLLM without its store: no previous responses
+        await c.responses.create(model=MODEL, input="again", previous_response_id=r.id)
+    with pytest.raises(openai.BadRequestError):
+        await c.responses.create(model=MODEL, input=[{"type": "bogus"}])
+    with pytest.raises(openai.NotFoundError):
+        await client(old.urls[0]).responses.create(model=MODEL, input="hi")
+
+
+@pytest.mark.redis
+async def test_chain_across_two_gateway_replicas_sharing_redis(sim_fleet, redis_prefix, tmp_path,
+                                                               gateway_process) -> None:
+    fleet = sim_fleet(2, time_scale=20)
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("workers:\n" + "".join(f"  - {{id: w{i}, url: '{u}'}}\n" for i, u in enumerate(fleet.urls))
+                   + f"redis_key_prefix: '{redis_prefix}'\napi_keys: {KEYS!r}\nhealth: {{interval_s: 0.5}}\n")
+    a, b = (client(gateway_process(cfg, "--redis-url", REDIS_URL).listening_url(), KEYS[0]) for _ in range(2))
+    t1 = await a.responses.create(model=MODEL, input="one", max_output_tokens=8, extra_headers=tokens(2))
+    t2 = await b.responses.create(model=MODEL, input="two", previous_response_id=t1.id, max_output_tokens=8,
+                                  extra_headers=tokens(3))
+    events = await read_stream(await a.responses.create(model=MODEL, input="three", previous_response_id=t2.id,
+                                                        max_output_tokens=8, stream=True, extra_headers=tokens(2)))
+    t3 = events[-1].response
+    history = [{"role": "user", "content": "one"}, {"role": "assistant", "content": t1.output_text},
+               {"role": "user", "content": "two"}, {"role": "assistant", "content": t2.output_text},
+               {"role": "user", "content": "three"}]
+    assert t3.status == "completed" and t3.usage.input_tokens == prompt_tokens(history)
+    assert (await b.responses.retrieve(t3.id)).output_text == t3.output_text   # stored by A, read on B
+    other = client(str(b.base_url).removesuffix("/v1/"), KEYS[1])
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.retrieve(t3.id)
+    await b.responses.delete(t1.id)
+    with pytest.raises(openai.NotFoundError):
+        await a.responses.retrieve(t1.id)
+    # t2 keeps its whole conversation: deleting t1 does not break the chain after it
+    t4 = await a.responses.create(model=MODEL, input="four", previous_response_id=t2.id, max_output_tokens=4)
+    assert t4.status in ("completed", "incomplete")
