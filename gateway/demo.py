@@ -418,6 +418,9 @@ admin key (this run only): {admin_key}
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
+  curl -s {base}/v1/responses -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "input": "Hello!", "max_output_tokens": 32}}'
+
   python - <<'EOF'
   from openai import OpenAI
   client = OpenAI(base_url="{base}/v1", api_key="unused")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 
 import openai
@@ -22,6 +23,9 @@ def test_demo_serves_requests_and_ctrl_c_stops_everything() -> None:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw_port}/v1", api_key="x", max_retries=0, timeout=20)
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert r.usage.completion_tokens >= 1
+        example = next(demo.stdout[i + 1] for i, t in enumerate(demo.stdout) if "/v1/responses" in t)
+        body = json.loads(example.split("-d '", 1)[1].rstrip("'"))   # the banner's Responses example, as printed
+        assert client.responses.create(**body).output_text
         assert demo.send_signal(signal.SIGINT, timeout=20) == 0
         assert refused(gw_port) and refused(sim_port) and refused(sim_port + 1)
 
