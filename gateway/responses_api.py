@@ -38,7 +38,7 @@ from gateway import errors
 from gateway.errors import GatewayError
 from gateway.request import CHAT, parse_json_object
 from gateway.state.jobs import StoreUnavailableError
-from gateway.translated import dispatch_chat
+from gateway.translated import BodyTooLarge, dispatch_chat, read_body
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
@@ -65,7 +65,10 @@ class ResponsesFrontDoor:
         gw = self.gw
         headers = dict(scope.get("headers", ()))
         tenant = gw.auth.tenant_of_scope(scope, headers.get(b"authorization"))
-        raw = await _read_body(receive, gw.config.limits.max_body_bytes)
+        try:
+            raw = await read_body(receive, gw.config.limits.max_body_bytes)
+        except BodyTooLarge:
+            raise errors.body_too_large(gw.config.limits.max_body_bytes) from None
         if raw is None:
             return   # the client left
         try:
@@ -125,23 +128,6 @@ async def _load(gw: Gateway, tenant: str, rid: str, param: str) -> dict[str, Any
         raise GatewayError(404, f"Response with id {rid[:128]!r} not found (never stored for this key, expired "
                                 "after responses.ttl_s, or deleted).", "invalid_request_error", param, code)
     return orjson.loads(raw)
-
-
-async def _read_body(receive, limit: int) -> bytes | None:  # noqa: ANN001 - ASGI
-    """The whole request body; 413 beyond `limit`; None when the client disconnected first."""
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return None
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise errors.body_too_large(limit)
-        parts.append(chunk)
-        if not msg.get("more_body"):
-            return b"".join(parts)
 
 
 async def send_error(send, err: GatewayError) -> None:  # noqa: ANN001 - ASGI

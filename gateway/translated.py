@@ -9,6 +9,7 @@ metrics, access logs and traces apply unchanged and every worker version can ser
     chat_scope        the client's scope rewritten for the chat route: path, content-length of the new body,
                       `Authorization: Bearer <key>` from another credential header, `x-session-id` from the
                       conversation id when the client sent none
+    read_body         the client's request body, read whole (bounded) before it is translated
     body_receive      an ASGI `receive` that yields the translated body once, then forwards the real `receive`
                       (the dispatcher still sees the client disconnect)
     SseSplitter       an incremental splitter of server-sent events: bytes in any cut, whole events out
@@ -60,6 +61,26 @@ def chat_scope(scope: dict, body_len: int, *, bearer: bytes | None = None,
     if session_id and not has_session:
         headers.append((b"x-session-id", session_id.encode("latin-1", "replace")))
     return {**scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode(), "headers": headers}
+
+
+class BodyTooLarge(ValueError):
+    """The request body passed the limit given to `read_body` (the front door answers 413)."""
+
+
+async def read_body(receive: Receive, limit: int | None = None) -> bytes | None:
+    """The client's whole request body (a front door reads it to translate it); None when the client disconnected
+    first; `BodyTooLarge` past `limit` bytes."""
+    body = bytearray()
+    more = True
+    while more:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        body += msg.get("body", b"")
+        if limit is not None and len(body) > limit:
+            raise BodyTooLarge(limit)
+        more = msg.get("more_body", False)
+    return bytes(body)
 
 
 def body_receive(body: bytes, receive: Receive) -> Receive:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 
 from engine_adapters.apis import responses as api
-from gateway.translated import dispatch_chat
+from gateway.translated import dispatch_chat, read_body
 
 ASGI = Callable[[dict, Callable, Callable], Awaitable[None]]
 
@@ -24,14 +24,9 @@ def responses_route(chat: ASGI, api_error: Callable[..., Exception], model: str)
     err_type, param)` (the server's ApiError, answered in vLLM's error shape)."""
 
     async def serve(scope: dict, receive: Callable, send: Callable) -> None:
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if msg["type"] == "http.disconnect":
-                return
-            if not msg.get("more_body"):
-                break
+        raw = await read_body(receive)
+        if raw is None:
+            return   # the client left
         try:
             body = orjson.loads(raw)
             if not isinstance(body, dict):
