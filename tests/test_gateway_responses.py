@@ -170,7 +170,7 @@ async def test_a_response_belongs_to_its_key(sim_fleet) -> None:
      "input[0].content[0].text"),
     ({"model": MODEL, "input": [{"type": "function_call", "name": "f"}]}, 400, "input[0].call_id"),
     ({"model": MODEL, "input": [7]}, 400, "input[0]"),
-    ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
+    ({"model": MODEL, "input": "x", "tool_choice": {"type": "web_search"}}, 400, "tool_choice"),
     ({"model": MODEL, "input": "x", "temperature": 9}, 400, "temperature"),
     ({"model": "no-such-model", "input": "x"}, 404, "model"),
     ({"model": MODEL, "input": "x" * 5000}, 413, None),

@@ -68,7 +68,9 @@ def test_input_items_become_chat_messages():
     ({"input": [{"role": "user", "content": 3}]}, "input[0].content"),
     ({"input": [{"type": "bogus"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "input[0].content[0].type"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"input": "hi", "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"input": "hi", "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "store": "yes"}, "store"),
     ({"input": "hi", "previous_response_id": 5}, "previous_response_id"),
@@ -128,3 +130,22 @@ def test_broken_stream_ends_failed_and_length_ends_incomplete():
     tr = R.ResponsesTranslator(req, "resp_2", "m")
     evs = events(tr, [chunk({"content": "a"}, "length")])
     assert evs[-1].type == "response.incomplete" and evs[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_hosted_tools_are_dropped_namespaces_flattened_and_system_messages_joined():
+    """What the Codex CLI sends: developer messages first, a `namespace` of functions, a hosted web_search tool."""
+    req = R.parse_request({"input": [{"role": "developer", "content": "a"}, {"role": "developer", "content": "b"},
+                                     {"role": "user", "content": "go"}],
+                           "instructions": "base", "tools": [
+                               {"type": "function", "name": "exec_command", "parameters": {}},
+                               {"type": "namespace", "name": "agents", "tools": [
+                                   {"type": "function", "name": "spawn", "parameters": {}}]},
+                               {"type": "web_search", "external_web_access": False}]})
+    chat = R.chat_body(req)
+    assert [t["function"]["name"] for t in chat["tools"]] == ["exec_command", "spawn"]
+    assert chat["messages"] == [{"role": "system", "content": "base\n\na\n\nb"}, {"role": "user", "content": "go"}]
+    tr = R.ResponsesTranslator(req, "resp_1", "m")
+    body = {"choices": [{"finish_reason": "tool_calls", "message": {"tool_calls": [
+        {"id": "c1", "function": {"name": "spawn", "arguments": "{}"}}]}}]}
+    resp = Response.model_validate(orjson.loads(tr.json_body(200, orjson.dumps(body))[1]))
+    assert resp.output[0].namespace == "agents" and resp.output[0].name == "spawn"

@@ -22,8 +22,9 @@ Shapes follow the `openai` Python SDK's types (openai.types.responses), which mu
 `previous_response_id`, as OpenAI documents), function `tools` and `tool_choice`, `parallel_tool_calls`,
 `max_output_tokens`, `temperature`, `top_p`, `text.format` (json_schema / json_object), `reasoning` (accepted and
 echoed: the chat request does not carry it), `metadata`, `user`, `prompt_cache_key`, `store`,
-`previous_response_id`. Not supported (400): built-in tools (web search, file search, ...), `background`,
-`conversation`, `prompt` templates.
+`previous_response_id`; `namespace` tools are flattened into their function tools (a call names its namespace).
+Hosted tools (web search, file search, ...) are dropped: no worker runs them. Not supported (400): a `tool_choice`
+naming a hosted tool, `background`, `conversation`, `prompt` templates.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class ResponsesRequest:
     max_output_tokens: int | None
     prompt_cache_key: str | None
     tools: list[dict[str, Any]] = field(default_factory=list)
+    namespaces: dict[str, str] = field(default_factory=dict)   # function name -> its `namespace` tool's name
 
 
 def parse_request(body: dict[str, Any]) -> ResponsesRequest:
@@ -108,8 +110,15 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     for key in ("reasoning", "text"):
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise ResponsesRequestError(f"`{key}` must be an object.", key)
-    tools = _tools(body.get("tools"))
-    return ResponsesRequest(body, items, model or None, stream, store, prev, mot, pck, tools)
+    tools, spaces = _tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") not in ("function", None):
+        raise ResponsesRequestError(f"`tool_choice` of type {_short(choice.get('type'))} is not supported: only "
+                                    "function tools are.", "tool_choice")
+    if isinstance(choice, dict) and choice.get("name") not in {t["name"] for t in tools}:
+        raise ResponsesRequestError(f"`tool_choice` names {_short(choice.get('name'))}, which is not in `tools`.",
+                                    "tool_choice")
+    return ResponsesRequest(body, items, model or None, stream, store, prev, mot, pck, tools, spaces)
 
 
 def normalize_input(raw: Any) -> list[dict[str, Any]]:
@@ -183,21 +192,28 @@ def _part(p: Any, where: str) -> dict[str, Any]:
                                 "input_image.", f"{where}.type")
 
 
-def _tools(raw: Any) -> list[dict[str, Any]]:
+def _tools(raw: Any) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The function tools (those of a `namespace` tool flattened), and each namespaced function's namespace.
+    Hosted tools (web_search, file_search, code_interpreter, ...) run on OpenAI's servers; a fleet has none to run,
+    so they are dropped (the model is not offered them), as an agent offering them everywhere expects."""
     if raw is None:
-        return []
+        return [], {}
     if not isinstance(raw, list):
         raise ResponsesRequestError("`tools` must be an array.", "tools")
-    out = []
+    out: list[dict[str, Any]] = []
+    spaces: dict[str, str] = {}
     for i, t in enumerate(raw):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise ResponsesRequestError(f"`tools[{i}]`: only function tools are supported, got {_short(kind)}.",
-                                        f"tools[{i}].type")
-        if not isinstance(t.get("name"), str) or not t["name"]:
-            raise ResponsesRequestError(f"`tools[{i}].name` is required.", f"tools[{i}].name")
-        out.append(t)
-    return out
+        if not isinstance(t, dict) or not isinstance(t.get("type"), str):
+            raise ResponsesRequestError(f"`tools[{i}]` must be an object with a `type`.", f"tools[{i}]")
+        if t["type"] == "namespace" and isinstance(t.get("tools"), list):
+            inner, _ = _tools(t["tools"])
+            out += inner
+            spaces.update({f["name"]: str(t.get("name") or "") for f in inner})
+        elif t["type"] == "function":
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise ResponsesRequestError(f"`tools[{i}].name` is required.", f"tools[{i}].name")
+            out.append(t)
+    return out, spaces
 
 
 def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
@@ -239,6 +255,17 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return msgs
 
 
+def _one_leading_system(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system (and developer) messages a conversation starts with as one: many chat templates take a single
+    leading system message and refuse roles that do not alternate after it."""
+    n = 0
+    while n < len(msgs) and msgs[n]["role"] == "system" and isinstance(msgs[n]["content"], str):
+        n += 1
+    if n < 2:
+        return msgs
+    return [{"role": "system", "content": "\n\n".join(m["content"] for m in msgs[:n])}, *msgs[n:]]
+
+
 def _chat_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     if all(p.get("type") in _TEXT_PARTS for p in parts):
         return _text_of(parts)
@@ -256,6 +283,7 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]] = ()) -> dict
     messages = items_to_messages([*history, *req.input_items])
     if b.get("instructions"):
         messages.insert(0, {"role": "system", "content": b["instructions"]})
+    messages = _one_leading_system(messages)
     chat: dict[str, Any] = {"messages": messages}
     if req.model is not None:
         chat["model"] = req.model
@@ -325,12 +353,16 @@ def _message_item(text: str, status: str = "completed", item_id: str | None = No
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str = "completed",
-               item_id: str | None = None) -> dict[str, Any]:
-    return {"id": item_id or new_id("fc_"), "type": "function_call", "call_id": call_id or new_id("call_"),
+               item_id: str | None = None, namespace: str | None = None) -> dict[str, Any]:
+    item = {"id": item_id or new_id("fc_"), "type": "function_call", "call_id": call_id or new_id("call_"),
             "name": name, "arguments": arguments, "status": status}
+    if namespace:
+        item["namespace"] = namespace
+    return item
 
 
-def output_of_chat(chat: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+def output_of_chat(chat: dict[str, Any], namespaces: dict[str, str] | None = None
+                   ) -> tuple[list[dict[str, Any]], str | None]:
     """A chat completion's first choice as output items, and its finish reason."""
     choices = chat.get("choices") or [{}]
     choice = choices[0] if isinstance(choices[0], dict) else {}
@@ -340,7 +372,9 @@ def output_of_chat(chat: dict[str, Any]) -> tuple[list[dict[str, Any]], str | No
         items.append(_message_item(msg["content"]))
     for call in msg.get("tool_calls") or ():
         fn = call.get("function") or {}
-        items.append(_call_item(call.get("id") or "", fn.get("name") or "", fn.get("arguments") or ""))
+        name = fn.get("name") or ""
+        items.append(_call_item(call.get("id") or "", name, fn.get("arguments") or "",
+                                namespace=(namespaces or {}).get(name)))
     if not items:
         items.append(_message_item(""))
     return items, choice.get("finish_reason")
@@ -379,7 +413,7 @@ class ResponsesTranslator:
         except orjson.JSONDecodeError:
             return 502, error_body("The worker's answer was not JSON.", "upstream_error", None, "worker_failed")
         self.model = chat.get("model") or self.model
-        self.output, self._finish = output_of_chat(chat)
+        self.output, self._finish = output_of_chat(chat, self.req.namespaces)
         self._usage = usage_of(chat.get("usage"))
         self.response = self._final()
         return 200, orjson.dumps(self.response)
@@ -486,7 +520,8 @@ class ResponsesTranslator:
         open_call = self._calls.get(index)
         if open_call is None:
             out += self._close_text()
-            item = _call_item(call.get("id") or "", fn.get("name") or "", "", "in_progress")
+            name = fn.get("name") or ""
+            item = _call_item(call.get("id") or "", name, "", "in_progress", namespace=self.req.namespaces.get(name))
             open_call = self._calls[index] = {"item": item, "index": len(self.output), "args": []}
             self.output.append(item)
             out += self._event("response.output_item.added", output_index=open_call["index"], item=item)
@@ -507,7 +542,8 @@ class ResponsesTranslator:
         c = self._calls[index]
         args = "".join(c["args"])
         it = c["item"]
-        done = _call_item(it["call_id"], it["name"], args, item_id=it["id"])
+        done = _call_item(it["call_id"], it["name"], args, item_id=it["id"],
+                          namespace=self.req.namespaces.get(it["name"]))
         self.output[c["index"]] = done
         return (self._event("response.function_call_arguments.done", item_id=it["id"], output_index=c["index"],
                             arguments=args, name=it["name"])
