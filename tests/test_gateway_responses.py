@@ -4,6 +4,8 @@ two `fleetgate serve` processes). Workers get chat completions; conversation sta
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import openai
 import orjson
@@ -233,3 +235,21 @@ async def test_chain_across_two_gateway_replicas_sharing_redis(sim_fleet, redis_
     # t2 keeps its whole conversation: deleting t1 does not break the chain after it
     t4 = await a.responses.create(model=MODEL, input="four", previous_response_id=t2.id, max_output_tokens=4)
     assert t4.status in ("completed", "incomplete")
+
+
+async def test_a_conversation_is_one_session_for_placement(sim_fleet, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="fleetgate.access")
+    fleet = sim_fleet(4, time_scale=20)
+    async with running_gateway(fleet.urls, default_policy="session_affinity") as gw:
+        c = client(gw.url)
+        prev = None
+        for turn in range(3):   # a chain: its first response id is the session of every turn
+            r = await c.responses.create(model=MODEL, input=f"turn {turn}", previous_response_id=prev,
+                                         max_output_tokens=4)
+            prev = r.id
+        for _ in range(2):      # store: false with the history resent, tied together by prompt_cache_key
+            await c.responses.create(model=MODEL, input="again", store=False, prompt_cache_key="codex-session-1",
+                                     max_output_tokens=4)
+    access = [r.fields for r in caplog.records if r.name == "fleetgate.access"]
+    assert len(access) == 5 and all(a["reason"] == "session_hash" for a in access)
+    assert len({a["worker"] for a in access[:3]}) == 1 and len({a["worker"] for a in access[3:]}) == 1
