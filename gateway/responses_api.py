@@ -58,8 +58,11 @@ class ResponsesFrontDoor:
     async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001 - ASGI
         try:
             await self._create(scope, receive, send)
-        except GatewayError as e:
+        except GatewayError as e:   # refused before the pipeline ran: nothing was sent yet
             await send_error(send, e)
+        except Exception:   # a bug before the pipeline ran (the pipeline answers its own): a 500, never a hang
+            log.exception("unexpected error on POST %s", PATH)
+            await send_error(send, errors.internal_error())
 
     async def _create(self, scope: dict, receive, send) -> None:  # noqa: ANN001 - ASGI
         gw = self.gw
@@ -93,9 +96,17 @@ class ResponsesFrontDoor:
             if req.store and translator.response is not None and translator.status != "failed":
                 await self._keep(tenant.id, rid, root, req, history, translator)
 
+        body = orjson.dumps(api.chat_body(req, history))
+        if len(body) > gw.config.limits.max_body_bytes:
+            if req.previous_response_id is None:
+                raise errors.body_too_large(gw.config.limits.max_body_bytes)
+            limit = gw.config.limits.max_body_bytes   # the conversation rebuilt from the store outgrew it
+            raise GatewayError(413, f"The conversation continued from {req.previous_response_id!r} is larger than "
+                                    f"the request limit of {limit} bytes (limits.max_body_bytes).",
+                               "invalid_request_error", "previous_response_id", "request_too_large")
         chat = functools.partial(gw.dispatcher.handle, route=CHAT)
-        await dispatch_chat(chat, scope, receive, send, api.chat_body(req, history), translator,
-                            session_id=req.prompt_cache_key or root, finish=finish)
+        await dispatch_chat(chat, scope, receive, send, body, translator, session_id=req.prompt_cache_key or root,
+                            finish=finish)
 
     async def _keep(self, tenant: str, rid: str, root: str, req: api.ResponsesRequest,
                     history: list[dict[str, Any]], tr: api.ResponsesTranslator) -> None:

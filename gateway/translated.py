@@ -255,12 +255,12 @@ class TranslatedSend:
 ChatApp = Callable[[dict, Receive, Send], Awaitable[None]]
 
 
-async def dispatch_chat(chat: ChatApp, scope: dict, receive: Receive, send: Send, chat_body: dict,
+async def dispatch_chat(chat: ChatApp, scope: dict, receive: Receive, send: Send, chat_body: dict | bytes,
                         translator: Translator, *, bearer: bytes | None = None, session_id: str | None = None,
                         finish: Callable[[], Awaitable[None]] | None = None) -> TranslatedSend:
-    """Run `chat_body` through `chat` for the client of `scope`, the answer translated by `translator`.
-    Returns the send wrapper (its `status`, whether it streamed)."""
-    raw = orjson.dumps(chat_body)
+    """Run `chat_body` (a dict, or its JSON) through `chat` for the client of `scope`, the answer translated by
+    `translator`. Returns the send wrapper (its `status`, whether it streamed)."""
+    raw = chat_body if isinstance(chat_body, bytes) else orjson.dumps(chat_body)
     out = TranslatedSend(send, translator, finish)
     await chat(chat_scope(scope, len(raw), bearer=bearer, session_id=session_id), body_receive(raw, receive), out)
     return out

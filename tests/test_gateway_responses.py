@@ -253,3 +253,17 @@ async def test_a_conversation_is_one_session_for_placement(sim_fleet, caplog) ->
     access = [r.fields for r in caplog.records if r.name == "fleetgate.access"]
     assert len(access) == 5 and all(a["reason"] == "session_hash" for a in access)
     assert len({a["worker"] for a in access[:3]}) == 1 and len({a["worker"] for a in access[3:]}) == 1
+
+
+async def test_a_chain_that_outgrows_the_body_limit_is_a_413_naming_it(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    async with running_gateway(fleet.urls, limits={"max_body_bytes": 4096}) as gw:
+        c = client(gw.url)
+        prev = None
+        for turn in range(2):
+            prev = (await c.responses.create(model=MODEL, input=f"{turn} " + "words " * 250, max_output_tokens=4,
+                                             previous_response_id=prev)).id
+        with pytest.raises(openai.APIStatusError) as e:   # each request is small; the whole conversation is not
+            await c.responses.create(model=MODEL, input="words " * 250, previous_response_id=prev)
+        assert e.value.status_code == 413 and e.value.body["param"] == "previous_response_id"
+        assert e.value.body["code"] == "request_too_large"

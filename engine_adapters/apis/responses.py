@@ -22,7 +22,8 @@ Shapes follow the `openai` Python SDK's types (openai.types.responses), which mu
 `previous_response_id`, as OpenAI documents), function `tools` and `tool_choice`, `parallel_tool_calls`,
 `max_output_tokens`, `temperature`, `top_p`, `text.format` (json_schema / json_object), `reasoning` (accepted and
 echoed: the chat request does not carry it), `metadata`, `user`, `prompt_cache_key`, `store`,
-`previous_response_id`; `namespace` tools are flattened into their function tools (a call names its namespace).
+`previous_response_id`; vLLM's sampling extras (`seed`, `top_k`, `ignore_eos`, ... VLLM_EXTRAS) as vLLM takes
+them; `namespace` tools are flattened into their function tools (a call names its namespace).
 Hosted tools (web search, file search, ...) are dropped: no worker runs them. Not supported (400): a `tool_choice`
 naming a hosted tool, `background`, `conversation`, `prompt` templates.
 """
@@ -42,6 +43,9 @@ RESPONSE_PREFIX = "resp_"
 DELETED_OBJECT = "response.deleted"
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+# vLLM's sampling extras, passed on as vLLM's own /v1/responses takes them (serving_responses.py's request model)
+VLLM_EXTRAS = ("seed", "top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "presence_penalty",
+               "frequency_penalty", "stop")
 _UNSUPPORTED = {"background": "background responses", "conversation": "the Conversations API",
                 "prompt": "prompt templates"}
 
@@ -292,7 +296,7 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]] = ()) -> dict
         chat["stream_options"] = {"include_usage": True}
     if req.max_output_tokens is not None:
         chat["max_tokens"] = req.max_output_tokens
-    for key in ("temperature", "top_p", "user", "service_tier", "parallel_tool_calls"):
+    for key in ("temperature", "top_p", "user", "service_tier", "parallel_tool_calls", *VLLM_EXTRAS):
         if b.get(key) is not None:
             chat[key] = b[key]
     if req.tools:
