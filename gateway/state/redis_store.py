@@ -15,6 +15,7 @@ Keys (prefix `fg:` by default; docs/design.md "Shared state"):
   fg:alive              str   this store's epoch: a random id written once; gone means Redis lost its data
   fg:kb:<tenant>        hash  a limited key's buckets: r, rt (requests, ms), t, tt (tokens, ms)
   fg:kc:<tenant>        zset  the key's requests in flight, "<replica>|<request_id>" scored like res:<worker>
+  fg:resp:<tenant>:<id> str   a stored Responses-API response and its conversation (gateway/state/responses.py)
 
 Admission is one Lua script (DESIGN principle 3): drop expired members, compare ZCARD with the cap,
 ZADD. Each replica re-scores its own members every lease_ttl/3, so a SIGKILLed replica's reservations
