@@ -267,3 +267,35 @@ async def test_a_chain_that_outgrows_the_body_limit_is_a_413_naming_it(sim_fleet
             await c.responses.create(model=MODEL, input="words " * 250, previous_response_id=prev)
         assert e.value.status_code == 413 and e.value.body["param"] == "previous_response_id"
         assert e.value.body["code"] == "request_too_large"
+
+
+async def test_turn_two_worker_process_killed_mid_stream_the_chain_goes_on(sim_fleet_process) -> None:
+    procs = [sim_fleet_process(1, time_scale=0.5) for _ in range(3)]   # ~20 ms a token: time to kill mid-stream
+    urls = [p.urls[0] for p in procs]
+    async with running_gateway(urls, health=HEALTH) as gw:
+        c = client(gw.url)
+        t1 = await c.responses.create(model=MODEL, input="one", max_output_tokens=8, extra_headers=tokens(3))
+        stream = await c.responses.create(model=MODEL, input="two", previous_response_id=t1.id, stream=True,
+                                          max_output_tokens=40, extra_headers=tokens(40))
+        events, killed = [], None
+        async for ev in stream:
+            events.append(ev)
+            if killed is None and sum(e.type == "response.output_text.delta" for e in events) == 5:
+                busy = [wid for wid, f in gw.gateway.store.inflight().items() if f.requests]
+                assert len(busy) == 1
+                killed = int(busy[0].removeprefix("w"))
+                procs[killed].proc.kill()   # SIGKILL the worker serving turn 2
+        assert killed is not None
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        kinds = [e.type for e in events]
+        assert "error" not in kinds and kinds.count("response.created") == 1 and kinds[-1] == "response.incomplete"
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert_continuous(text, 40)
+        t2 = events[-1].response
+        assert t2.output_text == text and t2.usage.output_tokens == 40
+        t3 = await c.responses.create(model=MODEL, input="three", previous_response_id=t2.id, max_output_tokens=8,
+                                      extra_headers=tokens(2))
+        history = [{"role": "user", "content": "one"}, {"role": "assistant", "content": t1.output_text},
+                   {"role": "user", "content": "two"}, {"role": "assistant", "content": text},
+                   {"role": "user", "content": "three"}]
+        assert t3.status == "completed" and t3.usage.input_tokens == prompt_tokens(history)
