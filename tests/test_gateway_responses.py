@@ -299,3 +299,20 @@ async def test_turn_two_worker_process_killed_mid_stream_the_chain_goes_on(sim_f
                    {"role": "user", "content": "two"}, {"role": "assistant", "content": text},
                    {"role": "user", "content": "three"}]
         assert t3.status == "completed" and t3.usage.input_tokens == prompt_tokens(history)
+
+
+async def test_input_items_pages_like_openai(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    async with running_gateway(fleet.urls) as gw:
+        c = client(gw.url)
+        said = ["a", "b", "c"]
+        r = await c.responses.create(model=MODEL, max_output_tokens=3,
+                                     input=[{"role": "user", "content": s} for s in said])
+        page = await c.responses.input_items.list(r.id, limit=2, order="asc")
+        assert [i.content[0].text for i in page.data] == ["a", "b"] and page.has_more
+        rest = await c.responses.input_items.list(r.id, limit=2, order="asc", after=page.last_id)
+        assert [i.content[0].text for i in rest.data] == ["c"] and not rest.has_more
+        newest = await c.responses.input_items.list(r.id)    # OpenAI's default order: newest first
+        assert [i.content[0].text for i in newest.data] == ["c", "b", "a"]
+        with pytest.raises(openai.BadRequestError):
+            await c.responses.input_items.list(r.id, limit=0)
