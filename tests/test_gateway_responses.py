@@ -119,8 +119,8 @@ async def test_function_tool_round_trip_streamed_and_not(sim_fleet) -> None:
                                      max_output_tokens=20, extra_headers=tokens(3))
         (call,) = r.output
         assert call.type == "function_call" and call.name == "get_weather" and call.call_id
-        args = orjson.loads(call.arguments)
-        assert_continuous(args["input"], 3)
+        args = orjson.loads(call.arguments)   # the simulated model fills the schema's first property
+        assert_continuous(args["city"], 3)
         r2 = await c.responses.create(
             model=MODEL, previous_response_id=r.id, tools=[WEATHER], max_output_tokens=20, extra_headers=tokens(4),
             input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
@@ -135,12 +135,14 @@ async def test_function_tool_round_trip_streamed_and_not(sim_fleet) -> None:
                                           stream=True, max_output_tokens=20, extra_headers=tokens(4))
         events = await read_stream(stream)
         kinds = [e.type for e in events]
-        assert kinds[2:] == ["response.output_item.added"] + ["response.function_call_arguments.delta"] * 4 + [
+        deltas = kinds.count("response.function_call_arguments.delta")
+        assert deltas >= 1 and kinds[2:] == ["response.output_item.added"] + [
+            "response.function_call_arguments.delta"] * deltas + [
             "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
         done = events[-1].response.output[0]
         assert done.type == "function_call" and done.name == "get_weather"
         assert "".join(e.delta for e in events if e.type.endswith("arguments.delta")) == done.arguments
-        assert_continuous(orjson.loads(done.arguments)["input"], 4)
+        assert_continuous(orjson.loads(done.arguments)["city"], 4)
 
 
 async def test_a_response_belongs_to_its_key(sim_fleet) -> None:
