@@ -1,4 +1,4 @@
-"""`POST /v1/responses` on the simulated vLLM server, as vLLM 0.32/0.33 serve it (docs/reference/vllm-interface.md
+"""`POST /v1/responses` on the simulated vLLM server, as vLLM 0.32/0.33 serve it (on with `kv_events_format "0.33"`) (docs/reference/vllm-interface.md
 has no Responses section of its own: vLLM's serving_responses.py renders the request with the chat template and
 generates, which is what running it through this server's chat route does).
 

@@ -310,7 +310,7 @@ class SimServer:
         }
         if config.kv_events_format == "0.33":   # ref §5.1: 0.33 advertises its publishers
             self._routes["/kv_event_sources"] = {"GET": self._kv_event_sources}
-        if config.kv_events_format != "0.11":   # 0.32/0.33 serve the Responses API (simulator/responses_route.py)
+        if config.kv_events_format == "0.33":   # vLLM >= 0.32 serves the Responses API (simulator/responses_route.py)
             self._routes["/v1/responses"] = {"POST": responses_route(self._chat, ApiError, self.model)}
         runtime_lora = config.allow_runtime_lora_updating
         if runtime_lora if runtime_lora is not None else runtime_updating_from_env():
