@@ -1,11 +1,10 @@
-"""`POST /v1/responses` on the simulated vLLM server, as vLLM 0.32/0.33 serve it; on when the server imitates
-them (`kv_events_format "0.33"`). docs/reference/vllm-interface.md has no Responses section of its own: vLLM's
-serving_responses.py renders the request with the chat template and generates, which is what running it through
-this server's chat route does.
+"""`POST /v1/responses` on the simulated vLLM server: vLLM 0.11 and 0.33 both serve it (vllm-interface §1.1), so
+the simulator does whichever it imitates. vLLM's serving_responses.py renders the request with the chat template
+and generates, which is what running it through this server's chat route does.
 
 Stateless, like vLLM without VLLM_ENABLE_RESPONSES_API_STORE=1: `store` is ignored and a `previous_response_id` is
 not found. The translation is engine_adapters/apis/responses.py, the same the gateway uses; the ASGI glue is
-gateway/translated.py (it knows nothing of the gateway). The 0.11 imitation has no such route.
+gateway/translated.py (it knows nothing of the gateway).
 """
 
 from __future__ import annotations

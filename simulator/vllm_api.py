@@ -305,13 +305,12 @@ class SimServer:
             "/tokenize": {"POST": self._tokenize},
             "/detokenize": {"POST": self._detokenize},
             "/v1/embeddings": {"POST": self._embeddings},
+            "/v1/responses": {"POST": responses_route(self._chat, ApiError, self.model)},   # ref §1.1, 0.11 and 0.33
             "/sim/faults": {"GET": self._get_faults, "POST": self._post_faults, "DELETE": self._delete_faults},
             "/sim/state": {"GET": self._state},
         }
         if config.kv_events_format == "0.33":   # ref §5.1: 0.33 advertises its publishers
             self._routes["/kv_event_sources"] = {"GET": self._kv_event_sources}
-        if config.kv_events_format == "0.33":   # vLLM >= 0.32 serves the Responses API (simulator/responses_route.py)
-            self._routes["/v1/responses"] = {"POST": responses_route(self._chat, ApiError, self.model)}
         runtime_lora = config.allow_runtime_lora_updating
         if runtime_lora if runtime_lora is not None else runtime_updating_from_env():
             self._routes["/v1/load_lora_adapter"] = {"POST": self._load_lora}

@@ -193,20 +193,19 @@ async def test_bad_input_gets_an_openai_error(sim_fleet, body, status, param) ->
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-async def test_simulated_worker_serves_responses_as_vllm_0_33_not_0_11(sim_fleet) -> None:
-    new, old = sim_fleet(1, time_scale=20, kv_events_format="0.33"), sim_fleet(1, time_scale=20)
-    c = client(new.urls[0])
-    r = await c.responses.create(model=MODEL, input="hi", max_output_tokens=8, extra_headers=tokens(5))
-    assert r.status == "completed" and r.usage.output_tokens == 5
-    assert_continuous(r.output_text, 5)
-    events = await read_stream(await c.responses.create(model=MODEL, input="hi", stream=True, max_output_tokens=3))
-    assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 3
-    with pytest.raises(openai.NotFoundError):   # vLLM without its store: no previous responses
-        await c.responses.create(model=MODEL, input="again", previous_response_id=r.id)
-    with pytest.raises(openai.BadRequestError):
-        await c.responses.create(model=MODEL, input=[{"type": "bogus"}])
-    with pytest.raises(openai.NotFoundError):
-        await client(old.urls[0]).responses.create(model=MODEL, input="hi")
+async def test_simulated_worker_serves_responses_as_vllm_0_11_and_0_33_do(sim_fleet) -> None:
+    for fmt in ("0.11", "0.33"):
+        c = client(sim_fleet(1, time_scale=20, kv_events_format=fmt).urls[0])
+        r = await c.responses.create(model=MODEL, input="hi", max_output_tokens=8, extra_headers=tokens(5))
+        assert r.status == "completed" and r.usage.output_tokens == 5
+        assert_continuous(r.output_text, 5)
+        events = await read_stream(await c.responses.create(model=MODEL, input="hi", stream=True,
+                                                            max_output_tokens=3))
+        assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 3
+        with pytest.raises(openai.NotFoundError):   # vLLM without its store: no previous responses
+            await c.responses.create(model=MODEL, input="again", previous_response_id=r.id)
+        with pytest.raises(openai.BadRequestError):
+            await c.responses.create(model=MODEL, input=[{"type": "bogus"}])
 
 
 @pytest.mark.redis
