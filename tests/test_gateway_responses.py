@@ -66,6 +66,11 @@ async def test_create_plain_and_streamed_then_get_list_delete(sim_fleet) -> None
         assert final.incomplete_details.reason == "max_output_tokens" and final.usage.output_tokens == 5
         assert "".join(deltas) == final.output_text and len(deltas) == 5
 
+        async with c.responses.stream(model=MODEL, input="Helper.", max_output_tokens=8,
+                                      extra_headers=tokens(3)) as helper:   # the SDK's own stream accumulator
+            done = await helper.get_final_response()
+        assert done.status == "completed" and len(done.output_text.split()) == 3
+
         got = await c.responses.retrieve(r.id)
         assert got.id == r.id and got.output_text == r.output_text
         items = await c.responses.input_items.list(r.id)
