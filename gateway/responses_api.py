@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ log = logging.getLogger("fleetgate.responses")
 
 PATH = "/v1/responses"
 MAX_LIST = 100
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")   # what a stored id can be (the store key joins tenant and id)
 
 
 class ResponsesFrontDoor:
@@ -130,7 +132,7 @@ def _only_model(gw: Gateway) -> str:
 
 async def _load(gw: Gateway, tenant: str, rid: str, param: str) -> dict[str, Any]:
     try:
-        raw = await gw.store.get_response(tenant, rid) if len(rid) <= 128 else None
+        raw = await gw.store.get_response(tenant, rid) if _ID_RE.match(rid) else None
     except (StoreUnavailableError, OSError) as e:
         raise GatewayError(503, f"The response store is unavailable ({type(e).__name__}); retry shortly.",
                            "service_unavailable_error", None, "store_unavailable", 5.0) from None

@@ -322,3 +322,13 @@ async def test_input_items_pages_like_openai(sim_fleet) -> None:
         assert [i.content[0].text for i in newest.data] == ["c", "b", "a"]
         with pytest.raises(openai.BadRequestError):
             await c.responses.input_items.list(r.id, limit=0)
+
+
+async def test_odd_response_ids_are_not_found(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    async with running_gateway(fleet.urls) as gw, httpx.AsyncClient(timeout=20) as http:
+        for rid in ("a:b", "x" * 200, "%2F..%2Fetc"):
+            r = await http.get(f"{gw.url}/v1/responses/{rid}")
+            assert r.status_code == 404 and r.json()["error"]["code"] in ("not_found", None), r.text
+        r = await http.post(gw.url + "/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "a:b"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "previous_response_not_found"
