@@ -149,3 +149,22 @@ def test_hosted_tools_are_dropped_namespaces_flattened_and_system_messages_joine
         {"id": "c1", "function": {"name": "spawn", "arguments": "{}"}}]}}]}
     resp = Response.model_validate(orjson.loads(tr.json_body(200, orjson.dumps(body))[1]))
     assert resp.output[0].namespace == "agents" and resp.output[0].name == "spawn"
+
+
+def test_reasoning_text_becomes_a_reasoning_item_before_the_message():
+    req = R.parse_request({"input": "think", "stream": True})
+    tr = R.ResponsesTranslator(req, "resp_1", "m")
+    evs = events(tr, [chunk({"reasoning_content": "hmm, "}), chunk({"reasoning_content": "yes"}),
+                      chunk({"content": "42"}, "stop")])
+    assert [e.type for e in evs][2:6] == ["response.output_item.added", "response.reasoning_text.delta",
+                                          "response.reasoning_text.delta", "response.reasoning_text.done"]
+    final = evs[-1].response
+    assert final.output[0].type == "reasoning" and final.output[0].content[0].text == "hmm, yes"
+    assert final.output_text == "42"
+    whole = R.ResponsesTranslator(R.parse_request({"input": "think"}), "resp_2", "m")
+    body = {"choices": [{"finish_reason": "stop", "message": {"content": "42", "reasoning": "because"}}]}
+    resp = Response.model_validate(orjson.loads(whole.json_body(200, orjson.dumps(body))[1]))
+    assert [o.type for o in resp.output] == ["reasoning", "message"] and resp.output[0].content[0].text == "because"
+    # a reasoning item given back as input is dropped: the next turn's chat has no trace of it
+    nxt = R.parse_request({"input": [final.output[0].model_dump(), {"role": "user", "content": "more"}]})
+    assert R.chat_body(nxt)["messages"] == [{"role": "user", "content": "more"}]

@@ -20,7 +20,8 @@ Shapes follow the `openai` Python SDK's types (openai.types.responses), which mu
 `input` as a string or items (messages with input_text/output_text/input_image parts, `function_call`,
 `function_call_output`; `reasoning` items are accepted and dropped), `instructions` (not carried over by
 `previous_response_id`, as OpenAI documents), function `tools` and `tool_choice`, `parallel_tool_calls`,
-`max_output_tokens`, `temperature`, `top_p`, `text.format` (json_schema / json_object), `reasoning` (accepted and
+`max_output_tokens`, `temperature`, `top_p`, a reasoning parser's output (as `reasoning` items with
+`reasoning_text`; `response.reasoning_text.delta` / `.done` when streamed), `text.format` (json_schema / json_object), `reasoning` (accepted and
 echoed: the chat request does not carry it), `metadata`, `user`, `prompt_cache_key`, `store`,
 `previous_response_id`; vLLM's sampling extras (`seed`, `top_k`, `ignore_eos`, ... VLLM_EXTRAS) as vLLM takes
 them; `namespace` tools are flattened into their function tools (a call names its namespace).
@@ -356,6 +357,12 @@ def _message_item(text: str, status: str = "completed", item_id: str | None = No
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
+def _reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    """vLLM's reasoning text (a reasoning parser's `reasoning_content`, `reasoning` in newer versions)."""
+    return {"id": item_id or new_id("rs_"), "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(call_id: str, name: str, arguments: str, status: str = "completed",
                item_id: str | None = None, namespace: str | None = None) -> dict[str, Any]:
     item = {"id": item_id or new_id("fc_"), "type": "function_call", "call_id": call_id or new_id("call_"),
@@ -372,6 +379,9 @@ def output_of_chat(chat: dict[str, Any], namespaces: dict[str, str] | None = Non
     choice = choices[0] if isinstance(choices[0], dict) else {}
     msg = choice.get("message") or {}
     items = []
+    thought = msg.get("reasoning_content") or msg.get("reasoning")
+    if isinstance(thought, str) and thought:
+        items.append(_reasoning_item(thought))
     if msg.get("content"):
         items.append(_message_item(msg["content"]))
     for call in msg.get("tool_calls") or ():
@@ -404,7 +414,8 @@ class ResponsesTranslator:
         self.status = "in_progress"
         self._usage: dict[str, Any] | None = None
         self._finish: str | None = None
-        self._text: dict[str, Any] | None = None     # the open message item, its text so far in "_parts"
+        self._text: dict[str, Any] | None = None     # the open message item, its text so far in "parts"
+        self._thought: dict[str, Any] | None = None  # the open reasoning item, likewise
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> open function_call item
         self._error: dict[str, Any] | None = None
 
@@ -445,6 +456,9 @@ class ResponsesTranslator:
         out: list[bytes] = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            thought = delta.get("reasoning_content") or delta.get("reasoning")
+            if isinstance(thought, str) and thought:
+                out.append(self._reasoning_delta(thought))
             if delta.get("content"):
                 out.append(self._text_delta(delta["content"]))
             for call in delta.get("tool_calls") or ():
@@ -454,7 +468,7 @@ class ResponsesTranslator:
         return b"".join(out)
 
     def stream_end(self) -> bytes:
-        out = [self._close_text(), *(self._close_call(i) for i in sorted(self._calls))]
+        out = [self._close_reasoning(), self._close_text(), *(self._close_call(i) for i in sorted(self._calls))]
         self._calls.clear()
         if self._error is not None or self._finish is None:
             msg = (self._error or {}).get("message") or "the stream ended before the answer was complete"
@@ -489,7 +503,7 @@ class ResponsesTranslator:
     def _text_delta(self, text: str) -> bytes:
         out = b""
         if self._text is None:
-            out += self._close_calls()
+            out += self._close_reasoning() + self._close_calls()
             item = _message_item("", "in_progress")
             item["content"] = []
             self._text = {"item": item, "index": len(self.output), "parts": []}
@@ -501,6 +515,30 @@ class ResponsesTranslator:
         self._text["parts"].append(text)
         return out + self._event("response.output_text.delta", item_id=self._text["item"]["id"],
                                  output_index=self._text["index"], content_index=0, delta=text, logprobs=[])
+
+    def _reasoning_delta(self, text: str) -> bytes:
+        out = b""
+        if self._thought is None:
+            out += self._close_text() + self._close_calls()
+            item = _reasoning_item("", "in_progress")
+            item["content"] = []
+            self._thought = {"item": item, "index": len(self.output), "parts": []}
+            self.output.append(item)
+            out += self._event("response.output_item.added", output_index=self._thought["index"], item=item)
+        self._thought["parts"].append(text)
+        return out + self._event("response.reasoning_text.delta", item_id=self._thought["item"]["id"],
+                                 output_index=self._thought["index"], content_index=0, delta=text)
+
+    def _close_reasoning(self) -> bytes:
+        if self._thought is None:
+            return b""
+        t, self._thought = self._thought, None
+        text = "".join(t["parts"])
+        done = _reasoning_item(text, item_id=t["item"]["id"])
+        self.output[t["index"]] = done
+        return (self._event("response.reasoning_text.done", item_id=done["id"], output_index=t["index"],
+                            content_index=0, text=text)
+                + self._event("response.output_item.done", output_index=t["index"], item=done))
 
     def _close_text(self) -> bytes:
         if self._text is None:
@@ -523,7 +561,7 @@ class ResponsesTranslator:
         out = b""
         open_call = self._calls.get(index)
         if open_call is None:
-            out += self._close_text()
+            out += self._close_reasoning() + self._close_text()
             name = fn.get("name") or ""
             item = _call_item(call.get("id") or "", name, "", "in_progress", namespace=self.req.namespaces.get(name))
             open_call = self._calls[index] = {"item": item, "index": len(self.output), "args": []}
