@@ -332,3 +332,18 @@ async def test_odd_response_ids_are_not_found(sim_fleet) -> None:
             assert r.status_code == 404 and r.json()["error"]["code"] in ("not_found", None), r.text
         r = await http.post(gw.url + "/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "a:b"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "previous_response_not_found"
+
+
+async def test_a_response_over_responses_max_bytes_is_answered_not_continued(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    async with running_gateway(fleet.urls, responses={"max_bytes": 4096}) as gw:
+        c = client(gw.url)
+        big = await c.responses.create(model=MODEL, input="words " * 800, max_output_tokens=4)
+        assert big.status in ("completed", "incomplete") and big.output_text
+        assert (await c.responses.retrieve(big.id)).id == big.id    # still listed
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.responses.create(model=MODEL, input="more", previous_response_id=big.id)
+        assert e.value.body["code"] == "previous_response_too_large" and "store: false" in e.value.body["message"]
+        small = await c.responses.create(model=MODEL, input="hi", max_output_tokens=4)
+        assert (await c.responses.create(model=MODEL, input="more", previous_response_id=small.id,
+                                         max_output_tokens=4)).output_text
