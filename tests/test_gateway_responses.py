@@ -330,7 +330,8 @@ async def test_odd_response_ids_are_not_found(sim_fleet) -> None:
         for rid in ("a:b", "x" * 200, "%2F..%2Fetc"):
             r = await http.get(f"{gw.url}/v1/responses/{rid}")
             assert r.status_code == 404 and r.json()["error"]["code"] in ("not_found", None), r.text
-        r = await http.post(gw.url + "/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "a:b"})
+        r = await http.post(gw.url + "/v1/responses",
+                            json={"model": MODEL, "input": "x", "previous_response_id": "a:b"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "previous_response_not_found"
 
 

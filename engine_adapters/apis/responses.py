@@ -20,13 +20,13 @@ Shapes follow the `openai` Python SDK's types (openai.types.responses), which mu
 `input` as a string or items (messages with input_text/output_text/input_image parts, `function_call`,
 `function_call_output`; `reasoning` items are accepted and dropped), `instructions` (not carried over by
 `previous_response_id`, as OpenAI documents), function `tools` and `tool_choice`, `parallel_tool_calls`,
-`max_output_tokens`, `temperature`, `top_p`, a reasoning parser's output (as `reasoning` items with
-`reasoning_text`; `response.reasoning_text.delta` / `.done` when streamed), `text.format` (json_schema / json_object), `reasoning` (accepted and
+`max_output_tokens`, `temperature`, `top_p`, `text.format` (json_schema / json_object), `reasoning` (accepted and
 echoed: the chat request does not carry it), `metadata`, `user`, `prompt_cache_key`, `store`,
 `previous_response_id`; vLLM's sampling extras (`seed`, `top_k`, `ignore_eos`, ... VLLM_EXTRAS) as vLLM takes
-them; `namespace` tools are flattened into their function tools (a call names its namespace).
-Hosted tools (web search, file search, ...) are dropped: no worker runs them. Not supported (400): a `tool_choice`
-naming a hosted tool, `background`, `conversation`, `prompt` templates.
+them; `namespace` tools are flattened into their function tools (a call names its namespace). A reasoning
+parser's output becomes a `reasoning` item with `reasoning_text` (`response.reasoning_text.delta` / `.done` when
+streamed). Hosted tools (web search, file search, ...) are dropped: no worker runs them. Not supported (400): a
+`tool_choice` naming a hosted tool, `background`, `conversation`, `prompt` templates.
 """
 
 from __future__ import annotations
@@ -333,7 +333,8 @@ def response_object(req: ResponsesRequest, rid: str, created_at: float, model: s
         "output": output, "parallel_tool_calls": b.get("parallel_tool_calls", True),
         "previous_response_id": req.previous_response_id, "prompt_cache_key": req.prompt_cache_key,
         "reasoning": b.get("reasoning") or {"effort": None, "summary": None}, "store": req.store,
-        "temperature": b.get("temperature", 1.0), "text": {"format": fmt}, "tool_choice": b.get("tool_choice") or "auto",
+        "temperature": b.get("temperature", 1.0), "text": {"format": fmt},
+        "tool_choice": b.get("tool_choice") or "auto",
         "tools": [{"type": "function", "name": t["name"], "description": t.get("description"),
                    "parameters": t.get("parameters"), "strict": t.get("strict", True)} for t in req.tools],
         "top_p": b.get("top_p", 1.0), "truncation": b.get("truncation") or "disabled", "usage": usage,
@@ -355,6 +356,13 @@ def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
 def _message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
     return {"id": item_id or new_id("msg_"), "type": "message", "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+TEXT, THOUGHT = "output_text", "reasoning_text"   # the two kinds of streamed text (their events' middle name)
+
+
+def _piece_item(kind: str, text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+    return (_message_item if kind == TEXT else _reasoning_item)(text, status, item_id)
 
 
 def _reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
@@ -414,8 +422,7 @@ class ResponsesTranslator:
         self.status = "in_progress"
         self._usage: dict[str, Any] | None = None
         self._finish: str | None = None
-        self._text: dict[str, Any] | None = None     # the open message item, its text so far in "parts"
-        self._thought: dict[str, Any] | None = None  # the open reasoning item, likewise
+        self._pieces: dict[str, dict[str, Any]] = {}   # TEXT or THOUGHT -> its open item, its text so far in "parts"
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> open function_call item
         self._error: dict[str, Any] | None = None
 
@@ -458,9 +465,9 @@ class ResponsesTranslator:
             delta = choice.get("delta") or {}
             thought = delta.get("reasoning_content") or delta.get("reasoning")
             if isinstance(thought, str) and thought:
-                out.append(self._reasoning_delta(thought))
+                out.append(self._piece(THOUGHT, thought))
             if delta.get("content"):
-                out.append(self._text_delta(delta["content"]))
+                out.append(self._piece(TEXT, delta["content"]))
             for call in delta.get("tool_calls") or ():
                 out.append(self._call_delta(call))
             if choice.get("finish_reason"):
@@ -468,7 +475,7 @@ class ResponsesTranslator:
         return b"".join(out)
 
     def stream_end(self) -> bytes:
-        out = [self._close_reasoning(), self._close_text(), *(self._close_call(i) for i in sorted(self._calls))]
+        out = [self._close_pieces(), *(self._close_call(i) for i in sorted(self._calls))]
         self._calls.clear()
         if self._error is not None or self._finish is None:
             msg = (self._error or {}).get("message") or "the stream ended before the answer was complete"
@@ -500,60 +507,49 @@ class ResponsesTranslator:
         self.seq += 1
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n"
 
-    def _text_delta(self, text: str) -> bytes:
+    def _open_item(self, item: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """An in-progress item added to the output: its state (the item, its index, its pieces so far) and its
+        `response.output_item.added` event."""
+        state = {"item": item, "index": len(self.output), "parts": []}
+        self.output.append(item)
+        return state, self._event("response.output_item.added", output_index=state["index"], item=item)
+
+    def _piece(self, kind: str, text: str) -> bytes:
+        """A piece of the answer's text (TEXT) or reasoning (THOUGHT), its item opened first (closing any other)."""
         out = b""
-        if self._text is None:
-            out += self._close_reasoning() + self._close_calls()
-            item = _message_item("", "in_progress")
+        state = self._pieces.get(kind)
+        if state is None:
+            out += self._close_pieces() + self._close_calls()
+            item = _piece_item(kind, "", "in_progress")
             item["content"] = []
-            self._text = {"item": item, "index": len(self.output), "parts": []}
-            self.output.append(item)
-            out += self._event("response.output_item.added", output_index=self._text["index"], item=item)
-            out += self._event("response.content_part.added", item_id=item["id"], output_index=self._text["index"],
-                               content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                      "logprobs": []})
-        self._text["parts"].append(text)
-        return out + self._event("response.output_text.delta", item_id=self._text["item"]["id"],
-                                 output_index=self._text["index"], content_index=0, delta=text, logprobs=[])
+            state, added = self._open_item(item)
+            self._pieces[kind] = state
+            out += added
+            if kind == TEXT:
+                out += self._event("response.content_part.added", item_id=item["id"], output_index=state["index"],
+                                   content_index=0, part={"type": TEXT, "text": "", "annotations": [],
+                                                          "logprobs": []})
+        state["parts"].append(text)
+        extra = {"logprobs": []} if kind == TEXT else {}
+        return out + self._event(f"response.{kind}.delta", item_id=state["item"]["id"],
+                                 output_index=state["index"], content_index=0, delta=text, **extra)
 
-    def _reasoning_delta(self, text: str) -> bytes:
+    def _close_pieces(self) -> bytes:
         out = b""
-        if self._thought is None:
-            out += self._close_text() + self._close_calls()
-            item = _reasoning_item("", "in_progress")
-            item["content"] = []
-            self._thought = {"item": item, "index": len(self.output), "parts": []}
-            self.output.append(item)
-            out += self._event("response.output_item.added", output_index=self._thought["index"], item=item)
-        self._thought["parts"].append(text)
-        return out + self._event("response.reasoning_text.delta", item_id=self._thought["item"]["id"],
-                                 output_index=self._thought["index"], content_index=0, delta=text)
-
-    def _close_reasoning(self) -> bytes:
-        if self._thought is None:
-            return b""
-        t, self._thought = self._thought, None
-        text = "".join(t["parts"])
-        done = _reasoning_item(text, item_id=t["item"]["id"])
-        self.output[t["index"]] = done
-        return (self._event("response.reasoning_text.done", item_id=done["id"], output_index=t["index"],
-                            content_index=0, text=text)
-                + self._event("response.output_item.done", output_index=t["index"], item=done))
-
-    def _close_text(self) -> bytes:
-        if self._text is None:
-            return b""
-        t, self._text = self._text, None
-        text = "".join(t["parts"])
-        done = _message_item(text, item_id=t["item"]["id"])
-        self.output[t["index"]] = done
-        part = done["content"][0]
-        iid, idx = done["id"], t["index"]
-        return (self._event("response.output_text.done", item_id=iid, output_index=idx, content_index=0, text=text,
-                            logprobs=[])
-                + self._event("response.content_part.done", item_id=iid, output_index=idx, content_index=0,
-                              part=part)
-                + self._event("response.output_item.done", output_index=idx, item=done))
+        for kind in list(self._pieces):
+            state = self._pieces.pop(kind)
+            text = "".join(state["parts"])
+            done = _piece_item(kind, text, "completed", state["item"]["id"])
+            iid, idx = done["id"], state["index"]
+            self.output[idx] = done
+            extra = {"logprobs": []} if kind == TEXT else {}
+            out += self._event(f"response.{kind}.done", item_id=iid, output_index=idx, content_index=0, text=text,
+                               **extra)
+            if kind == TEXT:
+                out += self._event("response.content_part.done", item_id=iid, output_index=idx, content_index=0,
+                                   part=done["content"][0])
+            out += self._event("response.output_item.done", output_index=idx, item=done)
+        return out
 
     def _call_delta(self, call: dict[str, Any]) -> bytes:
         index = call.get("index", 0)
@@ -561,16 +557,16 @@ class ResponsesTranslator:
         out = b""
         open_call = self._calls.get(index)
         if open_call is None:
-            out += self._close_reasoning() + self._close_text()
+            out += self._close_pieces()
             name = fn.get("name") or ""
             item = _call_item(call.get("id") or "", name, "", "in_progress", namespace=self.req.namespaces.get(name))
-            open_call = self._calls[index] = {"item": item, "index": len(self.output), "args": []}
-            self.output.append(item)
-            out += self._event("response.output_item.added", output_index=open_call["index"], item=item)
+            open_call, added = self._open_item(item)
+            self._calls[index] = open_call
+            out += added
         elif fn.get("name"):
             open_call["item"]["name"] += fn["name"]
         if fn.get("arguments"):
-            open_call["args"].append(fn["arguments"])
+            open_call["parts"].append(fn["arguments"])
             out += self._event("response.function_call_arguments.delta", item_id=open_call["item"]["id"],
                                output_index=open_call["index"], delta=fn["arguments"])
         return out
@@ -582,7 +578,7 @@ class ResponsesTranslator:
 
     def _close_call(self, index: int) -> bytes:
         c = self._calls[index]
-        args = "".join(c["args"])
+        args = "".join(c["parts"])
         it = c["item"]
         done = _call_item(it["call_id"], it["name"], args, item_id=it["id"],
                           namespace=self.req.namespaces.get(it["name"]))

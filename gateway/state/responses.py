@@ -82,7 +82,8 @@ class RedisResponses(ResponseDocs):
     @_guard
     async def put_response(self, tenant: str, rid: str, record: bytes, ttl_s: float,
                            max_total_bytes: int | None = None) -> None:
-        await self._binary().set(self._rkey(tenant, rid), record, px=max(1, int(ttl_s * 1000)))  # type: ignore[attr-defined]
+        ttl_ms = max(1, int(ttl_s * 1000))
+        await self._binary().set(self._rkey(tenant, rid), record, px=ttl_ms)  # type: ignore[attr-defined]
 
     @_guard
     async def get_response(self, tenant: str, rid: str) -> bytes | None:
