@@ -25,6 +25,8 @@ from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.dispatch import ROUTES
 from gateway.errors import GatewayError
+from gateway.messages_api import PATHS as MESSAGES_PATHS
+from gateway.messages_api import MessagesApi
 from gateway.passthrough import passthrough_router
 from gateway.state.base import StateStore
 from gateway.status_page import status_router
@@ -40,6 +42,7 @@ class FleetgateApp:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.api = build_api(gateway)
+        self.messages = MessagesApi(gateway)   # Anthropic's Messages API over the chat pipeline
 
     async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001
         kind = scope["type"]
@@ -47,6 +50,9 @@ class FleetgateApp:
             route = ROUTES.get(scope["path"])
             if route is not None and scope["method"] == "POST":
                 await self.gateway.dispatcher.handle(scope, receive, send, route)
+                return
+            if scope["path"] in MESSAGES_PATHS:
+                await self.messages.handle(scope, receive, send)
                 return
             await self._api(scope, receive, send)
         elif kind == "lifespan":

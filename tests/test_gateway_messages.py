@@ -1,0 +1,120 @@
+"""Anthropic's Messages API through the gateway (gateway/messages_api.py), as a user of the official `anthropic`
+SDK sees it: over simulated workers that speak only chat completions (vLLM 0.11's routes), through the whole
+pipeline, with Anthropic's error shapes and statuses."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import orjson
+import pytest
+
+from simulator.tokenizer import count_tokens, render_chat
+from tests.helpers import ADMIN, ADMIN_KEY, MODEL, metric, running_gateway
+
+KEY = "sk-messages-test"
+AUTH = {"admin_key": ADMIN_KEY, "keys": [{"key": KEY, "name": "dev"}]}
+WEATHER = {"name": "get_weather", "description": "The weather in a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def client(gw, **kw) -> anthropic.AsyncAnthropic:  # noqa: ANN001
+    return anthropic.AsyncAnthropic(base_url=gw.url, api_key=kw.pop("api_key", KEY), max_retries=0, timeout=30, **kw)
+
+
+async def test_create_answers_a_message_with_usage(sim_fleet) -> None:
+    fleet = sim_fleet(2, time_scale=20)
+    async with running_gateway(fleet.urls, auth=AUTH) as gw:
+        msg = await client(gw).messages.create(
+            model=MODEL, max_tokens=6, system=[{"type": "text", "text": "Be brief.", "cache_control":
+                                                 {"type": "ephemeral"}}],
+            messages=[{"role": "user", "content": "Say something."}], metadata={"user_id": "conv-1"},
+            thinking={"type": "enabled", "budget_tokens": 1024}, cache_control={"type": "ephemeral"},
+            extra_body={"ignore_eos": True, "temperature": 0.5, "top_k": 5})
+        assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
+        assert msg.model == MODEL and msg.stop_reason == "max_tokens"
+        assert [b.type for b in msg.content] == ["text"] and len(msg.content[0].text.split(" ")) == 6
+        prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+        assert msg.usage.input_tokens == count_tokens(render_chat(prompt))
+        assert msg.usage.output_tokens == 6
+
+
+async def test_stream_reads_as_anthropic_events(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    async with running_gateway(fleet.urls, auth=AUTH) as gw:
+        async with client(gw).messages.stream(
+                model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "Count."}],
+                extra_body={"ignore_eos": True}) as stream:
+            kinds = [ev.type async for ev in stream]
+            final = await stream.get_final_message()
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+        assert "ping" not in kinds or kinds.index("ping") == 1   # the SDK may hide pings
+        assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
+        assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 5
+        assert len(final.content[0].text.split(" ")) == 5
+
+
+async def test_x_api_key_and_bearer_both_authenticate_and_count_tokens(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    async with running_gateway(fleet.urls, auth=AUTH) as gw, httpx.AsyncClient(timeout=20) as http:
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        for headers in ({"x-api-key": KEY, "anthropic-version": "2023-06-01"}, {"authorization": f"Bearer {KEY}"}):
+            r = await http.post(gw.url + "/v1/messages", json=body, headers=headers)
+            assert r.status_code == 200 and r.json()["type"] == "message", r.text
+        counted = await client(gw).messages.count_tokens(
+            model=MODEL, system="Be brief.", messages=[{"role": "user", "content": "hi"}])
+        prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        assert counted.input_tokens == count_tokens(render_chat(prompt))
+        text = (await http.get(gw.url + "/metrics", headers=ADMIN)).text
+        assert metric(text, "fleetgate_requests_total", {"status": "200"}) == 2   # through the chat pipeline
+
+
+def _error(r: httpx.Response, status: int, kind: str) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind, body
+    return body["error"]["message"]
+
+
+async def test_errors_have_anthropics_shape_and_status(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    limits = {"max_body_bytes": 4096}
+    async with running_gateway(fleet.urls, auth=AUTH, limits=limits) as gw, httpx.AsyncClient(timeout=20) as http:
+        url, ok = gw.url + "/v1/messages", {"x-api-key": KEY}
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        _error(await http.post(url, json=body, headers={"x-api-key": "wrong"}), 401, "authentication_error")
+        _error(await http.post(url, json=body), 401, "authentication_error")
+        _error(await http.post(url, json={**body, "model": "nope"}, headers=ok), 404, "not_found_error")
+        bad_block = {**body, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+        assert "messages.0.content.0.text" in _error(await http.post(url, json=bad_block, headers=ok), 400,
+                                                     "invalid_request_error")
+        _error(await http.post(url, json={**body, "max_tokens": 0}, headers=ok), 400, "invalid_request_error")
+        _error(await http.post(url, content=b"{not json", headers=ok), 400, "invalid_request_error")
+        big = {**body, "messages": [{"role": "user", "content": "x" * 5000}]}
+        _error(await http.post(url, json=big, headers=ok), 413, "request_too_large")
+        # the SDK raises its own typed errors for them
+        with pytest.raises(anthropic.AuthenticationError):
+            await client(gw, api_key="wrong").messages.create(**body)
+        with pytest.raises(anthropic.NotFoundError):
+            await client(gw).messages.create(**{**body, "model": "nope"})
+
+
+async def test_no_worker_is_529_overloaded_with_retry_after() -> None:
+    workers = [{"id": "w0", "url": "http://127.0.0.1:9", "models": [MODEL]}]   # nothing listens there
+    async with running_gateway(workers=workers, auth=AUTH, health={"interval_s": 0.2}) as gw, \
+            httpx.AsyncClient(timeout=20) as http:
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        r = await http.post(gw.url + "/v1/messages", json=body, headers={"x-api-key": KEY})
+        _error(r, 529, "overloaded_error")
+        assert int(r.headers["retry-after"]) >= 1
+        with pytest.raises(anthropic.APIStatusError) as e:
+            await client(gw).messages.create(**body)
+        assert e.value.status_code == 529
+
+
+async def test_unknown_route_under_messages_is_not_served_as_messages(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    async with running_gateway(fleet.urls, auth=AUTH) as gw, httpx.AsyncClient(timeout=20) as http:
+        r = await http.get(gw.url + "/v1/messages", headers={"x-api-key": KEY})
+        assert r.status_code == 405 and r.json()["type"] == "error"
+        assert orjson.loads((await http.get(gw.url + "/health")).content) == {"status": "ok"}
