@@ -274,8 +274,9 @@ class Relay:
                     if rewrite is not None:
                         out = rewrite(out)
                     if note is not None:
-                        note(out)
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                        out = note(out)   # what of it goes out now (a tool call waits until complete)
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
             if not scanner.done:
                 result.midstream_error = "the worker closed the stream before [DONE]"
         except TimeoutError as e:
@@ -288,6 +289,7 @@ class Relay:
         result.usage = scanner.usage
         if result.midstream_error is not None:
             if resume is not None:
+                state.tokens -= resume.drop_held()   # a tool call held back never reached the client
                 return result  # the dispatcher continues the stream elsewhere, or ends it (end_stream)
             await send({"type": "http.response.body", "body": scanner.error_event(result.midstream_error),
                         "more_body": True})

@@ -37,6 +37,7 @@ from simulator.driver import SLEEP_MODES, EngineDriver, RequestHandle, build_eng
 from simulator.faults import FaultConfigError, Faults, parse_faults
 from simulator.lora import LoraError, LoraModule, check_limits, parse_lora_modules, runtime_updating_from_env
 from simulator.profiles import Profile, load_profile, profile_from_dict
+from simulator.tool_calls import ToolCallSend, tool_call_for
 
 VLLM_VERSION = "0.11.0"
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -448,6 +449,8 @@ class SimServer:
         if tp is not None:  # vLLM continues the caller's trace with it (--otlp-traces-endpoint); kept for /sim/state
             self.traceparents.append(tp.decode("latin-1"))
         plan = self._plan(req, headers, chat)
+        if chat and (req.model_extra or {}).get("tools") and (call := tool_call_for(orjson.loads(body))):
+            send = ToolCallSend(send, call)   # the answer as a function call (simulator/tool_calls.py)
         self._counter += 1
         handle = self.driver.submit(
             request_id=f"{plan.response_id}#{self._counter}", prompt_len=plan.prompt_len,
