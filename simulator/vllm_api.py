@@ -23,6 +23,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs
@@ -36,6 +37,8 @@ from simulator import tokenizer
 from simulator.driver import SLEEP_MODES, EngineDriver, RequestHandle, build_engine, claim_remote_kv
 from simulator.faults import FaultConfigError, Faults, parse_faults
 from simulator.lora import LoraError, LoraModule, check_limits, parse_lora_modules, runtime_updating_from_env
+from simulator.messages_api import count_tokens as count_message_tokens
+from simulator.messages_api import serve_messages
 from simulator.profiles import Profile, load_profile, profile_from_dict
 from simulator.tool_calls import ToolCallSend, tool_call_for
 
@@ -309,6 +312,9 @@ class SimServer:
         }
         if config.kv_events_format == "0.33":   # ref §5.1: 0.33 advertises its publishers
             self._routes["/kv_event_sources"] = {"GET": self._kv_event_sources}
+        if config.kv_events_format == "0.33":   # ref §1.1: Anthropic's Messages API (simulator/messages_api.py)
+            self._routes["/v1/messages"] = {"POST": partial(serve_messages, self._chat)}
+            self._routes["/v1/messages/count_tokens"] = {"POST": count_message_tokens}
         runtime_lora = config.allow_runtime_lora_updating
         if runtime_lora if runtime_lora is not None else runtime_updating_from_env():
             self._routes["/v1/load_lora_adapter"] = {"POST": self._load_lora}
