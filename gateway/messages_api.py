@@ -9,8 +9,8 @@ has no `/v1/messages`). The key comes as `x-api-key` (Anthropic's SDKs) or `Auth
 `x-session-id` (the session placement keeps together) when the client sent none.
 
 Errors are Anthropic's shape and statuses (engine_adapters/apis/messages.py `error_from_openai`): what the
-pipeline refuses is translated from its OpenAI-shaped answer; what this module refuses itself (a body over
-`limits.max_body_bytes`, malformed JSON or blocks) is answered here.
+pipeline refuses is translated from its OpenAI-shaped answer, as are the refusals of the body reader this module
+shares with the chat route (a body over `limits.max_body_bytes`: 413); malformed JSON or blocks are answered here.
 
 `count_tokens` answers `{"input_tokens": N}`: the prompt the worker would see, counted by the model's tokenizer
 when the KV-events view has one (gateway/prompt_tokens.py), else by the estimate placement uses
@@ -28,6 +28,7 @@ import orjson
 from engine_adapters.apis.messages import MessagesError, MessagesTranslator, error_from_openai, to_chat
 from gateway import errors
 from gateway.auth import bearer
+from gateway.dispatch import ClientGone
 from gateway.errors import GatewayError
 from gateway.request import CHAT
 from gateway.translated import Receive, Send, dispatch_chat
@@ -44,14 +45,6 @@ PATHS = (MESSAGES_PATH, COUNT_TOKENS_PATH)
 _JSON = [(b"content-type", b"application/json")]
 
 
-class _TooLarge(Exception):
-    pass
-
-
-class _Gone(Exception):
-    pass
-
-
 def _header(scope: dict, name: bytes) -> bytes | None:
     for k, v in scope.get("headers", ()):
         if k == name:
@@ -62,24 +55,6 @@ def _header(scope: dict, name: bytes) -> bytes | None:
 def api_key(scope: dict) -> bytes | None:
     """The client's key: `x-api-key` (Anthropic's header) unless `Authorization: Bearer` names one."""
     return bearer(_header(scope, b"authorization")) or (_header(scope, b"x-api-key") or b"").strip() or None
-
-
-async def _read_body(receive: Receive, limit: int, declared: bytes | None) -> bytes:
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _TooLarge
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise _Gone
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _TooLarge
-        parts.append(chunk)
-        if not msg.get("more_body"):
-            return b"".join(parts)
 
 
 async def _answer(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -104,9 +79,13 @@ class MessagesApi:
             await _answer(send, 405, MessagesError(f"Use POST for {scope['path']}.", 405,
                                                    "invalid_request_error").body())
             return
+        dispatcher = self.gw.dispatcher
+        if dispatcher is None:   # not started: nothing serves yet
+            await _gateway_error(send, errors.no_worker("any model", self.gw.config.health.interval_s))
+            return
         try:
-            raw = await _read_body(receive, self.gw.config.limits.max_body_bytes,
-                                   _header(scope, b"content-length"))
+            declared = _header(scope, b"content-length")
+            raw = await dispatcher.read_body(receive, int(declared) if declared and declared.isdigit() else None)
             try:
                 req = orjson.loads(raw)
             except orjson.JSONDecodeError as e:
@@ -115,12 +94,8 @@ class MessagesApi:
                 await self._count_tokens(scope, send, req)
             else:
                 await self._create(scope, receive, send, req)
-        except _Gone:
+        except ClientGone:
             return
-        except _TooLarge:
-            limit = self.gw.config.limits.max_body_bytes
-            await _answer(send, 413, MessagesError(f"Request body is larger than the limit of {limit} bytes.",
-                                                   413).body())
         except MessagesError as e:
             await _answer(send, e.status, e.body())
         except GatewayError as e:
@@ -132,8 +107,6 @@ class MessagesApi:
         translator = MessagesTranslator(body.get("model") or "", estimate_chat_tokens(body["messages"]),
                                         body.get("stop"))
         dispatcher = self.gw.dispatcher
-        if dispatcher is None:
-            raise errors.no_worker(body.get("model") or "any model", self.gw.config.health.interval_s)
         await dispatch_chat(partial(dispatcher.handle, route=CHAT), scope, receive, send, body, translator,
                             bearer=api_key(scope), session_id=chat.conversation)
 

@@ -25,25 +25,16 @@ ChatHandler = Callable[[dict, Receive, Send], Awaitable[None]]
 _JSON = [(b"content-type", b"application/json")]
 
 
-async def _body(receive: Receive) -> bytes:
-    parts: list[bytes] = []
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            break
-        parts.append(msg.get("body", b""))
-        if not msg.get("more_body"):
-            break
-    return b"".join(parts)
-
-
 async def _answer(send: Send, status: int, body: bytes) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [*_JSON, (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def _request(raw: bytes, count_only: bool) -> dict:
+async def _request(receive: Receive, count_only: bool) -> dict:
+    from simulator.vllm_api import _read_body  # the server imports this module
+
+    raw = await _read_body(receive)
     try:
         req = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -70,7 +61,7 @@ def answering_errors(chat: ChatHandler) -> ChatHandler:
 async def serve_messages(chat: ChatHandler, scope: dict, receive: Receive, send: Send) -> None:
     """POST /v1/messages through the server's chat route `chat`."""
     try:
-        body = _request(await _body(receive), False)
+        body = await _request(receive, False)
     except MessagesError as e:
         await _answer(send, e.status, e.body())
         return
@@ -82,7 +73,7 @@ async def serve_messages(chat: ChatHandler, scope: dict, receive: Receive, send:
 async def count_tokens(scope: dict, receive: Receive, send: Send) -> None:
     """POST /v1/messages/count_tokens: {"input_tokens": N} of the prompt as the engine renders it."""
     try:
-        body = _request(await _body(receive), True)
+        body = await _request(receive, True)
     except MessagesError as e:
         await _answer(send, e.status, e.body())
         return

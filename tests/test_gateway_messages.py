@@ -167,3 +167,24 @@ async def test_tool_call_stream_survives_its_worker(sim_fleet) -> None:
         text = (await http.get(gw.url + "/metrics", headers=ADMIN)).text
         assert metric(text, "fleetgate_stream_breaks_total", {"outcome": "resumed"}) == 1
         assert metric(text, "fleetgate_requests_total", {"status": "200"}) == 1
+
+
+def test_demo_prints_a_messages_example_that_works() -> None:
+    import re
+    import signal
+    import subprocess
+
+    from tests.helpers import CliProcess, free_port_range
+
+    base = free_port_range(2)
+    with CliProcess("demo", "--port", str(base), "--workers", "1", "--time-scale", "20", merge_stderr=True) as demo:
+        demo.wait_for("fleetgate listening on", timeout=60)
+        text = "\n".join(demo.stdout)
+        assert f"ANTHROPIC_BASE_URL=http://127.0.0.1:{base}" in text
+        example = re.search(r"^  (curl -s \S+/v1/messages .*\n.*)$", text, re.M)
+        assert example is not None, text
+        r = subprocess.run(["bash", "-c", example.group(1)], capture_output=True, text=True, timeout=30)
+        msg = anthropic.types.Message.model_validate_json(r.stdout)
+        assert msg.content[0].type == "text" and msg.usage.output_tokens >= 1, r.stdout + r.stderr
+        demo.proc.send_signal(signal.SIGINT)
+        demo.read_to_end(timeout=20)
