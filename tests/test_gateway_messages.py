@@ -188,3 +188,63 @@ def test_demo_prints_a_messages_example_that_works() -> None:
         assert msg.content[0].type == "text" and msg.usage.output_tokens >= 1, r.stdout + r.stderr
         demo.proc.send_signal(signal.SIGINT)
         demo.read_to_end(timeout=20)
+
+
+async def _finished(http: httpx.AsyncClient, urls: list[str]) -> list[int]:
+    return [(await http.get(u + "/sim/state")).json()["stats"]["finished"]["length"] for u in urls]
+
+
+async def test_metadata_user_id_is_the_session_placement_keeps_together(sim_fleet) -> None:
+    fleet = sim_fleet(3, time_scale=20)
+    async with running_gateway(fleet.urls, auth=AUTH, default_policy="session_affinity") as gw, \
+            httpx.AsyncClient(timeout=20) as http:
+        c = client(gw)
+        homes = set()
+        for conv in ("conv-a", "conv-b", "conv-c", "conv-d"):
+            before = await _finished(http, fleet.urls)
+            for turn in range(3):
+                await c.messages.create(model=MODEL, max_tokens=2, metadata={"user_id": conv},
+                                        messages=[{"role": "user", "content": f"turn {turn}"}],
+                                        extra_body={"ignore_eos": True})
+            grew = [a - b for a, b in zip(await _finished(http, fleet.urls), before, strict=True)]
+            assert sorted(grew) == [0, 0, 3], grew   # every turn of a conversation on one worker
+            homes.add(grew.index(3))
+        assert len(homes) > 1   # and not everything on one worker
+
+
+async def test_a_keys_own_limit_is_429_rate_limit_error(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    auth = {**AUTH, "keys": [{"key": KEY, "name": "dev", "rpm": 1}]}
+    async with running_gateway(fleet.urls, auth=auth) as gw, httpx.AsyncClient(timeout=20) as http:
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        assert (await http.post(gw.url + "/v1/messages", json=body, headers={"x-api-key": KEY})).status_code == 200
+        r = await http.post(gw.url + "/v1/messages", json=body, headers={"x-api-key": KEY})
+        _error(r, 429, "rate_limit_error")
+        assert int(r.headers["retry-after"]) >= 1
+        with pytest.raises(anthropic.RateLimitError):
+            await client(gw).messages.create(**body)
+
+
+async def test_text_stream_resumes_twice_and_ends_with_an_error_event_when_nobody_is_left(sim_fleet) -> None:
+    fleet = sim_fleet(3, time_scale=20)
+    async with running_gateway(fleet.urls, auth=AUTH) as gw, httpx.AsyncClient(timeout=20) as http:
+        for url in fleet.urls:   # every worker breaks after 4 tokens: 4 + 4 + 2, two resumes
+            await http.post(url + "/sim/faults", json={"drop_after_tokens": 4})
+        async with client(gw).messages.stream(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "go"}],
+                                              extra_body={"ignore_eos": True}) as stream:
+            kinds = [ev.type async for ev in stream]
+            final = await stream.get_final_message()
+        assert kinds.count("message_start") == 1 and kinds[-1] == "message_stop"
+        words = final.content[0].text.split(" ")
+        assert len(words) == 10 and final.usage.output_tokens == 10 and final.stop_reason == "max_tokens"
+        # 4 + 4 + 4 of 20, then no attempt left: the stream ends with Anthropic's error event
+        r = await http.post(gw.url + "/v1/messages", headers={"x-api-key": KEY}, json={
+            "model": MODEL, "max_tokens": 20, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "go"}]})
+        assert r.status_code == 200
+        blocks = [b for b in r.text.split("\n\n") if b]
+        assert blocks[-1].startswith("event: error\ndata: ")
+        err = orjson.loads(blocks[-1].split("data: ", 1)[1])
+        assert err["type"] == "error" and err["error"]["type"] == "api_error"
+        text = (await http.get(gw.url + "/metrics", headers=ADMIN)).text
+        assert metric(text, "fleetgate_stream_breaks_total", {"outcome": "resumed"}) == 4
