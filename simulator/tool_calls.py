@@ -6,8 +6,8 @@ by a rule a test can rely on:
 
 - `tool_choice` "none", or no tools: text, as before;
 - a named function, or "required": a call of that function (of the first tool);
-- "auto" (the default): a call of the first tool when the conversation's last turn that is not the assistant's
-  is the user's, and text when it is a tool's result, so an agent loop (ask, call, result, answer) ends.
+- "auto" (the default): a call of the first tool when the conversation's last user or tool turn is the user's,
+  and text when it is a tool's result, so an agent loop (ask, call, result, answer) ends.
 
 The call's `arguments` are a JSON object with one string field (the schema's first required property, else its
 first property, else "text") holding the filler words the engine generated: the same tokens, the same timing
@@ -63,7 +63,7 @@ def tool_call_for(body: dict[str, Any]) -> ToolCall | None:
         return ToolCall(name, _argument(tool)) if tool is not None else None
     if choice != "required":
         roles = [m.get("role") for m in body.get("messages") or () if isinstance(m, dict)]
-        last = next((r for r in reversed(roles) if r != "assistant"), None)
+        last = next((r for r in reversed(roles) if r in ("user", "tool")), None)
         if last != "user":
             return None
     first = tools[0]

@@ -54,6 +54,12 @@ def test_request_blocks_become_chat_messages() -> None:
     assert b["stop"] == ["END"] and b["temperature"] == 0.2 and b["top_k"] == 3 and b["max_tokens"] == 10
     assert b["stream"] is True and b["stream_options"] == {"include_usage": True}
     assert "thinking" not in b and "metadata" not in b
+    # Claude Code (2.1) sends a system message among the turns, and text documents are text
+    turns = to_chat({**BASE, "messages": [
+        {"role": "user", "content": [{"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                                                      "data": "DOC"}}]},
+        {"role": "system", "content": [{"type": "text", "text": "reminder"}]}]}).body["messages"]
+    assert turns == [{"role": "user", "content": "DOC"}, {"role": "system", "content": "reminder"}]
     named = to_chat({**BASE, "messages": [{"role": "user", "content": "x"}],
                      "tool_choice": {"type": "tool", "name": "f"}}).body
     assert named["tool_choice"] == {"type": "function", "function": {"name": "f"}}
@@ -65,7 +71,7 @@ def test_request_blocks_become_chat_messages() -> None:
     ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
     ({**BASE, "max_tokens": 0}, "max_tokens"),
     ({**BASE, "messages": []}, "messages"),
-    ({**BASE, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({**BASE, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
     ({**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages.0.content.0.text"),
     ({**BASE, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]}]},
      "messages.0.content.0.type"),

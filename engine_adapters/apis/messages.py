@@ -9,7 +9,8 @@ each rule, here:
   `messages` of text, image, `tool_use` and `tool_result` blocks; `tools` with `input_schema`; `tool_choice`
   auto / any / tool / none; `stop_sequences`; `max_tokens` (required); `temperature` / `top_p` / `top_k`;
   `metadata.user_id`; `thinking` and `cache_control` accepted and ignored) as a chat body, plus the
-  conversation id (`metadata.user_id`). A `tool_result` block becomes a `tool` message (is_error: its text is
+  conversation id (`metadata.user_id`). A `system` message among the turns stays one; a text `document` is text.
+  A `tool_result` block becomes a `tool` message (is_error: its text is
   prefixed "Error: ", chat has no flag for it); a `tool_use` block an assistant `tool_calls` entry whose
   `arguments` are its `input` as JSON.
 - `to_message(chat)`: a chat completion as a Message (`msg_` id, text and `tool_use` content blocks,
@@ -133,10 +134,26 @@ def _image_part(b: dict[str, Any], where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def _document_text(b: dict[str, Any], where: str) -> str:
+    """A document block's text: a plain-text source, or a source of content blocks (a PDF needs a model that
+    reads it, which a chat template cannot give a text model)."""
+    src = b.get("source")
+    _need(isinstance(src, dict), f"{where}.source: expected an object")
+    if src.get("type") == "text":
+        _need(isinstance(src.get("data"), str), f"{where}.source.data: expected a string")
+        return src["data"]
+    if src.get("type") == "content":
+        return _text_of_blocks(src.get("content"), f"{where}.source.content")
+    raise MessagesError(f"{where}.source.type: only 'text' and 'content' documents are served, "
+                        f"not {src.get('type')!r}")
+
+
 def _tool_result(b: dict[str, Any], where: str) -> dict[str, Any]:
     _need(isinstance(b.get("tool_use_id"), str) and b["tool_use_id"] != "",
           f"{where}.tool_use_id: expected a string")
     content = b.get("content", "")
+    if isinstance(content, list):   # a tool message holds text: its other blocks (images, ...) are left out
+        content = [c for c in content if not isinstance(c, dict) or c.get("type") == "text"]
     text = _text_of_blocks(content, f"{where}.content")
     if b.get("is_error"):
         text = "Error: " + text
@@ -156,8 +173,11 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
     where = f"messages.{i}"
     _need(isinstance(m, dict), f"{where}: expected an object")
     role = m.get("role")
-    _need(role in ("user", "assistant"), f"{where}.role: expected 'user' or 'assistant', got {role!r}")
+    _need(role in ("user", "assistant", "system"),
+          f"{where}.role: expected 'user', 'assistant' or 'system', got {role!r}")
     content = m.get("content")
+    if role == "system":   # a system message among the turns (text only), as chat has them
+        return [{"role": "system", "content": _text_of_blocks(content, f"{where}.content")}]
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     _need(isinstance(content, list), f"{where}.content: expected a string or a list of content blocks")
@@ -173,6 +193,8 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
             parts.append({"type": "text", "text": b["text"]})
         elif kind == "image" and role == "user":
             parts.append(_image_part(b, bw))
+        elif kind == "document" and role == "user":
+            parts.append({"type": "text", "text": _document_text(b, bw)})
         elif kind == "tool_result" and role == "user":
             out.append(_tool_result(b, bw))
         elif kind == "tool_use" and role == "assistant":
