@@ -19,7 +19,6 @@ when the KV-events view has one (gateway/prompt_tokens.py), else by the estimate
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -36,8 +35,6 @@ from policies.tokens import estimate_chat_tokens
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
-
-log = logging.getLogger("fleetgate.messages")
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -111,12 +108,12 @@ class MessagesApi:
                             bearer=api_key(scope), session_id=chat.conversation)
 
     async def _count_tokens(self, scope: dict, send: Send, req: object) -> None:
-        self.gw.auth.authenticate(b"Bearer " + (api_key(scope) or b""))
+        tenant = self.gw.auth.authenticate(b"Bearer " + (api_key(scope) or b""))
         if isinstance(req, dict) and req.get("max_tokens") is None:
             req = {**req, "max_tokens": 1}   # count_tokens takes no max_tokens; the translation needs one
         body = to_chat(req).body
         model = body.get("model")
-        if model and not self._known(model):
+        if model and not (self._known(model) and tenant.may_use(self.gw.config.aliases.get(model, model))):
             raise errors.model_not_found(model, self.gw.registry.served_models())
         await _answer(send, 200, orjson.dumps({"input_tokens": self._prompt_tokens(body["messages"])}))
 

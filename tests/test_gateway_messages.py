@@ -65,6 +65,11 @@ async def test_x_api_key_and_bearer_both_authenticate_and_count_tokens(sim_fleet
             model=MODEL, system="Be brief.", messages=[{"role": "user", "content": "hi"}])
         prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
         assert counted.input_tokens == count_tokens(render_chat(prompt))
+        r = await http.post(gw.url + "/v1/messages/count_tokens", headers={"x-api-key": KEY},
+                            json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
+        _error(r, 404, "not_found_error")
+        r = await http.post(gw.url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": []})
+        _error(r, 401, "authentication_error")
         text = (await http.get(gw.url + "/metrics", headers=ADMIN)).text
         assert metric(text, "fleetgate_requests_total", {"status": "200"}) == 2   # through the chat pipeline
 
