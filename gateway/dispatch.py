@@ -228,7 +228,7 @@ class Dispatcher:
                 if hdrs.content_length == -1:
                     raise errors.bad_request("Invalid Content-Length header.")
                 tenant = self.auth.tenant_of_scope(scope, hdrs.auth)
-                raw = await self.read_body(receive, hdrs.content_length)
+                raw = await self._read_body(receive, hdrs.content_length)
                 watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, state, gone))
                 req = parse_request(raw, route)
                 model, changed = self._resolve_model(req)
@@ -279,7 +279,7 @@ class Dispatcher:
             # requests pile up until a full collection.
             error = None
 
-    async def read_body(self, receive, content_length: int | None) -> bytes:  # noqa: ANN001
+    async def _read_body(self, receive, content_length: int | None) -> bytes:  # noqa: ANN001
         if content_length is not None and content_length > self.max_body:
             raise errors.body_too_large(self.max_body)
         msg = await receive()

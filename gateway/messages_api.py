@@ -9,8 +9,8 @@ has no `/v1/messages`). The key comes as `x-api-key` (Anthropic's SDKs) or `Auth
 `x-session-id` (the session placement keeps together) when the client sent none.
 
 Errors are Anthropic's shape and statuses (engine_adapters/apis/messages.py `error_from_openai`): what the
-pipeline refuses is translated from its OpenAI-shaped answer, as are the refusals of the body reader this module
-shares with the chat route (a body over `limits.max_body_bytes`: 413); malformed JSON or blocks are answered here.
+pipeline refuses is translated from its OpenAI-shaped answer; what this module refuses itself (a body over
+`limits.max_body_bytes`, malformed JSON or blocks) is answered here.
 
 `count_tokens` answers `{"input_tokens": N}`: the prompt the worker would see, counted by the model's tokenizer
 when the KV-events view has one (gateway/prompt_tokens.py), else by the estimate placement uses
@@ -27,10 +27,9 @@ import orjson
 from engine_adapters.apis.messages import MessagesError, MessagesTranslator, error_from_openai, to_chat
 from gateway import errors
 from gateway.auth import bearer
-from gateway.dispatch import ClientGone
 from gateway.errors import GatewayError
 from gateway.request import CHAT
-from gateway.translated import Receive, Send, dispatch_chat
+from gateway.translated import BodyTooLarge, Receive, Send, dispatch_chat, read_body
 from policies.tokens import estimate_chat_tokens
 
 if TYPE_CHECKING:
@@ -80,9 +79,14 @@ class MessagesApi:
         if dispatcher is None:   # not started: nothing serves yet
             await _gateway_error(send, errors.no_worker("any model", self.gw.config.health.interval_s))
             return
+        limit = self.gw.config.limits.max_body_bytes
         try:
             declared = _header(scope, b"content-length")
-            raw = await dispatcher.read_body(receive, int(declared) if declared and declared.isdigit() else None)
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise errors.body_too_large(limit)
+            raw = await read_body(receive, limit)
+            if raw is None:   # the client left
+                return
             try:
                 req = orjson.loads(raw)
             except orjson.JSONDecodeError as e:
@@ -91,8 +95,8 @@ class MessagesApi:
                 await self._count_tokens(scope, send, req)
             else:
                 await self._create(scope, receive, send, req)
-        except ClientGone:
-            return
+        except BodyTooLarge:
+            await _gateway_error(send, errors.body_too_large(limit))
         except MessagesError as e:
             await _answer(send, e.status, e.body())
         except GatewayError as e:

@@ -9,6 +9,7 @@ metrics, access logs and traces apply unchanged and every worker version can ser
     chat_scope        the client's scope rewritten for the chat route: path, content-length of the new body,
                       `Authorization: Bearer <key>` from another credential header, `x-session-id` from the
                       conversation id when the client sent none
+    read_body         the client's request body, read whole (bounded) before it is translated
     body_receive      an ASGI `receive` that yields the translated body once, then forwards the real `receive`
                       (the dispatcher still sees the client disconnect)
     SseSplitter       an incremental splitter of server-sent events: bytes in any cut, whole events out
@@ -60,6 +61,26 @@ def chat_scope(scope: dict, body_len: int, *, bearer: bytes | None = None,
     if session_id and not has_session:
         headers.append((b"x-session-id", session_id.encode("latin-1", "replace")))
     return {**scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode(), "headers": headers}
+
+
+class BodyTooLarge(ValueError):
+    """The request body passed the limit given to `read_body` (the front door answers 413)."""
+
+
+async def read_body(receive: Receive, limit: int | None = None) -> bytes | None:
+    """The client's whole request body (a front door reads it to translate it); None when the client disconnected
+    first; `BodyTooLarge` past `limit` bytes."""
+    body = bytearray()
+    more = True
+    while more:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        body += msg.get("body", b"")
+        if limit is not None and len(body) > limit:
+            raise BodyTooLarge(limit)
+        more = msg.get("more_body", False)
+    return bytes(body)
 
 
 def body_receive(body: bytes, receive: Receive) -> Receive:
@@ -157,8 +178,9 @@ class Translator(Protocol):
 class TranslatedSend:
     """An ASGI `send` for the dispatcher that sends the translated answer to the client's `send`.
 
-    `finish`, when given, is awaited once before the answer's last bytes go out (the JSON body, or a stream's
-    closing events), so what it stores (a Responses conversation) is there when the client can ask again."""
+    `finish`, when given, is awaited once after the translator made the answer's last bytes (the JSON body, or a
+    stream's closing events) and before they go out, so what it stores (a Responses conversation, read from the
+    translator) is there when the client can ask again."""
 
     def __init__(self, send: Send, translator: Translator,
                  finish: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -211,10 +233,10 @@ class TranslatedSend:
                 if out:
                     await self._send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 return
-        # `[DONE]`, or the stream's end without it: the closing events, after `finish`
+        # `[DONE]`, or the stream's end without it: the closing events, sent after `finish`
+        out.append(self.translator.stream_end())
         if self._finish is not None:
             await self._finish()
-        out.append(self.translator.stream_end())
         self.ended = True
         await self._send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
 
@@ -233,12 +255,12 @@ class TranslatedSend:
 ChatApp = Callable[[dict, Receive, Send], Awaitable[None]]
 
 
-async def dispatch_chat(chat: ChatApp, scope: dict, receive: Receive, send: Send, chat_body: dict,
+async def dispatch_chat(chat: ChatApp, scope: dict, receive: Receive, send: Send, chat_body: dict | bytes,
                         translator: Translator, *, bearer: bytes | None = None, session_id: str | None = None,
                         finish: Callable[[], Awaitable[None]] | None = None) -> TranslatedSend:
-    """Run `chat_body` through `chat` for the client of `scope`, the answer translated by `translator`.
-    Returns the send wrapper (its `status`, whether it streamed)."""
-    raw = orjson.dumps(chat_body)
+    """Run `chat_body` (a dict, or its JSON) through `chat` for the client of `scope`, the answer translated by
+    `translator`. Returns the send wrapper (its `status`, whether it streamed)."""
+    raw = chat_body if isinstance(chat_body, bytes) else orjson.dumps(chat_body)
     out = TranslatedSend(send, translator, finish)
     await chat(chat_scope(scope, len(raw), bearer=bearer, session_id=session_id), body_receive(raw, receive), out)
     return out

@@ -67,14 +67,15 @@ async def test_openai_tool_call_stream_resumes_after_its_worker_dies(sim_fleet) 
         await http.post(fleet.urls[0] + "/sim/faults", json={"drop_after_tokens": 4})
         c = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=20)
         stream = await c.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "show a.txt"}], tools=TOOLS, max_tokens=10,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=MODEL, messages=[{"role": "user", "content": "show a.txt"}], tools=TOOLS, tool_choice="required",
+            max_tokens=30, stream=True, stream_options={"include_usage": True},
+            extra_headers={"x-sim-output-tokens": "10"})
         chunks = [ch async for ch in stream]
         assert len({(ch.id, ch.created) for ch in chunks}) == 1       # one stream
         deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
         assert len([d for d in deltas if d.id]) == 1                   # one call, started once
         args = json.loads("".join(d.function.arguments or "" for d in deltas))
-        assert list(args) == ["path"] and len(args["path"].split()) == 10
+        assert len(args["input"].split()) == 10
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
         usage = chunks[-1].usage
         assert usage.completion_tokens == 10 and usage.total_tokens == usage.prompt_tokens + 10

@@ -21,11 +21,12 @@ async def test_033_serves_messages_and_011_does_not(sim_fleet) -> None:
     assert msg.stop_reason == "max_tokens" and len(msg.content[0].text.split()) == 4
     prompt = [{"role": "system", "content": "Terse."}, {"role": "user", "content": "hello"}]
     assert msg.usage.input_tokens == count_tokens(render_chat(prompt)) and msg.usage.output_tokens == 4
-    async with c.messages.stream(model=MODEL, max_tokens=3, tools=[TOOL], tool_choice={"type": "any"},
-                                 messages=[{"role": "user", "content": "find it"}]) as stream:
+    async with c.messages.stream(model=MODEL, max_tokens=10, tools=[TOOL], tool_choice={"type": "any"},
+                                 messages=[{"role": "user", "content": "find it"}],
+                                 extra_headers={"x-sim-output-tokens": "3"}) as stream:
         final = await stream.get_final_message()
     assert final.stop_reason == "tool_use" and final.content[0].name == "grep"
-    assert list(final.content[0].input) == ["pattern"]
+    assert len(final.content[0].input["input"].split()) == 3
     counted = await c.messages.count_tokens(model=MODEL, system="Terse.",
                                             messages=[{"role": "user", "content": "hello"}])
     assert counted.input_tokens == msg.usage.input_tokens

@@ -6,9 +6,18 @@ import asyncio
 import functools
 
 import orjson
+import pytest
 
 from gateway.request import CHAT
-from gateway.translated import SseSplitter, TranslatedSend, body_receive, chat_scope, dispatch_chat
+from gateway.translated import (
+    BodyTooLarge,
+    SseSplitter,
+    TranslatedSend,
+    body_receive,
+    chat_scope,
+    dispatch_chat,
+    read_body,
+)
 
 CHUNKS = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b'data: {"error": {"message": "boom"}}\n\n',
           b"data: [DONE]\n\n"]
@@ -183,3 +192,20 @@ def test_dispatch_chat_hands_the_pipeline_a_chat_request():
     assert seen["headers"][b"x-session-id"] == b"resp_1"
     assert ts.status == 400 and not ts.streaming
     assert sent[0]["status"] == 400 and sent[1]["body"] == b"J{}"
+
+
+def test_read_body_whole_bounded_or_none_when_the_client_left():
+    def receiver(msgs: list[dict]):  # noqa: ANN202
+        it = iter(msgs)
+
+        async def receive() -> dict:
+            return next(it)
+        return receive
+
+    parts = [{"type": "http.request", "body": b"ab", "more_body": True},
+             {"type": "http.request", "body": b"cd", "more_body": False}]
+    assert run(read_body(receiver(parts))) == b"abcd"
+    assert run(read_body(receiver(parts), 4)) == b"abcd"
+    with pytest.raises(BodyTooLarge):
+        run(read_body(receiver(parts), 3))
+    assert run(read_body(receiver([parts[0], {"type": "http.disconnect"}]))) is None
