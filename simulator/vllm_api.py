@@ -32,12 +32,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from engine_adapters.vllm.kv_events import WIRE_FORMATS, KvEventsError, parse_kv_events_config
 from policies.kv_hash import HASH_ALGOS, BlockHasher, engine_seed
-from simulator import tokenizer, tool_calls
+from simulator import tokenizer
 from simulator.driver import SLEEP_MODES, EngineDriver, RequestHandle, build_engine, claim_remote_kv
 from simulator.faults import FaultConfigError, Faults, parse_faults
 from simulator.lora import LoraError, LoraModule, check_limits, parse_lora_modules, runtime_updating_from_env
 from simulator.messages_api import messages_routes
 from simulator.profiles import Profile, load_profile, profile_from_dict
+from simulator.tool_calls import ToolCallSend, tool_call_for
 
 VLLM_VERSION = "0.11.0"
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -451,6 +452,8 @@ class SimServer:
         if tp is not None:  # vLLM continues the caller's trace with it (--otlp-traces-endpoint); kept for /sim/state
             self.traceparents.append(tp.decode("latin-1"))
         plan = self._plan(req, headers, chat)
+        if chat and (req.model_extra or {}).get("tools") and (call := tool_call_for(orjson.loads(body))):
+            send = ToolCallSend(send, call)   # the answer as a function call (simulator/tool_calls.py)
         self._counter += 1
         handle = self.driver.submit(
             request_id=f"{plan.response_id}#{self._counter}", prompt_len=plan.prompt_len,
@@ -546,7 +549,6 @@ class SimServer:
             remote_decode=remote_decode, remote_kv_delay=remote_kv_delay,
             word_offset=offset, created=int(time.time()),
             continued=_continued_word(text_so_far), adapter=adapter,
-            tool=tool_calls.forced_call(req.model_extra) if chat else None,
         )
 
     def _target_tokens(self, req: ChatRequest | CompletionRequest, headers: dict[bytes, bytes],
@@ -583,7 +585,6 @@ class SimServer:
         finally:
             watcher.cancel()
         text = _text(plan, 0, h.generated).decode()
-        reason = tool_calls.finish_reason(plan.tool, h.finish_reason)
         usage = {"prompt_tokens": plan.prompt_len, "total_tokens": plan.prompt_len + h.generated,
                  "completion_tokens": h.generated, "prompt_tokens_details": None}
         kv_params = self._kv_params(h) if plan.remote_decode else None
@@ -592,9 +593,8 @@ class SimServer:
             body = {"id": plan.response_id, "object": "chat.completion", "created": plan.created, "model": model,
                     "choices": [{"index": 0, "message": {
                         "role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                        "function_call": None, "tool_calls": [], "reasoning_content": None,
-                        **(plan.tool.message(text.encode()) if plan.tool is not None else {})},
-                        "logprobs": None, "finish_reason": reason, "stop_reason": None, "token_ids": None}],
+                        "function_call": None, "tool_calls": [], "reasoning_content": None},
+                        "logprobs": None, "finish_reason": h.finish_reason, "stop_reason": None, "token_ids": None}],
                     "service_tier": None, "system_fingerprint": None, "usage": usage,
                     "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": kv_params}
         else:
@@ -637,11 +637,6 @@ class SimServer:
             tok_mid = b'","logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]'
             tok_last = (b'","logprobs":null,"finish_reason":"%s","stop_reason":null,"prompt_token_ids":null,'
                         b'"token_ids":null}]')
-        tool = plan.tool if chat else None
-        if tool is not None:   # a forced tool call: the tokens are pieces of its arguments
-            tok_open = head + tool_calls.TOKEN_OPEN
-            tok_mid = b',"logprobs":null,"finish_reason":null,"token_ids":null}]'
-            tok_last = b',"logprobs":null,"finish_reason":"%s","stop_reason":null,"token_ids":null}]'
         P = plan.prompt_len
         cont = plan.continuous_usage
         usage_tail = b',"prompt_tokens_details":null}' if not chat else b"}"
@@ -654,8 +649,6 @@ class SimServer:
         if chat:  # the role chunk (serving_chat.py: first chunk of each choice)
             first = head + b'{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
             first += (usage(0) + b',"prompt_token_ids":null}\n\n') if cont else b',"prompt_token_ids":null}\n\n'
-            if tool is not None:
-                first += head + b'{"index":0,"delta":' + tool.opening_delta() + b',"logprobs":null,"finish_reason":null}]}\n\n'
             await send({"type": "http.response.body", "body": first, "more_body": True})
         watcher = _DisconnectWatcher(receive, h)
         drop_at = self.faults.drop_after_tokens
@@ -670,14 +663,13 @@ class SimServer:
                 if drop_at is not None and n > drop_at:
                     n, fin = drop_at, False
                 parts = []
-                reason = tool_calls.finish_reason(tool, h.finish_reason)
                 for i in range(sent, n):
+                    word = _word(plan, i)
                     last = fin and i == n - 1
-                    word = _word(plan, i) if tool is None else tool.token(_word(plan, i), i == 0, last)
-                    parts.append(tok_open + word + (tok_last % reason.encode() if last else tok_mid)
+                    parts.append(tok_open + word + (tok_last % h.finish_reason.encode() if last else tok_mid)
                                  + (usage(i + 1) + b"}\n\n" if cont else no_usage))
                 if fin and n == sent:  # finished without a new token: an empty delta carries the reason
-                    parts.append(_finish_only(head, chat, reason, usage(n) if cont else None))
+                    parts.append(_finish_only(head, chat, h.finish_reason, usage(n) if cont else None))
                 sent = n
                 if drop_at is not None and sent >= drop_at and not fin:
                     if parts:
@@ -880,7 +872,6 @@ class _Plan:
     continued: int | None = None    # the text ends with filler word number `continued`: go on after it
     token_ids: list[int] | None = None
     adapter: Adapter | None = None  # the LoRA adapter serving it; None: the base model
-    tool: tool_calls.ToolCall | None = None   # a chat request's forced tool call (simulator/tool_calls.py)
 
 
 def _finish_only(head: bytes, chat: bool, reason: str | None, usage: bytes | None) -> bytes:

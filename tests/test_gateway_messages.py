@@ -130,13 +130,13 @@ async def test_tool_round_trip_with_create(sim_fleet) -> None:
     async with running_gateway(fleet.urls, auth=AUTH) as gw:
         c = client(gw)
         ask = [{"role": "user", "content": "Weather in Paris?"}]
-        # the simulated model calls a tool when tool_choice forces one (simulator/tool_calls.py), and stops by
-        # itself after x-sim-output-tokens tokens: the call ends as calls do, not at max_tokens
+        # the simulated model calls the first tool after a user's turn (simulator/tool_calls.py), its words in
+        # the schema's first required property
         msg = await c.messages.create(model=MODEL, max_tokens=20, messages=ask, tools=[WEATHER],
-                                      tool_choice={"type": "any"}, extra_headers={"x-sim-output-tokens": "5"})
+                                      tool_choice={"type": "auto"}, extra_headers={"x-sim-output-tokens": "5"})
         assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
         call = msg.content[0]
-        assert call.name == "get_weather" and len(call.input["input"].split()) == 5
+        assert call.name == "get_weather" and list(call.input) == ["city"] and len(call.input["city"].split()) == 5
         # the result goes back as a tool_result block (is_error, content as blocks): the model answers in text
         follow = [*ask, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "is_error": False,
@@ -170,7 +170,7 @@ async def test_tool_call_stream_survives_its_worker(sim_fleet) -> None:
         kinds = [ev.type for ev in events]
         assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "error" not in kinds
         assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
-        assert len(final.content[0].input["input"].split()) == 8   # one whole call, nothing repeated
+        assert len(final.content[0].input["city"].split()) == 8   # one whole call, nothing repeated
         assert final.usage.output_tokens == 8
         text = (await http.get(gw.url + "/metrics", headers=ADMIN)).text
         assert metric(text, "fleetgate_stream_breaks_total", {"outcome": "resumed"}) == 1

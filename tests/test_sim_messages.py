@@ -26,7 +26,7 @@ async def test_033_serves_messages_and_011_does_not(sim_fleet) -> None:
                                  extra_headers={"x-sim-output-tokens": "3"}) as stream:
         final = await stream.get_final_message()
     assert final.stop_reason == "tool_use" and final.content[0].name == "grep"
-    assert len(final.content[0].input["input"].split()) == 3
+    assert list(final.content[0].input) == ["pattern"] and len(final.content[0].input["pattern"].split()) == 3
     counted = await c.messages.count_tokens(model=MODEL, system="Terse.",
                                             messages=[{"role": "user", "content": "hello"}])
     assert counted.input_tokens == msg.usage.input_tokens
