@@ -10,8 +10,10 @@ webhooks and the P/D prefill leg (gateway/pd_legs.py) use the same pool. Rules:
   cut short);
 - the client has seen the response start -> a failure ends the stream with an SSE error event and
   `data: [DONE]` (docs/reference/vllm-interface.md §2), never a hang; except for a resumable stream
-  (`StreamResume`, gateway/resume.py): the relay forwards whole events only, keeps the bytes it forwarded,
-  and leaves the stream open for the dispatcher to continue on another worker (or end with `end_stream`);
+  (`StreamResume`, gateway/resume.py): the relay forwards whole events only, keeps the bytes it forwarded
+  (tool-call events once the call is complete: a broken leg's held ones are dropped, their tokens not
+  delivered), and leaves the stream open for the dispatcher to continue on another worker (or end with
+  `end_stream`);
 - a continuation leg (`resume.legs > 0`) sends no response start: its events are rewritten into the first
   answer's identity; an answer that is not a 200 stream is an `UpstreamFailure` of kind "continuation";
 - a worker is given as long as the stall rule allows (policies/pace.py: the caller's first-token limit, from the
