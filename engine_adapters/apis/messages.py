@@ -98,21 +98,19 @@ class ChatRequest:
     conversation: str | None = None
 
 
-def _need(cond: bool, message: str) -> None:
-    if not cond:
-        raise MessagesError(message)
-
-
 def _text_of_blocks(blocks: Any, where: str) -> str:
     """The text of a string or a list of text blocks (system prompts, tool results)."""
     if isinstance(blocks, str):
         return blocks
-    _need(isinstance(blocks, list), f"{where}: expected a string or a list of content blocks")
+    if not isinstance(blocks, list):
+        raise MessagesError(f"{where}: expected a string or a list of content blocks")
     parts = []
     for i, b in enumerate(blocks):
-        _need(isinstance(b, dict), f"{where}.{i}: expected a content block object")
+        if not isinstance(b, dict):
+            raise MessagesError(f"{where}.{i}: expected a content block object")
         if b.get("type") == "text":
-            _need(isinstance(b.get("text"), str), f"{where}.{i}.text: expected a string")
+            if not isinstance(b.get("text"), str):
+                raise MessagesError(f"{where}.{i}.text: expected a string")
             parts.append(b["text"])
         elif b.get("type") != "image":
             raise MessagesError(f"{where}.{i}.type: expected 'text' or 'image', got {b.get('type')!r}")
@@ -121,13 +119,15 @@ def _text_of_blocks(blocks: Any, where: str) -> str:
 
 def _image_part(b: dict[str, Any], where: str) -> dict[str, Any]:
     src = b.get("source")
-    _need(isinstance(src, dict), f"{where}.source: expected an object")
+    if not isinstance(src, dict):
+        raise MessagesError(f"{where}.source: expected an object")
     if src.get("type") == "base64":
-        _need(isinstance(src.get("data"), str) and isinstance(src.get("media_type"), str),
-              f"{where}.source: a base64 image needs `media_type` and `data`")
+        if not (isinstance(src.get("data"), str) and isinstance(src.get("media_type"), str)):
+            raise MessagesError(f"{where}.source: a base64 image needs `media_type` and `data`")
         url = f"data:{src['media_type']};base64,{src['data']}"
     elif src.get("type") == "url":
-        _need(isinstance(src.get("url"), str), f"{where}.source.url: expected a string")
+        if not isinstance(src.get("url"), str):
+            raise MessagesError(f"{where}.source.url: expected a string")
         url = src["url"]
     else:
         raise MessagesError(f"{where}.source.type: expected 'base64' or 'url'")
@@ -138,9 +138,11 @@ def _document_text(b: dict[str, Any], where: str) -> str:
     """A document block's text: a plain-text source, or a source of content blocks (a PDF needs a model that
     reads it, which a chat template cannot give a text model)."""
     src = b.get("source")
-    _need(isinstance(src, dict), f"{where}.source: expected an object")
+    if not isinstance(src, dict):
+        raise MessagesError(f"{where}.source: expected an object")
     if src.get("type") == "text":
-        _need(isinstance(src.get("data"), str), f"{where}.source.data: expected a string")
+        if not isinstance(src.get("data"), str):
+            raise MessagesError(f"{where}.source.data: expected a string")
         return src["data"]
     if src.get("type") == "content":
         return _text_of_blocks(src.get("content"), f"{where}.source.content")
@@ -149,8 +151,8 @@ def _document_text(b: dict[str, Any], where: str) -> str:
 
 
 def _tool_result(b: dict[str, Any], where: str) -> dict[str, Any]:
-    _need(isinstance(b.get("tool_use_id"), str) and b["tool_use_id"] != "",
-          f"{where}.tool_use_id: expected a string")
+    if not (isinstance(b.get("tool_use_id"), str) and b["tool_use_id"] != ""):
+        raise MessagesError(f"{where}.tool_use_id: expected a string")
     content = b.get("content", "")
     if isinstance(content, list):   # a tool message holds text: its other blocks (images, ...) are left out
         content = [c for c in content if not isinstance(c, dict) or c.get("type") == "text"]
@@ -161,9 +163,12 @@ def _tool_result(b: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _tool_call(b: dict[str, Any], where: str) -> dict[str, Any]:
-    _need(isinstance(b.get("id"), str) and b["id"] != "", f"{where}.id: expected a string")
-    _need(isinstance(b.get("name"), str) and b["name"] != "", f"{where}.name: expected a string")
-    _need(isinstance(b.get("input"), dict), f"{where}.input: expected an object")
+    if not (isinstance(b.get("id"), str) and b["id"] != ""):
+        raise MessagesError(f"{where}.id: expected a string")
+    if not (isinstance(b.get("name"), str) and b["name"] != ""):
+        raise MessagesError(f"{where}.name: expected a string")
+    if not isinstance(b.get("input"), dict):
+        raise MessagesError(f"{where}.input: expected an object")
     return {"id": b["id"], "type": "function",
             "function": {"name": b["name"], "arguments": orjson.dumps(b["input"]).decode()}}
 
@@ -171,25 +176,29 @@ def _tool_call(b: dict[str, Any], where: str) -> dict[str, Any]:
 def _message(m: Any, i: int) -> list[dict[str, Any]]:
     """One Messages message as chat messages (a user message's tool results come first, as `tool` messages)."""
     where = f"messages.{i}"
-    _need(isinstance(m, dict), f"{where}: expected an object")
+    if not isinstance(m, dict):
+        raise MessagesError(f"{where}: expected an object")
     role = m.get("role")
-    _need(role in ("user", "assistant", "system"),
-          f"{where}.role: expected 'user', 'assistant' or 'system', got {role!r}")
+    if role not in ("user", "assistant", "system"):
+        raise MessagesError(f"{where}.role: expected 'user', 'assistant' or 'system', got {role!r}")
     content = m.get("content")
     if role == "system":   # a system message among the turns (text only), as chat has them
         return [{"role": "system", "content": _text_of_blocks(content, f"{where}.content")}]
     if isinstance(content, str):
         return [{"role": role, "content": content}]
-    _need(isinstance(content, list), f"{where}.content: expected a string or a list of content blocks")
+    if not isinstance(content, list):
+        raise MessagesError(f"{where}.content: expected a string or a list of content blocks")
     out: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for j, b in enumerate(content):
         bw = f"{where}.content.{j}"
-        _need(isinstance(b, dict), f"{bw}: expected a content block object")
+        if not isinstance(b, dict):
+            raise MessagesError(f"{bw}: expected a content block object")
         kind = b.get("type")
         if kind == "text":
-            _need(isinstance(b.get("text"), str), f"{bw}.text: expected a string")
+            if not isinstance(b.get("text"), str):
+                raise MessagesError(f"{bw}.text: expected a string")
             parts.append({"type": "text", "text": b["text"]})
         elif kind == "image" and role == "user":
             parts.append(_image_part(b, bw))
@@ -216,14 +225,19 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    _need(isinstance(tools, list), "tools: expected a list")
+    if not isinstance(tools, list):
+        raise MessagesError("tools: expected a list")
     out = []
     for i, t in enumerate(tools):
-        _need(isinstance(t, dict), f"tools.{i}: expected an object")
-        _need(t.get("type") in _CUSTOM_TOOL_TYPES,
-              f"tools.{i}.type: only custom tools (with `input_schema`) are served, not {t.get('type')!r}")
-        _need(isinstance(t.get("name"), str) and t["name"] != "", f"tools.{i}.name: expected a string")
-        _need(isinstance(t.get("input_schema"), dict), f"tools.{i}.input_schema: expected an object")
+        if not isinstance(t, dict):
+            raise MessagesError(f"tools.{i}: expected an object")
+        if t.get("type") not in _CUSTOM_TOOL_TYPES:
+            raise MessagesError(f"tools.{i}.type: only custom tools (with `input_schema`) are served, "
+                                f"not {t.get('type')!r}")
+        if not (isinstance(t.get("name"), str) and t["name"] != ""):
+            raise MessagesError(f"tools.{i}.name: expected a string")
+        if not isinstance(t.get("input_schema"), dict):
+            raise MessagesError(f"tools.{i}.input_schema: expected an object")
         fn: dict[str, Any] = {"name": t["name"], "parameters": t["input_schema"]}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
@@ -232,10 +246,12 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 
 
 def _tool_choice(choice: Any, body: dict[str, Any]) -> None:
-    _need(isinstance(choice, dict), "tool_choice: expected an object")
+    if not isinstance(choice, dict):
+        raise MessagesError("tool_choice: expected an object")
     kind = choice.get("type")
     if kind == "tool":
-        _need(isinstance(choice.get("name"), str), "tool_choice.name: expected a string")
+        if not isinstance(choice.get("name"), str):
+            raise MessagesError("tool_choice.name: expected a string")
         body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     elif kind in _TOOL_CHOICES:
         body["tool_choice"] = _TOOL_CHOICES[kind]
@@ -247,13 +263,16 @@ def _tool_choice(choice: Any, body: dict[str, Any]) -> None:
 
 def to_chat(req: Any) -> ChatRequest:
     """A Messages request body (parsed JSON) as a chat completions request; MessagesError when malformed."""
-    _need(isinstance(req, dict), "The request body must be a JSON object.")
+    if not isinstance(req, dict):
+        raise MessagesError("The request body must be a JSON object.")
     max_tokens = req.get("max_tokens")
-    _need(max_tokens is not None, "max_tokens: Field required")
-    _need(isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1,
-          "max_tokens: expected an integer of at least 1")
+    if not (max_tokens is not None):
+        raise MessagesError("max_tokens: Field required")
+    if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1):
+        raise MessagesError("max_tokens: expected an integer of at least 1")
     messages = req.get("messages")
-    _need(isinstance(messages, list) and len(messages) > 0, "messages: expected a non-empty list")
+    if not (isinstance(messages, list) and len(messages) > 0):
+        raise MessagesError("messages: expected a non-empty list")
     chat: list[dict[str, Any]] = []
     if req.get("system") is not None:
         system = _text_of_blocks(req["system"], "system")
@@ -263,20 +282,22 @@ def to_chat(req: Any) -> ChatRequest:
         chat.extend(_message(m, i))
     body: dict[str, Any] = {"messages": chat, "max_tokens": max_tokens}
     if req.get("model") is not None:
-        _need(isinstance(req["model"], str), "model: expected a string")
+        if not (isinstance(req["model"], str)):
+            raise MessagesError("model: expected a string")
         body["model"] = req["model"]
     for key in ("temperature", "top_p", "top_k"):
         value = req.get(key)
         if value is not None:
-            _need(isinstance(value, int | float) and not isinstance(value, bool), f"{key}: expected a number")
+            if not (isinstance(value, int | float) and not isinstance(value, bool)):
+                raise MessagesError(f"{key}: expected a number")
             body[key] = value
     for key in VLLM_EXTRAS:
         if key in req:
             body[key] = req[key]
     stops = req.get("stop_sequences")
     if stops is not None:
-        _need(isinstance(stops, list) and all(isinstance(s, str) for s in stops),
-              "stop_sequences: expected a list of strings")
+        if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+            raise MessagesError("stop_sequences: expected a list of strings")
         if stops:
             body["stop"] = stops
     if req.get("tools"):
@@ -284,14 +305,17 @@ def to_chat(req: Any) -> ChatRequest:
     if req.get("tool_choice") is not None:
         _tool_choice(req["tool_choice"], body)
     stream = req.get("stream")
-    _need(stream is None or isinstance(stream, bool), "stream: expected a boolean")
+    if not (stream is None or isinstance(stream, bool)):
+        raise MessagesError("stream: expected a boolean")
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     metadata = req.get("metadata")
-    _need(metadata is None or isinstance(metadata, dict), "metadata: expected an object")
+    if not (metadata is None or isinstance(metadata, dict)):
+        raise MessagesError("metadata: expected an object")
     user = (metadata or {}).get("user_id")
-    _need(user is None or isinstance(user, str), "metadata.user_id: expected a string")
+    if not (user is None or isinstance(user, str)):
+        raise MessagesError("metadata.user_id: expected a string")
     return ChatRequest(body, user or None)
 
 
