@@ -26,6 +26,8 @@ from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.dispatch import ROUTES
 from gateway.errors import GatewayError
+from gateway.messages_api import PATHS as MESSAGES_PATHS
+from gateway.messages_api import MessagesApi
 from gateway.passthrough import passthrough_router
 from gateway.responses_api import PATH as RESPONSES_PATH
 from gateway.responses_api import ResponsesFrontDoor, responses_router
@@ -44,6 +46,7 @@ class FleetgateApp:
         self.gateway = gateway
         self.api = build_api(gateway)
         self.responses = ResponsesFrontDoor(gateway)   # POST /v1/responses (gateway/responses_api.py)
+        self.messages = MessagesApi(gateway)   # Anthropic's Messages API over the chat pipeline
 
     async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001
         kind = scope["type"]
@@ -54,6 +57,9 @@ class FleetgateApp:
                 return
             if scope["path"] == RESPONSES_PATH and scope["method"] == "POST":
                 await self.responses(scope, receive, send)
+                return
+            if scope["path"] in MESSAGES_PATHS:
+                await self.messages.handle(scope, receive, send)
                 return
             await self._api(scope, receive, send)
         elif kind == "lifespan":

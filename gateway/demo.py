@@ -430,6 +430,10 @@ admin key (this run only): {admin_key}
   print()
   EOF
 
+  # Anthropic's Messages API (an agent that speaks it: ANTHROPIC_BASE_URL={base} ANTHROPIC_API_KEY=unused)
+  curl -s {base}/v1/messages -H 'Content-Type: application/json' -H 'x-api-key: unused' \
+    -d '{{"model": "{model}", "max_tokens": 32, "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
 Ctrl-C stops the gateway and the workers.
 """, flush=True)
 

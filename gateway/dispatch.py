@@ -558,7 +558,7 @@ class Dispatcher:
         does not use up a resume attempt)."""
         model = ctx.rt.model
         delivered = resume.broke(ctx.state.tokens) if resume is not None else None
-        if delivered is None or delivered.tool_calls:
+        if delivered is None or (delivered.tool_calls and delivered.finish_reason is None):
             self.metrics.count_stream_break(model, "not_resumable")
             await self.relay.end_stream(ctx.send, ctx.state, error=why)
             return RelayResult(status=200, midstream_error=why)

@@ -172,7 +172,7 @@ class GatewayMetrics:
         self.stream_breaks = Counter(
             "fleetgate_stream_breaks", "Streams whose worker failed after the client got bytes, by what happened "
             "next: resumed (continued on another worker), completed (only the end was missing), ended (an error "
-            "event: no worker or no attempt left), not_resumable (n > 1, logprobs, tool calls, ...).",
+            "event: no worker or no attempt left), not_resumable (n > 1, logprobs, structured output, ...).",
             ["model", "outcome"], registry=r)
         # Backpressure and autoscaling (gateway/autoscaler.py); every replica exports the leader's numbers.
         self.queue_wait_estimate = Gauge("fleetgate_queue_wait_estimate_seconds",

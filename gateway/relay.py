@@ -10,8 +10,10 @@ webhooks and the P/D prefill leg (gateway/pd_legs.py) use the same pool. Rules:
   cut short);
 - the client has seen the response start -> a failure ends the stream with an SSE error event and
   `data: [DONE]` (docs/reference/vllm-interface.md §2), never a hang; except for a resumable stream
-  (`StreamResume`, gateway/resume.py): the relay forwards whole events only, keeps the bytes it forwarded,
-  and leaves the stream open for the dispatcher to continue on another worker (or end with `end_stream`);
+  (`StreamResume`, gateway/resume.py): the relay forwards whole events only, keeps the bytes it forwarded
+  (tool-call events once the call is complete: a broken leg's held ones are dropped, their tokens not
+  delivered), and leaves the stream open for the dispatcher to continue on another worker (or end with
+  `end_stream`);
 - a continuation leg (`resume.legs > 0`) sends no response start: its events are rewritten into the first
   answer's identity; an answer that is not a 200 stream is an `UpstreamFailure` of kind "continuation";
 - a worker is given as long as the stall rule allows (policies/pace.py: the caller's first-token limit, from the
@@ -274,8 +276,9 @@ class Relay:
                     if rewrite is not None:
                         out = rewrite(out)
                     if note is not None:
-                        note(out)
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                        out = note(out)   # what of it goes out now (a tool call waits until complete)
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
             if not scanner.done:
                 result.midstream_error = "the worker closed the stream before [DONE]"
         except TimeoutError as e:
@@ -288,6 +291,7 @@ class Relay:
         result.usage = scanner.usage
         if result.midstream_error is not None:
             if resume is not None:
+                state.tokens -= resume.drop_held()   # a tool call held back never reached the client
                 return result  # the dispatcher continues the stream elsewhere, or ends it (end_stream)
             await send({"type": "http.response.body", "body": scanner.error_event(result.midstream_error),
                         "more_body": True})

@@ -17,9 +17,17 @@ completion tokens delivered over all legs. The relay keeps the bytes it forwarde
 no parsing on the hot path); they are parsed when a stream breaks, or folded into the text once they pass
 FOLD_BYTES (so a long stream holds its text, not ~200 bytes of event framing per token).
 
+Tool calls: a call half streamed cannot be continued exactly (vLLM's tool parser reads the model's raw output,
+which the client never saw; an assistant message can hold the text sent, not half a call), so a chat stream's
+tool-call events are held from the first one until the stream's finish (`finish_reason`), an error or [DONE],
+then forwarded together. A worker that fails while the call is held has delivered none of it: the held events
+are dropped, their tokens not counted as delivered, and the continuation asks the next worker for the turn from
+the text the client has (for most tool turns none: the request again). The client sees the call's arguments
+arrive at once at the end instead of token by token; a call that has reached the client is complete.
+
 Requests that cannot be continued this way end with the OpenAI-shaped error event as before: n > 1, logprobs,
-an echoed prompt, prompts given as token ids or several prompts, structured output (a grammar would restart),
-and tool calls already streaming.
+an echoed prompt, prompts given as token ids or several prompts, and structured output (a grammar would
+restart).
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ from policies.tokens import content_text
 EVENT_END = b"\n\n"
 FOLD_BYTES = 1 << 20  # relayed bytes kept unparsed per stream (~4,000 tokens of vLLM chat events)
 DONE = b"data: [DONE]\n\n"
+_TOOL_DELTA = b'"tool_calls":[{'
+_FINISHED = b'"finish_reason":"'   # a finish_reason that is not null
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
@@ -196,7 +206,7 @@ class StreamResume:
     answer). `tokens_before` is what the client had when the current leg started."""
 
     __slots__ = ("chat", "client_usage", "continuous_usage", "sent", "legs", "delivered", "tokens_before",
-                 "prompt_tokens", "first_token_at", "_leg_usage", "_size")
+                 "prompt_tokens", "first_token_at", "_leg_usage", "_size", "_held", "_held_tokens")
 
     def __init__(self, chat: bool, client_usage: bool, continuous_usage: bool) -> None:
         self.chat = chat
@@ -210,13 +220,46 @@ class StreamResume:
         self.first_token_at: float | None = None
         self._leg_usage: Usage | None = None
         self._size = 0
+        self._held: list[bytes] | None = None   # tool-call events not yet forwarded (None: nothing held)
+        self._held_tokens = 0
 
-    def note(self, out: bytes) -> None:
-        """The relay forwarded `out` to the client."""
+    def note(self, out: bytes) -> bytes:
+        """The relay has `out` (complete events) for the client: what of it to forward now. Tool-call events wait
+        until the call is complete (module docstring)."""
+        if self._held is not None or (self.chat and _TOOL_DELTA in out):
+            out = self._hold(out)
+            if not out:
+                return out
         self.sent.append(out)
         self._size += len(out)
         if self._size > FOLD_BYTES:
             self._fold()
+        return out
+
+    def _hold(self, out: bytes) -> bytes:
+        """Hold events from the first tool-call delta on; release them all at a finish, an error or [DONE]."""
+        ready: list[bytes] = []
+        for ev in out.split(EVENT_END):
+            if not ev:
+                continue
+            ev += EVENT_END
+            if self._held is None:
+                if _TOOL_DELTA not in ev:
+                    ready.append(ev)
+                    continue
+                self._held, self._held_tokens = [], 0
+            self._held.append(ev)
+            if _is_token(ev):
+                self._held_tokens += 1
+            if _FINISHED in ev or ev.startswith((b'data: {"error"', DONE)):
+                ready += self._held
+                self._held = None
+        return b"".join(ready)
+
+    def drop_held(self) -> int:
+        """The leg broke: forget the events held back (the client never saw them); the output tokens they held."""
+        tokens, self._held, self._held_tokens = self._held_tokens, None, 0
+        return tokens
 
     def _fold(self) -> None:
         fold_delivered(b"".join(self.sent), self.delivered)
@@ -295,6 +338,19 @@ class StreamResume:
                "usage": {"prompt_tokens": prompt, "total_tokens": prompt + self.tokens_before,
                          "completion_tokens": self.tokens_before}}
         return b"data: " + orjson.dumps(obj) + EVENT_END + DONE
+
+
+def _is_token(ev: bytes) -> bool:
+    """Whether an event counts as an output token, as the stream scanner counts them (engine_adapters/vllm/sse.py):
+    a data object with choices whose delta is neither the role preamble nor empty."""
+    if not ev.startswith(b"data: {") or b'"choices":[]' in ev:
+        return False
+    try:
+        obj = orjson.loads(ev[6:])
+    except orjson.JSONDecodeError:
+        return False
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    return bool(choices) and not _role_only(choices[0]) and bool(choices[0].get("delta"))
 
 
 def _role_only(choice: dict[str, Any]) -> bool:

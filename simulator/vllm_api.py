@@ -36,6 +36,7 @@ from simulator import tokenizer
 from simulator.driver import SLEEP_MODES, EngineDriver, RequestHandle, build_engine, claim_remote_kv
 from simulator.faults import FaultConfigError, Faults, parse_faults
 from simulator.lora import LoraError, LoraModule, check_limits, parse_lora_modules, runtime_updating_from_env
+from simulator.messages_api import messages_routes
 from simulator.profiles import Profile, load_profile, profile_from_dict
 from simulator.responses_route import responses_route
 from simulator.tool_calls import ToolCallSend, tool_call_for
@@ -322,6 +323,8 @@ class SimServer:
                 "/is_sleeping": {"GET": self._is_sleeping},
                 "/reset_prefix_cache": {"POST": self._reset_prefix_cache},
             })
+        if config.kv_events_format != "0.11":   # 0.32/0.33 serve Anthropic's Messages API (simulator/messages_api.py)
+            self._routes.update(messages_routes(self._chat, ApiError))
 
     async def start(self) -> None:
         self._closed.clear()
