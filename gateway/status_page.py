@@ -13,6 +13,9 @@ The JSON (also for scripts) says, from this replica's point of view:
                 `status.sample_s` over the last `status.history_s` (gateway/status_history.py)
     autoscale   the leader's desired / current workers per pool and its recent scale actions (when on)
     batches     the Batch API's batches with their request counts (latest first, at most 20)
+Who sees what: the admin key sees every batch and each worker's URL; an inference key (or anyone, on a gateway
+without inference keys) sees only the batches it made, as the Batches API does, and the workers without their
+URLs (internal addresses are the operator's business).
 No build step, no external assets: the page is `gateway/static/status.html`.
 """
 
@@ -26,7 +29,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from gateway.actuators import pool_label
-from gateway.auth import tenant_of_request
+from gateway.auth import Tenant, tenant_of_request
+from gateway.batch_api import owned
 from policies.types import CLASS_BATCH, CLASS_INTERACTIVE
 
 if TYPE_CHECKING:
@@ -60,7 +64,9 @@ def _cap(gw: Gateway, ws: WorkerState) -> tuple[int | None, str | None]:
     return (model.max_batch, "engine") if model is not None else (None, None)
 
 
-async def status(gw: Gateway) -> dict[str, Any]:
+async def status(gw: Gateway, viewer: Tenant | None = None) -> dict[str, Any]:
+    """The status document as `viewer` may see it: None is the admin (everything), a tenant sees its own batches
+    and no worker URL."""
     reg = gw.registry
     window_s, figures, throughput = gw.status_history.current()
     fleet = []
@@ -68,6 +74,8 @@ async def status(gw: Gateway) -> dict[str, Any]:
         d["pool"] = pool_label(ws) if ws.rec.role == "mixed" else None
         d["cap"], d["cap_source"] = _cap(gw, ws)
         d["throughput_tokens_s"] = throughput.get(ws.id)
+        if viewer is not None:
+            del d["url"]
         fleet.append(d)
     disp = gw.dispatcher
     models = []
@@ -88,7 +96,8 @@ async def status(gw: Gateway) -> dict[str, Any]:
                  "recent_actions": state.get("recent_actions", [])}
     batches: list[dict[str, Any]] = []
     if gw.config.batch.enabled:
-        docs = sorted(await gw.store.list_batches(), key=lambda d: d.get("created_at", 0), reverse=True)
+        docs = [d for d in await gw.store.list_batches() if viewer is None or owned(d, viewer)]
+        docs.sort(key=lambda d: d.get("created_at", 0), reverse=True)
         for doc in docs[:MAX_BATCHES]:
             doc = await gw.batch.with_counts(doc)
             batches.append({k: doc.get(k) for k in ("id", "status", "endpoint", "created_at", "request_counts")})
@@ -107,7 +116,8 @@ def status_router() -> APIRouter:
 
     @r.get("/ui/status.json")
     async def status_json(request: Request) -> Response:
-        tenant_of_request(request)
-        return JSONResponse(await status(request.app.state.gateway))
+        gw = request.app.state.gateway
+        admin = gw.auth.is_admin(request.headers.get("authorization"))
+        return JSONResponse(await status(gw, None if admin else tenant_of_request(request)))
 
     return r
