@@ -4,7 +4,7 @@ Every stream the gateway relays holds two descriptors: the client's connection a
 `server.max_connections` streams in flight it needs 2 x max_connections descriptors, plus headroom for the
 listening socket, Redis, health checks and metric scrapes, and log files. A soft `RLIMIT_NOFILE` below that does
 not fail loudly: accept() and connect() fail with EMFILE, uvicorn retries, and the requests wait. Measured before
-this check (issue 41): at `ulimit -n 1024`, 1,500 streams were silently queued, TTFT max 14.3 s against 9.4 s.
+this check, an outside probe measured: at `ulimit -n 1024`, 1,500 streams were silently queued, TTFT max 14.3 s against 9.4 s.
 
 So at start the gateway raises its soft limit to the hard one (an unprivileged process may; systemd and
 Kubernetes usually set a high hard limit and a low soft one), logs the limit it runs with, and warns when that

@@ -1,4 +1,4 @@
-"""What a key may see, and misconfigurations that used to pass silently (issue 41, item 5), over real HTTP on
+"""What a key may see, and misconfigurations that used to pass silently, over real HTTP on
 loopback and real `fleetgate` processes:
 
 - `/ui/status.json` shows an inference key only its own batches and no worker URL; the admin key sees all;
