@@ -42,7 +42,8 @@ DEMO_SLO_TPOT_MS = 50.0
 DEFAULT_POOLED_QUEUE_S = 30.0  # `demo --num-models`: a request may wait behind a few swaps
 DEMO_MAX_CAP = 8  # `demo --autoscale`: requests in flight per simulated worker, at most and at start (see below)
 DEMO_BURST_USERS = 32  # `demo --autoscale`: the banner's burst (fewer when --workers cannot take them warm)
-DEMO_WARM_S = 300.0  # `demo --autoscale`: the --workers fleet is kept warm until this long without traffic
+DEMO_WARM_S = 300.0  # `demo --autoscale`: the --workers fleet is kept warm this long after the arrival rate (its
+                     # window: 60 s) falls to 0
 def demo_admin_key() -> str:
     """The demo's admin key: FLEETGATE_ADMIN_KEY if set, else a new one (printed in the banner)."""
     return os.environ.get("FLEETGATE_ADMIN_KEY") or "fg-admin-" + secrets.token_urlsafe(18)
@@ -310,7 +311,7 @@ def _run_autoscale_demo(port: int, workers: int, policy: str, profile: str, mode
     users = min(DEMO_BURST_USERS, workers * DEMO_MAX_CAP)   # what the warm fleet takes while more workers start
     print(f"""
 fleetgate demo --autoscale: {workers} simulated worker(s) to start with, kept warm while traffic is recent (down to
-1 after {DEMO_WARM_S / time_scale:g} s without requests); the autoscaler adds and removes workers (cold start {cold:g} s) as
+1 about {(DEMO_WARM_S + 60) / time_scale:g} s after the last request); the autoscaler adds and removes workers (cold start {cold:g} s) as
 load comes and goes. Watch it:
 
   {base}/        (the status page: workers, pools, caps, scale actions)
