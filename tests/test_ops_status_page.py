@@ -288,3 +288,46 @@ async def test_the_history_keeps_a_bounded_number_of_samples() -> None:
             h.sample()
         assert len(h.points) == 10 and len(h.recent) == 5
         assert len(h.describe()["t"]) == 10
+
+
+async def test_every_4xx_is_counted_by_reason_with_unknown_model_names_bounded(sim_fleet) -> None:
+    """400, 401, 403, 404 (unknown model, a model the key may not use, no route) and 413 each land in the status
+    JSON's error table and in fleetgate_responses_total with their reason; unknown model names share the
+    `_unknown` label, and only the last 10 of them are kept, shown to the admin key but not to an inference key."""
+    fleet = sim_fleet(fleet={"servers": [{"model": MODEL}, {"model": "other"}]}, time_scale=50)
+    workers = [{"id": "w0", "url": fleet.urls[0], "models": [MODEL]}, {"id": "w1", "url": fleet.urls[1],
+                                                                      "models": ["other"]}]
+    cfg = {"workers": workers, "limits": {"max_body_bytes": 2048},
+           "auth": {"admin_key": ADMIN_KEY, "keys": [{"key": KEY, "models": [MODEL]}]}}
+    key, admin = {"authorization": f"Bearer {KEY}"}, {"authorization": f"Bearer {ADMIN_KEY}"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with running_gateway(**cfg) as gw, httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+        sent = [
+            await http.post("/v1/chat/completions", json=chat, headers={"authorization": "Bearer sk-nope"}),  # 401
+            await http.post("/v1/chat/completions", json={"model": MODEL}, headers=key),                   # 400
+            await http.post("/v1/chat/completions", content=b"{" + b" " * 4096 + b"}", headers=key),         # 413
+            await http.post("/v1/chat/completions", json={**chat, "model": "other"}, headers=key),          # 404
+            await http.post("/v1/chat/complete", json=chat, headers=key),                                  # 404
+            await http.post("/admin/workers", json={"id": "x", "url": "http://10.9.9.9:8000"}, headers=admin),  # 403
+            await http.post("/v1/chat/completions", json=chat, headers=key),                               # 200
+        ]
+        for i in range(12):                                                                                # 404
+            sent.append(await http.post("/v1/chat/completions", json={**chat, "model": f"typo-{i}"}, headers=key))
+        assert [r.status_code for r in sent[:7]] == [401, 400, 413, 404, 404, 403, 200], [r.text for r in sent]
+        doc = (await http.get("/ui/status.json", headers=admin)).json()
+        tenant_doc = (await http.get("/ui/status.json", headers=key)).json()
+        metrics_text = (await http.get("/metrics", headers=admin)).text
+    table = {(e["model"], e["status"], e["reason"]): e["count"] for e in doc["errors"]}
+    assert table == {("_unknown", 401, "invalid_api_key"): 1, ("_unknown", 400, "invalid_request_error"): 1,
+                     ("_unknown", 413, "request_too_large"): 1, ("other", 404, "model_not_found"): 1,
+                     ("_unknown", 404, "no_route"): 1, ("_unknown", 403, "worker_host_not_allowed"): 1,
+                     ("_unknown", 404, "model_not_found"): 12}, table
+    assert [u["model"] for u in doc["unknown_models"]] == [f"typo-{i}" for i in range(11, 1, -1)]  # the last 10
+    assert tenant_doc["unknown_models"] == []                  # other callers' typos are the admin's to see
+    (m,) = [x for x in doc["models"] if x["id"] == MODEL]
+    assert m["errors"]["4xx"] == 0 and [x for x in doc["models"] if x["id"] == "other"][0]["errors"]["4xx"] == 1
+    assert metric(metrics_text, "fleetgate_responses_total",
+                  {"model": "_unknown", "status": "404", "class": "4xx", "reason": "model_not_found"}) == 12
+    assert metric(metrics_text, "fleetgate_responses_total",
+                  {"model": "_unknown", "status": "404", "class": "4xx", "reason": "no_route"}) == 1
+    assert not [line for line in metrics_text.splitlines() if "typo-" in line]   # names never become labels
