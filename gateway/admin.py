@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from gateway import errors
 from gateway.auth import describe
 from gateway.config import GatewayConfig, WorkerConfig, describe_validation_error
+from gateway.engine_identity import engine_address
 from gateway.errors import GatewayError
 from gateway.ratelimit import limits_from
 from gateway.registry import record_from_config
@@ -114,6 +115,10 @@ def admin_router() -> APIRouter:
         if wc.id in reg.workers:
             raise GatewayError(409, f"A worker with id {wc.id!r} already exists.", "invalid_request_error",
                                "id", "worker_exists")
+        same = [ws.id for ws in reg.workers.values() if engine_address(ws.rec.url) == engine_address(wc.url)]
+        if same:   # one engine, one worker (gateway/engine_identity.py)
+            raise GatewayError(409, f"Worker {same[0]!r} already names the engine at {wc.url}.",
+                               "invalid_request_error", "url", "engine_exists")
         ws = await reg.add(record_from_config(wc, source="admin"))
         return JSONResponse(reg.describe(ws), status_code=201)
 

@@ -29,6 +29,7 @@ from gateway.errors import GatewayError
 from gateway.messages_api import PATHS as MESSAGES_PATHS
 from gateway.messages_api import MessagesApi
 from gateway.passthrough import passthrough_router
+from gateway.request_metrics import count_error_response
 from gateway.responses_api import PATH as RESPONSES_PATH
 from gateway.responses_api import ResponsesFrontDoor, responses_router
 from gateway.state.base import StateStore
@@ -111,9 +112,14 @@ def build_api(gw: Gateway) -> FastAPI:
     api = FastAPI(title="fleetgate", docs_url=None, redoc_url=None, openapi_url=None)
     api.state.gateway = gw
 
+    def counted(err: GatewayError) -> Response:
+        """An error answer of the APIs served here, counted in fleetgate_responses_total (no route included)."""
+        count_error_response(gw.metrics, err)
+        return _error_response(err)
+
     @api.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> Response:
-        return _error_response(exc)
+        return counted(exc)
 
     @api.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -123,22 +129,23 @@ def build_api(gw: Gateway) -> FastAPI:
             parts.append(f"{loc or 'body'}: {e.get('msg')}")
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return _error_response(errors.bad_request("Invalid request: " + "; ".join(parts), param))
+        return counted(errors.bad_request("Invalid request: " + "; ".join(parts), param))
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        code = None
         if exc.status_code == 404:
-            message = f"No route {request.method} {request.url.path}."
+            message, code = f"No route {request.method} {request.url.path}.", "no_route"
         elif exc.status_code == 405:
-            message = f"Method {request.method} is not allowed on {request.url.path}."
-        return _error_response(GatewayError(exc.status_code, message, kind))
+            message, code = f"Method {request.method} is not allowed on {request.url.path}.", "method_not_allowed"
+        return counted(GatewayError(exc.status_code, message, kind, None, code))
 
     @api.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-        return _error_response(errors.internal_error())
+        return counted(errors.internal_error())
 
     @api.get("/health")
     async def health() -> dict[str, str]:
@@ -173,7 +180,8 @@ def build_api(gw: Gateway) -> FastAPI:
     @api.api_route("/v1/chat/completions", methods=["GET", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     @api.api_route("/v1/completions", methods=["GET", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def wrong_method(request: Request) -> Response:
-        return _error_response(GatewayError(405, f"Use POST for {request.url.path}.", "invalid_request_error"))
+        return counted(GatewayError(405, f"Use POST for {request.url.path}.", "invalid_request_error", None,
+                                    "method_not_allowed"))
 
     api.include_router(admin_router())
     api.include_router(batch_router())

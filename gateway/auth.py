@@ -184,6 +184,10 @@ class Authenticator:
         if not self._matches(auth_header, self._admin):
             raise errors.unauthorized("The admin API needs `Authorization: Bearer <admin key>`.")
 
+    def is_admin(self, auth_header: str | None) -> bool:
+        """The header carries the admin key (False while the admin API is off)."""
+        return self._admin is not None and self._matches(auth_header, self._admin)
+
     def check_metrics(self, auth_header: str | None) -> None:
         if not self.metrics_auth:
             return

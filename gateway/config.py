@@ -1257,7 +1257,7 @@ def semantic_problems(cfg: GatewayConfig) -> list[str]:
     from policies.base import make_policy, policy_names
 
     problems: list[str] = (key_problems(cfg) + deployment_problems(cfg) + replan_problems(cfg)
-                           + discovery_problems(cfg) + alias_problems(cfg))
+                           + discovery_problems(cfg) + alias_problems(cfg) + engine_problems(cfg))
     try:
         known = policy_names()
     except ImportError as e:  # the policy package is incomplete; report, don't crash
@@ -1311,6 +1311,16 @@ def alias_problems(cfg: GatewayConfig) -> list[str]:
                     problems.append(f"models.{model}.{key}[{j}]: unknown model {other!r} (name it under `models` "
                                     "or in a worker's `models`)")
     return problems
+
+
+def engine_problems(cfg: GatewayConfig) -> list[str]:
+    """No engine listed twice (gateway/engine_identity.py)."""
+    from gateway.engine_identity import duplicate_engine_problems
+
+    entries = [(f"workers[{i}]", w.id, w.url) for i, w in enumerate(cfg.workers)]
+    entries += [(f"shared_hosts[{i}].engines.{m}", h.worker_id(m), h.engine(m).url)
+                for i, h in enumerate(cfg.shared_hosts) for m in h.engines]
+    return duplicate_engine_problems(entries)
 
 
 def discovery_problems(cfg: GatewayConfig) -> list[str]:

@@ -40,7 +40,10 @@ READY_TIMEOUT_S = 60.0
 DEMO_SLO_TTFT_MS = 1000.0
 DEMO_SLO_TPOT_MS = 50.0
 DEFAULT_POOLED_QUEUE_S = 30.0  # `demo --num-models`: a request may wait behind a few swaps
-DEMO_START_CAP, DEMO_MAX_CAP = 4, 8  # `demo --autoscale`: requests in flight per simulated worker (see below)
+DEMO_MAX_CAP = 8  # `demo --autoscale`: requests in flight per simulated worker, at most and at start (see below)
+DEMO_BURST_USERS = 32  # `demo --autoscale`: the banner's burst (fewer when --workers cannot take them warm)
+DEMO_WARM_S = 300.0  # `demo --autoscale`: the --workers fleet is kept warm this long after the arrival rate (its
+                     # window: 60 s) falls to 0
 def demo_admin_key() -> str:
     """The demo's admin key: FLEETGATE_ADMIN_KEY if set, else a new one (printed in the banner)."""
     return os.environ.get("FLEETGATE_ADMIN_KEY") or "fg-admin-" + secrets.token_urlsafe(18)
@@ -260,6 +263,14 @@ def autoscale_demo_settings(workers: int, profile: str, model: str, time_scale: 
     64 in flight: the cap went 16 -> 32 -> 64, interactive backpressure (in flight / cap) fell to ~0.2, below
     theta - delta = 0.4, and the scaler scaled in ("ibp_low") in the middle of the burst it should answer.
     With at most DEMO_MAX_CAP requests per worker, 32 users are 32 / 8 / theta = 8 workers' worth of load.
+
+    The burst the banner suggests must not fail (0 errors, without counting on client retries): a new worker
+    takes a 30 s cold start, far longer than the 1 s TTFT target a queued request may wait, so the burst has to
+    land on warm workers while the scale-out it causes is under way. So the caps start at DEMO_MAX_CAP (starting
+    at 4, half of the first requests queued past their TTFT target while the caps grew: 12 of 627 requests of a
+    25 s burst got 429s), and the --workers fleet is kept warm while traffic is recent (`warm_min_interactive`, `warm_s`:
+    DEMO_WARM_S without arrivals; before, an idle demo shrank to 1 worker within 13 s of its start, and the burst
+    then met one worker and a cold start: 8 users of 32 out of retries, the banner's script dead after 17 s).
     """
     k = time_scale
     cold = 30.0 / k
@@ -267,12 +278,13 @@ def autoscale_demo_settings(workers: int, profile: str, model: str, time_scale: 
     return {
         "enabled": True, "interval_s": 1.0, "local_interval_s": 1.0, "drain_timeout_s": 30.0,
         "rate_window_s": 60.0 / k, "throughput_window_s": 60.0 / k,
-        "itl_slo_ms": slo["tpot_ms"], "local": {"initial_cap": DEMO_START_CAP, "max_cap": DEMO_MAX_CAP},
+        "itl_slo_ms": slo["tpot_ms"], "local": {"initial_cap": DEMO_MAX_CAP, "max_cap": DEMO_MAX_CAP},
         # Like the engines, the scaler's clocks run --time-scale times faster (model seconds / K).
         "scaler": {"min_interactive": 1, "max_interactive": max_workers, "max_batch": 4, "max_step_in": 2,
                    "cooldown_out_s": 2.0 / k, "cooldown_in_s": 10.0 / k, "stabilization_s": 30.0 / k,
                    "cold_start_s": cold, "batch_settle_s": 10.0 / k, "batch_cooldown_s": 15.0 / k,
-                   "deadline_margin_s": 10.0 / k, "burst_hold_s": 600.0 / k},
+                   "deadline_margin_s": 10.0 / k, "burst_hold_s": 600.0 / k,
+                   "warm_min_interactive": workers, "warm_s": DEMO_WARM_S / k},
         "actuator": {"kind": "sim", "sim": {"profile": profile, "model": model, "time_scale": time_scale,
                                             "cold_start_s": cold, "initial": {"mixed": workers},
                                             "base_port": base_port}}}
@@ -296,9 +308,11 @@ def _run_autoscale_demo(port: int, workers: int, policy: str, profile: str, mode
     except ConfigError as e:
         _fail("; ".join(e.problems))
     base = f"http://127.0.0.1:{port}" if port else "http://127.0.0.1:<port printed below>"
+    users = min(DEMO_BURST_USERS, workers * DEMO_MAX_CAP)   # what the warm fleet takes while more workers start
     print(f"""
-fleetgate demo --autoscale: {workers} simulated worker(s) to start with; the autoscaler adds and removes
-workers (cold start {cold:g} s) as load comes and goes. Watch it:
+fleetgate demo --autoscale: {workers} simulated worker(s) to start with, kept warm while traffic is recent (down to
+1 about {(DEMO_WARM_S + 60) / time_scale:g} s after the last request); the autoscaler adds and removes workers (cold start {cold:g} s) as
+load comes and goes. Watch it:
 
   {base}/        (the status page: workers, pools, caps, scale actions)
   watch -n1 "curl -s {base}/metrics | grep -E '^fleetgate_(desired|current)_workers|^fleetgate_backpressure'"
@@ -308,7 +322,7 @@ The workers through the admin API (admin key of this run only: {admin_key}):
 
   curl -s {base}/admin/workers -H 'Authorization: Bearer {admin_key}'
 
-Make a one-minute burst of 32 concurrent users, then watch the fleet drain and shrink after it:
+Make a one-minute burst of {users} concurrent users, then watch the fleet drain and shrink after it:
 
   python - <<'EOF'
   import asyncio, time
@@ -320,7 +334,7 @@ Make a one-minute burst of 32 concurrent users, then watch the fleet drain and s
                                                messages=[{{"role": "user", "content": "Hello!"}}])
   async def main():
       end = time.time() + 60
-      await asyncio.gather(*(user(end) for _ in range(32)))
+      await asyncio.gather(*(user(end) for _ in range({users})))
   asyncio.run(main())
   EOF
 

@@ -232,7 +232,6 @@ class Dispatcher:
                 watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, state, gone))
                 req = parse_request(raw, route)
                 model, changed = self._resolve_model(req)
-                client_headers.append((SERVED_MODEL, model.encode()))
                 rt = self.runtime(model)
                 model_label, policy_label = model, rt.policy_name
                 shaped = self.adapter.shape_request(raw, req.body, req.stream, changed)
@@ -242,6 +241,7 @@ class Dispatcher:
                                                  hdrs.forward, self.forwarded_for.line(scope, hdrs.xff)))
                 ctx.hdrs, ctx.tenant, ctx.models = hdrs, tenant, [model]
                 self.hooks.arrived(ctx)   # the service order, the caller's rate-limit ticket: may refuse it
+                client_headers.append((SERVED_MODEL, model.encode()))  # only once the key may use the model
                 try:
                     result = await self._run(ctx)
                 finally:   # the serving model counts the request (another one when it fell back)

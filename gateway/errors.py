@@ -62,12 +62,19 @@ def context_too_long(message: str) -> ContextTooLong:
     return ContextTooLong(400, message, "invalid_request_error")
 
 
-def model_not_found(model: str, served: list[str]) -> GatewayError:
+class ModelNotFound(GatewayError):
+    """404 model_not_found; `model` is the name the client sent (the status page lists unknown ones)."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__(404, message, "invalid_request_error", "model", "model_not_found")
+        self.model = model
+
+
+def model_not_found(model: str, served: list[str]) -> ModelNotFound:
     names = ", ".join(served) if served else "(none yet)"
-    return GatewayError(
-        404, f"The model `{model}` does not exist. Models served: {names}.",
-        "invalid_request_error", "model", "model_not_found",
-    )
+    return ModelNotFound(model, f"The model `{model}` does not exist. Models served: {names}.")
 
 
 def body_too_large(limit: int) -> GatewayError:

@@ -42,6 +42,7 @@ ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+RECENT_UNKNOWN = 10  # unknown model names kept for the status page
 FLUSH_EVERY = 512  # buffered observations per series before they are added without waiting for a scrape
 
 
@@ -102,6 +103,26 @@ class _CounterBuffer:
             self.child.inc(n)
 
 
+class RecentNames:
+    """The last `size` model names clients asked for that the gateway does not serve, with how often and when
+    (the status page lists them; the metrics count them all under one label, so their number is bounded)."""
+
+    def __init__(self, size: int = RECENT_UNKNOWN, max_len: int = 128) -> None:
+        self.size, self.max_len = size, max_len
+        self._names: dict[str, tuple[int, float]] = {}   # name -> (count, last seen, unix time); oldest first
+
+    def add(self, name: str, now: float) -> None:
+        name = name[: self.max_len]
+        count, _ = self._names.pop(name, (0, 0.0))
+        self._names[name] = (count + 1, now)
+        while len(self._names) > self.size:
+            del self._names[next(iter(self._names))]
+
+    def describe(self) -> list[dict[str, object]]:
+        """Latest first."""
+        return [{"model": n, "count": c, "last_seen": t} for n, (c, t) in reversed(self._names.items())]
+
+
 class _Flusher:
     """Registered first, so collecting the registry adds every buffered observation before any series is read."""
 
@@ -121,9 +142,18 @@ class GatewayMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self._histograms: dict[tuple[int, str], _HistogramBuffer] = {}
         self._counters: dict[tuple[str, str, int], _CounterBuffer] = {}
+        self._responses: dict[tuple[str, int, str], _CounterBuffer] = {}
+        self.unknown_models = RecentNames()
         r.register(_Flusher(self))
         self.requests = Counter("fleetgate_requests", "Requests answered, by model, policy and HTTP status.",
                                 ["model", "policy", "status"], registry=r)
+        self.responses = Counter(
+            "fleetgate_responses", "Answers by model, HTTP status, its class (2xx, 4xx, 5xx) and reason: the error "
+            "code the client got (model_not_found, invalid_api_key, rate_limit_exceeded, capacity_exceeded, "
+            "request_too_large, no_route, ...), `worker` for a worker's own status relayed, `client_gone` (499), "
+            "`stream_broken`, `ok`. Also the gateway's answers outside the proxy routes (no route, other APIs' "
+            "errors). A model the gateway does not serve is `_unknown`.", ["model", "status", "class", "reason"],
+            registry=r)
         self.duration = Histogram("fleetgate_request_duration_seconds",
                                   "Time from request arrival to the last byte sent.", ["model"],
                                   buckets=E2E_BUCKETS, registry=r)
@@ -216,7 +246,7 @@ class GatewayMetrics:
 
     def flush(self) -> None:
         """Add every buffered observation to its series (runs when the registry is collected)."""
-        for buf in [*self._histograms.values(), *self._counters.values()]:
+        for buf in [*self._histograms.values(), *self._counters.values(), *self._responses.values()]:
             buf.flush()
 
     def count_request(self, model: str, policy: str, status: int) -> None:
@@ -225,6 +255,18 @@ class GatewayMetrics:
         if buf is None:
             buf = self._counters[key] = _CounterBuffer(self._child(self.requests, model, policy, str(status)))
         buf.add()
+
+    def count_response(self, model: str, status: int, reason: str) -> None:
+        key = (model, status, reason)
+        buf = self._responses.get(key)
+        if buf is None:
+            child = self._child(self.responses, model, str(status), f"{status // 100}xx", reason)
+            buf = self._responses[key] = _CounterBuffer(child)
+        buf.add()
+
+    def responses_by_reason(self) -> dict[tuple[str, int, str], float]:
+        """Answers so far per (model, HTTP status, reason) (the status page's error table)."""
+        return {k: buf.child._value.get() + buf.n for k, buf in self._responses.items()}  # noqa: SLF001
 
     def requests_by_model(self) -> dict[str, float]:
         """Requests answered so far per model, any status (what the re-planner reads as arrivals)."""

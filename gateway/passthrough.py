@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from gateway import errors
 from gateway.auth import tenant_of_request
 from gateway.request import new_request_id, parse_json_object
+from gateway.request_metrics import response_reason
 from gateway.upstream import ClientConnectorError, encode_headers
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ async def forward(gw: Gateway, request: Request, path: str) -> Response:
     if status >= 400:
         payload = gw.adapter.openai_error(status, payload)
     gw.metrics.count_request(model, POLICY_LABEL, status)
+    gw.metrics.count_response(model, status, response_reason(status, None))
     return Response(payload, status_code=status, media_type=ctype, headers={"x-request-id": rid})
 
 

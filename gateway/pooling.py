@@ -101,7 +101,9 @@ class SwapController:
         self.planner = RequestLevelSwaps()
         self.upstream: UpstreamPool | None = None
         self.switching: set[str] = set()
-        self.waking: set[str] = set()               # worker ids a swap under way wakes (they count as awake)
+        # worker ids a swap under way wakes (they count as awake) -> when it should be done (monotonic): the swap
+        # started then plus its cost, what a request arriving meanwhile still has to wait (`wake_s`)
+        self.waking: dict[str, float] = {}
         self.failed_until: dict[str, float] = {}    # worker id -> monotonic time its failed wake-up is forgotten
         self.last_busy: dict[str, float] = {}       # worker id -> when it was last seen with requests in flight
         self.swaps = 0
@@ -273,26 +275,42 @@ class SwapController:
         return False
 
     def wake_s(self, model: str) -> float:
-        """How long before an engine of `model` can run: 0 when one is awake (or waking, or the model is not on a
-        request-level shared host), else the quickest swap over the hosts that could wake it: the model's
-        `load_s`, plus the largest `offload_s` of the host's other awake engines when it has no room (one of them
-        sleeps first). What a waiting request adds to its TTFT target (policies/admission.py `queue_budget`)."""
+        """How long before an engine of `model` can run: 0 when one is awake (or the model is not on a
+        request-level shared host); what is left of the swap when one is waking it; else the quickest swap over
+        the hosts that could wake it: the model's `load_s`, plus the largest `offload_s` of the host's other awake
+        engines when it has no room (one of them sleeps first), after what is left of a swap already under way on
+        that host (its swaps run one at a time). What a waiting request adds to its TTFT target
+        (policies/admission.py `queue_budget`): a request that waits for its model to wake waits, it is not
+        refused for the swap's time."""
         if not self.handles(model):
             return 0.0
+        now = time.monotonic()
+        busy_until = {h: max(self.waking.get(self.worker_id(h, m), now) for m in host.engines)
+                      for h, host in self.hosts.items()}
         best = None
         for hid, view in self.views().items():
             e = view.engines.get(model)
             if e is None:
                 continue
             if e.awake:
-                return 0.0
-            if not e.usable:
+                ready = self.waking.get(self.worker_id(hid, model))
+                if ready is None:
+                    return 0.0
+                s = max(0.0, ready - now)
+            elif not e.usable:
                 continue
-            costs = self.costs[hid]
-            out = [costs[m].offload_s for m, o in view.engines.items() if o.awake and m != model]
-            s = costs[model].load_s + (max(out) if out and view.awake_count() >= view.max_awake else 0.0)
+            else:
+                costs = self.costs[hid]
+                out = [costs[m].offload_s for m, o in view.engines.items() if o.awake and m != model]
+                s = (busy_until[hid] - now + costs[model].load_s
+                     + (max(out) if out and view.awake_count() >= view.max_awake else 0.0))
             best = s if best is None else min(best, s)
         return best or 0.0
+
+    def _step_s(self, step: SwapStep) -> float:
+        """The expected time of a swap: the victims' offload, then the wanted engine's load."""
+        costs = self.costs[step.host]
+        return sum(costs[m].offload_s for m in step.sleep) + costs[step.wake].load_s
 
     def demand(self, model: str) -> None:
         """Requests for `model` wait with none of its engines awake: plan a swap (now and until it is met)."""
@@ -322,7 +340,7 @@ class SwapController:
         for step in steps:
             self.switching.add(step.host)
             # the model counts as awake there from now: its demand is met, no other host swaps for it meanwhile
-            self.waking.add(self.worker_id(step.host, step.wake))
+            self.waking[self.worker_id(step.host, step.wake)] = now + self._step_s(step)
             t = asyncio.get_running_loop().create_task(self._swap(step), name=f"fg-swap-{step.host}")
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
@@ -373,7 +391,7 @@ class SwapController:
         except Exception:  # noqa: BLE001
             log.exception("swap on %s failed", host.id)
         finally:
-            self.waking.discard(host.worker_id(step.wake))
+            self.waking.pop(host.worker_id(step.wake), None)
             self.driving.discard(host.id)
             if held:
                 with contextlib.suppress(Exception):

@@ -84,9 +84,16 @@ class WorkerState:
         return not self.held and self.metrics.sleep_state == AWAKE
 
     def view(self, inflight: int, inflight_tokens: int) -> WorkerView:
+        """What the policies see. `running` is the engine's scraped count, up to one scrape old: the requests
+        sent since count as running unless that scrape said the engine queues (`waiting`). Taken as it was
+        scraped, a burst onto idle workers found room (policies/autoscale/routing.py `has_room`: in flight <=
+        running) for about one request per worker per scrape, and the rest waited at the gateway past their TTFT
+        target (`fleetgate demo --autoscale`: 25 of 615 requests of its burst refused on warm workers). The
+        simulator reads the engine's live count instead."""
         m = self.metrics
         r = self.rec
-        return WorkerView(r.id, r.role, inflight, inflight_tokens, r.cap, int(m.running), int(m.waiting),
+        running = max(int(m.running), inflight - int(m.waiting))
+        return WorkerView(r.id, r.role, inflight, inflight_tokens, r.cap, running, int(m.waiting),
                           m.kv_usage, r.profile, self.weight, r.labels)
 
 

@@ -1,6 +1,8 @@
 """Every proxied request counted, as a request hook (gateway/hooks.py `finished`): its status per model and policy,
+its status and reason (`response_reason`: what the status page's error table and fleetgate_responses_total show),
 its duration, and for an answered request its time to first token and time per output token
-(gateway/metrics.py series)."""
+(gateway/metrics.py series). A model name the gateway does not serve is counted under `_unknown` and kept among
+the last few unknown names (bounded: a client cannot grow the label set)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,36 @@ import time
 from typing import TYPE_CHECKING
 
 from gateway.context import UNKNOWN_MODEL_LABEL
+from gateway.errors import GatewayError, ModelNotFound
 from gateway.hooks import RequestHook
 
 if TYPE_CHECKING:
     from gateway.context import Outcome, RequestContext
     from gateway.metrics import GatewayMetrics
+
+STATUS_CLIENT_GONE = 499   # Outcome.status of a client that left (gateway/dispatch.py, which imports this module)
+REASON_OK, REASON_WORKER, REASON_CLIENT_GONE, REASON_BROKEN = "ok", "worker", "client_gone", "stream_broken"
+
+
+def response_reason(status: int, error: GatewayError | None, broken: bool = False) -> str:
+    """Why an answer had its status, as a short bounded label: the gateway's error code (or type) when it
+    refused or failed the request itself, `worker` for a worker's own answer relayed, `client_gone`,
+    `stream_broken` (a stream that ended with an error event), `ok` below 400."""
+    if status == STATUS_CLIENT_GONE:
+        return REASON_CLIENT_GONE
+    if error is not None:
+        return error.code or error.type
+    if broken:
+        return REASON_BROKEN
+    return REASON_OK if status < 400 else REASON_WORKER
+
+
+def count_error_response(metrics: GatewayMetrics, error: GatewayError, model: str = UNKNOWN_MODEL_LABEL) -> None:
+    """An error answered outside the proxy pipeline (no route, the other APIs): fleetgate_responses_total and
+    the unknown model names."""
+    metrics.count_response(model, error.status, response_reason(error.status, error))
+    if isinstance(error, ModelNotFound) and model == UNKNOWN_MODEL_LABEL:
+        metrics.unknown_models.add(error.model, time.time())
 
 
 class RequestMetrics(RequestHook):
@@ -29,5 +56,11 @@ class RequestMetrics(RequestHook):
             if n > 1 and result.last_token_at is not None:
                 m.observe_tpot(model, (result.last_token_at - result.first_token_at) / (n - 1))
         m.count_request(model, outcome.policy, outcome.status)
+        error = outcome.error
+        if error is not None:
+            count_error_response(m, error, model)
+        else:
+            broken = result is not None and result.midstream_error is not None
+            m.count_response(model, outcome.status, response_reason(outcome.status, None, broken))
         if model != UNKNOWN_MODEL_LABEL:
             m.observe_duration(model, time.perf_counter() - ctx.t0)

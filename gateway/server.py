@@ -26,6 +26,7 @@ from gateway.app import FleetgateApp, create_app
 from gateway.client_limits import ClientLimits, protocol_factory
 from gateway.config import ConfigError, GatewayConfig, check_worker_url, load_config
 from gateway.core import Gateway
+from gateway.fd_limit import check_fd_limit
 from gateway.logs import setup_logging_from
 from gateway.state.base import StateStore
 
@@ -132,6 +133,7 @@ async def start_gateway(gateway: Gateway) -> None:
 
 async def serve(config: GatewayConfig) -> None:
     """Serve until SIGINT/SIGTERM; print the listening line once ready."""
+    check_fd_limit(config.server.max_connections)
     sock = bind_socket(config.listen.host, config.listen.port)
     host, port = sock.getsockname()[:2]
     app = create_app(config)

@@ -16,7 +16,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.dispatch import STATUS_CLIENT_GONE
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleetgate.status")
 
 MODEL_KEYS = ("request_rate", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "errors_429",
-              "errors_5xx", "client_gone", "queue")
+              "errors_5xx", "client_gone", "queue", "errors_4xx")
 WORKER_KEYS = ("throughput_tokens_s", "inflight")
 
 
@@ -44,6 +44,7 @@ class Totals:
     ttft: dict[str, tuple[float, ...]]          # model -> observations per TTFT bucket
     tpot: dict[str, tuple[float, ...]]
     tokens: dict[str, tuple[float, float]]      # worker -> (engine's generated tokens, its scrape time)
+    responses: dict[tuple[str, int, str], float] = field(default_factory=dict)  # (model, status, reason) -> answers
 
 
 @dataclass(slots=True)
@@ -103,7 +104,20 @@ def model_figures(new: Totals, old: Totals, model: str) -> dict[str, float | Non
         "errors_429": int(by_status.get(429, 0)),
         "errors_5xx": int(sum(n for s, n in by_status.items() if 500 <= s < 600)),
         "client_gone": int(by_status.get(STATUS_CLIENT_GONE, 0)),
+        "errors_4xx": int(sum(n - old.responses.get((m, status, reason), 0.0)
+                              for (m, status, reason), n in new.responses.items()
+                              if m == model and 400 <= status < 500 and status not in (429, STATUS_CLIENT_GONE))),
     }
+
+
+def error_table(new: Totals, old: Totals) -> list[dict[str, Any]]:
+    """Every error answered between two Totals, per (model, status, reason), most frequent first."""
+    rows = []
+    for (model, status, reason), n in new.responses.items():
+        count = int(n - old.responses.get((model, status, reason), 0.0))
+        if status >= 400 and count > 0:
+            rows.append({"model": model, "status": status, "reason": reason, "count": count})
+    return sorted(rows, key=lambda r: (-r["count"], r["status"], r["model"], r["reason"]))
 
 
 def worker_throughput(new: Totals, old: Totals, worker: str) -> float | None:
@@ -134,7 +148,8 @@ class StatusHistory:
         tokens = {ws.id: (ws.metrics.generation_tokens, ws.metrics.scraped_at)
                   for ws in self.registry.workers.values() if ws.metrics.scraped_at > 0}
         return Totals(t=time.time(), mono=time.monotonic(), requests=m.requests_by_status(),
-                      ttft=m.bucket_counts(m.ttft), tpot=m.bucket_counts(m.tpot), tokens=tokens)
+                      ttft=m.bucket_counts(m.ttft), tpot=m.bucket_counts(m.tpot), tokens=tokens,
+                      responses=m.responses_by_reason())
 
     def sample(self) -> None:
         """Take one sample: a history point against the previous one (none for the very first)."""
@@ -143,7 +158,7 @@ class StatusHistory:
             prev = self.recent[-1]
             queues = self.queue_depth()
             inflight = self.registry.store.inflight()
-            models = {m for m, _ in now.requests} | set(now.ttft) | set(queues)
+            models = {m for m, _ in now.requests} | {m for m, _, _ in now.responses} | set(now.ttft) | set(queues)
             point_models = {}
             for model in sorted(models):
                 f = model_figures(now, prev, model)
@@ -158,15 +173,21 @@ class StatusHistory:
 
     def current(self) -> tuple[float, dict[str, dict[str, float | None]], dict[str, float | None]]:
         """(seconds covered, per-model figures, per-worker tokens/s) from the oldest recent sample to now."""
+        window_s, figures, throughput, _ = self.current_with_errors()
+        return window_s, figures, throughput
+
+    def current_with_errors(self) -> tuple[float, dict[str, dict[str, float | None]], dict[str, float | None],
+                                           list[dict[str, Any]]]:
+        """current(), and the errors over the same window (error_table)."""
         now = self.totals()
         old = self.recent[0] if self.recent else now
-        models = {m for m, _ in now.requests} | set(now.ttft)
+        models = {m for m, _ in now.requests} | {m for m, _, _ in now.responses} | set(now.ttft)
         figures = {m: model_figures(now, old, m) for m in models}
         throughput = {}
         for w in self.registry.workers:  # from the oldest sample that saw the worker scraped
             seen = next((t for t in self.recent if w in t.tokens), None)
             throughput[w] = worker_throughput(now, seen, w) if seen is not None else None
-        return round(now.mono - old.mono, 3), figures, throughput
+        return round(now.mono - old.mono, 3), figures, throughput, error_table(now, old)
 
     def describe(self) -> dict[str, Any]:
         """The ring buffer, one list per series (oldest first; None where there was nothing to measure)."""

@@ -7,12 +7,21 @@ The JSON (also for scripts) says, from this replica's point of view:
                 (last scrape), output tokens per second over the window (`throughput_tokens_s`), models
     models      per served model: policy, workers in rotation, admission queue depth, over the last `window_s`
                 the request rate (`request_rate`, requests/s, any status), TTFT and TPOT p50 / p99
-                (`ttft_p50_ms`, `ttft_p99_ms`, `tpot_p50_ms`, `tpot_p99_ms`) and `errors` (429, 5xx and
-                client_gone counts); SLO attainment per class over the SLO window, judged requests (met / missed)
+                (`ttft_p50_ms`, `ttft_p99_ms`, `tpot_p50_ms`, `tpot_p99_ms`) and `errors` (counts: `4xx` other
+                than 429 and client gone, `429`, `5xx`, `client_gone`); SLO attainment per class over the SLO
+                window, judged requests (met / missed)
+    errors      every error answered over the window, per model, status and reason (the error code the client
+                got: model_not_found, invalid_api_key, no_route, rate_limit_exceeded, capacity_exceeded, ...;
+                `worker` for a worker's own status relayed), most frequent first; `_unknown` is a request that
+                named no served model (or no route)
+    unknown_models  the last 10 model names clients sent that the gateway does not serve, with counts
     history     the same per-model numbers and each worker's throughput and in flight, one point per
                 `status.sample_s` over the last `status.history_s` (gateway/status_history.py)
     autoscale   the leader's desired / current workers per pool and its recent scale actions (when on)
     batches     the Batch API's batches with their request counts (latest first, at most 20)
+Who sees what: the admin key sees every batch and each worker's URL; an inference key (or anyone, on a gateway
+without inference keys) sees only the batches it made, as the Batches API does, and the workers without their
+URLs (internal addresses are the operator's business).
 No build step, no external assets: the page is `gateway/static/status.html`.
 """
 
@@ -26,7 +35,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from gateway.actuators import pool_label
-from gateway.auth import tenant_of_request
+from gateway.auth import Tenant, tenant_of_request
+from gateway.batch_api import owned
 from policies.types import CLASS_BATCH, CLASS_INTERACTIVE
 
 if TYPE_CHECKING:
@@ -60,14 +70,18 @@ def _cap(gw: Gateway, ws: WorkerState) -> tuple[int | None, str | None]:
     return (model.max_batch, "engine") if model is not None else (None, None)
 
 
-async def status(gw: Gateway) -> dict[str, Any]:
+async def status(gw: Gateway, viewer: Tenant | None = None) -> dict[str, Any]:
+    """The status document as `viewer` may see it: None is the admin (everything), a tenant sees its own batches
+    and no worker URL."""
     reg = gw.registry
-    window_s, figures, throughput = gw.status_history.current()
+    window_s, figures, throughput, error_rows = gw.status_history.current_with_errors()
     fleet = []
     for d, ws in zip(reg.describe_all(), sorted(reg.workers.values(), key=lambda w: w.id), strict=True):
         d["pool"] = pool_label(ws) if ws.rec.role == "mixed" else None
         d["cap"], d["cap_source"] = _cap(gw, ws)
         d["throughput_tokens_s"] = throughput.get(ws.id)
+        if viewer is not None:
+            del d["url"]
         fleet.append(d)
     disp = gw.dispatcher
     models = []
@@ -79,8 +93,8 @@ async def status(gw: Gateway) -> dict[str, Any]:
                        "queue": len(rt.queue) if rt is not None else 0,
                        "request_rate": f.get("request_rate", 0.0),
                        **{k: f.get(k) for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")},
-                       "errors": {"429": f.get("errors_429", 0), "5xx": f.get("errors_5xx", 0),
-                                  "client_gone": f.get("client_gone", 0)},
+                       "errors": {"4xx": f.get("errors_4xx", 0), "429": f.get("errors_429", 0),
+                                  "5xx": f.get("errors_5xx", 0), "client_gone": f.get("client_gone", 0)},
                        "slo": _slo(gw, m)})
     state = gw.autoscaler.state if gw.config.autoscale.enabled else {}
     autoscale = {"enabled": gw.config.autoscale.enabled, "leader": state.get("leader"),
@@ -88,12 +102,16 @@ async def status(gw: Gateway) -> dict[str, Any]:
                  "recent_actions": state.get("recent_actions", [])}
     batches: list[dict[str, Any]] = []
     if gw.config.batch.enabled:
-        docs = sorted(await gw.store.list_batches(), key=lambda d: d.get("created_at", 0), reverse=True)
+        docs = [d for d in await gw.store.list_batches() if viewer is None or owned(d, viewer)]
+        docs.sort(key=lambda d: d.get("created_at", 0), reverse=True)
         for doc in docs[:MAX_BATCHES]:
             doc = await gw.batch.with_counts(doc)
             batches.append({k: doc.get(k) for k in ("id", "status", "endpoint", "created_at", "request_counts")})
+    # The names clients sent that no model answers to: the admin's to see (on an open gateway, anyone's).
+    unknown = gw.metrics.unknown_models.describe() if viewer is None or gw.auth.open else []
     return {"time": time.time(), "replica": gw.store.replica_id, "window_s": window_s, "fleet": fleet,
-            "models": models, "history": gw.status_history.describe(), "autoscale": autoscale, "batches": batches,
+            "models": models, "errors": error_rows, "unknown_models": unknown,
+            "history": gw.status_history.describe(), "autoscale": autoscale, "batches": batches,
             "shared_hosts": gw.pooling.describe() if gw.pooling.enabled else []}
 
 
@@ -105,9 +123,15 @@ def status_router() -> APIRouter:
     async def page() -> Response:
         return HTMLResponse(_page(), headers={"cache-control": "no-cache"})
 
+    @r.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        """Browsers ask for it with the page: an empty answer, not a 404 counted among the errors."""
+        return Response(status_code=204)
+
     @r.get("/ui/status.json")
     async def status_json(request: Request) -> Response:
-        tenant_of_request(request)
-        return JSONResponse(await status(request.app.state.gateway))
+        gw = request.app.state.gateway
+        admin = gw.auth.is_admin(request.headers.get("authorization"))
+        return JSONResponse(await status(gw, None if admin else tenant_of_request(request)))
 
     return r

@@ -21,11 +21,12 @@ if TYPE_CHECKING:
 
 
 def open_ticket(store: StateStore, tenant: Tenant, feats: RequestFeatures,
-                client_headers: list[tuple[bytes, bytes]]) -> Ticket | None:
+                client_headers: list[tuple[bytes, bytes]], requested: str | None = None) -> Ticket | None:
     """Check the key may use the model; for a limited key register the request's ticket with the store (no
-    I/O: its first reservation charges it). None for keys without limits."""
+    I/O: its first reservation charges it). None for keys without limits. A refusal names the model as the
+    client asked for it (`requested`), never the alias's or adapter's target the key may not see."""
     if not tenant.may_use(feats.model):
-        raise errors.model_not_found(feats.model, sorted(tenant.models))
+        raise errors.model_not_found(requested or feats.model, sorted(tenant.models))
     lim = tenant.limits
     if lim is None:
         return None
@@ -54,7 +55,7 @@ class Tickets(RequestHook):
         self.store = store
 
     def arrived(self, ctx: RequestContext) -> None:
-        ctx.ticket = open_ticket(self.store, ctx.tenant, ctx.feats, ctx.client_headers)
+        ctx.ticket = open_ticket(self.store, ctx.tenant, ctx.feats, ctx.client_headers, ctx.req.model)
 
     def finished(self, ctx: RequestContext, outcome: Outcome) -> None:
         if ctx.ticket is not None and outcome.feats is not None:

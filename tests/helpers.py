@@ -226,10 +226,11 @@ class CliProcess:
     merge_stderr=True) as they come, so a chatty child never blocks on a full pipe; every wait has a deadline
     and fails with the child's output. Use as a context manager or call stop()."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, merge_stderr: bool = False) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, merge_stderr: bool = False,
+                 preexec_fn: Callable[[], None] | None = None) -> None:
         self.args = args
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", *args], cwd=ROOT,
+            [sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, preexec_fn=preexec_fn,
             env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
         self._lines: queue.Queue[str | None] = queue.Queue()

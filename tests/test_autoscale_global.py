@@ -255,3 +255,29 @@ def test_placement_shortfall_raises_the_interactive_target_and_holds_scale_in() 
     covered = GlobalAutoscaler(cfg).update(FleetObservation(interactive_busy=2.0, workers=workers,
                                                             pending={POOL_MIXED: 3}, placement_shortfall=3.0), 0.0)
     assert sum(covered.desired[p] for p in (POOL_INTERACTIVE, POOL_MIXED)) == 7 and not covered.actions
+
+
+def test_a_warm_minimum_is_kept_while_traffic_is_recent_then_the_pool_shrinks() -> None:
+    """An idle fleet of 4 (the start counts as traffic) keeps 2 warm workers for warm_s after the last arrival,
+    instead of shrinking to min_interactive at once; after warm_s of no arrivals it may; the warm minimum never
+    scales out by itself."""
+    cfg = dict(theta=0.5, delta=0.1, cooldown_in_s=0, stabilization_s=0, use_rate_forecast=False, max_step_in=4,
+               min_interactive=1)
+    idle = {"interactive_busy": 0.0, "workers": {POOL_INTERACTIVE: 2, POOL_MIXED: 2}}
+    cold = GlobalAutoscaler(GlobalConfig(**cfg))
+    cold.update(_obs(**idle), 0.0)
+    assert sum(cold.update(_obs(**idle), 1.0).desired.values()) == 1        # without it: down to 1 at once
+    gs = GlobalAutoscaler(GlobalConfig(**cfg, warm_min_interactive=2, warm_s=60.0))
+    gs.update(_obs(**idle), 0.0)
+    plan = gs.update(_obs(**idle), 1.0)
+    assert sum(plan.desired.values()) == 2 and {a.reason for a in plan.actions} == {"ibp_low"}
+    two = {"interactive_busy": 0.0, "workers": {POOL_INTERACTIVE: 1, POOL_MIXED: 1}}
+    assert gs.update(_obs(**two), 50.0).actions == []                       # 50 s after the start: still warm
+    assert gs.update(_obs(**two, interactive_rate=0.1), 70.0).actions == []  # traffic again: warm from 70 s
+    assert gs.update(_obs(**two), 120.0).actions == []
+    plan = gs.update(_obs(**two), 131.0)                                    # 61 s without arrivals
+    assert sum(plan.desired.values()) == 1 and [a.direction for a in plan.actions] == ["down"]
+    one = {"interactive_busy": 0.0, "workers": {POOL_INTERACTIVE: 1}}
+    assert gs.update(_obs(**one, interactive_rate=0.1), 140.0).actions == []  # it never scales out by itself
+    with pytest.raises(ValueError):
+        GlobalConfig(warm_min_interactive=-1)

@@ -8,6 +8,8 @@ import asyncio
 import json
 import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -262,12 +264,12 @@ def test_demo_autoscale_scales_out_under_its_burst_and_back_in_after(tmp_path) -
     base = free_port_range(10)
     url = f"http://127.0.0.1:{base}"
     with CliProcess("demo", "--autoscale", "--port", str(base), "--workers", "2", "--time-scale", "20",
-                    merge_stderr=True) as demo:
+                    env={"FLEETGATE_ADMIN_KEY": ADMIN["authorization"].split()[-1]}, merge_stderr=True) as demo:
         def status() -> dict:
             if demo.proc.poll() is not None:
                 raise AssertionError(demo.describe())
             try:
-                return httpx.get(url + "/ui/status.json", timeout=2).json()
+                return httpx.get(url + "/ui/status.json", headers=ADMIN, timeout=2).json()   # worker URLs: admin
             except httpx.HTTPError:
                 return {}
 
@@ -312,6 +314,47 @@ def test_demo_autoscale_scales_out_under_its_burst_and_back_in_after(tmp_path) -
 
 
 # --- webhook scale-in: drain, then release ---------------------------------------------------------------
+@pytest.mark.slow  # the demo at real time: a 30 s cold start, ~50 s
+def test_demo_autoscale_banner_burst_finishes_without_errors_after_an_idle_start(tmp_path) -> None:
+    """`fleetgate demo --autoscale` as a newcomer runs it: real time, the default 4 workers, a pause to read the
+    banner, then the burst script the banner prints (run as printed, only shorter: 20 s instead of 60). The idle
+    fleet stays warm (before: 1 worker within 13 s of the start), the burst lands on it while the scale-out it
+    causes starts, the script exits 0, and the gateway answered no 429 at all (the script's retries hide none)."""
+    base = free_port_range(9)
+    url = f"http://127.0.0.1:{base}"
+    with CliProcess("demo", "--autoscale", "--port", str(base), merge_stderr=True) as demo:
+        demo.wait_for("Ctrl-C stops the gateway", 60)
+        lines = demo.stdout
+        start = next(i for i, line in enumerate(lines) if line.strip() == "python - <<'EOF'")
+        end = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == "EOF")
+        script = "\n".join(line[2:] for line in lines[start + 1:end])
+        assert "range(32)" in script and "max_retries=5" in script and "time.time() + 60" in script, script
+        demo.wait_for("fleetgate listening on", 60)
+        poll_sync(lambda: httpx.get(url + "/ready", timeout=2).status_code == 200, 60, "the demo ready", every=0.5)
+
+        def fleet() -> int:
+            return len([w for w in httpx.get(url + "/ui/status.json", timeout=5).json()["fleet"]
+                        if w["healthy"] and w["state"] == "active"])
+
+        time.sleep(15)                       # reading the banner
+        assert fleet() == 4, "the idle demo did not keep its workers warm"
+        path = tmp_path / "burst.py"
+        path.write_text(script.replace("time.time() + 60", "time.time() + 20"))
+        r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        text = httpx.get(url + "/metrics", timeout=5).text
+        by_status: dict[str, float] = {}
+        for (labels, value) in samples(text, "fleetgate_requests_total").items():
+            status = dict(labels)["status"]
+            by_status[status] = by_status.get(status, 0.0) + value
+        assert set(by_status) == {"200"} and by_status["200"] > 100, by_status
+        up = [a for a in httpx.get(url + "/ui/status.json", timeout=5).json()["autoscale"]["recent_actions"]
+              if a["direction"] == "up"]
+        assert up, "the burst caused no scale-out"
+        demo.proc.send_signal(signal.SIGINT)
+        assert "demo stopped" in demo.read_to_end(timeout=30)
+
+
 async def test_webhook_scale_in_drains_then_releases_the_workers_it_picked(sim_fleet) -> None:
     fleet = sim_fleet(3, time_scale=20)
     provided = {f"p{i}": u for i, u in enumerate(fleet.urls)}

@@ -115,12 +115,15 @@ def test_serve_refuses_a_bad_config_with_the_same_messages(tmp_path: Path) -> No
 
 
 def test_serve_command_line_on_top_of_the_file() -> None:
-    cfg = build_serve_config(EXAMPLE, port=0, workers=["http://10.0.0.9:8000", "http://10.0.0.9:8000/"],
+    cfg = build_serve_config(EXAMPLE, port=0, workers=["http://10.0.0.9:8000/a", "http://10.0.0.9:8000/b/"],
                              policy="round_robin", redis_url="redis://127.0.0.1:6379/15")
     assert cfg.listen.port == 0 and cfg.listen.host == "127.0.0.1"
     assert [w.id for w in cfg.workers][-2:] == ["10.0.0.9:8000", "10.0.0.9:8000-2"]
-    assert cfg.workers[-1].url == "http://10.0.0.9:8000"
+    assert cfg.workers[-1].url == "http://10.0.0.9:8000/b"
     assert cfg.default_policy == "round_robin" and cfg.redis_url.endswith("/15")
+    # one engine given twice (with and without a trailing slash) would be counted twice: refused
+    with pytest.raises(ConfigError, match="names the same engine"):
+        build_serve_config(EXAMPLE, port=0, workers=["http://10.0.0.9:8000", "http://10.0.0.9:8000/"])
 
 
 def test_serve_policy_flag_applies_before_the_files_policy_parameters_are_checked(tmp_path: Path) -> None:

@@ -26,7 +26,16 @@ import pytest
 from gateway.metrics import TTFT_BUCKETS
 from gateway.status_history import quantile
 from simulator.profiles import load_profile
-from tests.helpers import ADMIN_KEY, MODEL, CliProcess, free_port_range, poll, poll_sync, running_gateway
+from tests.helpers import (
+    ADMIN_KEY,
+    MODEL,
+    CliProcess,
+    free_port_range,
+    metric,
+    poll,
+    poll_sync,
+    running_gateway,
+)
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage")
@@ -95,6 +104,8 @@ def test_status_page_shows_the_fleet_rates_latencies_history_and_slo_attainment(
         demo.wait_for("fleetgate listening on", timeout=60)
         sent = _traffic(url, ((1, 2.0), (4, 3.0), (2, 2.0), (1, 1.5)))
         status = poll_sync(lambda: _judged(url, sent), 10, "SLO-judged requests in the status JSON", every=0.1)
+        mistakes = _deliberate_4xx(url)
+        poll_sync(lambda: _errors_seen(url, mistakes), 10, "the deliberate 4xx in the status JSON", every=0.1)
         shot = tmp_path / "status.png"
         dom = render(url + "/", tmp_path / "chromium-profile", shot)
     assert shot.stat().st_size > 10_000  # the screenshot rendered something
@@ -113,9 +124,16 @@ def test_status_page_shows_the_fleet_rates_latencies_history_and_slo_attainment(
     assert row[1] == model["policy"] and _num(row[4]) > 0               # req/s
     assert 0 < _num(row[6]) <= _num(row[7])                           # TTFT p50 <= p99
     assert 0 < _num(row[9]) <= _num(row[10])                          # TPOT p50 <= p99
-    assert row[11:14] == ["0", "0", "0"], row                          # no 429, 5xx or client gone
+    assert row[11:15] == ["0", "0", "0", "0"], row                     # no 4xx, 429, 5xx or client gone
     models_table = re.search(r'<table id="models">(.*?)</table>', dom, re.S).group(1)
     assert models_table.count("<polyline") >= 2, "no sparkline drawn from the history"
+
+    # The deliberate mistakes, by reason: unknown models, bad bodies, no route; and the unknown names themselves.
+    errors = {(r[0], r[1], r[2]): int(r[3]) for r in table_rows(dom, "errors")}
+    assert errors == mistakes, errors
+    assert "gpt-4o-typo (5)" in dom and "llama-nope (3)" in dom, "the unknown model names are not on the page"
+    tile = re.search(r'id="t-errors">([^<]*)<', dom).group(1)
+    assert tile == f"{sum(mistakes.values())} · 0 · 0 · 0", tile
 
     (slo_row,) = [r for r in table_rows(dom, "slo") if r[0] == MODEL]
     slo = model["slo"]["interactive"]
@@ -123,6 +141,28 @@ def test_status_page_shows_the_fleet_rates_latencies_history_and_slo_attainment(
     assert slo_row[2] == f"{100 * slo['attainment']:.1f}%"
     assert slo_row[3] == f"{slo['met']} / {slo['missed']}" and slo["met"] + slo["missed"] == sent
     assert "TTFT 1000 ms" in slo_row[4]
+
+
+def _deliberate_4xx(url: str) -> dict[tuple[str, str, str], int]:
+    """What a newcomer gets wrong: models that do not exist, bodies without messages, a path with a typo; the
+    (model, status, reason) rows the page should show for them."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=20)
+    for name, n in (("gpt-4o-typo", 5), ("llama-nope", 3)):
+        for _ in range(n):
+            with pytest.raises(openai.NotFoundError):
+                client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    for _ in range(4):
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2}, timeout=20)
+        assert r.status_code == 400, r.text
+    for _ in range(2):
+        assert httpx.post(url + "/v1/chat/complete", json={}, timeout=20).status_code == 404
+    return {("_unknown", "404", "model_not_found"): 8, ("_unknown", "400", "invalid_request_error"): 4,
+            ("_unknown", "404", "no_route"): 2}
+
+
+def _errors_seen(url: str, want: dict[tuple[str, str, str], int]) -> bool:
+    s = httpx.get(url + "/ui/status.json", timeout=5).json()
+    return {(e["model"], str(e["status"]), e["reason"]): e["count"] for e in s["errors"]} == want
 
 
 def _judged(url: str, n: int) -> dict | None:
@@ -200,7 +240,18 @@ async def test_status_json_has_rates_latencies_errors_throughput_and_history(sim
         metrics_text = (await http.get(gw.url + "/metrics")).text
 
     m = next(x for x in doc["models"] if x["id"] == MODEL)
-    assert m["errors"] == {"429": refused, "5xx": 2, "client_gone": 1}, m
+    assert m["errors"] == {"4xx": 0, "429": refused, "5xx": 2, "client_gone": 1}, m
+    # The error table: the same answers by status and reason (the key's limit, the workers' failures, the client
+    # that left), and fleetgate_responses_total with them.
+    table = {(e["model"], e["status"], e["reason"]): e["count"] for e in doc["errors"]}
+    fives = {k: n for k, n in table.items() if k[1] >= 500}   # the workers' 500 relayed (on a slow machine a
+    assert sum(fives.values()) == 2 and all(k[2] in ("worker", "worker_failed") for k in fives), table  # 502)
+    assert {k: n for k, n in table.items() if k[1] < 500} == {(MODEL, 429, "rate_limit_exceeded"): refused,
+                                                             (MODEL, 499, "client_gone"): 1}, table
+    assert metric(metrics_text, "fleetgate_responses_total",
+                  {"model": MODEL, "status": "429", "class": "4xx", "reason": "rate_limit_exceeded"}) == refused
+    assert metric(metrics_text, "fleetgate_responses_total",
+                  {"model": MODEL, "status": "200", "class": "2xx", "reason": "ok"}) == total - refused - 2 - 1
     # The rate covers the window the JSON reports: requests = rate x window.
     assert abs(m["request_rate"] * doc["window_s"] - total) <= 0.02 * total, (m["request_rate"], doc["window_s"])
     # Percentiles: ordered, and p99 no later than the bucket holding the slowest TTFT the client saw (the gateway
@@ -239,3 +290,46 @@ async def test_the_history_keeps_a_bounded_number_of_samples() -> None:
             h.sample()
         assert len(h.points) == 10 and len(h.recent) == 5
         assert len(h.describe()["t"]) == 10
+
+
+async def test_every_4xx_is_counted_by_reason_with_unknown_model_names_bounded(sim_fleet) -> None:
+    """400, 401, 403, 404 (unknown model, a model the key may not use, no route) and 413 each land in the status
+    JSON's error table and in fleetgate_responses_total with their reason; unknown model names share the
+    `_unknown` label, and only the last 10 of them are kept, shown to the admin key but not to an inference key."""
+    fleet = sim_fleet(fleet={"servers": [{"model": MODEL}, {"model": "other"}]}, time_scale=50)
+    workers = [{"id": "w0", "url": fleet.urls[0], "models": [MODEL]}, {"id": "w1", "url": fleet.urls[1],
+                                                                      "models": ["other"]}]
+    cfg = {"workers": workers, "limits": {"max_body_bytes": 2048},
+           "auth": {"admin_key": ADMIN_KEY, "keys": [{"key": KEY, "models": [MODEL]}]}}
+    key, admin = {"authorization": f"Bearer {KEY}"}, {"authorization": f"Bearer {ADMIN_KEY}"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with running_gateway(**cfg) as gw, httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+        sent = [
+            await http.post("/v1/chat/completions", json=chat, headers={"authorization": "Bearer sk-nope"}),  # 401
+            await http.post("/v1/chat/completions", json={"model": MODEL}, headers=key),                   # 400
+            await http.post("/v1/chat/completions", content=b"{" + b" " * 4096 + b"}", headers=key),         # 413
+            await http.post("/v1/chat/completions", json={**chat, "model": "other"}, headers=key),          # 404
+            await http.post("/v1/chat/complete", json=chat, headers=key),                                  # 404
+            await http.post("/admin/workers", json={"id": "x", "url": "http://10.9.9.9:8000"}, headers=admin),  # 403
+            await http.post("/v1/chat/completions", json=chat, headers=key),                               # 200
+        ]
+        for i in range(12):                                                                                # 404
+            sent.append(await http.post("/v1/chat/completions", json={**chat, "model": f"typo-{i}"}, headers=key))
+        assert [r.status_code for r in sent[:7]] == [401, 400, 413, 404, 404, 403, 200], [r.text for r in sent]
+        doc = (await http.get("/ui/status.json", headers=admin)).json()
+        tenant_doc = (await http.get("/ui/status.json", headers=key)).json()
+        metrics_text = (await http.get("/metrics", headers=admin)).text
+    table = {(e["model"], e["status"], e["reason"]): e["count"] for e in doc["errors"]}
+    assert table == {("_unknown", 401, "invalid_api_key"): 1, ("_unknown", 400, "invalid_request_error"): 1,
+                     ("_unknown", 413, "request_too_large"): 1, ("other", 404, "model_not_found"): 1,
+                     ("_unknown", 404, "no_route"): 1, ("_unknown", 403, "worker_host_not_allowed"): 1,
+                     ("_unknown", 404, "model_not_found"): 12}, table
+    assert [u["model"] for u in doc["unknown_models"]] == [f"typo-{i}" for i in range(11, 1, -1)]  # the last 10
+    assert tenant_doc["unknown_models"] == []                  # other callers' typos are the admin's to see
+    (m,) = [x for x in doc["models"] if x["id"] == MODEL]
+    assert m["errors"]["4xx"] == 0 and [x for x in doc["models"] if x["id"] == "other"][0]["errors"]["4xx"] == 1
+    assert metric(metrics_text, "fleetgate_responses_total",
+                  {"model": "_unknown", "status": "404", "class": "4xx", "reason": "model_not_found"}) == 12
+    assert metric(metrics_text, "fleetgate_responses_total",
+                  {"model": "_unknown", "status": "404", "class": "4xx", "reason": "no_route"}) == 1
+    assert not [line for line in metrics_text.splitlines() if "typo-" in line]   # names never become labels

@@ -348,6 +348,40 @@ def test_pooled_demo_answers_one_request_per_model_sequentially_with_200() -> No
         assert demo.send_signal(signal.SIGINT, timeout=20) == 0
 
 
+def test_pooled_demo_answers_concurrent_first_requests_per_model_after_their_swap() -> None:
+    """`fleetgate demo --num-models 4 --workers 2` at real time, rounds of 4 concurrent requests per model sent at
+    once (16 in flight, two hosts, one model awake on each), no client retries: every request whose model is asleep
+    or still waking waits for its swap and gets a 200. Before, a request arriving while its model's wake-up was
+    under way counted that swap as done (0 s): its 1 s TTFT budget ran out during the 1.2 s swap and it got a 429.
+    """
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.helpers import CliProcess, free_port_range
+
+    base = free_port_range(9)
+    with CliProcess("demo", "--port", str(base), "--workers", "2", "--num-models", "4", "--base-port",
+                    str(base + 1), merge_stderr=True) as demo:
+        demo.wait_for("fleetgate listening on", timeout=60)
+        models = [f"meta-llama/Llama-3.1-8B-Instruct-{j}" for j in range(4)]
+        with httpx.Client(base_url=f"http://127.0.0.1:{base}", timeout=60,
+                          limits=httpx.Limits(max_connections=32)) as http:
+            def ask(m: str) -> tuple[str, int, str]:
+                r = http.post("/v1/completions", json={"model": m, "prompt": "Hello", "max_tokens": 16})
+                return m, r.status_code, r.text[:200] if r.status_code != 200 else ""
+
+            answers = []
+            with ThreadPoolExecutor(16) as pool:
+                for _ in range(4):
+                    answers += list(pool.map(ask, [m for m in models for _ in range(4)]))
+            text = http.get("/metrics").text
+        assert len(answers) == 64 and [a for a in answers if a[1] != 200] == [], answers
+        swaps = sum(metric(text, "fleetgate_model_swaps_total", {"model": m, "direction": "in"}) or 0
+                    for m in models)
+        assert swaps >= 6, swaps            # the requests did wait for swaps
+        assert demo.send_signal(signal.SIGINT, timeout=20) == 0
+
+
 async def test_drain_after_s_serves_a_model_while_another_keeps_its_host_busy(sim_fleet, make_client) -> None:
     fleet = sim_fleet(fleet={"servers": [{"model": A}, {"model": B}]}, time_scale=5)
     url_a, url_b = fleet.urls

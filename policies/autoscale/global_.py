@@ -33,6 +33,11 @@ workers form one pool sized by interactive backpressure; the batch pool by batch
   `burst_rate_drop` of its peak since, for at most `burst_hold_s`): while new workers start (cold start,
   Chiron section 2.3) and settle, the busy count measures a fleet in transition; one burst, one change of
   direction. The rate forecast is used only while its fitted slope is positive.
+- A warm minimum (`warm_min_interactive`, `warm_s`; off by default): the interactive + mixed pool is not scaled
+  in below `warm_min_interactive` workers while traffic is recent: interactive arrivals (or the scaler's start,
+  the fleet it was given) less than `warm_s` ago. A burst that comes back after a lull finds warm workers instead
+  of one worker and a cold start (30-60 s, Chiron section 2.3) it cannot wait for; once idle for `warm_s`, the pool
+  may shrink to `min_interactive`. It never scales out by itself.
 - A `PoolScaler` per pool turns targets into desired counts: min/max bounds, cooldowns, and (batch pool) an
   HPA-like stabilisation window for scale-in (the largest target of the last `stabilization_s` wins).
 """
@@ -303,12 +308,16 @@ class GlobalConfig:
     use_rate_forecast: bool = True
     burst_rate_drop: float = 0.5       # after a scale-out, no scale-in until the rate falls this far below its peak
     burst_hold_s: float = 600.0        # ... or this long after the scale-out
+    warm_min_interactive: int = 0      # interactive + mixed workers kept while traffic is recent (0: off)
+    warm_s: float = 0.0                # ... that is, interactive arrivals (or the start) less than this long ago
 
     def __post_init__(self) -> None:
         if not 0 < self.theta <= 1 or not 0 <= self.delta < self.theta:
             raise ValueError("need 0 < theta <= 1 and 0 <= delta < theta")
         if min(self.max_interactive, self.max_batch, self.max_total) < 0 or self.min_interactive < 0:
             raise ValueError("pool bounds must be >= 0")
+        if self.warm_min_interactive < 0 or self.warm_s < 0:
+            raise ValueError("warm_min_interactive and warm_s must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +359,7 @@ class GlobalAutoscaler:
         self._needs: deque[tuple[float, float]] = deque()   # (time, interactive need): the scale-in window
         self._burst_rate: float | None = None    # highest arrival rate since the last interactive scale-out
         self._burst_t = -math.inf                # that scale-out's time
+        self._traffic_t: float | None = None     # the last tick with interactive arrivals (the first tick: start)
 
     def update(self, obs: FleetObservation, now: float) -> ScalePlan:
         cfg = self.config
@@ -389,6 +399,10 @@ class GlobalAutoscaler:
         short = max(0.0, obs.placement_shortfall)
         if short > 0 and active_im + math.ceil(short) > target:    # joint placement and scaling
             target, reason_up = active_im + math.ceil(short), "placement_shortfall"
+        if obs.interactive_rate > 0 or self._traffic_t is None:
+            self._traffic_t = now
+        if target < total_im and now - self._traffic_t < cfg.warm_s:    # traffic is recent: keep the warm minimum
+            target = max(target, min(total_im, cfg.warm_min_interactive))
         room = cfg.max_total - cur[POOL_BATCH]
         target = min(target, max(cfg.min_interactive, room))
         new_im, reason_im = self.im.decide(total_im, target, now, reason_up, "ibp_low")
