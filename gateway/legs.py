@@ -14,10 +14,11 @@ leg, a continuation of a broken stream) goes through `LegRunner.run`, which owns
                P/D request) and their timings observed (`answered`)
     services   the service order may rewrite the body of a generating leg (gateway/services.py)
 
-The dispatcher (gateway/dispatch.py) decides what to do with the outcome: resume a broken stream, place a
-request that has not started again (`Dispatcher.place_again`), or answer. The runner is given what it uses
-(the relay, registry, learner, metrics, service order and LoRA adapters) and the request's context
-(gateway/context.py); it does not know the dispatcher.
+The attempt loop (gateway/attempts.py) turns the leg's end into an outcome value and decides what follows:
+resume a broken stream, place a request that has not started again (`Attempts.place_again`), or answer; it
+alone writes the request's placement state (`ctx.tried` included). The runner is given what it uses (the
+relay, registry, learner, metrics, service order and LoRA adapters) and the request's context
+(gateway/context.py); it does not know the loop.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 from engine_adapters.vllm.kv_transfer import extract_kv_transfer_params
 from gateway import observe
 from gateway.registry import WorkerState
-from gateway.relay import STATUS_429, TOO_LONG, RelayResult, UpstreamFailure
+from gateway.relay import STATUS_429, TOO_LONG, LegSend, RelayResult, UpstreamFailure
 from gateway.resume import StreamResume
 from gateway.upstream import ClientConnectorError
 
@@ -78,8 +79,7 @@ class LegRunner:
                   remote_kv: bool = False) -> RelayResult:
         """Run one leg of `ctx` on `ws` (`kind`: PLAIN, PREFILL or DECODE; `remote_kv`: a decode leg given the
         prefill worker's KV). Returns the result (a stream that broke mid-way has `midstream_error`), or raises
-        UpstreamFailure when the leg failed before the client saw a byte of it; the worker is in `ctx.tried`
-        after either failure."""
+        UpstreamFailure when the leg failed before the client saw a byte of it."""
         wid = ws.id
         w = self.waiting.get(wid)
         if w is None:
@@ -116,17 +116,15 @@ class LegRunner:
         t_sent = self.learner.dispatched(ctx, wid)
         if self.services.enabled:
             payload = self.services.dispatched(ctx.feats, payload)
-        result = await self.relay.forward(
+        result = await self.relay.forward(LegSend(
             ctx.send, getattr(ws, ctx.route.url_attr), payload, observe.leg(ctx.record, kind, wid, ctx.upstream_headers),
             ctx.client_headers, ctx.stream, ctx.strip_usage, retry_5xx, ctx.state, resume, wid,
-            first_s if ctx.stream else None, first, ctx.refusal_fails)
+            first_s if ctx.stream else None, first, ctx.refusal_fails))
         if result.stalled:
             self.registry.suspect(wid, f"stalled mid-stream: {result.midstream_error}")
         self.registry.note_outcome(wid, result.midstream_error is None and result.status < 500)
         if result.midstream_error is not None:
             self.metrics.upstream_error(wid, "midstream")
-            if not ctx.state.ended:
-                ctx.tried.append(wid)
         # A decode leg given remote KV did not prefill: its first token teaches the learner nothing of prefill.
         t_learn = result.first_token_at if remote_kv and result.first_token_at is not None else t_sent
         self.learner.answered(ctx.feats, wid, t_learn, result)
@@ -159,7 +157,6 @@ class LegRunner:
 
     def _failed(self, ctx: RequestContext, ws: WorkerState, kind: str, f: UpstreamFailure) -> None:
         wid = ws.id
-        ctx.tried.append(wid)
         label = "pd_prefill" if kind == PREFILL else f.kind
         self.metrics.upstream_error(wid, label)
         observe.leg_failed(ctx.record, label, f.detail)

@@ -11,7 +11,7 @@ token yet, through `ModelPlacement.rebalance`, the step the simulator calls too 
               in the engine (`still_queued`); ModelPlacement.rebalance with the observed ratios, within the
               model's budget of moves per second (`MoveBudget`)
     move      the leg's task is cancelled: its upstream connection closes and the engine aborts the request;
-              `run_leg` raises `Moved`, and the dispatcher places the request again (Dispatcher.place_again,
+              `run_leg` returns `MoveAsked`, and the attempt loop places the request again (Attempts.place_again,
               MOVE) as the continuation of a stream that delivered nothing: the client sees a later first token
 
 Non-streaming requests never move: the gateway cannot see whether they started.
@@ -43,12 +43,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleetgate.rebalancer")
 
 
-class Moved(Exception):
-    """The rebalancer cancelled the leg to move its request to `dst` (a preference: the placement step decides)."""
+@dataclass(frozen=True, slots=True)
+class MoveAsked:
+    """What `run_leg` returns when the rebalancer interrupted the leg to move its request towards `dst` (a
+    preference: the attempt loop places it again through the placement step)."""
 
-    def __init__(self, dst: str) -> None:
-        super().__init__(dst)
-        self.dst = dst
+    dst: str
 
 
 class Pipeline(Protocol):
@@ -107,9 +107,9 @@ class Rebalancer:
 
     # --- the request path --------------------------------------------------------------------------------------
     async def run_leg(self, ctx: RequestContext, ws: WorkerState, leg: Coroutine[Any, Any, RelayResult],
-                      movable: bool) -> RelayResult:
-        """Run a generating leg of `ctx` where the rebalancer can move it; raises
-        `Moved` when it did."""
+                      movable: bool) -> RelayResult | MoveAsked:
+        """Run a generating leg of `ctx` where the rebalancer can move it: its result, or `MoveAsked` when the
+        rebalancer interrupted it (the attempt loop, gateway/attempts.py, decides what follows)."""
         model = ctx.rt.model
         if not self.config.rebalance_for(model).enabled:
             return await leg
@@ -123,7 +123,7 @@ class Rebalancer:
         except asyncio.CancelledError:
             cur = asyncio.current_task()
             if entry.move_to is not None and task.cancelled() and (cur is None or not cur.cancelling()):
-                raise Moved(entry.move_to) from None
+                return MoveAsked(entry.move_to)
             raise
         finally:
             if legs.get(rid) is entry:
