@@ -89,6 +89,7 @@ class LegOutcome:
     result: RelayResult | None = None        # DONE, RESUME: what the leg relayed
     failure: UpstreamFailure | None = None   # RETRY, PREFILL_*: why it failed
     detail: str | None = None                # RESUME: why the stream broke; MOVE: the proposed destination
+    answer: tuple[int, bytes, bytes] | None = None   # DONE of a passthrough leg: (status, body, content type)
 
 
 class Front(Protocol):
@@ -234,6 +235,25 @@ class Attempts:
             return LegOutcome(Step.DONE, result)
         ctx.tried.append(ws.id)
         return LegOutcome(Step.RESUME, result, detail=result.midstream_error)
+
+    async def passthrough(self, candidates: list[WorkerState], path: str, payload: bytes,
+                          headers: bytes) -> tuple[int, bytes, bytes]:
+        """A passthrough call (gateway/passthrough.py: no reservation, an answer relayed whole) on the first of
+        `candidates` that answers, each try a leg of the leg runner (outlier ejection, health reports), at most
+        `limits.retries` + 1 of them; a 5xx from the last is its answer. Raises UpstreamFailure when none
+        answered."""
+        failure: UpstreamFailure | None = None
+        tries = candidates[: self.attempts]
+        for i, ws in enumerate(tries):
+            try:
+                o = LegOutcome(Step.DONE, answer=await self.legs.whole(ws, path, payload, headers,
+                                                                      self.relay.first_byte_s, i + 1 < len(tries)))
+            except UpstreamFailure as f:
+                o = LegOutcome(Step.RETRY, failure=f)
+            if o.step is Step.DONE:
+                return o.answer
+            failure = o.failure
+        raise failure if failure is not None else UpstreamFailure("connect", "no worker to try")
 
     # --- the P/D plan's prefill legs ------------------------------------------------------------------------------
     async def _decode_payload(self, ctx: RequestContext, plan: PdPlan) -> tuple[bytes, bool]:

@@ -137,7 +137,7 @@ class LegRunner:
         limit = min(first_s if first_s is not None else math.inf, self.prefill_cap_s)
         t0 = time.perf_counter()
         try:
-            status, body = await self.relay.exchange(getattr(ws, ctx.route.url_attr), leg,
+            status, body, _ = await self.relay.exchange(getattr(ws, ctx.route.url_attr), leg,
                                                      observe.leg(ctx.record, PREFILL, wid, ctx.upstream_headers), limit, wid)
         except TimeoutError as e:
             raise UpstreamFailure("timeout", f"prefill leg: no answer within {limit:.3g}s ({e or 'stalled'})") \
@@ -154,6 +154,31 @@ class LegRunner:
         if self.pace is not None:
             self.pace.of(wid).observe(took, None)
         return RelayResult(status=200, first_token_at=t0 + took, kv_params=extract_kv_transfer_params(body))
+
+    async def whole(self, ws: WorkerState, path: str, payload: bytes, headers: bytes, timeout_s: float,
+                    retry_5xx: bool) -> tuple[int, bytes, bytes]:
+        """A passthrough leg (gateway/passthrough.py: embeddings, tokenize, pooling routes): one whole exchange
+        with `ws`, reachable by `abort_worker`, its outcome counted for outlier ejection like any leg's:
+        (status, body, content type), or UpstreamFailure (a 5xx too, with `retry_5xx`)."""
+        wid = ws.id
+        try:
+            status, body, ctype = await self.relay.exchange(ws.rec.url + path, payload, headers, timeout_s, wid)
+        except TimeoutError as e:
+            f = UpstreamFailure("timeout", f"no answer within {timeout_s:.3g}s ({e or type(e).__name__})")
+        except OSError as e:
+            f = UpstreamFailure("connect" if isinstance(e, (ClientConnectorError, ConnectionRefusedError)) else "body",
+                                f"{type(e).__name__}: {e}")
+        else:
+            self.registry.note_outcome(wid, status < 500)
+            if status < 500 or not retry_5xx:
+                return status, body, ctype
+            self.metrics.upstream_error(wid, "status_5xx")
+            raise UpstreamFailure("status_5xx", f"worker answered {status}", status, body, ctype)
+        self.metrics.upstream_error(wid, "connect")
+        self.registry.note_outcome(wid, False)
+        if f.kind == "connect":
+            self.registry.report_failure(wid)
+        raise f
 
     def _failed(self, ctx: RequestContext, ws: WorkerState, kind: str, f: UpstreamFailure) -> None:
         wid = ws.id

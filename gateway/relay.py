@@ -142,9 +142,9 @@ class Relay:
         return len(legs)
 
     async def exchange(self, url: str, payload: bytes, headers: bytes, timeout_s: float,
-                       worker_id: str) -> tuple[int, bytes]:
-        """One whole non-relayed exchange with a worker (a P/D prefill leg) within `timeout_s`, reachable by
-        `abort_worker`: (status, body). Raises TimeoutError or OSError."""
+                       worker_id: str) -> tuple[int, bytes, bytes]:
+        """One whole non-relayed exchange with a worker (a P/D prefill leg, a passthrough call) within
+        `timeout_s`, reachable by `abort_worker`: (status, body, content type). Raises TimeoutError or OSError."""
         track = self.legs.get(worker_id)
         if track is None:
             track = self.legs[worker_id] = set()
@@ -155,7 +155,7 @@ class Relay:
                 conn = await self.upstream.request(url, headers, payload, timeout_s, track=track)
                 body = await conn.read()
             clean = True
-            return conn.status, body
+            return conn.status, body, conn.content_type
         finally:
             if conn is not None:
                 _end(conn, track, clean)
