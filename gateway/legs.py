@@ -7,8 +7,9 @@ leg, a continuation of a broken stream) goes through `LegRunner.run`, which owns
                the worker's own pace; the gap limit from the worker's pace (gateway/relay.py)
     stalls     a leg that stalls before its first token or mid-stream: the worker is suspected (ejected,
                gateway/registry.py), its other exchanges given up
-    ejection   every outcome counts for outlier ejection (`note_outcome`); a refused connection for the
-               health checks (`report_failure`)
+    ejection   every outcome counts for outlier ejection (`note_outcome`), but a refusal of the request itself
+               (4xx, 429, too long) or a failed LoRA adapter load (the adapter's failure, gateway/adapters.py);
+               a refused connection for the health checks (`report_failure`)
     learning   plain and decode legs are announced to the learner (`dispatched`: its entry in the request's
                context, whose progress its loop reports to the placement step and so to the decode policy of a
                P/D request) and their timings observed (`answered`)
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from engine_adapters.vllm.kv_transfer import extract_kv_transfer_params
 from gateway import observe
+from gateway.adapters import LORA_BAD, LORA_LOAD
 from gateway.registry import WorkerState
 from gateway.relay import STATUS_429, TOO_LONG, LegSend, RelayResult, UpstreamFailure
 from gateway.resume import StreamResume
@@ -185,8 +187,8 @@ class LegRunner:
         label = "pd_prefill" if kind == PREFILL else f.kind
         self.metrics.upstream_error(wid, label)
         observe.leg_failed(ctx.record, label, f.detail)
-        if f.kind in (REFUSED, STATUS_429, TOO_LONG):   # the worker refused the request: no fault of the worker
-            return
+        if f.kind in (REFUSED, STATUS_429, TOO_LONG, LORA_LOAD, LORA_BAD):   # the request's (or its adapter's)
+            return                                                            # failure, not the worker's
         self.registry.note_outcome(wid, False)
         if f.kind == "connect":
             self.registry.report_failure(wid)
