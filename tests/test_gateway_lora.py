@@ -144,7 +144,7 @@ async def test_max_adapters_per_worker_unloads_the_least_recently_used(sim_fleet
 
 
 async def test_an_adapter_that_fails_to_load_is_its_own_failure_not_the_workers(sim_fleet: Callable[..., Any]) -> None:
-    """Issue 38, defect 3: three healthy workers that cannot load an adapter (LoRA off: vLLM refuses the load).
+    """Three healthy workers that cannot load an adapter (LoRA off: vLLM refuses the load).
     Every request for it gets a clear OpenAI-style error naming the adapter; the load is tried once per worker,
     then the adapter is remembered bad there; no worker leaves rotation, and base requests are all served.
     (Before: each request retried the load everywhere, and the failures ejected healthy workers.)"""

@@ -310,7 +310,7 @@ async def test_decode_failure_before_first_byte_moves_to_a_decode_worker_that_pr
 
 
 async def test_decode_re_placements_keep_every_count_exact(sim_fleet) -> None:
-    """Issue 38, defect 2: a decode leg placed again elsewhere is `released` from its old worker and `placed` on
+    """A decode leg placed again elsewhere is `released` from its old worker and `placed` on
     the new one for every request hook, so the class router's per-worker counts (the autoscaler's busy measure),
     the reservations and the in-flight gauges all return to zero once the fleet is idle. (The re-placement once
     skipped both hooks: the old worker's count never came down.)"""

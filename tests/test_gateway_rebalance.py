@@ -193,7 +193,7 @@ async def _running_on(http: httpx.AsyncClient, url: str, n: int) -> bool:
 
 
 async def test_a_non_streaming_request_queued_on_a_slowed_worker_moves_too(sim_fleet) -> None:  # noqa: ANN001
-    """Issue 38, defect 1: a non-streaming request is as invisible to its client before its answer as a stream
+    """A non-streaming request is as invisible to its client before its answer as a stream
     before its first token, so it moves like one; with no stream on the worker, the slowdown is seen in the
     engine's scraped counters. (It never moved before: 0 moves, the answer after the slowed long ones.)"""
     off = await _run_unary(sim_fleet, rebalance=False)
