@@ -1,4 +1,4 @@
-"""The request pipeline for /v1/chat/completions and /v1/completions: where every request is placed.
+"""The request pipeline for /v1/chat/completions and /v1/completions: the entry that reads each request.
 
     handle    read and check the request (gateway/request.py) into its RequestContext (gateway/context.py),
               which carries it to the end; the request hooks (gateway/hooks.py) hear it arrive
