@@ -288,7 +288,8 @@ class Attempts:
                 return self.pd.prefilled(ctx.rt.model, plan, o.result, t0)
             log.debug("prefill leg of %s failed on %s: %s", ctx.feats.request_id, ws.id, o.failure.detail)
             tried.append(ws.id)   # a prefill worker's failure says nothing of the decode legs: not in ctx.tried
-            if o.step is Step.PREFILL_LOCAL or not await self.place_again(ctx, REPLACE_PREFILL, exclude=tried):
+            if (o.step is Step.PREFILL_LOCAL or attempt + 1 == self.attempts
+                    or not await self.place_again(ctx, REPLACE_PREFILL, exclude=tried)):
                 break
         self.pd.decision(ctx.rt.model, PREFILL_FALLBACK)
         return None
