@@ -8,8 +8,13 @@
 - The choice of worker is the placement step's (policies/adapters.py); here the views get the residency.
 - Before a request is relayed to a worker without its adapter, `ensure` loads it through vLLM's runtime API
   (`POST /v1/load_lora_adapter`, docs/reference/vllm-interface.md §6.2), at most one load in flight per
-  (worker, adapter): concurrent requests wait on the same load. A failed load raises UpstreamFailure, so the
-  dispatcher tries another worker, or answers an OpenAI-style 502.
+  (worker, adapter): concurrent requests wait on the same load. A failed load is the adapter's failure, not the
+  worker's: it raises UpstreamFailure of kind LORA_LOAD, which does not count toward the worker's outlier
+  ejection (gateway/legs.py), and the adapter is remembered bad on that worker for `BAD_ADAPTER_HOLD_S`: no load
+  is tried there meanwhile (a request there fails at once, kind LORA_BAD) and the placement step is not offered that worker
+  while another can try. The attempt loop then places the request on another worker, or a fallback model, or
+  answers an OpenAI-style 502 that names the adapter. A worker that cannot be reached for the load is the
+  worker's failure (kind "connect") as for any leg.
 - With `models.<base>.max_adapters_per_worker`, loading one more adapter on a worker first unloads
   (`POST /v1/unload_lora_adapter`) the least recently used one the gateway loaded there that no request is using.
   An adapter the gateway unloaded is not resident, whatever the lagging metrics still say, until loaded again.
@@ -39,6 +44,9 @@ log = logging.getLogger("fleetgate.adapters")
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
 LOAD_TIMEOUT_S = 60.0   # a load reads the adapter from the worker's disk; vLLM answers once it is registered
+BAD_ADAPTER_HOLD_S = 60.0   # how long a failed load keeps an adapter marked bad on that worker
+LORA_LOAD = "lora_load"     # UpstreamFailure.kind of a failed load: the adapter's failure, not the worker's
+LORA_BAD = "lora_bad"       # ... of a request for an adapter remembered bad on the worker (no load tried)
 _JSON = b"Content-Type: application/json\r\nAccept: */*\r\n"
 
 
@@ -56,6 +64,7 @@ class AdapterRouter:
         self._unloaded: dict[str, set[str]] = {}            # worker id -> adapters this gateway unloaded there
         self._active: dict[tuple[str, str], int] = {}       # (worker, adapter) -> requests relayed with it
         self._used: dict[tuple[str, str], float] = {}       # (worker, adapter) -> last request (monotonic)
+        self._bad: dict[tuple[str, str], tuple[float, str]] = {}   # (worker, adapter) -> (bad until, why)
         labels = ["model", "adapter"]
         self.loads = Counter("fleetgate_lora_loads", "LoRA adapters the gateway loaded on a worker.", labels,
                              registry=metrics)
@@ -102,6 +111,9 @@ class AdapterRouter:
         if feats.adapter is None:
             return views
         workers = self.registry.workers
+        usable = [v for v in views if self._bad_reason(v.id, feats.adapter) is None]
+        if usable:   # a worker where the adapter failed to load lately is offered only when no other is
+            views = usable
         out = []
         for v in views:
             ws = workers.get(v.id)
@@ -123,6 +135,9 @@ class AdapterRouter:
         key = (ws.id, adapter)
         self._active[key] = self._active.get(key, 0) + 1
         self._used[key] = time.monotonic()
+        bad = self._bad_reason(ws.id, adapter)
+        if bad is not None:
+            raise UpstreamFailure(LORA_BAD, f"{bad} (not tried again for {BAD_ADAPTER_HOLD_S:g} s)")
         task = self._loading.get(key)
         if task is None:
             if adapter in self.resident(ws):
@@ -132,6 +147,20 @@ class AdapterRouter:
             self._loading[key] = task
             task.add_done_callback(lambda _t: self._loading.pop(key, None))
         await asyncio.shield(task)   # a client that leaves does not cancel the load others wait on
+
+    def _bad_reason(self, worker_id: str, adapter: str) -> str | None:
+        """Why `adapter` failed to load on the worker lately (None: it did not, or long enough ago)."""
+        entry = self._bad.get((worker_id, adapter))
+        if entry is None:
+            return None
+        if time.monotonic() >= entry[0]:
+            del self._bad[(worker_id, adapter)]
+            return None
+        return entry[1]
+
+    def _failed_load(self, ws: WorkerState, adapter: str, detail: str) -> UpstreamFailure:
+        self._bad[(ws.id, adapter)] = (time.monotonic() + BAD_ADAPTER_HOLD_S, detail)
+        return UpstreamFailure(LORA_LOAD, detail)
 
     def done(self, feats: RequestFeatures, ws: WorkerState) -> None:
         """The request `ensure` prepared on `ws` is over there."""
@@ -161,13 +190,13 @@ class AdapterRouter:
         try:
             r = await self._fetch(ws.rec.url + LOAD_PATH, LOAD_TIMEOUT_S, b"POST", body, _JSON)
         except TimeoutError:
-            raise UpstreamFailure("lora_load", f"loading adapter {adapter} on {ws.id} timed out") from None
+            raise self._failed_load(ws, adapter, f"{ws.id} could not load adapter {adapter} in time") from None
         except OSError as e:
             raise UpstreamFailure("connect", f"loading adapter {adapter} on {ws.id}: {e}") from None
         if r.status != 200 and not _already_loaded(r.status, r.body):
             detail = r.body.decode("utf-8", "replace")[:300]
             log.warning("worker %s refused to load adapter %s (%d): %s", ws.id, adapter, r.status, detail)
-            raise UpstreamFailure("lora_load", f"{ws.id} could not load adapter {adapter} ({r.status}): {detail}")
+            raise self._failed_load(ws, adapter, f"{ws.id} could not load adapter {adapter} ({r.status}): {detail}")
         self._loaded.setdefault(ws.id, set()).add(adapter)
         self._unloaded.get(ws.id, set()).discard(adapter)
         if r.status == 200:

@@ -207,9 +207,9 @@ class AdapterConfig(_Strict):
 
 
 class RebalanceConfig(_Strict):
-    """Rebalancing live (gateway/rebalancer.py): Aladdin's Algorithm 2 (appendix C) moves streamed requests that
-    still wait in a worker's queue, without a first token, to another worker; a worker observed slower than its
-    performance model beyond `slow_ratio` has its queued requests moved off it."""
+    """Rebalancing live (gateway/rebalancer.py): Aladdin's Algorithm 2 (appendix C) moves requests that still
+    wait in a worker's queue, without a first token (streamed or not), to another worker; a worker observed slower
+    than its performance model beyond `slow_ratio` has its queued requests moved off it."""
 
     enabled: bool = Field(False, description="Move queued requests between workers (off by default: see "
                                              "bench/results/rebalance.md).")

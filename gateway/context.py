@@ -3,8 +3,9 @@
 `RequestContext` is the one place a request's state lives while the gateway serves it: what the client sent,
 the placement step's decision (P/D included), the reservations it holds, the observer's record (access log and
 tracing, gateway/observe.py) and the learner's in-flight entry (gateway/learning.py). The dispatcher
-(gateway/dispatch.py) builds it when the request arrives; the leg runner (gateway/legs.py), the P/D legs
-(gateway/pd_legs.py) and the request hooks (gateway/hooks.py) read and fill it. This module holds only data, so
+(gateway/dispatch.py) builds it when the request arrives; the attempt loop (gateway/attempts.py) alone writes
+its placement state; the leg runner (gateway/legs.py), the P/D legs (gateway/pd_legs.py) and the request hooks
+(gateway/hooks.py) read it (and fill their own entries). This module holds only data, so
 all of them import it and none of them imports the dispatcher.
 """
 
@@ -90,6 +91,7 @@ class RequestContext:
     tried: list[str] = field(default_factory=list)
     refusal_fails: bool = False         # a worker's 429 is a failure to place again (a fallback is left)
     moved_to: str | None = None         # rebalancing moved it (at most once), towards this worker
+    replacing: str | None = None        # P/D: the decode worker its decode leg is being re-placed from
     inflight: InFlight | None = None    # the learner's entry while a leg generates (gateway/learning.py)
 
     @property

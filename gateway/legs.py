@@ -7,17 +7,19 @@ leg, a continuation of a broken stream) goes through `LegRunner.run`, which owns
                the worker's own pace; the gap limit from the worker's pace (gateway/relay.py)
     stalls     a leg that stalls before its first token or mid-stream: the worker is suspected (ejected,
                gateway/registry.py), its other exchanges given up
-    ejection   every outcome counts for outlier ejection (`note_outcome`); a refused connection for the
-               health checks (`report_failure`)
+    ejection   every outcome counts for outlier ejection (`note_outcome`), but a refusal of the request itself
+               (4xx, 429, too long) or a failed LoRA adapter load (the adapter's failure, gateway/adapters.py);
+               a refused connection for the health checks (`report_failure`)
     learning   plain and decode legs are announced to the learner (`dispatched`: its entry in the request's
                context, whose progress its loop reports to the placement step and so to the decode policy of a
                P/D request) and their timings observed (`answered`)
     services   the service order may rewrite the body of a generating leg (gateway/services.py)
 
-The dispatcher (gateway/dispatch.py) decides what to do with the outcome: resume a broken stream, place a
-request that has not started again (`Dispatcher.place_again`), or answer. The runner is given what it uses
-(the relay, registry, learner, metrics, service order and LoRA adapters) and the request's context
-(gateway/context.py); it does not know the dispatcher.
+The attempt loop (gateway/attempts.py) turns the leg's end into an outcome value and decides what follows:
+resume a broken stream, place a request that has not started again (`Attempts.place_again`), or answer; it
+alone writes the request's placement state (`ctx.tried` included). The runner is given what it uses (the
+relay, registry, learner, metrics, service order and LoRA adapters) and the request's context
+(gateway/context.py); it does not know the loop.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from typing import TYPE_CHECKING
 
 from engine_adapters.vllm.kv_transfer import extract_kv_transfer_params
 from gateway import observe
+from gateway.adapters import LORA_BAD, LORA_LOAD
 from gateway.registry import WorkerState
-from gateway.relay import STATUS_429, TOO_LONG, RelayResult, UpstreamFailure
+from gateway.relay import STATUS_429, TOO_LONG, LegSend, RelayResult, UpstreamFailure
 from gateway.resume import StreamResume
 from gateway.upstream import ClientConnectorError
 
@@ -78,8 +81,7 @@ class LegRunner:
                   remote_kv: bool = False) -> RelayResult:
         """Run one leg of `ctx` on `ws` (`kind`: PLAIN, PREFILL or DECODE; `remote_kv`: a decode leg given the
         prefill worker's KV). Returns the result (a stream that broke mid-way has `midstream_error`), or raises
-        UpstreamFailure when the leg failed before the client saw a byte of it; the worker is in `ctx.tried`
-        after either failure."""
+        UpstreamFailure when the leg failed before the client saw a byte of it."""
         wid = ws.id
         w = self.waiting.get(wid)
         if w is None:
@@ -116,17 +118,15 @@ class LegRunner:
         t_sent = self.learner.dispatched(ctx, wid)
         if self.services.enabled:
             payload = self.services.dispatched(ctx.feats, payload)
-        result = await self.relay.forward(
+        result = await self.relay.forward(LegSend(
             ctx.send, getattr(ws, ctx.route.url_attr), payload, observe.leg(ctx.record, kind, wid, ctx.upstream_headers),
             ctx.client_headers, ctx.stream, ctx.strip_usage, retry_5xx, ctx.state, resume, wid,
-            first_s if ctx.stream else None, first, ctx.refusal_fails)
+            first_s if ctx.stream else None, first, ctx.refusal_fails))
         if result.stalled:
             self.registry.suspect(wid, f"stalled mid-stream: {result.midstream_error}")
         self.registry.note_outcome(wid, result.midstream_error is None and result.status < 500)
         if result.midstream_error is not None:
             self.metrics.upstream_error(wid, "midstream")
-            if not ctx.state.ended:
-                ctx.tried.append(wid)
         # A decode leg given remote KV did not prefill: its first token teaches the learner nothing of prefill.
         t_learn = result.first_token_at if remote_kv and result.first_token_at is not None else t_sent
         self.learner.answered(ctx.feats, wid, t_learn, result)
@@ -139,7 +139,7 @@ class LegRunner:
         limit = min(first_s if first_s is not None else math.inf, self.prefill_cap_s)
         t0 = time.perf_counter()
         try:
-            status, body = await self.relay.exchange(getattr(ws, ctx.route.url_attr), leg,
+            status, body, _ = await self.relay.exchange(getattr(ws, ctx.route.url_attr), leg,
                                                      observe.leg(ctx.record, PREFILL, wid, ctx.upstream_headers), limit, wid)
         except TimeoutError as e:
             raise UpstreamFailure("timeout", f"prefill leg: no answer within {limit:.3g}s ({e or 'stalled'})") \
@@ -157,14 +157,38 @@ class LegRunner:
             self.pace.of(wid).observe(took, None)
         return RelayResult(status=200, first_token_at=t0 + took, kv_params=extract_kv_transfer_params(body))
 
+    async def whole(self, ws: WorkerState, path: str, payload: bytes, headers: bytes, timeout_s: float,
+                    retry_5xx: bool) -> tuple[int, bytes, bytes]:
+        """A passthrough leg (gateway/passthrough.py: embeddings, tokenize, pooling routes): one whole exchange
+        with `ws`, reachable by `abort_worker`, its outcome counted for outlier ejection like any leg's:
+        (status, body, content type), or UpstreamFailure (a 5xx too, with `retry_5xx`)."""
+        wid = ws.id
+        try:
+            status, body, ctype = await self.relay.exchange(ws.rec.url + path, payload, headers, timeout_s, wid)
+        except TimeoutError as e:
+            f = UpstreamFailure("timeout", f"no answer within {timeout_s:.3g}s ({e or type(e).__name__})")
+        except OSError as e:
+            f = UpstreamFailure("connect" if isinstance(e, (ClientConnectorError, ConnectionRefusedError)) else "body",
+                                f"{type(e).__name__}: {e}")
+        else:
+            self.registry.note_outcome(wid, status < 500)
+            if status < 500 or not retry_5xx:
+                return status, body, ctype
+            self.metrics.upstream_error(wid, "status_5xx")
+            raise UpstreamFailure("status_5xx", f"worker answered {status}", status, body, ctype)
+        self.metrics.upstream_error(wid, "connect")
+        self.registry.note_outcome(wid, False)
+        if f.kind == "connect":
+            self.registry.report_failure(wid)
+        raise f
+
     def _failed(self, ctx: RequestContext, ws: WorkerState, kind: str, f: UpstreamFailure) -> None:
         wid = ws.id
-        ctx.tried.append(wid)
         label = "pd_prefill" if kind == PREFILL else f.kind
         self.metrics.upstream_error(wid, label)
         observe.leg_failed(ctx.record, label, f.detail)
-        if f.kind in (REFUSED, STATUS_429, TOO_LONG):   # the worker refused the request: no fault of the worker
-            return
+        if f.kind in (REFUSED, STATUS_429, TOO_LONG, LORA_LOAD, LORA_BAD):   # the request's (or its adapter's)
+            return                                                            # failure, not the worker's
         self.registry.note_outcome(wid, False)
         if f.kind == "connect":
             self.registry.report_failure(wid)

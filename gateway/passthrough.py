@@ -3,8 +3,9 @@
 `POST /v1/embeddings`, `/tokenize`, `/detokenize` and vLLM's pooling routes (`/pooling`, `/classify`,
 `/score`, `/v1/score`, `/rerank`, `/v1/rerank`, `/v2/rerank`; docs/reference/vllm-interface.md §1.1) go to a
 worker serving the body's `model` (the only model when the body names none, as vLLM does): the one with
-the fewest requests in flight, trying the next on a connection failure or a 5xx. These calls are short and
-hold no reservation; the answer is relayed whole, its error body in OpenAI's shape. vLLM 0.11 answers an
+the fewest requests in flight, trying the next on a connection failure or a 5xx, each try a leg of the attempt
+loop (gateway/attempts.py `passthrough`, through the leg runner: outlier ejection and health reports as for
+any leg). These calls are short and hold no reservation; the answer is relayed whole, its error body in OpenAI's shape. vLLM 0.11 answers an
 unsupported task with HTTP 200 and an error body (§1.2): that goes out with the status in the body.
 """
 
@@ -19,9 +20,10 @@ from fastapi.responses import JSONResponse
 
 from gateway import errors
 from gateway.auth import tenant_of_request
+from gateway.relay import UpstreamFailure
 from gateway.request import new_request_id, parse_json_object
 from gateway.request_metrics import response_reason
-from gateway.upstream import ClientConnectorError, encode_headers
+from gateway.upstream import encode_headers
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
@@ -88,27 +90,12 @@ async def forward(gw: Gateway, request: Request, path: str) -> Response:
     for h in ("traceparent", "tracestate"):
         if h in request.headers:
             headers[h] = request.headers[h]
-    candidates = _order(gw, model)[: gw.config.limits.retries + 1]
-    answer: tuple[int, bytes, str] | None = None
-    last_error = ""
-    for i, ws in enumerate(candidates):
-        try:  # the one client to workers (gateway/upstream.py)
-            r = await gw.upstream.fetch(ws.rec.url + path, gw.config.timeouts.first_byte_s, method=b"POST",
-                                        body=raw, headers=encode_headers(list(headers.items())))
-            answer = (r.status, r.body, r.content_type.decode("latin-1"))
-        except (TimeoutError, OSError) as e:
-            gw.metrics.upstream_error(ws.id, "connect")
-            if isinstance(e, (ClientConnectorError, ConnectionRefusedError)):
-                gw.registry.report_failure(ws.id)
-            last_error = f"{type(e).__name__}: {e}"
-            continue
-        if answer[0] >= 500 and i + 1 < len(candidates):
-            gw.metrics.upstream_error(ws.id, "status_5xx")
-            continue
-        break
-    if answer is None:
-        raise errors.upstream_failed(last_error)
-    status, payload, ctype = answer
+    try:   # each try a leg of the attempt loop (gateway/attempts.py): ejection and health reports as any leg
+        answer = await gw.dispatcher.attempts.passthrough(_order(gw, model), path, raw,
+                                                          encode_headers(list(headers.items())))
+    except UpstreamFailure as f:
+        raise errors.upstream_failed(f.detail) from None
+    status, payload, ctype = answer[0], answer[1], answer[2].decode("latin-1")
     status = _unwrap_quirk(status, payload)
     if status >= 400:
         payload = gw.adapter.openai_error(status, payload)

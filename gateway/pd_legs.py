@@ -2,11 +2,11 @@
 
 P/D is a profile of the one placement step (policies/placement.py): while a model has healthy prefill or
 decode workers (roles from config or registration), its requests are placed by `PdPolicy` (policies/pd.py),
-through the dispatcher's placement, reservations and admission queue like any other request. Here, as vLLM's
+through the attempt loop's placement, reservations and admission queue like any other request. Here, as vLLM's
 toy proxy and llm-d's sidecar drive them (docs/reference/vllm-interface.md §4.2; shapes in
 engine_adapters/vllm/kv_transfer.py):
 
-    place    (the dispatcher) the decode worker and, unless the prompt is short or mostly cached on a
+    place    (gateway/attempts.py) the decode worker and, unless the prompt is short or mostly cached on a
              decode-capable worker, a prefill worker; both reserved (the prefill worker for its prompt tokens,
              until its leg ends; the decode worker for the request, until the answer ends)
     prefill  POST the prefill leg (max_tokens 1, no stream, do_remote_decode) with the request's
@@ -14,9 +14,10 @@ engine_adapters/vllm/kv_transfer.py):
     decode   POST the client's body plus those params (opaque) to the decode worker and relay its
              answer, streamed or not, to the client as the one response it sees.
 
-Both legs run through the one leg runner (gateway/legs.py) inside the dispatcher's request loop, so they have
-what a plain request has: the stall rule, outlier ejection, learning and resume. Failures never reach the
-client while capacity remains:
+Both legs run through the one leg runner (gateway/legs.py) inside the attempt loop (gateway/attempts.py), which
+decides what follows each and re-places either leg through its one `place_again`, so they have what a plain
+request has: the stall rule, outlier ejection, learning, hooks, the admission queue and resume. This module
+only says what the legs send and counts what they did. Failures never reach the client while capacity remains:
 - the prefill leg fails (connect, 5xx) or stalls (no answer within the stall rule's limit: its predicted
   prefill time on that worker, or the worker's pace; not a fixed timeout): the request's prefill is planned
   again on another prefill worker; none left, or any other answer (4xx, no params): the decode worker
@@ -32,30 +33,22 @@ token, decode: first -> last token) and fleetgate_pd_decisions_total{model,decis
 
 from __future__ import annotations
 
-import logging
 import time
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from engine_adapters.vllm.kv_transfer import decode_body, params_expired, prefill_body
+from engine_adapters.vllm.kv_transfer import decode_body, params_expired
 from gateway.config import GatewayConfig
-from gateway.legs import PREFILL, REFUSED, LegRunner
-from gateway.registry import WorkerState
-from gateway.relay import RelayResult, UpstreamFailure
 from policies.pd import PdPolicy
-from policies.placement import reserved_tokens
 from policies.prefix import CHUNK_CHARS
-from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, WorkerView
 
 if TYPE_CHECKING:
     from gateway.context import RequestContext
-
-log = logging.getLogger("fleetgate.pd")
+    from gateway.relay import RelayResult
 
 # Decisions counted besides PdPolicy's plan decisions (policies/pd.py).
 PREFILL_RETRY = "prefill_retry"              # a prefill leg failed; another prefill worker took it
@@ -104,11 +97,9 @@ class PdMetrics:
 
 
 @dataclass(slots=True)
-class _Pair:
-    """The workers one request holds reservations on."""
+class PdPlan:
+    """A P/D request's plan: its first decode leg takes the prefill leg's KV (if it has a prefill worker)."""
 
-    decode: WorkerState
-    prefill: WorkerState | None
     decision: str
     params_at: float = 0.0      # unix time the prefill answer (and its kv_transfer_params) arrived
     started: bool = False       # the first decode leg was sent (later ones prefill locally)
@@ -131,131 +122,41 @@ def pd_policy_factory(config: GatewayConfig, model: str) -> Callable[[], PdPolic
     return build
 
 
-class Reservations(Protocol):
-    """What the P/D legs use of the dispatcher (gateway/dispatch.py): the candidates of a role, and the
-    reservations of the request's workers."""
-
-    def views(self, model: str, exclude: Collection[str] = (),
-              roles: Collection[str] | None = None) -> tuple[list[WorkerView], dict[str, WorkerState]]: ...
-
-    async def reserve(self, ctx: RequestContext, ws: WorkerState, tokens: int) -> bool: ...
-
-    async def release(self, ctx: RequestContext, ws: WorkerState, output_tokens: int = 0, feedback: bool = True,
-                      slo_met: bool | None = None) -> None: ...
-
-
 class PdLegs:
-    """The P/D plan of a request the placement step placed through its P/D profile: a prefill leg (if it has a
-    prefill worker), then the decode leg. Both legs run through the one leg runner (gateway/legs.py: pace,
-    stalls, ejection, learning) inside the dispatcher's one request loop (gateway/dispatch.py: retries before
-    the first byte, resume after it); this class plans the legs and owns the prefill leg's fallbacks."""
+    """What the legs of a P/D request send and what they teach: the plan's decision counted, the prefill
+    answer's params (expired ones dropped), the decode leg's body, the phase timings. The attempt loop
+    (gateway/attempts.py) runs both legs, re-places either, and writes the request's placement state."""
 
-    def __init__(self, config: GatewayConfig, metrics_registry: CollectorRegistry, legs: LegRunner,
-                 reservations: Reservations, attempts: int) -> None:
-        self.reservations = reservations
-        self.legs = legs
-        self.attempts = attempts   # prefill legs tried per request (a first one and its retries)
+    def __init__(self, config: GatewayConfig, metrics_registry: CollectorRegistry) -> None:
         self.cfg = config.pd
         self.metrics = PdMetrics.for_registry(metrics_registry)
 
-    def plan(self, ctx: RequestContext) -> _Pair:
+    def plan(self, ctx: RequestContext) -> PdPlan:
         assert ctx.worker is not None and ctx.decision is not None
         self.metrics.decision(ctx.rt.model, ctx.decision.reason)
-        return _Pair(ctx.worker, ctx.prefill, ctx.decision.reason)
+        return PdPlan(ctx.decision.reason)
 
-    async def decode_leg(self, ctx: RequestContext, pair: _Pair) -> tuple[bytes, bool]:
-        """The body of the next decode leg and whether it carries the producer's KV: the first runs the prefill
-        leg (if planned) and hands its kv_transfer_params on; a later one (another decode worker, a
-        continuation) prefills locally, `ctx.payload` as it is."""
-        if pair.started:
-            return ctx.payload, False
-        pair.started = True
-        params = None
-        body = orjson.loads(ctx.payload)
-        if pair.prefill is not None:
-            params = await self._prefill(ctx, body, pair)
-        if params is not None and params_expired(params, pair.params_at, time.time(), self.cfg.kv_hold_s):
+    def decision(self, model: str, decision: str) -> None:
+        self.metrics.decision(model, decision)
+
+    def prefilled(self, model: str, plan: PdPlan, result: RelayResult, t0: float) -> dict[str, Any] | None:
+        """A prefill leg answered (it started at perf_counter() `t0`): its kv_transfer_params, if any."""
+        self.metrics.observe(model, "prefill", result.first_token_at - t0)
+        plan.params_at = time.time()
+        if result.kv_params is None:
+            self.metrics.decision(model, NO_PARAMS)
+        return result.kv_params
+
+    def decode_body(self, ctx: RequestContext, body: dict[str, Any], params: dict[str, Any] | None,
+                    plan: PdPlan) -> tuple[bytes, bool]:
+        """The first decode leg's body (the client's plus the params, unless stale) and whether it carries the
+        producer's KV; without params, `ctx.payload` as it is (the decode worker prefills locally)."""
+        if params is not None and params_expired(params, plan.params_at, time.time(), self.cfg.kv_hold_s):
             self.metrics.decision(ctx.rt.model, EXPIRED)
             params = None
         if params is not None or "kv_transfer_params" in body:
             return decode_body(body, params), params is not None
         return ctx.payload, False
-
-    # --- the prefill leg ---------------------------------------------------------------------------------
-    async def _prefill(self, ctx: RequestContext, body: dict[str, Any], pair: _Pair) -> dict[str, Any] | None:
-        """Run the prefill leg, on another prefill worker the P/D policy picks when one fails or stalls (judged
-        by the stall rule, as every leg); the params, or None for a local prefill. Releases each prefill
-        reservation as its attempt ends; `pair.prefill` and `ctx.prefill` are None afterwards."""
-        rt, feats = ctx.rt, ctx.feats
-        leg = prefill_body(body)
-        tried: list[str] = []
-        try:
-            for attempt in range(self.attempts):
-                ws = pair.prefill
-                if ws is None:
-                    break
-                if attempt:
-                    self.metrics.decision(rt.model, PREFILL_RETRY)
-                t0 = time.perf_counter()
-                try:
-                    result = await self.legs.run(ctx, ws, PREFILL, leg)
-                except UpstreamFailure as f:
-                    tried.append(ws.id)
-                    ctx.tried.remove(ws.id)  # a prefill worker's failure says nothing of the decode legs
-                    log.debug("prefill leg of %s failed on %s: %s", feats.request_id, ws.id, f.detail)
-                    pair.prefill = None
-                    await self.reservations.release(ctx, ws, feedback=False)
-                    if f.kind == REFUSED:
-                        break
-                    pair.prefill = await self._another_prefill(ctx, tried)
-                    continue
-                self.metrics.observe(rt.model, "prefill", result.first_token_at - t0)
-                pair.params_at = time.time()
-                if result.kv_params is None:
-                    self.metrics.decision(rt.model, NO_PARAMS)
-                return result.kv_params
-            self.metrics.decision(rt.model, PREFILL_FALLBACK)
-            return None
-        finally:
-            ctx.prefill = None
-            if pair.prefill is not None:
-                ws, pair.prefill = pair.prefill, None
-                await self.reservations.release(ctx, ws, feedback=False)
-
-    async def _another_prefill(self, ctx: RequestContext, tried: list[str]) -> WorkerState | None:
-        views, by_id = self.reservations.views(ctx.rt.model, tried, (ROLE_PREFILL,))
-        while views:
-            wid = ctx.rt.placement.retry_prefill(ctx.feats, views)
-            ws = by_id.get(wid) if wid is not None else None
-            if ws is None:
-                return None
-            if await self.reservations.reserve(ctx, ws, ctx.feats.prompt_tokens):
-                return ws
-            views = [v for v in views if v.id != ws.id]
-        return None
-
-    # --- the decode leg ----------------------------------------------------------------------------------
-    async def another_decode(self, ctx: RequestContext) -> bool:
-        """Move the request's decode reservation to another decode-capable worker not tried yet (it prefills
-        locally): the dispatcher's `place_again` for a P/D request."""
-        rt, feats = ctx.rt, ctx.feats
-        old = ctx.worker
-        if old is None:
-            return False
-        views, by_id = self.reservations.views(rt.model, ctx.tried, (ROLE_DECODE, ROLE_MIXED))
-        while views:
-            wid = rt.placement.retry_decode(feats, views, time.time())
-            ws = by_id.get(wid) if wid is not None else None
-            if ws is None:
-                return False
-            if await self.reservations.reserve(ctx, ws, reserved_tokens(feats)):
-                self.metrics.decision(rt.model, DECODE_RETRY)
-                ctx.worker = ws
-                rt.placement.moved(feats, old.id, ws.id, time.time())
-                await self.reservations.release(ctx, old, feedback=False)
-                return True
-            views = [v for v in views if v.id != ws.id]
-        return False
 
     def observe_decode(self, model: str, remote_kv: bool, t0: float, result: RelayResult) -> None:
         if not remote_kv:

@@ -5,16 +5,20 @@ token yet, through `ModelPlacement.rebalance`, the step the simulator calls too 
     track     each generating leg of a model whose `rebalance` is on runs as a task the rebalancer can reach
               (`run_leg`), and its stream's token count is read on every look
     observe   every `interval_s`, per worker: the seconds per token its streams took since the last look, over
-              its profile's performance model (eq. 3 at the worker's batch and mean context) -> observed ratio
-    propose   the requests that may move: streamed, resumable, not P/D, never moved, without a token yet, and
+              its profile's performance model (eq. 3 at the worker's batch and mean context) -> observed ratio;
+              a worker none of whose streams produced tokens (its traffic does not stream) is observed by its
+              scraped engine counters instead: output tokens over its running sequences between two scrapes
+    propose   the requests that may move: not streamed, or streamed and resumable; not P/D, never moved,
+              without a token yet (a non-streaming answer shows none until it is whole), and
               among the last `waiting` (the worker's scraped queue) of its requests without one, so still queued
               in the engine (`still_queued`); ModelPlacement.rebalance with the observed ratios, within the
               model's budget of moves per second (`MoveBudget`)
     move      the leg's task is cancelled: its upstream connection closes and the engine aborts the request;
-              `run_leg` raises `Moved`, and the dispatcher places the request again (Dispatcher.place_again,
+              `run_leg` returns `MoveAsked`, and the attempt loop places the request again (Attempts.place_again,
               MOVE) as the continuation of a stream that delivered nothing: the client sees a later first token
 
-Non-streaming requests never move: the gateway cannot see whether they started.
+A non-streaming request moves like a stream: its client sees nothing before the whole answer, so a move only
+makes that answer come sooner; one whose answer the relay began to send is never interrupted.
 """
 
 from __future__ import annotations
@@ -43,12 +47,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleetgate.rebalancer")
 
 
-class Moved(Exception):
-    """The rebalancer cancelled the leg to move its request to `dst` (a preference: the placement step decides)."""
+@dataclass(frozen=True, slots=True)
+class MoveAsked:
+    """What `run_leg` returns when the rebalancer interrupted the leg to move its request towards `dst` (a
+    preference: the attempt loop places it again through the placement step)."""
 
-    def __init__(self, dst: str) -> None:
-        super().__init__(dst)
-        self.dst = dst
+    dst: str
 
 
 class Pipeline(Protocol):
@@ -81,6 +85,8 @@ class Rebalancer:
         self.d: Pipeline | None = None   # the dispatcher, set by start()
         self.legs: dict[str, dict[str, _Leg]] = {}      # model -> request id -> its leg in flight
         self.budgets: dict[str, MoveBudget] = {}
+        # worker id -> (scraped_at, generation_tokens, its last observed ratio) from its engine's counters
+        self._scraped: dict[str, tuple[float, float, float | None]] = {}
         self._task: asyncio.Task | None = None
         self.moves = Counter("fleetgate_rebalance_moves", "Requests moved by rebalancing (Aladdin's Algorithm 2, "
                              "or off a worker observed slower than its model) before their first token.",
@@ -107,9 +113,9 @@ class Rebalancer:
 
     # --- the request path --------------------------------------------------------------------------------------
     async def run_leg(self, ctx: RequestContext, ws: WorkerState, leg: Coroutine[Any, Any, RelayResult],
-                      movable: bool) -> RelayResult:
-        """Run a generating leg of `ctx` where the rebalancer can move it; raises
-        `Moved` when it did."""
+                      movable: bool) -> RelayResult | MoveAsked:
+        """Run a generating leg of `ctx` where the rebalancer can move it: its result, or `MoveAsked` when the
+        rebalancer interrupted it (the attempt loop, gateway/attempts.py, decides what follows)."""
         model = ctx.rt.model
         if not self.config.rebalance_for(model).enabled:
             return await leg
@@ -123,7 +129,7 @@ class Rebalancer:
         except asyncio.CancelledError:
             cur = asyncio.current_task()
             if entry.move_to is not None and task.cancelled() and (cur is None or not cur.cancelling()):
-                raise Moved(entry.move_to) from None
+                return MoveAsked(entry.move_to)
             raise
         finally:
             if legs.get(rid) is entry:
@@ -160,16 +166,20 @@ class Rebalancer:
                 if n != leg.seen:
                     leg.seen, leg.seen_at = n, now
                 decoding.setdefault(leg.worker, []).append(leg.ctx.feats.prompt_tokens + n)
-            elif leg.movable and not leg.task.done() and leg.move_to is None:
-                waiting.setdefault(leg.worker, []).append(leg)
+            else:
+                if not leg.ctx.stream:   # its answer comes whole: it may be decoding, its context a guess
+                    decoding.setdefault(leg.worker, []).append(leg.ctx.feats.prompt_tokens)
+                if leg.movable and not leg.task.done() and leg.move_to is None:
+                    waiting.setdefault(leg.worker, []).append(leg)
         ratios: dict[str, float] = {}
-        for wid, s in samples.items():
+        for wid in {*samples, *waiting}:
             v = by_id.get(wid)
             pm = self.d.learner.model_for(v.profile) if v is not None and v.profile else None
             if pm is None:
                 continue
-            ctxs = decoding[wid]
-            r = observed_ratio(s, pm.decode_step(max(len(ctxs), v.running), sum(ctxs) / len(ctxs)))
+            ctxs = decoding.get(wid) or [0]
+            step = pm.decode_step(max(len(ctxs), v.running), sum(ctxs) / len(ctxs))
+            r = observed_ratio(samples[wid], step) if wid in samples else self._scraped_ratio(wid, v.running, step)
             if r is not None:
                 ratios[wid] = r
         queued: dict[str, tuple[str, RequestFeatures]] = {}
@@ -195,7 +205,8 @@ class Rebalancer:
         made = 0
         for m in moves:
             leg = legs.get(m.request_id)
-            if leg is None or leg.ctx.state.tokens > 0 or leg.task.done() or m.dst not in by_id:
+            if (leg is None or leg.ctx.state.tokens > 0 or leg.task.done() or m.dst not in by_id
+                    or (leg.ctx.state.started and not leg.ctx.stream)):   # a whole answer being sent
                 continue
             leg.move_to = m.dst
             if leg.task.cancel():
@@ -206,6 +217,23 @@ class Rebalancer:
             else:
                 leg.move_to = None
         budget.spend(made)
+
+    def _scraped_ratio(self, wid: str, running: int, step_s: float) -> float | None:
+        """Observed over predicted decode step of a worker from its scraped engine counters: the seconds between
+        two scrapes times its running sequences over the output tokens generated meanwhile (None: no new
+        scrape with tokens yet; the last ratio until the next one)."""
+        ws = self.d.registry.workers.get(wid)
+        if ws is None:
+            return None
+        m = ws.metrics
+        prev = self._scraped.get(wid)
+        if prev is not None and m.scraped_at <= prev[0]:
+            return prev[2]
+        ratio = None
+        if prev is not None and running > 0 and m.generation_tokens - prev[1] >= running:
+            ratio = observed_ratio([((m.scraped_at - prev[0]) * running, int(m.generation_tokens - prev[1]))], step_s)
+        self._scraped[wid] = (m.scraped_at, m.generation_tokens, ratio)
+        return ratio
 
     def _views(self, model: str) -> list[WorkerView]:
         """Every healthy mixed worker of the model, at its cap or not (a full worker can still be a source)."""

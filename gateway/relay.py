@@ -32,6 +32,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from engine_adapters.base import EngineAdapter, Usage
 from engine_adapters.openai_errors import sse_error_event
@@ -75,6 +76,26 @@ class RelayResult:
         """Generated tokens of the answer: the usage block's count, else the stream's token events (the one
         definition: SLO judging, the learning loop, the placement step's feedback and metrics all read it)."""
         return self.usage.completion_tokens if self.usage is not None else self.tokens
+
+
+@dataclass(slots=True)
+class LegSend:
+    """One generating leg for `Relay.forward`: where it goes, what it sends, and how its answer is relayed."""
+
+    send: Any                    # ASGI send of the client
+    url: str
+    payload: bytes
+    upstream_headers: bytes      # extra request headers, as encoded lines (gateway/upstream.py encode_headers)
+    client_headers: list[tuple[bytes, bytes]]
+    stream: bool
+    strip_usage: bool
+    retry_5xx: bool              # a 5xx answer is a failure the caller places again (UpstreamFailure), not relayed
+    state: ResponseState
+    resume: StreamResume | None = None   # the stream may be continued elsewhere should this worker fail
+    worker_id: str | None = None         # its pace bounds the waits, and `abort_worker` can reach the exchange
+    first_s: float | None = None         # the stream's first-token limit (the caller's stall rule; default: pace)
+    on_first: Callable[[], object] | None = None   # called at the stream's first token
+    retry_429: bool = False      # so is a 429, and the engine's 400 for a request over its context
 
 
 class ResponseState:
@@ -123,9 +144,9 @@ class Relay:
         return len(legs)
 
     async def exchange(self, url: str, payload: bytes, headers: bytes, timeout_s: float,
-                       worker_id: str) -> tuple[int, bytes]:
-        """One whole non-relayed exchange with a worker (a P/D prefill leg) within `timeout_s`, reachable by
-        `abort_worker`: (status, body). Raises TimeoutError or OSError."""
+                       worker_id: str) -> tuple[int, bytes, bytes]:
+        """One whole non-relayed exchange with a worker (a P/D prefill leg, a passthrough call) within
+        `timeout_s`, reachable by `abort_worker`: (status, body, content type). Raises TimeoutError or OSError."""
         track = self.legs.get(worker_id)
         if track is None:
             track = self.legs[worker_id] = set()
@@ -136,35 +157,15 @@ class Relay:
                 conn = await self.upstream.request(url, headers, payload, timeout_s, track=track)
                 body = await conn.read()
             clean = True
-            return conn.status, body
+            return conn.status, body, conn.content_type
         finally:
             if conn is not None:
                 _end(conn, track, clean)
 
-    async def forward(
-        self,
-        send,  # noqa: ANN001 - ASGI send
-        url: str,
-        payload: bytes,
-        upstream_headers: bytes,
-        client_headers: list[tuple[bytes, bytes]],
-        stream: bool,
-        strip_usage: bool,
-        retry_5xx: bool,
-        state: ResponseState,
-        resume: StreamResume | None = None,
-        worker_id: str | None = None,
-        first_s: float | None = None,
-        on_first: Callable[[], object] | None = None,
-        retry_429: bool = False,
-    ) -> RelayResult:
-        """`upstream_headers`: extra request headers, as encoded lines (gateway/upstream.py encode_headers).
-        `resume`: the stream may be continued elsewhere should this worker fail (gateway/resume.py).
-        `worker_id`: the worker's pace bounds the waits, and `abort_worker` can reach the exchange.
-        `first_s`: the stream's first-token limit (the caller's stall rule; default the worker's pace);
-        `on_first` is called at its first token. `retry_5xx` / `retry_429`: such an answer is a failure the
-        caller places again (raised as UpstreamFailure) rather than one passed to the client; with `retry_429`,
-        so is the engine's 400 for a request over its context."""
+    async def forward(self, leg: LegSend) -> RelayResult:
+        """Send `leg` to its worker and relay the answer to the client (module docstring; fields: `LegSend`)."""
+        send, payload, stream, state, resume = leg.send, leg.payload, leg.stream, leg.state, leg.resume
+        worker_id, retry_429 = leg.worker_id, leg.retry_429
         track = None
         limits = (self.first_byte_s, self.idle_s)
         if worker_id is not None:
@@ -173,16 +174,16 @@ class Relay:
                 track = self.legs[worker_id] = set()
             if self.pace is not None:
                 first, gap = self.pace.limits(worker_id)
-                if first_s is not None:
-                    first = first_s
+                if leg.first_s is not None:
+                    first = leg.first_s
                 limits = (min(first, self.first_byte_s), min(gap, self.idle_s))
         t_sent = time.perf_counter()
-        resp = await self._open(url, payload, upstream_headers, stream, limits[0], track)
+        resp = await self._open(leg.url, payload, leg.upstream_headers, stream, limits[0], track)
         clean = False
         try:
             status = resp.status
             ctype = resp.content_type
-            if status >= 500 and retry_5xx:
+            if status >= 500 and leg.retry_5xx:
                 body = await self._read_all(resp, "status_5xx")
                 raise UpstreamFailure("status_5xx", f"worker answered {status}", status, body, ctype)
             if status == 429 and retry_429:
@@ -205,12 +206,12 @@ class Relay:
                 state.started = True
                 await send({"type": "http.response.start", "status": status,
                             "headers": [(b"content-type", ctype), (b"content-length", b"%d" % len(body)),
-                                        *client_headers]})
+                                        *leg.client_headers]})
                 state.ended = True
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 return result
-            result = await self._relay_stream(resp, send, ctype, client_headers, strip_usage, state, resume,
-                                              limits[1], on_first)
+            result = await self._relay_stream(resp, send, ctype, leg.client_headers, leg.strip_usage, state, resume,
+                                              limits[1], leg.on_first)
             clean = result.midstream_error is None
             if clean and self.pace is not None and worker_id is not None and result.first_token_at is not None:
                 self.pace.of(worker_id).observe(result.first_token_at - t_sent, result.max_gap)

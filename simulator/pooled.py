@@ -222,6 +222,7 @@ class PooledResult:
             out["decode_alpha_mean"] = sum(r.alpha for r in self.decode_rounds) / len(self.decode_rounds)
         if self.spec.colocated:
             out.update({"mode": self.spec.label, "kv_kept": self.spec.kv_kept, "kv_dropped": self.kv_dropped,
+                        "recompute_quota": self.spec.recompute_quota,
                         "prompt_tokens_computed": self.prompt_tokens_computed})
         elif self.spec.pooling == "aegaeon":
             p, d = self.spec.split()

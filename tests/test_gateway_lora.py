@@ -13,7 +13,7 @@ import httpx
 import openai
 
 from engine_adapters.vllm.metrics_parser import parse_vllm_metrics
-from tests.helpers import MODEL, CliProcess, free_port_range, metric, running_gateway
+from tests.helpers import ADMIN, MODEL, CliProcess, free_port_range, metric, running_gateway
 
 LORA = {"enable_lora": True, "allow_runtime_lora_updating": True, "max_loras": 2, "time_scale": 20}
 ADAPTERS = {MODEL: {"adapters": [{"name": "sql", "path": "/adapters/sql"}, {"name": "math", "path": "/adapters/math"}]}}
@@ -141,3 +141,32 @@ async def test_max_adapters_per_worker_unloads_the_least_recently_used(sim_fleet
         counts = [await lora_metric(http, f"fleetgate_lora_{kind}_total", a)
                   for kind in ("loads", "unloads") for a in ("sql", "math")]
         assert counts == [2.0, 1.0, 1.0, 1.0]
+
+
+async def test_an_adapter_that_fails_to_load_is_its_own_failure_not_the_workers(sim_fleet: Callable[..., Any]) -> None:
+    """Three healthy workers that cannot load an adapter (LoRA off: vLLM refuses the load).
+    Every request for it gets a clear OpenAI-style error naming the adapter; the load is tried once per worker,
+    then the adapter is remembered bad there; no worker leaves rotation, and base requests are all served.
+    (Before: each request retried the load everywhere, and the failures ejected healthy workers.)"""
+    fleet = sim_fleet(3, time_scale=20)
+    async with running_gateway(fleet.urls, models=ADAPTERS) as gw, \
+            httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+        bad = {"model": "sql", "prompt": "hi", "max_tokens": 2}
+        good = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+        statuses: list[int] = []
+        for _ in range(10):
+            answers = await asyncio.gather(http.post("/v1/completions", json=bad),
+                                           *(http.post("/v1/completions", json=good) for _ in range(4)))
+            assert all(r.status_code == 200 for r in answers[1:]), [r.text for r in answers[1:]]
+            r = answers[0]
+            statuses.append(r.status_code)
+            err = r.json()["error"]
+            assert "could not load adapter sql" in err["message"] and err["type"] == "upstream_error", err
+        assert statuses == [502] * 10
+        text = (await http.get("/metrics")).text
+        loads = [metric(text, "fleetgate_upstream_errors_total", {"worker": f"w{i}", "kind": "lora_load"}) or 0
+                 for i in range(3)]
+        assert sum(loads) <= 3 and max(loads) <= 1, loads          # one load tried per worker, then remembered
+        assert [metric(text, "fleetgate_worker_healthy", {"worker": f"w{i}"}) for i in range(3)] == [1.0] * 3
+        workers = (await http.get("/admin/workers", headers=ADMIN)).json()["data"]
+        assert all(w["healthy"] for w in workers), workers

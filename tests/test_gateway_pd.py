@@ -309,6 +309,31 @@ async def test_decode_failure_before_first_byte_moves_to_a_decode_worker_that_pr
         assert all(held(gw, w) == 0 for w in ("p0", "d0", "d1"))
 
 
+async def test_decode_re_placements_keep_every_count_exact(sim_fleet) -> None:
+    """A decode leg placed again elsewhere is `released` from its old worker and `placed` on
+    the new one for every request hook, so the class router's per-worker counts (the autoscaler's busy measure),
+    the reservations and the in-flight gauges all return to zero once the fleet is idle. (The re-placement once
+    skipped both hooks: the old worker's count never came down.)"""
+    fleet = sim_fleet(fleet={"servers": [PRODUCER, CONSUMER, CONSUMER, CONSUMER]}, time_scale=20)
+    p, d0, d1, d2 = fleet.urls
+    workers = [("p0", p, "prefill"), ("d0", d0, "decode"), ("d1", d1, "decode"), ("d2", d2, "decode")]
+    async with gateway(workers) as gw, httpx.AsyncClient(headers=ADMIN, timeout=30) as http:
+        await http.post(d0 + "/sim/faults", json={"drop_after_tokens": 0})   # d0 dies under every leg sent to it
+        answers = await asyncio.gather(*(chat(gw, long_chat(f"counts-{i}")[0], stream=i % 2 == 0,
+                                              request_id=f"counts-{i}") for i in range(8)))
+        assert [a[1:3] for a in answers] == [(12, "length")] * 8
+        g = (await http.get(gw.url + "/metrics")).text
+        assert samples(g, "fleetgate_pd_decisions_total", decision="decode_retry_local") >= 1
+        assert gw.gateway.batch.class_counts() == {}
+        assert all(held(gw, w) == 0 for w, _, _ in workers)
+
+        async def gauges_zero() -> bool:
+            g = (await http.get(gw.url + "/metrics")).text
+            return samples(g, "fleetgate_worker_inflight") == 0
+
+        await poll(gauges_zero, timeout=10, what="every worker's in-flight gauge back to zero")
+
+
 async def test_params_expired_at_the_producer_fall_back_to_local_prefill(sim_fleet) -> None:
     # P keeps the KV 1 model-ms only (VLLM_NIXL_ABORT_REQUEST_TIMEOUT): by the time D asks, it is gone
     fleet = sim_fleet(fleet={"servers": [{**PRODUCER, "kv_lease_s": 0.001}, CONSUMER]}, time_scale=20)

@@ -153,6 +153,61 @@ async def test_a_move_before_the_response_started_places_the_request_again(sim_f
         assert sum(state.values()) == 1, state
 
 
+async def _complete(http: httpx.AsyncClient, url: str, tokens: int) -> tuple[float, str, int]:
+    """(seconds to the whole answer, content, completion tokens) of one non-streaming chat request."""
+    t0 = time.perf_counter()
+    r = await http.post(url + "/v1/chat/completions", json={**_body(tokens), "stream": False, "stream_options": None},
+                        headers={"x-sim-output-tokens": str(tokens)})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return time.perf_counter() - t0, body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
+
+
+async def _state(http: httpx.AsyncClient, url: str) -> dict:
+    return (await http.get(url + "/sim/state")).json()
+
+
+async def _run_unary(sim_fleet, rebalance: bool) -> Outcome:  # noqa: ANN001
+    """`_run` with no stream at all: the two long requests and the short one all non-streaming, so neither the
+    short request's first token nor any stream's pace is visible to the gateway."""
+    fleet = sim_fleet(3, time_scale=TIME_SCALE, profile=PROFILE, profile_overrides={"max_num_seqs": 2})
+    cfg = _config(fleet.urls, rebalance)
+    async with running_gateway(**cfg) as gw, httpx.AsyncClient(timeout=120) as http:
+        w0 = fleet.urls[0]
+        longs = [asyncio.create_task(_complete(http, gw.url, LONG)) for _ in range(2)]
+        await poll(lambda: _running_on(http, w0, 2), timeout=30, what="both long requests running on w0")
+        short = asyncio.create_task(_complete(http, gw.url, SHORT))
+        await poll(lambda: _waiting(http, w0), timeout=20, what="the short request queued on w0")
+        r = await http.post(w0 + "/sim/faults", json={"slowdown": 5})
+        assert r.status_code == 200, r.text
+        latency, text, n = await short
+        done = await asyncio.gather(*longs)
+        metrics = await gw_metrics(http, gw.url)
+        stats = [(await _state(http, u))["stats"] for u in fleet.urls]
+        return Outcome(latency, text, metrics, [s["finished"] for s in stats], [s["prompt_tokens"] for s in stats],
+                       all(d[2] == LONG for d in done) and n == SHORT)
+
+
+async def _running_on(http: httpx.AsyncClient, url: str, n: int) -> bool:
+    return int((await _state(http, url))["running"]) == n
+
+
+async def test_a_non_streaming_request_queued_on_a_slowed_worker_moves_too(sim_fleet) -> None:  # noqa: ANN001
+    """A non-streaming request is as invisible to its client before its answer as a stream
+    before its first token, so it moves like one; with no stream on the worker, the slowdown is seen in the
+    engine's scraped counters. (It never moved before: 0 moves, the answer after the slowed long ones.)"""
+    off = await _run_unary(sim_fleet, rebalance=False)
+    on = await _run_unary(sim_fleet, rebalance=True)
+    assert on.long_ok and off.long_ok
+    assert metric(on.metrics, "fleetgate_rebalance_moves_total", {"model": MODEL}) == 1, on.finished
+    assert on.ttft_s < off.ttft_s / 2, (on.ttft_s, off.ttft_s)
+    # the long ones stayed and completed on w0; the short one was aborted there and completed elsewhere, whole
+    assert on.finished[0] == {"stop": 0, "length": 2, "abort": 1}, on.finished
+    assert sum(f["length"] for f in on.finished[1:]) == 1, on.finished
+    assert off.finished[0] == {"stop": 0, "length": 3, "abort": 0}, off.finished
+    print(f"short non-streaming request: answered in {on.ttft_s:.2f} s moved, {off.ttft_s:.2f} s not moved")
+
+
 def test_a_model_may_override_the_top_level_rebalance() -> None:
     from gateway.config import load_config
     from gateway.rebalancer import Rebalancer

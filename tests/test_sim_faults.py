@@ -218,3 +218,19 @@ def test_faults_from_start_config(sim_fleet):
         assert c.get("/sim/faults").json()["slowdown"] == 2.0
     with pytest.raises(ConfigError, match="faults"):
         SimFleet.of(1, faults={"slowdown": "fast"})
+
+
+def test_a_dropped_unary_answer_is_cut_even_when_the_engine_finished_first(sim_fleet):
+    """A host behind the wall clock runs many engine steps in one burst (simulator/driver.py), so a short
+    request may be finished before its handler wakes: the drop fault still cuts its answer. (It once sent the
+    whole answer then: under load, tests that count on the cut saw the dropped worker answer.) A time scale so
+    high that every step is already due reproduces the burst on an idle machine."""
+    url = sim_fleet(1, time_scale=1e6).urls[0]
+    with httpx.Client(base_url=url, timeout=30) as client:
+        client.post("/sim/faults", json={"drop_after_tokens": 0})
+        for _ in range(5):
+            with pytest.raises(httpx.RemoteProtocolError):
+                client.post("/v1/completions", json={"prompt": "x" * 4000, "max_tokens": 12, "ignore_eos": True})
+        client.post("/sim/faults", json={"drop_after_tokens": 12})   # not longer than the threshold: whole
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 12, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12

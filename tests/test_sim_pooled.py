@@ -406,6 +406,7 @@ def test_cli_colocated_turns():
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["mode"] == "aegaeon-coloc" and out["kv_kept"] is True and out["kv_dropped"] == 0
+    assert out["recompute_quota"] is False     # the KV kept: nothing to recompute
     for key in ("slo_attainment", "token_slo_attainment", "goodput_rps", "models_per_worker", "swaps",
                 "decode_round_s_mean"):
         assert key in out, key
@@ -415,6 +416,11 @@ def test_cli_colocated_turns():
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["kv_kept"] is False and out["workers"] == 2 and out["completed"] == out["requests"]
+    # colocated turns that drop the KV count its recomputation by default, as the gateway's shared hosts do
+    base = ("simulate", "--num-models", "3", "--rate", "0.6", "--workers", "2", "--pooling", "aegaeon",
+            "--prefill-fraction", "0", "--duration", "30", "--json")
+    default, off = (json.loads(fleetgate(*base, *extra).stdout) for extra in ((), ("--no-recompute-quota",)))
+    assert (default["recompute_quota"], off["recompute_quota"]) == (True, False)
     p = fleetgate("simulate", "--num-models", "3", "--rate", "0.6", "--workers", "2", "--pooling", "aegaeon",
                   "--kv-kept")
     assert p.returncode == 2 and "kv_kept and recompute_quota apply to" in p.stderr
