@@ -58,6 +58,24 @@ class Feasibility:
     later: np.ndarray | None = None
     risk: np.ndarray | None = None
     ttft: np.ndarray | None = None
+    terms: TtftTerms | None = None
+
+
+@dataclass(slots=True)
+class TtftTerms:
+    """(c)'s TTFT estimate per candidate row, term by term (bench/aladdin_estimates.py logs them next to what
+    the engine then did): waited + queued_s + own_s + interference_s (+ the tail term). queued_s: the prefill
+    work already placed there and not yet done (eq. 2, c1 included); own_s: the request's own (uncached) prefill;
+    interference_s: the decode steps batched with its prefill chunks; decode_step_s: eq. 3 at the current batch
+    (n_decoding requests); queued_tokens: the queued work in linear-token units."""
+
+    waited: float
+    queued_s: np.ndarray
+    own_s: np.ndarray
+    interference_s: np.ndarray
+    decode_step_s: np.ndarray
+    n_decoding: np.ndarray
+    queued_tokens: np.ndarray
 
 
 @dataclass(slots=True)
@@ -152,7 +170,11 @@ class Constraints:
         n_dec = led.n_decoding[rows]
         t_d = np.where(n_dec > 0, k2 * (led.sum_prompt_decoding[rows] + n_dec * (led.step_clock[rows] + 1.0)
                                         - led.sum_start_step[rows]) + c2 * n_dec + c3, 0.0)
-        ttft = self.waited(request, now) + pre + (np.ceil((queued + l_new) / self.chunk) + 1.0) * t_d
+        waited = self.waited(request, now)
+        inter = (np.ceil((queued + l_new) / self.chunk) + 1.0) * t_d
+        ttft = waited + pre + inter
+        q_s = c1 + k1 * queued
+        terms = TtftTerms(waited, q_s, pre - q_s, inter, t_d, n_dec, queued)
         z = 0.0
         if self.tail:                                                  # section 4.3, appendix F
             busy = int(np.count_nonzero(n_all)) + 1
@@ -181,7 +203,7 @@ class Constraints:
         else:
             ok_d = np.ones(len(rows), dtype=bool)
         out = Feasibility(ok=ok_b & ok_c & ok_d, norm=norm, head=norm, rejections={}, ttft_reachable=reachable,
-                          l_in=l_in, lp=lp, var=var, z=z)
+                          l_in=l_in, lp=lp, var=var, z=z, terms=terms)
         if self.slack == SLACK_RISK:
             out.base, out.risk, out.ttft = ok_b & ok_c, risk, ttft
             out.later = ok_b & (ttft + self.deadline_margin_s <= slo.ttft_s) if check_ttft else ok_b
