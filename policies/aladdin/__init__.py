@@ -51,16 +51,22 @@ Choices beyond the paper (each a parameter):
     and, when every worker the model would place on is untrusted, the `fallback` baseline places the request
     ("fallback") until the rate falls or the learner installs a new model (which resets it).
   * (c) counts the time the request already waited (now − arrival, `count_wait`), the decode step in
-    flight and, per prefill chunk of `prefill_chunk_tokens` (vLLM's max_num_batched_tokens), the ongoing
-    decodes batched with it. A request whose TTFT is lost anyway ("late") is placed where (b), (d), (e)
-    hold, or (risk mode) where the risk is least, instead of waiting and blocking others.
+    flight and, per prefill chunk (the worker's model's `chunk_tokens`, vLLM's max_num_batched_tokens; else
+    `prefill_chunk_tokens`), the ongoing decodes batched with it: their share of the step, eq. 3 without c3
+    (the chunk's own pass streams the weights). A request whose TTFT is lost anyway ("late") is placed where
+    (b), (d), (e) hold, or (risk mode) where the risk is least, instead of waiting and blocking others.
+  * (d)'s t_pre is the stall the decodes suffer under chunked prefill: k1 per queued and new prefill token,
+    without c1 (the server's per-request overhead stalls no decode) (`Constraints.stall`).
   * capacity_norm divides batch size and context by the worker's own limits (eq. 4 at b=1, (T−c3)/c2)
     so that workers of different profiles rank on one scale.
   * A request that fits no worker even when alone (e.g. its prefill exceeds the TTFT target) is placed by
     the `fallback` baseline ("best_effort") instead of waiting forever.
   * Engine-reported load (WorkerView running/waiting/kv_usage) beyond the ledger's (other gateway
-    replicas) is counted in (b) and (e).
-  * Cache pricing (`price_cache=True`): the policy then declares `needs_kv_blocks`, so the
+    replicas) is counted in (b) and (e); in (e) the engine's report also corrects the ledger downwards
+    (`Ledger.kv_correction`): prefix blocks that running requests share (a system prompt) are held once.
+  * Cache pricing (`price_cache`, on by default: on multi-turn chats half the prompt tokens are cached and
+    the estimate without it is 2.5x too long, bench/results/aladdin_estimates.md): the policy declares
+    `needs_kv_blocks`, so the
     gateway (from the engines' KV events) and the simulator fill RequestFeatures.cached_prefix_tokens, and
     on each worker only the prompt tokens its prefix cache does not hold count as prefill work in (c), (d)
     and the ledger's prefill queue (eq. 2's k1·l plus the quadratic term's k1q·(l_in² − cached²): the

@@ -171,7 +171,10 @@ class Constraints:
         t_d = np.where(n_dec > 0, k2 * (led.sum_prompt_decoding[rows] + n_dec * (led.step_clock[rows] + 1.0)
                                         - led.sum_start_step[rows]) + c2 * n_dec + c3, 0.0)
         waited = self.waited(request, now)
-        inter = (np.ceil((queued + l_new) / self.chunk) + 1.0) * t_d
+        chunk = self.chunks(rows)
+        # A chunk's step streams the weights once for the prefill and the decodes batched with it (eq. 3's c3 is
+        # in the prefill's k1 already): each chunk adds the decodes' share, t_d − c3; the step in flight, t_d.
+        inter = np.ceil((queued + l_new) / chunk) * np.maximum(t_d - c3, 0.0) + t_d
         ttft = waited + pre + inter
         q_s = c1 + k1 * queued
         terms = TtftTerms(waited, q_s, pre - q_s, inter, t_d, n_dec, queued)
@@ -191,14 +194,15 @@ class Constraints:
             slack = (led.group_atgt * (G + 1.0)[:, None] - now + led.slack_key[rows]).min(axis=1)
             F = self.length_cdf(request.model) if self.slack == SLACK_RISK else None
             if F is not None:
-                risk = self.stall_risk_of(F, rows, now, pre / th, queued, t_d, l_in, slo.atgt_s, l_new)
+                risk = self.stall_risk_of(F, rows, now, self.stall(rows, queued, work) / th, queued, t_d, l_in,
+                                          slo.atgt_s, l_new)
                 ok_d = risk <= self.stall_risk
             else:
                 if self.slack in (SLACK_LIFETIME, SLACK_RISK):  # risk mode without length data: lifetime
                     slack = slack + self.future_slack(rows, G)
                 else:  # the MIP's ongoing requests include placed ones not decoding yet: l_out = t_dec = 0
                     slack = np.where(queued > 0, np.minimum(slack, 0.0), slack)
-                ok_d = pre <= th * slack
+                ok_d = self.stall(rows, queued, work) <= th * slack
                 risk = np.where(ok_d, 0.0, 1.0)
         else:
             ok_d = np.ones(len(rows), dtype=bool)
@@ -224,6 +228,22 @@ class Constraints:
             head[idx] = np.minimum(head[idx], kv_head)
         out.head, out.rejections = head, rej
         return out
+
+    def chunks(self, rows: np.ndarray) -> np.ndarray:
+        """The prefill chunk of each row's engine (its model's chunk_tokens: vLLM's max_num_batched_tokens), else
+        `prefill_chunk_tokens`."""
+        c = self.ledger.chunk[rows]
+        return np.where(c > 0, c, float(self.chunk))
+
+    def stall(self, rows: np.ndarray, queued: np.ndarray, work: np.ndarray | float) -> np.ndarray:
+        """How long the prefills queued on each row plus the new one delay its ongoing decodes: (d)'s t_pre.
+
+        The paper's engine stops decoding for a whole prefill, eq. 2 with its per-request constant c1. vLLM V1
+        (chunked prefill) batches the decodes with every chunk instead, so each decode step that carries a
+        chunk is longer by the chunk's compute, k1 per token (eq. 2's slope; the weights are streamed for the
+        decodes anyway) and c1 (the server's per-request overhead before the engine sees the prompt) stalls
+        no decode."""
+        return self.ledger.k1[rows] * (queued + work)
 
     def stall_risk_of(self, F: np.ndarray, rows: np.ndarray, now: float, need: np.ndarray,
                       queued: np.ndarray, t_d: np.ndarray, l_in: float, t_slo: float,
@@ -255,7 +275,8 @@ class Constraints:
             risk += np.bincount(ri, weights=p, minlength=n)
         # The not yet started requests (S = 0, one token): stalled by the prompt beyond their last chunk.
         pend = led.n_requests[rows] - n_dec
-        beyond = queued + l_new - np.ceil(queued / self.chunk) * self.chunk
+        chunk = self.chunks(rows)
+        beyond = queued + l_new - np.ceil(queued / chunk) * chunk
         pi = np.nonzero((pend > 0) & (beyond > 0))[0]
         if len(pi):
             x = led.k1[rows[pi]] * beyond[pi] / self.theta * inv_gain[pi]
@@ -303,9 +324,8 @@ class Constraints:
         new = hh * (l_in + np.minimum(g_end, e_new[:, None]) - G[:, None] + 1.0) + j[:, None]
         demand = np.where(offs[None, :] < nb[:, None], hh * g_end * N + A + new, -INF)
         peak = demand.max(axis=1)
-        # The engine's own KV usage, when higher than the ledger's (traffic the ledger does not see).
-        now_model = h * G * N[:, 0] + A[:, 0]
-        peak += np.maximum(led.engine_kv_usage[rs] * M - now_model, 0.0)
+        # The engine's own KV usage against the ledger's (traffic the ledger does not see; shared prefixes).
+        peak += led.kv_correction(rs)
         if z:
             peak += z * h * np.sqrt(led.sum_variance[rs] + var)
         return peak <= M, 1.0 - peak / M

@@ -60,7 +60,7 @@ class AladdinPolicy(Policy):
         fallback: str | None = "least_requests",
         max_miss_rate: float = 0.1,
         miss_window: int = 64,
-        price_cache: bool = False,
+        price_cache: bool = True,    # multi-turn chats need it (bench/results/aladdin_estimates.md)
     ) -> None:
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"gamma (strictness knob) must be in [0, 1], got {gamma}")
