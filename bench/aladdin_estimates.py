@@ -1,4 +1,4 @@
-"""aladdin's TTFT / TPOT estimate, term by term, next to what the simulated engine then did (issue 39).
+"""aladdin's TTFT / TPOT estimate, term by term, next to what the simulated engine then did.
 
     python -m bench.aladdin_estimates [--out bench/results/aladdin_estimates.md]
 
