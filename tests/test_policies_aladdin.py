@@ -151,6 +151,27 @@ def test_cache_pricing_counts_only_uncached_prefill_in_ttft_and_the_queue():
     assert over.worker_load("w0")["pending_prefill_tokens"] == pytest.approx(0)
 
 
+def test_without_kv_events_a_turn_is_priced_where_its_conversation_ran():
+    """No KV-event view: the conversation's last turn left its prompt and answer in that worker's prefix cache
+    (policies/aladdin/affinity.py), so the next turn's prefill there is only the new part; elsewhere, the whole."""
+    ws = views(2)
+    p = policy(CLOCK, slack="off")                  # 1 ms per prompt token, TTFT target 0.6 s
+    first = req("t0", l_in=300, session_id="c1")
+    w = place(p, first, ws, 0.0)
+    p.observe_completion(first, 100, 1.0)
+    p.on_complete(first, w, 1.0)
+    # 900 tokens: 0.9 s anywhere uncached; on w the conversation's 400 are cached, 0.5 s: w.
+    second = req("t1", l_in=900, session_id="c1")
+    assert p.constraints.prefix_view(second) == {w: 400}
+    assert place(p, second, ws, 2.0) == w
+    assert p.worker_load(w)["pending_prefill_tokens"] == pytest.approx(500)
+    # Another conversation of the same length has nothing cached: no worker meets its TTFT.
+    assert p.choose(req("u0", l_in=900, session_id="c2"), ws, 2.0).reason == "best_effort"
+    # A KV-event view, where the caller has one, is the truth (here: nothing cached): no guess.
+    assert p.constraints.prefix_view(req("t2", l_in=900, session_id="c1", cached_prefix_tokens={})) == {}
+    assert policy(CLOCK, price_cache=False).constraints.sessions is None
+
+
 # --- (c) TTFT via eq. 2 -----------------------------------------------------------------------------
 def test_ttft_constraint_by_hand():
     p = policy(CLOCK, slack="off")

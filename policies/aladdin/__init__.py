@@ -23,6 +23,7 @@ The package, one module per part of the paper:
   * choice.py       Algorithm 1's best fit, worst fit, risk mode's deadline and the trust rule;
   * shortfall.py    the scale signal (section 4.1, appendix E.2);
   * rebalancing.py  Algorithm 2 (appendix C);
+  * affinity.py     where a conversation's prefix is cached when no KV-event view says so;
   * policy.py       `AladdinPolicy`, the Policy interface over them.
 
 Choices beyond the paper (each a parameter):
@@ -73,6 +74,9 @@ Choices beyond the paper (each a parameter):
     uncached tokens still attend to the cached ones). A cached prefix then wins a placement exactly when
     the TTFT or slack it saves is what makes a worker fit (or gives it the most headroom). (b) and (e)
     still count the whole context: cached blocks are decoded over and held like any other.
+  * Conversation affinity without KV events (affinity.py): where the caller has no KV-event view, a turn's
+    cached prefix is estimated on the worker that served its conversation's last turn (`session_id`, the
+    `x-session-id` header), so staying saves the prefill and moving costs the re-prefill in (c) and (d).
 """
 
 from policies.aladdin.choice import FIT_BEST, FIT_WORST, FITS

@@ -13,14 +13,16 @@ chunk terms, cache pricing) are described in the package docstring (policies/ala
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from policies.aladdin.affinity import SessionCache
 from policies.aladdin.ledger import INF, Ledger
 from policies.slo_targets import SloTarget, target_for
 from policies.tail import split_budget, tail_factor
-from policies.types import RequestFeatures, WorkerView
+from policies.types import NO_CACHED_PREFIX, RequestFeatures, WorkerView
 
 # Constraint (d) modes: "paper" is Aladdin's θ·min(T_dec·l_out − t_dec), the slack saved so far;
 # "lifetime" adds a lower bound on the slack still to come (a worker with only young requests is not
@@ -95,6 +97,7 @@ class Constraints:
     deadline_margin_s: float
     use_predictor: bool
     price_cache: bool
+    sessions: SessionCache | None = None
     _cdf_cache: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
 
     # --- per-request inputs ----------------------------------------------------------------------
@@ -109,11 +112,19 @@ class Constraints:
         var = predictor.predict_std(request.model, request.prompt_tokens) ** 2 if self.tail else 0.0
         return lp, var
 
+    def prefix_view(self, request: RequestFeatures) -> Mapping[str, int]:
+        """Worker -> prompt tokens its prefix cache holds for the request: the KV-event view where the caller has
+        one, else where its conversation's last turn ran (policies/aladdin/affinity.py)."""
+        view = request.cached_prefix_tokens
+        if view is NO_CACHED_PREFIX and self.sessions is not None:
+            return self.sessions.view(request)
+        return view
+
     def cached_for(self, request: RequestFeatures, workers: list[WorkerView] | tuple[WorkerView, ...]
                    ) -> np.ndarray | float:
         """Prompt tokens each candidate's prefix cache holds for the request (0 without cache pricing)."""
-        view = request.cached_prefix_tokens
-        if not self.price_cache or not view:
+        view = self.prefix_view(request) if self.price_cache else None
+        if not view:
             return 0.0
         top = max(int(request.prompt_tokens), 0)
         return np.array([min(max(int(view.get(w.id, 0)), 0), top) for w in workers], dtype=float)
