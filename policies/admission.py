@@ -134,14 +134,17 @@ class AdmissionQueue:
         priority, policies/service_priority.py). The caller `remove`s each one it placed before asking for the
         next; one still queued then counts as not placed, and after `lookahead` of those the drain ends. Given
         `now`, a request tried since the last `changed` whose `retry_at` has not come is skipped (the module
-        docstring's bounded decision cost); it counts as no miss."""
+        docstring's bounded decision cost) and counts as a miss."""
         misses = 0
         items = list(self._items) if order is None else sorted(self._items, key=order)
         for w in items:
             if not w.queued:
                 continue
             if now is not None and w.tried_epoch == self.epoch and w.retry_at > now:
-                self.skipped += 1
+                self.skipped += 1      # known not to fit: a miss like a tried one (head-of-line stays so)
+                misses += 1
+                if misses >= self.lookahead:
+                    return
                 continue
             yield w
             if w.queued:
