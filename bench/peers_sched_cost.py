@@ -34,6 +34,7 @@ class Cost:
     attainment: float
     refused: int
     wall_s: float
+    cpu_s: float        # the process's CPU time for the run: what a shared, loaded machine does not inflate
     decisions: int
     us_per_decision: float
 
@@ -54,11 +55,11 @@ def cost_run(reqs: Sequence[WorkloadRequest], policy: str, workers: int) -> Cost
         return d
 
     pol.choose = timed
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     d = sim.run([dataclasses.replace(r) for r in reqs]).to_dict()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     refused = sum(1 for r in sim.results.values() if r.finish_reason == "refused")
-    return Cost(d["slo_attainment"], refused, wall, spent[0], spent[1] / max(spent[0], 1) * 1e6)
+    return Cost(d["slo_attainment"], refused, wall, cpu, spent[0], spent[1] / max(spent[0], 1) * 1e6)
 
 
 class Runner:
@@ -85,8 +86,8 @@ class Runner:
 
 def cell(c: Cost | None) -> str:
     if c is None:
-        return "- | - | - | -"
-    return f"{c.refused} | {c.wall_s:.1f} | {c.decisions:,} | {c.us_per_decision:.0f}"
+        return "- | - | - | - | -"
+    return f"{c.refused} | {c.wall_s:.1f} | {c.cpu_s:.1f} | {c.decisions:,} | {c.us_per_decision:.0f}"
 
 
 def windows(n_chat: int = 800, n_mooncake: int = 400) -> list[Window]:
@@ -101,8 +102,8 @@ def tables(ws: Sequence[Window], policies: Sequence[str], lo: int, hi: int) -> l
     out: list[str] = []
     for w in ws:
         out += [f"#### {w.name}", "",
-                f"| policy | workers for {TARGET:.0%} | attainment there | refused (429) | wall s | decisions "
-                "| µs per decision |", "|---|---|---|---|---|---|---|"]
+                f"| policy | workers for {TARGET:.0%} | attainment there | refused (429) | wall s | CPU s | decisions "
+                "| µs per decision |", "|---|---|---|---|---|---|---|---|"]
         answers: dict[str, SweepResult] = {}
         for p in policies:
             res = answers[p] = run.sweep(w, p, lo, hi)
@@ -113,12 +114,13 @@ def tables(ws: Sequence[Window], policies: Sequence[str], lo: int, hi: int) -> l
         if lt is not None and "aladdin" in answers and lt.answer is not None and lt.bound != ">":
             base = int(lt.answer)
             out += ["", f"aladdin next to least_tokens from least_tokens' boundary ({base} workers) up:", "",
-                    "| workers | least_tokens: attainment | refused | wall s | aladdin: attainment | refused | wall s "
-                    "| wall ratio |", "|---|---|---|---|---|---|---|---|"]
+                    "| workers | least_tokens: attainment | refused | wall s | CPU s | aladdin: attainment | refused "
+                    "| wall s | CPU s | ratio, wall; CPU |", "|---|---|---|---|---|---|---|---|---|---|"]
             for n in range(base, min(base + 3, hi) + 1):
                 a, b = run(w, "least_tokens", n), run(w, "aladdin", n)
-                out.append(f"| {n} | {a.attainment:.1%} | {a.refused} | {a.wall_s:.1f} | {b.attainment:.1%} "
-                           f"| {b.refused} | {b.wall_s:.1f} | {b.wall_s / max(a.wall_s, 1e-9):.1f}x |")
+                out.append(f"| {n} | {a.attainment:.1%} | {a.refused} | {a.wall_s:.1f} | {a.cpu_s:.1f} "
+                           f"| {b.attainment:.1%} | {b.refused} | {b.wall_s:.1f} | {b.cpu_s:.1f} "
+                           f"| {b.wall_s / max(a.wall_s, 1e-9):.1f}x; {b.cpu_s / max(a.cpu_s, 1e-9):.1f}x |")
         out.append("")
     return out
 
@@ -137,9 +139,10 @@ def main() -> None:
            + (f" --policies {' '.join(args.policies)}" if args.policies else ""))
     intro = (f"Every policy by name in virtual time ({PROFILE} workers, default parameters, one seed; "
              "bench/peers_sched_cost.py). Workers for 99%: the fewest in "
-             f"({lo}, {hi}] by bisection. Wall time: the whole ClusterSim run on this machine (shared, loaded: "
-             "compare within a table); decisions: calls of the policy's choose, retries of waiting requests "
-             "included; µs per decision: time inside choose.")
+             f"({lo}, {hi}] by bisection. Wall and CPU time: the whole ClusterSim run (the machine is shared and "
+             "loaded, so wall time varies with the others' work; the process's CPU time much less); decisions: "
+             "calls of the policy's choose, retries of waiting requests included; µs per decision: time inside "
+             "choose.")
     write_section(Path(args.out), args.title, cmd, "\n".join([intro, "", *body]))
     print("\n".join(body))
 
