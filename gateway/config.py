@@ -300,9 +300,11 @@ class LimitsConfig(_Strict):
                                              " (1: head-of-line FIFO); a new request tries at once while "
                                              "fewer than this many wait.")
     queue_poll_s: float | None = Field(
-        None, gt=0, description="How often the queue retries besides on every release (this replica's, and "
+        None, gt=0, description="How often the queue drains besides on every release (this replica's, and "
                                 "other replicas' announced through Redis while requests wait), on a registry"
-                                " change and when a policy asked (None: 0.5 s).")
+                                " change, after each engine scrape and when a policy asked (None: 0.5 s). A "
+                                "request that found no worker is tried again only after a release, registry "
+                                "change or scrape, or when its policy asked.")
     retries: int = Field(2, ge=0, le=10,
                          description="Extra workers tried when one fails before any byte was sent.")
 

@@ -82,6 +82,8 @@ class Gateway:
             learner=self.learner, auth=self.auth, shared_state=self.shared_state,
             observer=RequestObserver.make(self.access_log, self.tracing), kv_events=self.kv_events,
             pooling=pooling, no_room=self.batch.router.no_room, rebalancer=self.rebalancer, hooks=[self.batch.router])
+        # A new engine report can change an SLO-aware policy's answer: the waiting requests try again.
+        self.registry.on_scraped(lambda d=self.dispatcher: [d.kick(m) for m in list(d.runtimes)])
         if self.rebalancer is not None:
             await self.rebalancer.start(self.dispatcher)
         await self.registry.start(self.upstream)
