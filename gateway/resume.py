@@ -25,7 +25,7 @@ and tool calls already streaming.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,7 +196,7 @@ class StreamResume:
     answer). `tokens_before` is what the client had when the current leg started."""
 
     __slots__ = ("chat", "client_usage", "continuous_usage", "sent", "legs", "delivered", "tokens_before",
-                 "prompt_tokens", "first_token_at", "_leg_usage", "_size")
+                 "prompt_tokens", "first_token_at", "_leg_usage", "_size", "elsewhere")
 
     def __init__(self, chat: bool, client_usage: bool, continuous_usage: bool) -> None:
         self.chat = chat
@@ -210,6 +210,9 @@ class StreamResume:
         self.first_token_at: float | None = None
         self._leg_usage: Usage | None = None
         self._size = 0
+        # the workers a continuation could go to now (the dispatcher's); the relay's stall judge keeps a silent
+        # stream that has none progressing (policies/pace.py FleetPace.judge)
+        self.elsewhere: Callable[[StreamResume], list[str]] | None = None
 
     def note(self, out: bytes) -> None:
         """The relay forwarded `out` to the client."""
