@@ -13,7 +13,7 @@ A rolling upgrade (Kubernetes, Compose) sends SIGTERM, waits its grace period, t
 
 Why the hard-coded `timeout_graceful_shutdown=5` of uvicorn was not enough: uvicorn closes the listening socket
 first (new clients get connection refused, which some do not retry) and after the timeout cancels the request
-tasks, which ended streams mid-body with no `[DONE]`, no error event and no access-log line (issue 41).
+tasks, which ended streams mid-body with no `[DONE]`, no error event and no access-log line.
 The server (gateway/server.py) drives the steps; the app (gateway/app.py) refuses and tracks requests.
 """
 

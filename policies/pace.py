@@ -18,8 +18,8 @@ has no pace yet), unless its first token can be predicted:
   knows get a prediction; the others keep the cold limit.
 
 A silence past those limits is a stall only when it is long relative to the fleet too, and only when the
-exchange has somewhere better to go (`FleetPace.judge`, issue 41: a fleet slowed 250x lost its streams to
-"not resumed (no other worker)" errors):
+exchange has somewhere better to go (`FleetPace.judge`; judged on the worker's pace alone, a fleet slowed
+250x lost its streams to "not resumed (no other worker)" errors):
 
 - paces learn from exchanges in flight, not only from finished ones: a silence of at least `notable` x its
   limit that the worker then ended itself (its next token came) is remembered for `live_window_s`

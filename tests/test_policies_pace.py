@@ -112,7 +112,7 @@ def test_at_most_a_fraction_of_a_pool_is_ejected_but_always_one() -> None:
     assert may_eject(1, 5, s) and not may_eject(2, 5, s)
 
 
-# --- the stall judge: relative to the fleet, and only with somewhere better to go (issue 41) ------------------
+# --- the stall judge: relative to the fleet, and only with somewhere better to go ---------------------------
 
 def paced_fleet(workers: list[str], gap: float = 0.1, now: float = 100.0) -> FleetPace:
     f = FleetPace(S)

@@ -1,4 +1,4 @@
-"""A fleet that is slow but alive keeps its streams (issue 41 item 1), with real processes: each worker a
+"""A fleet that is slow but alive keeps its streams, with real processes: each worker a
 `fleetgate sim --workers 1` process, the gateway `fleetgate serve`, the slowdown the simulator's fault
 (`POST /sim/faults {"slowdown": k}`: every engine iteration k times longer, simulator/faults.py).
 
@@ -6,7 +6,7 @@
   several seconds, past the 2 s floor of the stall rule): every stream completes, no error event;
 - the issue's figures re-measured at a small size: every worker 100x slower, and a burst at 10x.
 
-Before (issue 41): both workers 250x slower, 7 of 8 streams ended in errors; 3,000 streams at 100x, 3,000
+Before (an outside probe, on the stall rule of the worker's own pace): both workers 250x slower, 7 of 8 streams ended in errors; 3,000 streams at 100x, 3,000
 errors; a burst of 3,000 streams at 10x, 2,998 "worker stalled mid-stream".
 """
 
