@@ -27,8 +27,9 @@ exchange has somewhere better to go (`FleetPace.judge`; judged on the worker's p
 - the fleet's limit is the upper median of the paced workers' own limits, and at least `factor` x the longest
   silence any worker recently ended itself: when the whole fleet slows down, every limit rises with it;
 - a silence past both limits is given up only when another worker the stream could move to is progressing (it
-  has nothing in flight, or its latest token is within its own gap limit); otherwise the exchange is kept and
-  judged again `recheck_s` later (the gateway's fixed `timeouts` stay the upper bound);
+  has nothing in flight, or its latest token came within `notable` x its own gap limit and x this worker's
+  silence: peers that went quiet together are no better); otherwise the exchange is kept and judged again
+  `recheck_s` later (the gateway's fixed `timeouts` stay the upper bound);
 - the silence that counts is the worker's as a whole: an exchange is given up (and the worker ejected) only
   when no token came on any of its exchanges within the limit (a zombie, a frozen process); a worker feeding
   its other streams is working through its queue (a burst, a preempted request), not hung.
@@ -188,11 +189,12 @@ class FleetPace:
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
 
-    def fleet_limits(self, now: float) -> tuple[float, float]:
+    def fleet_limits(self, now: float, fresh: bool = False) -> tuple[float, float]:
         """The fleet's (first-token, gap) limits: the upper median of the paced workers' own limits, and at least
-        what any worker's recent silences in flight allow; (0, 0) while no worker has a pace."""
+        what any worker's recent silences in flight allow; (0, 0) while no worker has a pace. `fresh`: not the
+        value computed up to FLEET_CACHE_S ago."""
         at, cached = self._fleet
-        if 0 <= now - at < FLEET_CACHE_S:   # judged for every kept exchange every recheck_s: not recomputed each time
+        if not fresh and 0 <= now - at < FLEET_CACHE_S:   # judged for every kept exchange every recheck_s: not recomputed each time
             return cached
         firsts, gaps = [], []
         live_first = live_gap = 0.0
@@ -208,15 +210,17 @@ class FleetPace:
         self._fleet = (now, (max(_upper_median(firsts), live_first), max(_upper_median(gaps), live_gap)))
         return self._fleet[1]
 
-    def progressing(self, worker_id: str, busy: bool, now: float) -> bool:
-        """Whether `worker_id` could take an exchange over: nothing in flight there, or its latest token within
-        its own gap limit."""
+    def progressing(self, worker_id: str, busy: bool, now: float, than_s: float = math.inf) -> bool:
+        """Whether `worker_id` could take an exchange over from a worker quiet for `than_s`: nothing in flight
+        there, or its latest token well within its own gap limit and that quiet (`notable` x the smaller: a peer
+        that went quiet at the same moment, as a whole fleet slowing down does, is no better)."""
         if not busy:
             return True
         p = self._workers.get(worker_id)
         if p is None or p.last_token_at is None:
             return False
-        return now - p.last_token_at < max(p.limits()[1], p.live_limits(now)[1])
+        return now - p.last_token_at < self.settings.notable * min(max(p.limits()[1], p.live_limits(now)[1]),
+                                                                   than_s)
 
     def judge(self, worker_id: str, started: bool, silent_s: float, first_s: float | None, now: float,
               peers: Iterable[tuple[str, bool]]) -> float | None:
@@ -229,14 +233,20 @@ class FleetPace:
         p = self.of(worker_id)
         first, gap = p.limits()
         live_first, live_gap = p.live_limits(now)
-        fleet_first, fleet_gap = self.fleet_limits(now)
-        # a first token takes an engine iteration too: never judged stricter than a gap (a paced one: not the cold)
-        limit = max(gap if started or p.paced else 0.0, live_gap, fleet_gap)
-        if not started:
-            limit = max(limit, first if first_s is None else first_s, live_first, fleet_first)
-        better = any(self.progressing(w, busy, now) for w, busy in peers if w != worker_id)
         quiet = None if p.last_token_at is None else now - p.last_token_at
-        return stall_verdict(silent_s, quiet, limit, better, self.settings.recheck_s)
+        than = silent_s if quiet is None else min(silent_s, quiet)
+        better = any(self.progressing(w, busy, now, than) for w, busy in peers if w != worker_id)
+        wait: float | None = 0.0
+        for fresh in (False, True):   # a stall is confirmed on fresh fleet limits (a peer's token may just have come)
+            fleet_first, fleet_gap = self.fleet_limits(now, fresh)
+            # a first token takes an engine iteration too: never judged stricter than a gap (a paced one, not cold)
+            limit = max(gap if started or p.paced else 0.0, live_gap, fleet_gap)
+            if not started:
+                limit = max(limit, first if first_s is None else first_s, live_first, fleet_first)
+            wait = stall_verdict(silent_s, quiet, limit, better, self.settings.recheck_s)
+            if wait is not None:
+                break
+        return wait
 
 
 def stall_verdict(silent_s: float, worker_quiet_s: float | None, limit_s: float, better_peer: bool,

@@ -191,3 +191,10 @@ def test_stall_verdict() -> None:
     assert stall_verdict(2.0, None, 2.0, False, 1.0) == 1.0
     assert stall_verdict(2.0, None, 2.0, True, 1.0) is None
     assert stall_verdict(2.0, 0.5, 2.0, True, 1.0) == 1.5   # the worker fed another stream 0.5 s ago
+
+
+def test_peers_that_went_quiet_at_the_same_moment_are_no_better() -> None:
+    f = paced_fleet(["a", "b"])
+    f.of("a").last_token_at = 98.0
+    f.of("b").last_token_at = 98.001     # the whole fleet slowed down at once: b is quiet as long as a
+    assert f.judge("a", True, 2.0, None, 100.0, [("b", True)]) == S.recheck_s

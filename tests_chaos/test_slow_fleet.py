@@ -44,7 +44,8 @@ async def warm(http: httpx.AsyncClient, url: str, n: int = 32) -> None:
 
 async def test_a_fleet_slowed_300x_after_a_normal_start_keeps_its_streams(sim_fleet_process, gateway_process,
                                                                           tmp_path) -> None:
-    fleet = [sim_fleet_process(1, time_scale=1.0, seed=i) for i in range(2)]
+    # time_scale 0.5: 300x makes each engine iteration take seconds (~5 s), well past the 2 s floor
+    fleet = [sim_fleet_process(1, time_scale=0.5, seed=i) for i in range(2)]
     urls = [f.urls[0] for f in fleet]
     gw = gateway_process(write_config(tmp_path, urls))
     url = gw.listening_url(timeout=120)
