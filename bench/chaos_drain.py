@@ -45,7 +45,7 @@ ROWS = {
         "rolling restart of {replicas} replicas sharing Redis (SIGTERM, wait for exit, start again on the same "
         "port; one, then the other) under 8 clients of short streams that retry on connection refused or 503",
         "0 failed", "{failed} failed of {requests}",
-        "37 failed of 240"),
+        "an outside probe: 37 failed of 240; this test on the code before: the first replica exited by its SIGTERM (code -15), not 0"),
     "fleet_slowed_300x": (
         "2 workers slowed 300x (`/sim/faults {{\"slowdown\": 300}}`) for ~{slowed_for_s} s after a normal start, "
         "{streams} streams of 200 tokens (12 under way, 4 arriving into the slowdown)",
