@@ -763,6 +763,10 @@ class ServerConfig(_Strict):
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="Request line plus headers; beyond: 431.")
     max_headers: int = Field(100, ge=8, description="Header lines; beyond: 431.")
     max_connections: int = Field(4096, ge=1, description="Open client connections; beyond: closed at once.")
+    drain_timeout_s: float = Field(30.0, ge=0, description=(
+        "On SIGTERM, how long requests in flight may take to finish (/ready answers 503 at once, new requests "
+        "get 503 with Retry-After); those still running then end with an error event. Give the orchestrator's "
+        "grace period more than this."))
     trusted_proxies: list[str] = Field(
         default_factory=list, description="Peers (addresses or networks) whose X-Forwarded-For is kept (the "
                                           "client address is appended to it); others' is replaced.")
