@@ -66,7 +66,7 @@ async def test_a_request_passes_the_four_points_and_a_malformed_one_only_finishe
         assert [type(h).__name__ for h in d.hooks.hooks] == [
             "ClassRouter", "Tickets", "Learner", "SloBook", "RequestMetrics", "RequestObserver"]
         rec = Recorder()
-        d.hooks = RequestHooks([*d.hooks.hooks, rec])
+        d.hooks.add(rec)   # in place: the attempt loop holds the same hooks object
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=20)
         r = await client.completions.with_raw_response.create(model=MODEL, prompt="hello there", max_tokens=4)
         rid = r.headers["x-request-id"]

@@ -66,11 +66,12 @@ async def test_a_wiped_store_is_refilled_from_the_replicas_state(redis_url, redi
 
 
 async def test_the_gateway_keeps_its_fleet_and_keys_when_redis_is_wiped(sim_fleet, redis_url, redis_prefix) -> None:
-    fleet = sim_fleet(2, time_scale=50)
+    fleet = sim_fleet(3, time_scale=50)
     cfg = {"redis_url": redis_url, "redis_key_prefix": redis_prefix, "api_keys": ["sk-boot-key-1"],
            "health": {"interval_s": 0.2}}
-    async with running_gateway(fleet.urls, **cfg) as gw, httpx.AsyncClient(base_url=gw.url, timeout=20) as http:
-        made = (await http.post("/admin/workers", headers=ADMIN, json={"id": "added", "url": fleet.urls[1]}))
+    async with running_gateway(fleet.urls[:2], **cfg) as gw, httpx.AsyncClient(base_url=gw.url, timeout=20) as http:
+        # an engine of its own: one listed twice is refused (409 engine_exists)
+        made = (await http.post("/admin/workers", headers=ADMIN, json={"id": "added", "url": fleet.urls[2]}))
         assert made.status_code == 201
         key = (await http.post("/admin/keys", headers=ADMIN, json={"name": "k"})).json()["key"]
         wipe(redis_url, redis_prefix)

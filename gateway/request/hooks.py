@@ -64,11 +64,18 @@ class RequestHooks:
     __slots__ = ("hooks", "_arrived", "_placed", "_released", "_finished")
 
     def __init__(self, hooks: Sequence[RequestHook] = ()) -> None:
-        self.hooks: tuple[RequestHook, ...] = tuple(hooks)
-        self._arrived = _bound(self.hooks, "arrived")
-        self._placed = _bound(self.hooks, "placed")
-        self._released = _bound(self.hooks, "released")
-        self._finished = _bound(self.hooks, "finished")
+        self._bind(tuple(hooks))
+
+    def _bind(self, hooks: tuple[RequestHook, ...]) -> None:
+        self.hooks = hooks
+        self._arrived = _bound(hooks, "arrived")
+        self._placed = _bound(hooks, "placed")
+        self._released = _bound(hooks, "released")
+        self._finished = _bound(hooks, "finished")
+
+    def add(self, hook: RequestHook) -> None:
+        """Register `hook` last, in place: every part of the pipeline holding this object hears it."""
+        self._bind((*self.hooks, hook))
 
     def arrived(self, ctx: RequestContext) -> None:
         for fn in self._arrived:
