@@ -27,13 +27,16 @@ import orjson
 from engine_adapters.apis.messages import MessagesError, MessagesTranslator, error_from_openai, to_chat
 from gateway import errors
 from gateway.auth import bearer
+from gateway.context import UNKNOWN_MODEL_LABEL
 from gateway.errors import GatewayError
 from gateway.request import CHAT
+from gateway.request_metrics import count_error_response
 from gateway.translated import BodyTooLarge, Receive, Send, dispatch_chat, read_body
 from policies.tokens import estimate_chat_tokens
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
+    from gateway.metrics import GatewayMetrics
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -59,8 +62,10 @@ async def _answer(send: Send, status: int, body: bytes, headers: list[tuple[byte
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _gateway_error(send: Send, e: GatewayError) -> None:
+async def _gateway_error(send: Send, e: GatewayError, metrics: GatewayMetrics) -> None:
+    """A refusal of the front door itself, in Anthropic's shape, counted with the status the client gets."""
     status, body = error_from_openai(e.status, e.body())
+    count_error_response(metrics, e, status=status)
     await _answer(send, status, body, [h for h in e.headers() if h[0] != b"content-type"])
 
 
@@ -71,13 +76,13 @@ class MessagesApi:
         self.gw = gw
 
     async def handle(self, scope: dict, receive: Receive, send: Send) -> None:
+        metrics = self.gw.metrics
         if scope["method"] != "POST":
-            await _answer(send, 405, MessagesError(f"Use POST for {scope['path']}.", 405,
-                                                   "invalid_request_error").body())
+            await self._refuse(send, MessagesError(f"Use POST for {scope['path']}.", 405, "invalid_request_error"))
             return
         dispatcher = self.gw.dispatcher
         if dispatcher is None:   # not started: nothing serves yet
-            await _gateway_error(send, errors.no_worker("any model", self.gw.config.health.interval_s))
+            await _gateway_error(send, errors.no_worker("any model", self.gw.config.health.interval_s), metrics)
             return
         limit = self.gw.config.limits.max_body_bytes
         try:
@@ -96,11 +101,15 @@ class MessagesApi:
             else:
                 await self._create(scope, receive, send, req)
         except BodyTooLarge:
-            await _gateway_error(send, errors.body_too_large(limit))
+            await _gateway_error(send, errors.body_too_large(limit), metrics)
         except MessagesError as e:
-            await _answer(send, e.status, e.body())
+            await self._refuse(send, e)
         except GatewayError as e:
-            await _gateway_error(send, e)
+            await _gateway_error(send, e, metrics)
+
+    async def _refuse(self, send: Send, e: MessagesError) -> None:
+        self.gw.metrics.count_response(UNKNOWN_MODEL_LABEL, e.status, e.type)
+        await _answer(send, e.status, e.body())
 
     async def _create(self, scope: dict, receive: Receive, send: Send, req: object) -> None:
         chat = to_chat(req)

@@ -38,6 +38,7 @@ from engine_adapters.apis import responses as api
 from gateway import errors
 from gateway.errors import GatewayError
 from gateway.request import CHAT, parse_json_object
+from gateway.request_metrics import count_error_response
 from gateway.state.jobs import StoreUnavailableError
 from gateway.translated import BodyTooLarge, dispatch_chat, read_body
 
@@ -61,10 +62,14 @@ class ResponsesFrontDoor:
         try:
             await self._create(scope, receive, send)
         except GatewayError as e:   # refused before the pipeline ran: nothing was sent yet
-            await send_error(send, e)
+            await self._refuse(send, e)
         except Exception:   # a bug before the pipeline ran (the pipeline answers its own): a 500, never a hang
             log.exception("unexpected error on POST %s", PATH)
-            await send_error(send, errors.internal_error())
+            await self._refuse(send, errors.internal_error())
+
+    async def _refuse(self, send, e: GatewayError) -> None:  # noqa: ANN001 - ASGI
+        count_error_response(self.gw.metrics, e)   # the pipeline counts its own answers; these never reached it
+        await send_error(send, e)
 
     async def _create(self, scope: dict, receive, send) -> None:  # noqa: ANN001 - ASGI
         gw = self.gw
