@@ -4,6 +4,8 @@
     GET    /v1/responses/{id}                 a stored response
     DELETE /v1/responses/{id}
     GET    /v1/responses/{id}/input_items     its input items (after, limit 1-100, order asc|desc: OpenAI's list)
+    POST   /v1/responses/{id}/cancel          OpenAI's 400: only `background` responses can be cancelled, and the
+                                              gateway runs none (a stream is cancelled by closing its connection)
 
 A create is checked and translated (engine_adapters/apis/responses.py) into a chat-completions request that runs
 through the dispatcher as any chat request does (gateway/translated.py): admission and the queue, placement,
@@ -177,6 +179,14 @@ def responses_router() -> APIRouter:
             raise GatewayError(503, f"The response store is unavailable ({type(e).__name__}); retry shortly.",
                                "service_unavailable_error", None, "store_unavailable", 5.0) from None
         return JSONResponse({"id": rid, "object": api.DELETED_OBJECT, "deleted": True})
+
+    @r.post("/{rid}/cancel")
+    async def cancel(request: Request, rid: str) -> Response:
+        await own(request, rid)   # another key's, unknown, not stored (`store: false`), still running: 404
+        raise GatewayError(400, f"Response {rid!r} cannot be cancelled: only responses created with `background: "
+                                "true` can be, and this gateway runs none (`background` is refused). A streamed "
+                                "response is cancelled by closing its connection.", "invalid_request_error", None,
+                           "response_not_cancellable")
 
     @r.get("/{rid}/input_items")
     async def input_items(request: Request, rid: str, after: str | None = None, limit: int = 20,
