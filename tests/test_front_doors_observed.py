@@ -12,10 +12,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import load_config
-from gateway.server import GatewayServer
-from gateway.tracing import Tracing
-from tests.helpers import ADMIN, ADMIN_KEY, MODEL, metric, poll, running_gateway, worker_entries
+from tests.helpers import ADMIN, ADMIN_KEY, MODEL, metric, poll, running_gateway
+from tests.test_ops_logs_tracing import traced_server
 
 KEY = "sk-front-doors-observed"
 AUTH = {"admin_key": ADMIN_KEY, "keys": [{"key": KEY, "name": "dev"}]}
@@ -94,14 +92,8 @@ async def test_messages_counts_529_and_500_where_the_pipeline_answered_503_and_5
 
 @pytest.mark.parametrize("route", ["/v1/responses", "/v1/messages"])
 async def test_the_trace_is_named_by_the_route_called(sim_fleet, route: str) -> None:
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
     fleet = sim_fleet(1, time_scale=20)
-    cfg = load_config(None, listen={"host": "127.0.0.1", "port": 0}, workers=worker_entries(fleet.urls),
-                      tracing={"enabled": True})
-    exporter = InMemorySpanExporter()
-    server = GatewayServer(cfg)
-    server.gateway.tracing = Tracing(cfg.tracing, exporter=exporter)
+    server, exporter = traced_server(fleet.urls)
     body = ({"model": MODEL, "input": "hi", "max_output_tokens": 3} if route == "/v1/responses"
             else {"model": MODEL, "max_tokens": 3, "messages": HI})
     async with server as gw, httpx.AsyncClient(timeout=20) as c:

@@ -11,6 +11,7 @@ import pytest
 
 from simulator.tokenizer import count_tokens, render_chat
 from tests.helpers import ADMIN, ADMIN_KEY, MODEL, metric, running_gateway
+from tests.test_gateway_responses import kill_the_busy_worker
 from tests.test_gateway_resume import HEALTH, assert_continuous
 
 KEY = "sk-messages-test"
@@ -270,10 +271,7 @@ async def test_stream_survives_its_worker_process_sigkilled_mid_stream(sim_fleet
             async for ev in stream:
                 events.append(ev)
                 if killed is None and sum(e.type == "content_block_delta" for e in events) == 5:
-                    busy = [wid for wid, f in gw.gateway.store.inflight().items() if f.requests]
-                    assert len(busy) == 1
-                    killed = int(busy[0].removeprefix("w"))
-                    procs[killed].proc.kill()   # SIGKILL the worker serving the stream
+                    killed = kill_the_busy_worker(gw, procs)   # SIGKILL the worker serving the stream
             final = await stream.get_final_message()
         assert killed is not None
         kinds = [e.type for e in events]

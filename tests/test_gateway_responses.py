@@ -35,6 +35,16 @@ def prompt_tokens(messages: list[dict]) -> int:
     return count_tokens(render_chat(messages))
 
 
+def kill_the_busy_worker(gw, procs: list) -> int:  # noqa: ANN001 - a running GatewayServer
+    """SIGKILL the one worker process (`sim_fleet_process`, one worker each, ids w0, w1, ...) serving a request
+    now; returns its index."""
+    busy = [wid for wid, f in gw.gateway.store.inflight().items() if f.requests]
+    assert len(busy) == 1
+    killed = int(busy[0].removeprefix("w"))
+    procs[killed].proc.kill()
+    return killed
+
+
 async def read_stream(stream) -> list:  # noqa: ANN001
     events = [ev async for ev in stream]
     assert [e.sequence_number for e in events] == list(range(len(events))), "sequence numbers not contiguous"
@@ -287,10 +297,7 @@ async def test_turn_two_worker_process_killed_mid_stream_the_chain_goes_on(sim_f
         async for ev in stream:
             events.append(ev)
             if killed is None and sum(e.type == "response.output_text.delta" for e in events) == 5:
-                busy = [wid for wid, f in gw.gateway.store.inflight().items() if f.requests]
-                assert len(busy) == 1
-                killed = int(busy[0].removeprefix("w"))
-                procs[killed].proc.kill()   # SIGKILL the worker serving turn 2
+                killed = kill_the_busy_worker(gw, procs)   # SIGKILL the worker serving turn 2
         assert killed is not None
         assert [e.sequence_number for e in events] == list(range(len(events)))
         kinds = [e.type for e in events]
