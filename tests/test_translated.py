@@ -1,4 +1,4 @@
-"""gateway/api/translated.py: the ASGI glue between a translating front door and the chat pipeline."""
+"""gateway/wire/translated.py: the ASGI glue between a translating front door and the chat pipeline."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import functools
 import orjson
 import pytest
 
-from gateway.api.translated import (
+from gateway.wire.translated import (
     BodyTooLarge,
     SseSplitter,
     TranslatedSend,
