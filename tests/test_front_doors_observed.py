@@ -1,4 +1,4 @@
-"""What an operator sees of the front doors that run over the chat pipeline (gateway/translated.py): the access
+"""What an operator sees of the front doors that run over the chat pipeline (gateway/wire/translated.py): the access
 log, the trace and the status counters name the route the client called (`/v1/responses`, `/v1/messages`), not the
 chat route they were rewritten to, and count the status the client received (Messages: 529 where the pipeline
 answered 503, 500 where it answered 504)."""

@@ -8,6 +8,7 @@ import functools
 import orjson
 import pytest
 
+from gateway.request.parse import CHAT
 from gateway.wire.translated import (
     BodyTooLarge,
     SseSplitter,
@@ -17,7 +18,6 @@ from gateway.wire.translated import (
     dispatch_chat,
     read_body,
 )
-from gateway.request.parse import CHAT
 
 CHUNKS = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b'data: {"error": {"message": "boom"}}\n\n',
           b"data: [DONE]\n\n"]

@@ -25,23 +25,18 @@ from typing import TYPE_CHECKING
 import orjson
 
 from engine_adapters.apis.messages import MessagesError, MessagesTranslator, error_from_openai, to_chat
-from gateway.wire.translated import BodyTooLarge, Receive, Send, dispatch_chat, read_body
+from gateway.pipeline.request_metrics import count_error_response
+from gateway.request.context import UNKNOWN_MODEL_LABEL
 from gateway.request.parse import CHAT
 from gateway.tenancy.auth import bearer
 from gateway.wire import errors
 from gateway.wire.errors import GatewayError
-from gateway import errors
-from gateway.auth import bearer
-from gateway.context import UNKNOWN_MODEL_LABEL
-from gateway.errors import GatewayError
-from gateway.request import CHAT
-from gateway.request_metrics import count_error_response
-from gateway.translated import BodyTooLarge, Receive, Send, dispatch_chat, read_body
+from gateway.wire.translated import BodyTooLarge, Receive, Send, dispatch_chat, read_body
 from policies.tokens import estimate_chat_tokens
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
-    from gateway.metrics import GatewayMetrics
+    from gateway.ops.metrics import GatewayMetrics
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"

@@ -37,15 +37,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from engine_adapters.apis import responses as api
-from gateway.wire.translated import BodyTooLarge, dispatch_chat, read_body
+from gateway.pipeline.request_metrics import count_error_response
 from gateway.request.parse import CHAT, parse_json_object
-from gateway import errors
-from gateway.errors import GatewayError
-from gateway.request import CHAT, parse_json_object
-from gateway.request_metrics import count_error_response
 from gateway.state.jobs import StoreUnavailableError
 from gateway.wire import errors
 from gateway.wire.errors import GatewayError
+from gateway.wire.translated import BodyTooLarge, dispatch_chat, read_body
 
 if TYPE_CHECKING:
     from gateway.core import Gateway

@@ -60,8 +60,7 @@ from gateway.wire import errors
 from gateway.wire.errors import GatewayError, sse_error_event
 from gateway.wire.forwarding import ForwardedFor
 from gateway.wire.results import RelayResult, ResponseState
-from gateway.tickets import Tickets
-from gateway.translated import front_of
+from gateway.wire.translated import front_of
 from policies.admission import AdmissionQueue
 from policies.base import make_policy
 from policies.placement import ModelPlacement
