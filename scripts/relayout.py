@@ -116,7 +116,7 @@ MOVES: dict[str, str] = {
     # api
     "admin": "api.admin", "batch_api": "api.batch", "passthrough": "api.passthrough",
     "status_page": "api.status_page", "uploads": "api.uploads",
-    "responses_api": "api.responses", "messages_api": "api.messages", "translated": "api.translated",
+    "responses_api": "api.responses", "messages_api": "api.messages", "translated": "wire.translated",
 }
 
 

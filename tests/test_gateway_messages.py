@@ -11,6 +11,8 @@ import pytest
 
 from simulator.tokenizer import count_tokens, render_chat
 from tests.helpers import ADMIN, ADMIN_KEY, MODEL, metric, running_gateway
+from tests.test_gateway_responses import kill_the_busy_worker
+from tests.test_gateway_resume import HEALTH, assert_continuous
 
 KEY = "sk-messages-test"
 AUTH = {"admin_key": ADMIN_KEY, "keys": [{"key": KEY, "name": "dev"}]}
@@ -256,3 +258,29 @@ async def test_text_stream_resumes_twice_and_ends_with_an_error_event_when_nobod
         assert err["type"] == "error" and err["error"]["type"] == "api_error"
         text = (await http.get(gw.url + "/metrics", headers=ADMIN)).text
         assert metric(text, "fleetgate_stream_breaks_total", {"outcome": "resumed"}) == 4
+
+
+async def test_stream_survives_its_worker_process_sigkilled_mid_stream(sim_fleet_process) -> None:
+    """`client.messages.stream` while the worker process serving it is SIGKILLed: the gateway resumes on another
+    worker and the client reads one message, every word once, in the simulated model's order."""
+    procs = [sim_fleet_process(1, time_scale=0.5) for _ in range(3)]   # ~20 ms a token: time to kill mid-stream
+    async with running_gateway([p.urls[0] for p in procs], auth=AUTH, health=HEALTH) as gw:
+        events, killed = [], None
+        async with client(gw).messages.stream(model=MODEL, max_tokens=40, messages=[{"role": "user", "content": "go"}],
+                                              extra_headers={"x-sim-output-tokens": "40"}) as stream:
+            async for ev in stream:
+                events.append(ev)
+                if killed is None and sum(e.type == "content_block_delta" for e in events) == 5:
+                    killed = kill_the_busy_worker(gw, procs)   # SIGKILL the worker serving the stream
+            final = await stream.get_final_message()
+        assert killed is not None
+        kinds = [e.type for e in events]
+        assert "error" not in kinds and kinds.count("message_start") == 1 and kinds[-1] == "message_stop"
+        assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
+        text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+        assert_continuous(text, 40)   # no word lost or repeated across the resume
+        assert final.content[0].text == text and final.usage.output_tokens == 40
+        assert final.stop_reason == "max_tokens"
+        async with httpx.AsyncClient(timeout=20) as http:
+            text = (await http.get(gw.url + "/metrics", headers=ADMIN)).text
+        assert metric(text, "fleetgate_stream_breaks_total", {"outcome": "resumed"}) == 1

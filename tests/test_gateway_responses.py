@@ -35,6 +35,16 @@ def prompt_tokens(messages: list[dict]) -> int:
     return count_tokens(render_chat(messages))
 
 
+def kill_the_busy_worker(gw, procs: list) -> int:  # noqa: ANN001 - a running GatewayServer
+    """SIGKILL the one worker process (`sim_fleet_process`, one worker each, ids w0, w1, ...) serving a request
+    now; returns its index."""
+    busy = [wid for wid, f in gw.gateway.store.inflight().items() if f.requests]
+    assert len(busy) == 1
+    killed = int(busy[0].removeprefix("w"))
+    procs[killed].proc.kill()
+    return killed
+
+
 async def read_stream(stream) -> list:  # noqa: ANN001
     events = [ev async for ev in stream]
     assert [e.sequence_number for e in events] == list(range(len(events))), "sequence numbers not contiguous"
@@ -287,10 +297,7 @@ async def test_turn_two_worker_process_killed_mid_stream_the_chain_goes_on(sim_f
         async for ev in stream:
             events.append(ev)
             if killed is None and sum(e.type == "response.output_text.delta" for e in events) == 5:
-                busy = [wid for wid, f in gw.gateway.store.inflight().items() if f.requests]
-                assert len(busy) == 1
-                killed = int(busy[0].removeprefix("w"))
-                procs[killed].proc.kill()   # SIGKILL the worker serving turn 2
+                killed = kill_the_busy_worker(gw, procs)   # SIGKILL the worker serving turn 2
         assert killed is not None
         assert [e.sequence_number for e in events] == list(range(len(events)))
         kinds = [e.type for e in events]
@@ -349,3 +356,37 @@ async def test_a_response_over_responses_max_bytes_is_answered_not_continued(sim
         small = await c.responses.create(model=MODEL, input="hi", max_output_tokens=4)
         assert (await c.responses.create(model=MODEL, input="more", previous_response_id=small.id,
                                          max_output_tokens=4)).output_text
+
+
+async def test_get_and_cancel_of_a_running_an_unstored_and_a_finished_response(sim_fleet) -> None:
+    """What OpenAI answers: a `store: false` response is never found; cancel is only for `background` responses
+    (the gateway runs none), so a stored one gets a 400 and an id the key does not have a 404. A response still
+    streaming is stored when it ends (documented in docs/routing.md)."""
+    fleet = sim_fleet(1, time_scale=1)   # ~10 ms a token: 60 tokens stream long enough to look in between
+    async with running_gateway(fleet.urls, api_keys=KEYS) as gw:
+        a, b = client(gw.url, KEYS[0]), client(gw.url, KEYS[1])
+        unstored = await a.responses.create(model=MODEL, input="gone", store=False, max_output_tokens=4)
+        with pytest.raises(openai.NotFoundError) as e:
+            await a.responses.retrieve(unstored.id)
+        assert e.value.body["code"] == "not_found"
+        with pytest.raises(openai.NotFoundError):
+            await a.responses.cancel(unstored.id)
+        stream = await a.responses.create(model=MODEL, input="long", stream=True, max_output_tokens=60,
+                                          extra_headers=tokens(60))
+        events, looked = [], 0
+        async for ev in stream:
+            events.append(ev)
+            if ev.type == "response.output_text.delta" and looked < 2:   # still streaming: not stored yet
+                looked += 1
+                with pytest.raises(openai.NotFoundError):
+                    await a.responses.retrieve(events[0].response.id)
+        rid = events[-1].response.id
+        assert looked == 2 and rid == events[0].response.id
+        assert (await a.responses.retrieve(rid)).status == "incomplete"   # stored once it ended (max tokens)
+        with pytest.raises(openai.BadRequestError) as e:
+            await a.responses.cancel(rid)
+        assert e.value.body["code"] == "response_not_cancellable" and "background" in e.value.body["message"]
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.cancel(rid)   # another key's
+        with pytest.raises(openai.NotFoundError):
+            await a.responses.cancel("resp_nope")

@@ -103,15 +103,21 @@ def test_rate_limit_filter_drops_repeats_and_counts_them() -> None:
     assert f.filter(r) and r.suppressed == 3
 
 
-async def test_tracing_spans_and_traceparent_reach_the_worker(sim_fleet) -> None:
+def traced_server(urls: list[str]):  # noqa: ANN201 - (GatewayServer, InMemorySpanExporter)
+    """A gateway over `urls` with tracing on, its spans kept in memory (the exporter, for the test to read)."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    fleet = sim_fleet(1, time_scale=20)
-    cfg = load_config(None, listen={"host": "127.0.0.1", "port": 0}, workers=worker_entries(fleet.urls),
+    cfg = load_config(None, listen={"host": "127.0.0.1", "port": 0}, workers=worker_entries(urls),
                       tracing={"enabled": True})
     exporter = InMemorySpanExporter()
     server = GatewayServer(cfg)
     server.gateway.tracing = Tracing(cfg.tracing, exporter=exporter)
+    return server, exporter
+
+
+async def test_tracing_spans_and_traceparent_reach_the_worker(sim_fleet) -> None:
+    fleet = sim_fleet(1, time_scale=20)
+    server, exporter = traced_server(fleet.urls)
     client_trace = "0af7651916cd43dd8448eb211c80319c"
     async with server as gw, httpx.AsyncClient() as c:
         r = await c.post(gw.url + "/v1/chat/completions", json=CHAT,

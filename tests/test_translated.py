@@ -1,4 +1,4 @@
-"""gateway/api/translated.py: the ASGI glue between a translating front door and the chat pipeline."""
+"""gateway/wire/translated.py: the ASGI glue between a translating front door and the chat pipeline."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import functools
 import orjson
 import pytest
 
-from gateway.api.translated import (
+from gateway.request.parse import CHAT
+from gateway.wire.translated import (
     BodyTooLarge,
     SseSplitter,
     TranslatedSend,
@@ -17,7 +18,6 @@ from gateway.api.translated import (
     dispatch_chat,
     read_body,
 )
-from gateway.request.parse import CHAT
 
 CHUNKS = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b'data: {"error": {"message": "boom"}}\n\n',
           b"data: [DONE]\n\n"]

@@ -58,6 +58,27 @@ async def test_openai_requests_through_the_gateway(stack: Stack) -> None:
         await c.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
 
 
+async def test_responses_and_messages_through_the_gateway(stack: Stack) -> None:
+    """The agents' front doors in the stack: a two-turn Responses chain (its state in the stack's Redis) with the
+    official `openai` SDK, one Messages request and one stream with the official `anthropic` SDK."""
+    import anthropic
+
+    c = client(stack)
+    first = await c.responses.create(model=MODEL, input="Say hello to the fleet.", max_output_tokens=8)
+    assert first.status in ("completed", "incomplete") and first.output_text
+    second = await c.responses.create(model=MODEL, input="Again.", previous_response_id=first.id,
+                                      max_output_tokens=8)
+    assert second.output_text and second.usage.input_tokens > first.usage.input_tokens   # turn 1 came back
+    assert (await c.responses.retrieve(second.id)).output_text == second.output_text
+    an = anthropic.AsyncAnthropic(base_url=stack.url("FLEETGATE_PORT"), api_key="unused", max_retries=0, timeout=120)
+    msg = await an.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hello?"}])
+    assert msg.type == "message" and msg.content[0].type == "text" and msg.content[0].text
+    assert msg.usage.output_tokens > 0
+    async with an.messages.stream(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}]) as s:
+        streamed = await s.get_final_message()
+    assert streamed.content[0].text and streamed.stop_reason in ("end_turn", "max_tokens")
+
+
 def prometheus(stack: Stack, path: str, **params: str) -> dict:
     r = httpx.get(stack.url("PROMETHEUS_PORT") + path, params=params, timeout=10)
     r.raise_for_status()

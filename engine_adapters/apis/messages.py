@@ -489,7 +489,7 @@ class MessageStream:
 
 class MessagesTranslator:
     """A chat answer of the pipeline (or a worker's chat route) as Messages' answer: the `Translator` of
-    gateway/api/translated.py. One per request."""
+    gateway/wire/translated.py. One per request."""
 
     def __init__(self, model: str = "", input_tokens: int = 0, stop_sequences: list[str] | None = None) -> None:
         self.model = model

@@ -409,7 +409,7 @@ def failure(message: str) -> dict[str, Any]:
 
 
 class ResponsesTranslator:
-    """The pipeline's chat answer -> the Responses answer (gateway/api/translated.py's `Translator`): a chat completion
+    """The pipeline's chat answer -> the Responses answer (gateway/wire/translated.py's `Translator`): a chat completion
     JSON -> the response object, or chat SSE chunks one at a time -> Responses events. When it is done,
     `response` holds the final response object (what `store` keeps) and `output` its items."""
 

@@ -1,7 +1,7 @@
 """Anthropic's Messages API at the gateway's front door: `POST /v1/messages` and `/v1/messages/count_tokens`.
 
 A Messages request is checked and translated into a chat completions request (engine_adapters/apis/messages.py)
-and run through the chat pipeline (gateway/api/translated.py `dispatch_chat` around `Dispatcher.handle`), its answer
+and run through the chat pipeline (gateway/wire/translated.py `dispatch_chat` around `Dispatcher.handle`), its answer
 translated back: admission, the queue, placement, SLO judging, resume after a worker's death, fallbacks, tenant
 limits, metrics, access logs and traces are the chat route's, and every worker version serves it (vLLM 0.11
 has no `/v1/messages`). The key comes as `x-api-key` (Anthropic's SDKs) or `Authorization: Bearer`; the
@@ -25,15 +25,18 @@ from typing import TYPE_CHECKING
 import orjson
 
 from engine_adapters.apis.messages import MessagesError, MessagesTranslator, error_from_openai, to_chat
-from gateway.api.translated import BodyTooLarge, Receive, Send, dispatch_chat, read_body
+from gateway.pipeline.request_metrics import count_error_response
+from gateway.request.context import UNKNOWN_MODEL_LABEL
 from gateway.request.parse import CHAT
 from gateway.tenancy.auth import bearer
 from gateway.wire import errors
 from gateway.wire.errors import GatewayError
+from gateway.wire.translated import BodyTooLarge, Receive, Send, dispatch_chat, read_body
 from policies.tokens import estimate_chat_tokens
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
+    from gateway.ops.metrics import GatewayMetrics
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -59,8 +62,10 @@ async def _answer(send: Send, status: int, body: bytes, headers: list[tuple[byte
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _gateway_error(send: Send, e: GatewayError) -> None:
+async def _gateway_error(send: Send, e: GatewayError, metrics: GatewayMetrics) -> None:
+    """A refusal of the front door itself, in Anthropic's shape, counted with the status the client gets."""
     status, body = error_from_openai(e.status, e.body())
+    count_error_response(metrics, e, status=status)
     await _answer(send, status, body, [h for h in e.headers() if h[0] != b"content-type"])
 
 
@@ -71,13 +76,13 @@ class MessagesApi:
         self.gw = gw
 
     async def handle(self, scope: dict, receive: Receive, send: Send) -> None:
+        metrics = self.gw.metrics
         if scope["method"] != "POST":
-            await _answer(send, 405, MessagesError(f"Use POST for {scope['path']}.", 405,
-                                                   "invalid_request_error").body())
+            await self._refuse(send, MessagesError(f"Use POST for {scope['path']}.", 405, "invalid_request_error"))
             return
         dispatcher = self.gw.dispatcher
         if dispatcher is None:   # not started: nothing serves yet
-            await _gateway_error(send, errors.no_worker("any model", self.gw.config.health.interval_s))
+            await _gateway_error(send, errors.no_worker("any model", self.gw.config.health.interval_s), metrics)
             return
         limit = self.gw.config.limits.max_body_bytes
         try:
@@ -96,11 +101,15 @@ class MessagesApi:
             else:
                 await self._create(scope, receive, send, req)
         except BodyTooLarge:
-            await _gateway_error(send, errors.body_too_large(limit))
+            await _gateway_error(send, errors.body_too_large(limit), metrics)
         except MessagesError as e:
-            await _answer(send, e.status, e.body())
+            await self._refuse(send, e)
         except GatewayError as e:
-            await _gateway_error(send, e)
+            await _gateway_error(send, e, metrics)
+
+    async def _refuse(self, send: Send, e: MessagesError) -> None:
+        self.gw.metrics.count_response(UNKNOWN_MODEL_LABEL, e.status, e.type)
+        await _answer(send, e.status, e.body())
 
     async def _create(self, scope: dict, receive: Receive, send: Send, req: object) -> None:
         chat = to_chat(req)

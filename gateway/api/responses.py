@@ -4,9 +4,11 @@
     GET    /v1/responses/{id}                 a stored response
     DELETE /v1/responses/{id}
     GET    /v1/responses/{id}/input_items     its input items (after, limit 1-100, order asc|desc: OpenAI's list)
+    POST   /v1/responses/{id}/cancel          OpenAI's 400: only `background` responses can be cancelled, and the
+                                              gateway runs none (a stream is cancelled by closing its connection)
 
 A create is checked and translated (engine_adapters/apis/responses.py) into a chat-completions request that runs
-through the dispatcher as any chat request does (gateway/api/translated.py): admission and the queue, placement,
+through the dispatcher as any chat request does (gateway/wire/translated.py): admission and the queue, placement,
 SLO judging, resume after a worker dies mid-stream, fallbacks, tenant limits, metrics, access log and traces.
 Workers only ever see chat completions, so every vLLM version we support serves it and no worker holds state.
 
@@ -35,11 +37,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from engine_adapters.apis import responses as api
-from gateway.api.translated import BodyTooLarge, dispatch_chat, read_body
+from gateway.pipeline.request_metrics import count_error_response
 from gateway.request.parse import CHAT, parse_json_object
 from gateway.state.jobs import StoreUnavailableError
 from gateway.wire import errors
 from gateway.wire.errors import GatewayError
+from gateway.wire.translated import BodyTooLarge, dispatch_chat, read_body
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
@@ -61,10 +64,14 @@ class ResponsesFrontDoor:
         try:
             await self._create(scope, receive, send)
         except GatewayError as e:   # refused before the pipeline ran: nothing was sent yet
-            await send_error(send, e)
+            await self._refuse(send, e)
         except Exception:   # a bug before the pipeline ran (the pipeline answers its own): a 500, never a hang
             log.exception("unexpected error on POST %s", PATH)
-            await send_error(send, errors.internal_error())
+            await self._refuse(send, errors.internal_error())
+
+    async def _refuse(self, send, e: GatewayError) -> None:  # noqa: ANN001 - ASGI
+        count_error_response(self.gw.metrics, e)   # the pipeline counts its own answers; these never reached it
+        await send_error(send, e)
 
     async def _create(self, scope: dict, receive, send) -> None:  # noqa: ANN001 - ASGI
         gw = self.gw
@@ -172,6 +179,14 @@ def responses_router() -> APIRouter:
             raise GatewayError(503, f"The response store is unavailable ({type(e).__name__}); retry shortly.",
                                "service_unavailable_error", None, "store_unavailable", 5.0) from None
         return JSONResponse({"id": rid, "object": api.DELETED_OBJECT, "deleted": True})
+
+    @r.post("/{rid}/cancel")
+    async def cancel(request: Request, rid: str) -> Response:
+        await own(request, rid)   # another key's, unknown, not stored (`store: false`), still running: 404
+        raise GatewayError(400, f"Response {rid!r} cannot be cancelled: only responses created with `background: "
+                                "true` can be, and this gateway runs none (`background` is refused). A streamed "
+                                "response is cancelled by closing its connection.", "invalid_request_error", None,
+                           "response_not_cancellable")
 
     @r.get("/{rid}/input_items")
     async def input_items(request: Request, rid: str, after: str | None = None, limit: int = 20,

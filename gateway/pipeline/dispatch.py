@@ -60,6 +60,7 @@ from gateway.wire import errors
 from gateway.wire.errors import GatewayError, sse_error_event
 from gateway.wire.forwarding import ForwardedFor
 from gateway.wire.results import RelayResult, ResponseState
+from gateway.wire.translated import front_of
 from policies.admission import AdmissionQueue
 from policies.base import make_policy
 from policies.placement import ModelPlacement
@@ -192,8 +193,10 @@ class Dispatcher:
         rid = hdrs.request_id
         ctx = RequestContext(rid, route, send, state, t0, [(b"x-request-id", rid)], scope["headers"])
         client_headers = ctx.client_headers
+        front = front_of(scope)   # a front door (Responses, Messages) that runs the request as chat
         if self.observer is not None:
-            ctx.record = self.observer.begin(rid.decode(), scope["path"], scope["headers"])
+            ctx.record = self.observer.begin(rid.decode(), scope["path"] if front is None else front.route,
+                                             scope["headers"])
         feats: RequestFeatures | None = None
         result: RelayResult | None = None
         error: GatewayError | None = None
@@ -247,6 +250,8 @@ class Dispatcher:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            if front is not None:   # count what the client received (Messages: 529 for a 429 overloaded, ...)
+                status = front.client_status(status)
             self.hooks.finished(ctx, Outcome(status, result, model_label, policy_label, feats,
                                              t_end if t_end is not None else time.perf_counter(), error))
             # The exception kept in a local ties this frame (and the body it read, up to server.max_body_bytes)

@@ -34,10 +34,12 @@ def response_reason(status: int, error: GatewayError | None, broken: bool = Fals
     return REASON_OK if status < 400 else REASON_WORKER
 
 
-def count_error_response(metrics: GatewayMetrics, error: GatewayError, model: str = UNKNOWN_MODEL_LABEL) -> None:
-    """An error answered outside the proxy pipeline (no route, the other APIs): fleetgate_responses_total and
-    the unknown model names."""
-    metrics.count_response(model, error.status, response_reason(error.status, error))
+def count_error_response(metrics: GatewayMetrics, error: GatewayError, model: str = UNKNOWN_MODEL_LABEL,
+                         status: int | None = None) -> None:
+    """An error answered outside the proxy pipeline (no route, the other APIs), or in it: fleetgate_responses_total
+    and the unknown model names. `status`: what the client received when a front door answered the error with
+    its own (Messages: 529 for a 503), else the error's."""
+    metrics.count_response(model, error.status if status is None else status, response_reason(error.status, error))
     if isinstance(error, ModelNotFound) and model == UNKNOWN_MODEL_LABEL:
         metrics.unknown_models.add(error.model, time.time())
 
@@ -58,7 +60,7 @@ class RequestMetrics(RequestHook):
         m.count_request(model, outcome.policy, outcome.status)
         error = outcome.error
         if error is not None:
-            count_error_response(m, error, model)
+            count_error_response(m, error, model, outcome.status)
         else:
             broken = result is not None and result.midstream_error is not None
             m.count_response(model, outcome.status, response_reason(outcome.status, None, broken))

@@ -103,7 +103,8 @@ class RequestContext:
 class Outcome:
     """How a request ended, as the `finished` hooks hear it."""
 
-    status: int                          # the status counted (499: client gone, 502: a stream that broke)
+    status: int                          # the status counted: the one the client received (a front door's own,
+                                         # gateway/wire/translated.py), 499: client gone, 502: a stream that broke
     result: RelayResult | None           # the answer relayed (None: refused, failed or gone before one)
     model: str                           # the model that served it (UNKNOWN_MODEL_LABEL: it resolved to none)
     policy: str                          # that model's policy ("" when none)

@@ -8,7 +8,9 @@ metrics, access logs and traces apply unchanged and every worker version can ser
 
     chat_scope        the client's scope rewritten for the chat route: path, content-length of the new body,
                       `Authorization: Bearer <key>` from another credential header, `x-session-id` from the
-                      conversation id when the client sent none
+                      conversation id when the client sent none, and under `FRONT` the front door's `TranslatedSend`
+                      (the dispatcher's access log, trace and metrics read the route the client called and the
+                      status it received there: `front_of`)
     read_body         the client's request body, read whole (bounded) before it is translated
     body_receive      an ASGI `receive` that yields the translated body once, then forwards the real `receive`
                       (the dispatcher still sees the client disconnect)
@@ -30,6 +32,7 @@ from typing import Protocol
 import orjson
 
 CHAT_PATH = "/v1/chat/completions"
+FRONT = "fleetgate.front"   # the scope key of the front door that rewrote a request for the chat route
 SSE_TYPE = b"text/event-stream"
 DONE = b"[DONE]"
 JSON_TYPE = b"application/json"
@@ -43,10 +46,11 @@ Send = Callable[[dict], Awaitable[None]]
 # --- the request side ---------------------------------------------------------------------------------
 
 def chat_scope(scope: dict, body_len: int, *, bearer: bytes | None = None,
-               session_id: str | None = None) -> dict:
+               session_id: str | None = None, front: TranslatedSend | None = None) -> dict:
     """`scope` for the chat route with a body of `body_len` bytes. `bearer`: a key to send as `Authorization:
     Bearer` when the client sent no Authorization header (Anthropic's `x-api-key`). `session_id`: becomes
-    `x-session-id` when the client sent none (the conversation id placement keeps together)."""
+    `x-session-id` when the client sent none (the conversation id placement keeps together). `front`: the
+    front door's send wrapper, kept under `FRONT` (its `route` is the client's path)."""
     headers: list[tuple[bytes, bytes]] = []
     has_auth = has_session = False
     for k, v in scope.get("headers", ()):
@@ -60,7 +64,15 @@ def chat_scope(scope: dict, body_len: int, *, bearer: bytes | None = None,
         headers.append((b"authorization", b"Bearer " + bearer))
     if session_id and not has_session:
         headers.append((b"x-session-id", session_id.encode("latin-1", "replace")))
-    return {**scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode(), "headers": headers}
+    out = {**scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode(), "headers": headers}
+    if front is not None:
+        out[FRONT] = front
+    return out
+
+
+def front_of(scope: dict) -> TranslatedSend | None:
+    """The front door a chat-route scope came through (None: the client called the chat route itself)."""
+    return scope.get(FRONT)
 
 
 class BodyTooLarge(ValueError):
@@ -180,14 +192,20 @@ class TranslatedSend:
 
     `finish`, when given, is awaited once after the translator made the answer's last bytes (the JSON body, or a
     stream's closing events) and before they go out, so what it stores (a Responses conversation, read from the
-    translator) is there when the client can ask again."""
+    translator) is there when the client can ask again.
+
+    `route` is the path the client called; `status` the pipeline's answer status, `sent_status` the one the
+    client received (a Messages error's own status: 529 for the pipeline's 429 `overloaded` or 503, 500 for 502
+    and 504), 0 until the answer starts."""
 
     def __init__(self, send: Send, translator: Translator,
-                 finish: Callable[[], Awaitable[None]] | None = None) -> None:
+                 finish: Callable[[], Awaitable[None]] | None = None, route: str = CHAT_PATH) -> None:
         self._send = send
         self.translator = translator
         self._finish = finish
+        self.route = route
         self.status = 0
+        self.sent_status = 0
         self._headers: list[tuple[bytes, bytes]] = []
         self.streaming = False
         self._parts: list[bytes] = []
@@ -202,6 +220,7 @@ class TranslatedSend:
             ctype = next((v for k, v in msg.get("headers", ()) if k.lower() == b"content-type"), b"")
             self.streaming = ctype.startswith(SSE_TYPE)
             if self.streaming:
+                self.sent_status = self.status
                 await self._send({"type": "http.response.start", "status": self.status,
                                   "headers": [(b"content-type", SSE_TYPE + b"; charset=utf-8"), *self._headers]})
                 opening = self.translator.stream_start()
@@ -245,9 +264,16 @@ class TranslatedSend:
         if self._finish is not None:
             await self._finish()
         self.ended = True
+        self.sent_status = status
         headers = [(b"content-type", JSON_TYPE), (b"content-length", str(len(out)).encode()), *self._headers]
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
         await self._send({"type": "http.response.body", "body": out, "more_body": False})
+
+    def client_status(self, status: int) -> int:
+        """The status the client received for a request the pipeline counts as `status`: the translated one when
+        `status` is what the pipeline answered, else `status` itself (499: the client left; 502: a stream that
+        broke after its 200)."""
+        return self.sent_status if self.sent_status and status == self.status else status
 
 
 # An ASGI app serving the chat route: the gateway's `partial(dispatcher.handle, route=CHAT)`, or a simulated
@@ -261,6 +287,7 @@ async def dispatch_chat(chat: ChatApp, scope: dict, receive: Receive, send: Send
     """Run `chat_body` (a dict, or its JSON) through `chat` for the client of `scope`, the answer translated by
     `translator`. Returns the send wrapper (its `status`, whether it streamed)."""
     raw = chat_body if isinstance(chat_body, bytes) else orjson.dumps(chat_body)
-    out = TranslatedSend(send, translator, finish)
-    await chat(chat_scope(scope, len(raw), bearer=bearer, session_id=session_id), body_receive(raw, receive), out)
+    out = TranslatedSend(send, translator, finish, scope["path"])
+    await chat(chat_scope(scope, len(raw), bearer=bearer, session_id=session_id, front=out),
+               body_receive(raw, receive), out)
     return out
