@@ -43,8 +43,9 @@ policies deciding what runs are the pure objects of policies/pooling:
               leave (`swap_cost`, no prefetch: vLLM has no call for it) and
               stock vLLM drops the paused requests' KV (`EngineCore.drop_kv`): they recompute prompt and output
               so far in their next turn. That recomputation is not in eq. 2-3: a quota shorter than it starves
-              the batch (it loses its KV again before it decodes). `recompute_quota` (the gateway's default)
-              counts the estimated recomputation as switching (in c, and the turn's quota starts after it);
+              the batch (it loses its KV again before it decodes). `recompute_quota` (the gateway's rule, always
+              on there and in `fleetgate simulate`; off is the bench's stock baseline) counts the estimated
+              recomputation as switching (in c, and the turn's quota starts after it);
               `kv_kept` (simulator only) keeps the KV in host memory and copies it back before the turn
               (`kv_copy_time_s`, section 5.3 without the overlap). The simulator does the I/O the gateway's
               `TurnDriver` does (`_next_turns`, `_turn_switch`): switch, start the quota, step.
@@ -137,7 +138,7 @@ class PooledSpec:
     shared_kv: bool = False              # multiplex: models share one KV pool (SeaLLM section 4.4)
     kv_kept: bool = False                # aegaeon colocated: KV kept in host memory across turns (simulator only)
     turns_placement: str = "spread"      # aegaeon colocated: spread (static_placement) | all (every model everywhere)
-    recompute_quota: bool = False        # aegaeon colocated, KV dropped: a turn's recomputation counts as switching
+    recompute_quota: bool = False        # colocated, KV dropped: recomputation counts as switching (off: bench baseline)
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLING_MODES:
