@@ -29,6 +29,8 @@ from policies.base import DEFAULT_POLICY
 from policies.pace import EjectionSettings, PaceSettings
 from policies.pooling.aegaeon import Q_MAX_S
 from policies.pooling.turns import RECOMPUTE_OFF_REMOVED
+from policies.rebalance import INTERVAL_S as REBALANCE_INTERVAL_S
+from policies.rebalance import MAX_MOVES_PER_S, SLOW_RATIO
 
 WORKER_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -214,10 +216,10 @@ class RebalanceConfig(_Strict):
 
     enabled: bool = Field(False, description="Move queued requests between workers (off by default: see "
                                              "bench/results/rebalance.md).")
-    interval_s: float = Field(0.25, gt=0, description="How often the rebalancer looks for moves.")
-    max_moves_per_s: float = Field(4.0, gt=0, description="Budget of moves per second per model (a token "
+    interval_s: float = Field(REBALANCE_INTERVAL_S, gt=0, description="How often the rebalancer looks for moves.")
+    max_moves_per_s: float = Field(MAX_MOVES_PER_S, gt=0, description="Budget of moves per second per model (a token "
                                                           "bucket holding at most one second of moves).")
-    slow_ratio: float = Field(3.0, gt=1, description="A worker whose decode steps are measured more than this "
+    slow_ratio: float = Field(SLOW_RATIO, gt=1, description="A worker whose decode steps are measured more than this "
                                                      "many times its performance model's prediction is slow: its "
                                                      "queued requests move off it (healthy workers measured up to "
                                                      "2.2x on a loaded machine).")
