@@ -3,9 +3,10 @@ who waits, in what order a drain tries them, when each gives up) driven by async
 
 A waiting request awaits a future. One drain at a time per model tries the waiting requests (placement and
 reservation, `place`), resolves the futures of those it placed and fails the ones past their deadline with a
-429. A drain runs when capacity may have been freed (`kick`: a release on this replica, a registry change),
-at the earliest time a policy asked to be retried or a deadline falls due, and every `poll_s` while requests
-wait (other gateway replicas free capacity without telling this one).
+429. A drain runs when capacity may have been freed (`kick`: a release on this replica or announced by another,
+a registry change), at the earliest time a policy asked to be retried or a deadline falls due, and every
+`poll_s` while requests wait. Only a `kick` makes the requests that already found no worker worth a try again
+(policies/admission.py, bounded decision cost): the other drains try those never tried or whose retry_at came.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class ModelQueue:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         w = self.queue.enter(feats, time.time(), (handle, fut), swap_s, retry_at)
         self._depth()
-        self.kick()   # capacity may have been freed since the caller last tried (e.g. an eviction)
+        self.kick(changed=False)   # a request the caller has not tried yet (the queue was not empty) tries now
         self._arm()
         try:
             await fut
@@ -65,10 +66,13 @@ class ModelQueue:
                 self.queue.remove(w)
                 self._depth()
 
-    def kick(self) -> None:
-        """Capacity may have been freed: drain now (or again right after the drain under way)."""
+    def kick(self, changed: bool = True) -> None:
+        """Capacity may have been freed (`changed`; False: only a request's own time came): drain now (or again
+        right after the drain under way)."""
         if not len(self.queue):
             return
+        if changed:
+            self.queue.changed()
         if self._draining:
             self._again = True
             return
@@ -84,7 +88,7 @@ class ModelQueue:
                     _, fut = w.handle
                     if not fut.done():
                         fut.set_exception(errors.overloaded(self.model, self.retry_after_s, w.reason))
-                for w in self.queue.candidates(self.order(now) if self.order is not None else None):
+                for w in self.queue.candidates(self.order(now) if self.order is not None else None, now):
                     handle, fut = w.handle
                     if fut.done():          # its client left while it waited
                         self.queue.remove(w)
@@ -126,7 +130,7 @@ class ModelQueue:
         if self._draining:
             self._again = True       # the drain under way re-arms when it ends
         else:
-            self.kick()
+            self.kick(changed=False)
 
     def _depth(self) -> None:
         if self.on_depth is not None:

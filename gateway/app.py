@@ -25,6 +25,7 @@ from gateway.batch_api import batch_router
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.dispatch import ROUTES
+from gateway.drain import draining_error, refuse
 from gateway.errors import GatewayError
 from gateway.messages_api import PATHS as MESSAGES_PATHS
 from gateway.messages_api import MessagesApi
@@ -54,7 +55,12 @@ class FleetgateApp:
         if kind == "http":
             route = ROUTES.get(scope["path"])
             if route is not None and scope["method"] == "POST":
-                await self.gateway.dispatcher.handle(scope, receive, send, route)
+                drain = self.gateway.drain
+                if drain.draining:   # SIGTERM: a clear 503 the client retries elsewhere (gateway/drain.py)
+                    await refuse(send)
+                    return
+                with drain.track():
+                    await self.gateway.dispatcher.handle(scope, receive, send, route)
                 return
             if scope["path"] == RESPONSES_PATH and scope["method"] == "POST":
                 await self.responses(scope, receive, send)
@@ -153,6 +159,8 @@ def build_api(gw: Gateway) -> FastAPI:
 
     @api.get("/ready")
     async def ready() -> Response:
+        if gw.drain.draining:   # load balancers stop sending at once; /health stays 200 (gateway/drain.py)
+            return _error_response(draining_error())
         if gw.registry.any_healthy():
             return JSONResponse({"status": "ready"})
         return _error_response(GatewayError(503, "No healthy worker yet.", "service_unavailable_error",

@@ -25,6 +25,7 @@ This module is the only writer of the request's placement state in its context (
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Collection
@@ -302,7 +303,9 @@ class Attempts:
             return None
         opts = ctx.req.body.get("stream_options")
         continuous = isinstance(opts, dict) and opts.get("continuous_usage_stats") is True
-        return StreamResume(ctx.route is CHAT, not ctx.strip_usage, continuous)
+        resume = StreamResume(ctx.route is CHAT, not ctx.strip_usage, continuous)
+        resume.elsewhere = functools.partial(self._elsewhere, ctx)   # the relay's stall judge asks it
+        return resume
 
     async def _continue(self, ctx: RequestContext, resume: StreamResume | None, why: str,
                         reason: str = RETRY) -> RelayResult | None:
@@ -449,7 +452,15 @@ class Attempts:
         model = ctx.rt.model
         if self.pooling is not None and self.pooling.handles(model):
             return False
-        return not any(ws.id not in ctx.tried and ws.rec.role != ROLE_PREFILL for ws in self.registry.candidates(model))
+        return not self._elsewhere(ctx)
+
+    def _elsewhere(self, ctx: RequestContext, resume: StreamResume | None = None) -> list[str]:
+        """The workers the request (a broken stream's continuation, `resume`) could go to now."""
+        if resume is not None and resume.legs >= self.max_resumes + (ctx.moved_to is not None):
+            return []
+        here = ctx.worker.id if resume is not None and ctx.worker is not None else None
+        return [ws.id for ws in self.registry.candidates(ctx.rt.model)
+                if ws.id not in ctx.tried and ws.id != here and ws.rec.role != ROLE_PREFILL]
 
     def _fallbacks(self, ctx: RequestContext, why: str) -> list[str]:
         """The models the request may still fall back to for `why`, in order (policies/fallbacks.py)."""

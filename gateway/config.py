@@ -303,9 +303,11 @@ class LimitsConfig(_Strict):
                                              " (1: head-of-line FIFO); a new request tries at once while "
                                              "fewer than this many wait.")
     queue_poll_s: float | None = Field(
-        None, gt=0, description="How often the queue retries besides on every release (this replica's, and "
+        None, gt=0, description="How often the queue drains besides on every release (this replica's, and "
                                 "other replicas' announced through Redis while requests wait), on a registry"
-                                " change and when a policy asked (None: 0.5 s).")
+                                " change, after each engine scrape and when a policy asked (None: 0.5 s). A "
+                                "request that found no worker is tried again only after a release, registry "
+                                "change or scrape, or when its policy asked.")
     retries: int = Field(2, ge=0, le=10,
                          description="Extra workers tried when one fails before any byte was sent.")
 
@@ -771,6 +773,10 @@ class ServerConfig(_Strict):
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="Request line plus headers; beyond: 431.")
     max_headers: int = Field(100, ge=8, description="Header lines; beyond: 431.")
     max_connections: int = Field(4096, ge=1, description="Open client connections; beyond: closed at once.")
+    drain_timeout_s: float = Field(30.0, ge=0, description=(
+        "On SIGTERM, how long requests in flight may take to finish (/ready answers 503 at once, new requests "
+        "get 503 with Retry-After); those still running then end with an error event. Give the orchestrator's "
+        "grace period more than this."))
     trusted_proxies: list[str] = Field(
         default_factory=list, description="Peers (addresses or networks) whose X-Forwarded-For is kept (the "
                                           "client address is appended to it); others' is replaced.")

@@ -17,6 +17,7 @@ from gateway.batch_runner import BatchRunner
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.dns_discovery import DnsDiscovery
+from gateway.drain import Drain
 from gateway.kv_events import KvEventsService
 from gateway.learning import Learner
 from gateway.metrics import GatewayMetrics
@@ -62,6 +63,7 @@ class Gateway:
         self.status_history = StatusHistory(config.status, self.metrics, self.registry, self._queue_depths)
         self.relay: Relay | None = None
         self.dispatcher: Dispatcher | None = None
+        self.drain = Drain()   # SIGTERM's graceful drain (gateway/drain.py, driven by gateway/server.py)
         self.rebalancer = Rebalancer(config, self.metrics.registry) if Rebalancer.wanted(config) else None
         self.dns_discovery = DnsDiscovery(self.registry, config.worker_discovery) if config.worker_discovery else None
 
@@ -81,7 +83,10 @@ class Gateway:
             self.config, self.store, self.registry, self.relay, self.adapter, self.metrics, slo=self.slo,
             learner=self.learner, auth=self.auth, shared_state=self.shared_state,
             observer=RequestObserver.make(self.access_log, self.tracing), kv_events=self.kv_events,
-            pooling=pooling, no_room=self.batch.router.no_room, rebalancer=self.rebalancer, hooks=[self.batch.router])
+            pooling=pooling, no_room=self.batch.router.no_room, rebalancer=self.rebalancer, hooks=[self.batch.router],
+            drain=self.drain)
+        # A new engine report can change an SLO-aware policy's answer: the waiting requests try again.
+        self.registry.on_scraped(lambda d=self.dispatcher: [d.kick(m) for m in list(d.runtimes)])
         if self.rebalancer is not None:
             await self.rebalancer.start(self.dispatcher)
         await self.registry.start(self.upstream)

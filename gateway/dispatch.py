@@ -30,6 +30,7 @@ from gateway.attempts import SERVED_MODEL, Attempts
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.context import UNKNOWN_MODEL_LABEL, ModelRuntime, Outcome, RequestContext
+from gateway.drain import Drain, end_request
 from gateway.errors import GatewayError, sse_error_event
 from gateway.forwarding import ForwardedFor
 from gateway.hooks import RequestHook, RequestHooks
@@ -95,8 +96,9 @@ class Dispatcher:
                  auth: Authenticator, shared_state: bool = False, observer: RequestObserver | None = None,
                  kv_events: KvEventsService | None = None, pooling: SwapController | None = None,
                  no_room: NoRoom | None = None, rebalancer: Rebalancer | None = None,
-                 hooks: Sequence[RequestHook] = ()) -> None:
+                 hooks: Sequence[RequestHook] = (), drain: Drain | None = None) -> None:
         self.config = config
+        self.drain = drain or Drain()   # SIGTERM's drain (gateway/drain.py): it may cut a request in flight
         self.store = store
         self.registry = registry
         self.relay = relay
@@ -229,10 +231,10 @@ class Dispatcher:
         except ClientGone:
             status = STATUS_CLIENT_GONE
         except asyncio.CancelledError:
-            if not gone:
+            if not gone and not self.drain.was_cut(task):
                 raise
-            task.uncancel()  # the client left; nothing more to send
-            status = STATUS_CLIENT_GONE
+            task.uncancel()  # the client left (nothing more to send), or the drain ends the request
+            status = STATUS_CLIENT_GONE if gone else await end_request(send, state, client_headers)
         except Exception:
             log.exception("unexpected error handling %s (request id %s)", scope.get("path"), rid.decode())
             status = 500

@@ -121,6 +121,7 @@ class Registry:
         self._listeners: list[Callable[[], None]] = []
         self._route_asleep: set[str] = set()   # engines on turns hosts: they queue requests while paused/asleep
         self._eject_listeners: list[Callable[[str, bool], object]] = []
+        self._scrape_listeners: list[Callable[[], None]] = []
         self._probe_timeout = config.health.timeout_s
         self.ejection = config.resume.ejection()
         self._scrape_timeout = max(0.2, min(2.0, config.scrape_interval_s * 2))
@@ -149,6 +150,11 @@ class Registry:
     def on_change(self, fn: Callable[[], None]) -> None:
         """Call `fn` whenever the rotation changes (a worker joined, left, recovered...)."""
         self._listeners.append(fn)
+
+    def on_scraped(self, fn: Callable[[], None]) -> None:
+        """Call `fn` after every round of engine scrapes: the engines' load may have fallen (the admission queue's
+        waiting requests are worth a try again, policies/admission.py)."""
+        self._scrape_listeners.append(fn)
 
     async def _every(self, interval: float, fn: Callable[[], Any]) -> None:
         await quiet_loop(interval, fn, log, f"registry loop {getattr(fn, '__name__', fn)}")
@@ -484,6 +490,8 @@ class Registry:
         targets = [ws for ws in self.workers.values() if ws.healthy]
         if targets:
             await asyncio.gather(*(self.scrape(ws) for ws in targets))
+            for fn in self._scrape_listeners:
+                fn()
 
     async def scrape(self, ws: WorkerState) -> None:
         assert self.upstream is not None

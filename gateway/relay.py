@@ -18,9 +18,12 @@ webhooks and the P/D prefill leg (gateway/pd_legs.py) use the same pool. Rules:
   answer's identity; an answer that is not a 200 stream is an `UpstreamFailure` of kind "continuation";
 - a worker is given as long as the stall rule allows (policies/pace.py: the caller's first-token limit, from the
   leg's predicted time to first token, else the worker's own recent pace) to send a stream's first token, and
-  its pace for each next one, within the fixed `timeouts:`; a stall is a timeout (`RelayResult.stalled`, or an
-  `UpstreamFailure` of kind "timeout"), and `abort_worker` fails every exchange in flight on a worker
-  the gateway suspects (the dispatcher then resumes or retries them elsewhere);
+  its pace for each next one, within the fixed `timeouts:`; a stream silent past those limits is judged
+  (`_Watch`, policies/pace.py `FleetPace.judge`): kept while the worker feeds its other streams, while the fleet
+  is as slow, or while no worker it could move to is progressing, else given up (`RelayResult.stalled`); the
+  tokens a stream gets after a silence near its limit teach the worker's pace in flight (`note_late`); a stall
+  before the headers is an `UpstreamFailure` of kind "timeout", and `abort_worker` fails every exchange in
+  flight on a worker the gateway suspects (the dispatcher then resumes or retries them elsewhere);
 - upstream statuses and bodies other than retried 5xx are passed through unchanged, except that an error
   body is put in OpenAI's shape by the engine adapter (vLLM's `type: BadRequestError, code: 400` ->
   `type: invalid_request_error`).
@@ -39,7 +42,7 @@ from engine_adapters.openai_errors import sse_error_event
 from gateway.config import GatewayConfig, TimeoutsConfig
 from gateway.resume import StreamResume
 from gateway.upstream import TlsSettings, UpstreamConnection, UpstreamPool
-from policies.pace import FleetPace
+from policies.pace import FleetPace, WorkerPace
 
 STATUS_429 = "status_429"  # UpstreamFailure.kind of a worker's 429 (a refusal, not a fault of the worker)
 TOO_LONG = "context_length"  # ... of a worker's 400 for a request longer than its context
@@ -98,6 +101,45 @@ class LegSend:
     retry_429: bool = False      # so is a 429, and the engine's 400 for a request over its context
 
 
+class _Watch:
+    """One stream's stall judge, asked by its connection when the read timeout passes (gateway/upstream.py
+    `on_silence`): more time to wait, or None to give the stream up. The fixed `timeouts:` stay the bound."""
+
+    __slots__ = ("relay", "pace", "worker_id", "first_s", "resume", "started")
+
+    def __init__(self, relay: Relay, pace: FleetPace, worker_id: str, first_s: float,
+                 resume: StreamResume | None) -> None:
+        self.relay = relay
+        self.pace = pace
+        self.worker_id = worker_id
+        self.first_s = first_s
+        self.resume = resume
+        self.started = False  # its first token came
+
+    def __call__(self, silent_s: float) -> float | None:
+        relay = self.relay
+        cap = relay.idle_s if self.started else relay.first_byte_s
+        if silent_s >= cap:
+            return None
+        elsewhere = self.resume.elsewhere if self.resume is not None else None
+        legs = relay.legs
+        peers = [(w, bool(legs.get(w))) for w in elsewhere(self.resume)] if elsewhere is not None else []
+        wait = self.pace.judge(self.worker_id, self.started, silent_s, self.first_s, time.perf_counter(), peers)
+        return None if wait is None else min(wait, cap - silent_s)
+
+
+class _NoPace:
+    """A stand-in for WorkerPace when hung detection is off: the relay's per-token bookkeeping goes nowhere."""
+
+    __slots__ = ("last_token_at",)
+
+    def __init__(self) -> None:
+        self.last_token_at: float | None = None
+
+    def note_late(self, silent_s: float, first: bool, now: float) -> None:
+        pass
+
+
 class ResponseState:
     """Where the client's response is: started (no retry possible any more), ended (last byte queued),
     and the output tokens relayed so far (read by the learning loop for progress reports)."""
@@ -140,6 +182,7 @@ class Relay:
                 conn.abort("the worker is suspected hung")
         elif self.pace is not None and worker_id not in self.pace.unpaced:   # a turns engine's silences are planned
             for conn in legs:
+                conn.on_silence = None   # silent for the floor: given up, whatever the stall judge would say
                 conn.set_read_timeout(self.pace.settings.gap_floor_s)
         return len(legs)
 
@@ -168,6 +211,7 @@ class Relay:
         worker_id, retry_429 = leg.worker_id, leg.retry_429
         track = None
         limits = (self.first_byte_s, self.idle_s)
+        watch = None
         if worker_id is not None:
             track = self.legs.get(worker_id)
             if track is None:
@@ -177,6 +221,8 @@ class Relay:
                 if leg.first_s is not None:
                     first = leg.first_s
                 limits = (min(first, self.first_byte_s), min(gap, self.idle_s))
+                if stream and worker_id not in self.pace.unpaced:
+                    watch = _Watch(self, self.pace, worker_id, first, resume)
         t_sent = time.perf_counter()
         resp = await self._open(leg.url, payload, leg.upstream_headers, stream, limits[0], track)
         clean = False
@@ -211,7 +257,7 @@ class Relay:
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 return result
             result = await self._relay_stream(resp, send, ctype, leg.client_headers, leg.strip_usage, state, resume,
-                                              limits[1], leg.on_first)
+                                              limits[1], leg.on_first, watch, t_sent)
             clean = result.midstream_error is None
             if clean and self.pace is not None and worker_id is not None and result.first_token_at is not None:
                 self.pace.of(worker_id).observe(result.first_token_at - t_sent, result.max_gap)
@@ -242,8 +288,18 @@ class Relay:
     async def _relay_stream(self, resp: UpstreamConnection, send, ctype: bytes,  # noqa: ANN001
                             client_headers: list[tuple[bytes, bytes]], strip_usage: bool,
                             state: ResponseState, resume: StreamResume | None, gap_s: float,
-                            on_first: Callable[[], object] | None = None) -> RelayResult:
+                            on_first: Callable[[], object] | None = None, watch: _Watch | None = None,
+                            t_sent: float = 0.0) -> RelayResult:
         result = RelayResult(status=resp.status)
+        live: WorkerPace | _NoPace = _NoPace()
+        first_s = 0.0
+        if watch is not None:
+            resp.on_silence = watch
+            live = watch.pace.of(watch.worker_id)
+            notable = watch.pace.settings.notable   # silences this close to their limit tell the worker's pace
+            first_s, late_s = watch.first_s * notable, gap_s * notable
+        else:
+            late_s = gap_s
         continuation = resume is not None and resume.legs > 0
         # a continuation's usage is rewritten (StreamResume.rewrite), not stripped here
         scanner = self.adapter.new_stream_scanner(strip_usage and not continuation, resume is not None)
@@ -266,11 +322,19 @@ class Relay:
                     if tokens == 0:
                         result.first_token_at = now
                         resp.set_read_timeout(gap_s)  # from now on the pace between tokens
+                        if watch is not None:
+                            watch.started = True
+                            if now - t_sent > first_s:   # near or past its limit, and the worker answered
+                                live.note_late(now - t_sent, True, now)
                         if on_first is not None:
                             on_first()
-                    elif now - result.last_token_at > max_gap:
-                        max_gap = now - result.last_token_at
-                    result.last_token_at = now
+                    else:
+                        gap = now - result.last_token_at
+                        if gap > max_gap:
+                            max_gap = gap
+                        if gap > late_s:   # near or past its limit (the judge kept it): slower, not hung
+                            live.note_late(gap, False, now)
+                    result.last_token_at = live.last_token_at = now
                     tokens = scanner.tokens
                     state.tokens = before + tokens
                 if out:

@@ -33,7 +33,7 @@ restart).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,7 +206,7 @@ class StreamResume:
     answer). `tokens_before` is what the client had when the current leg started."""
 
     __slots__ = ("chat", "client_usage", "continuous_usage", "sent", "legs", "delivered", "tokens_before",
-                 "prompt_tokens", "first_token_at", "_leg_usage", "_size", "_held", "_held_tokens")
+                 "prompt_tokens", "first_token_at", "_leg_usage", "_size", "_held", "_held_tokens", "elsewhere")
 
     def __init__(self, chat: bool, client_usage: bool, continuous_usage: bool) -> None:
         self.chat = chat
@@ -222,6 +222,9 @@ class StreamResume:
         self._size = 0
         self._held: list[bytes] | None = None   # tool-call events not yet forwarded (None: nothing held)
         self._held_tokens = 0
+        # the workers a continuation could go to now (the dispatcher's); the relay's stall judge keeps a silent
+        # stream that has none progressing (policies/pace.py FleetPace.judge)
+        self.elsewhere: Callable[[StreamResume], list[str]] | None = None
 
     def note(self, out: bytes) -> bytes:
         """The relay has `out` (complete events) for the client: what of it to forward now. Tool-call events wait

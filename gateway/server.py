@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import signal
 import socket
 import sys
 from collections.abc import Iterator, Sequence
@@ -56,9 +57,50 @@ def _uvicorn_config(app: FleetgateApp) -> uvicorn.Config:
     limits = ClientLimits(sc.header_timeout_s, sc.body_timeout_s, sc.keepalive_s, sc.max_header_bytes,
                           sc.max_headers, sc.max_connections)
     return uvicorn.Config(app, http=protocol_factory(limits), loop="none", lifespan="off", access_log=False,
-                          log_level="warning", timeout_graceful_shutdown=5, server_header=False,
+                          log_level="warning", timeout_graceful_shutdown=AFTER_DRAIN_S, server_header=False,
                           date_header=False, timeout_keep_alive=sc.keepalive_s, limit_concurrency=sc.max_connections,
                           proxy_headers=False)  # X-Forwarded-For is gateway/forwarding.py's (trusted_proxies)
+
+
+AFTER_DRAIN_S = 5.0  # uvicorn's own shutdown, once the drain is over: only idle connections are left to close
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn whose first SIGTERM or SIGINT drains the gateway (gateway/drain.py) before uvicorn's own shutdown:
+    the listening socket stays open to answer 503 meanwhile. A second signal ends at once, as in uvicorn.
+    The signal is not re-raised after the shutdown (uvicorn does so), so a drained gateway exits 0."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.loop = asyncio.get_running_loop()
+        self._draining: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self._draining is not None or self.should_exit:
+            self.should_exit = self.force_exit = True
+            return
+        self.loop.call_soon_threadsafe(self._begin_drain, sig)
+
+    def _begin_drain(self, sig: int) -> None:
+        if self._draining is None:
+            self._draining = self.loop.create_task(self._drain(sig), name="fleetgate-drain")
+
+    async def _drain(self, sig: int) -> None:
+        drain = self.gateway.drain
+        timeout = self.gateway.config.server.drain_timeout_s
+        drain.begin()
+        log.warning("%s: draining: %d request(s) in flight, up to %g s (server.drain_timeout_s)",
+                    signal.Signals(sig).name, drain.inflight, timeout)
+        try:
+            left = await drain.wait(timeout)
+            if left:
+                log.warning("drain time up: ending %d request(s) still in flight", left)
+                drain.cut()
+                left = await drain.wait(AFTER_DRAIN_S)
+            log.info("drained (%d request(s) left); shutting down", left)
+        finally:
+            self.should_exit = True
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -144,7 +186,7 @@ async def serve(config: GatewayConfig) -> None:
         log.debug("start-up failure", exc_info=True)
         print(f"fleetgate: cannot start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    server = uvicorn.Server(_uvicorn_config(app))
+    server = _DrainingServer(_uvicorn_config(app), app.gateway)
     try:
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():

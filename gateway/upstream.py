@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import math
 import socket
 import ssl
@@ -49,6 +50,8 @@ from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
 import httptools
+
+log = logging.getLogger("fleetgate")
 
 DEFAULT_CONTENT_TYPE = b"application/json"
 # Idle pooled connections are dropped before the worker drops them: vLLM's API server runs uvicorn with a 5 s
@@ -156,7 +159,7 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("_pool", "_key", "_loop", "transport", "_parser", "closed", "busy", "idle_at", "status",
                  "content_type", "_headers_done", "_complete", "_keep", "_until_eof", "_chunks", "_buffered",
                  "_error", "_waiter", "_wake_on_data", "_paused", "_timer", "_read_timeout", "_headers_deadline",
-                 "_last_io", "_got_bytes", "fresh")
+                 "_last_io", "_got_bytes", "fresh", "on_silence")
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, str, int], loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
@@ -181,6 +184,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._buffered = 0
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
+        # Asked when the read timeout passes: (seconds silent) -> more seconds to wait, or None to give up. The
+        # relay's stall rule: a silence past the pace is not always a stall (policies/pace.py FleetPace.judge).
+        self.on_silence: Callable[[float], float | None] | None = None
 
     # --- asyncio.Protocol -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -283,12 +289,27 @@ class UpstreamConnection(asyncio.Protocol):
         elif self._paused:  # the consumer is behind, not the worker
             self._timer = self._loop.call_at(now + self._read_timeout, self._on_timer)
         elif now - self._last_io >= self._read_timeout:
-            self._fail(ServerTimeoutError("Timeout on reading data from socket"))
+            more = self._more_time(now - self._last_io)
+            if more is None:
+                self._fail(ServerTimeoutError("Timeout on reading data from socket"))
+            else:
+                self._timer = self._loop.call_at(now + more, self._on_timer)
         else:
             at = self._last_io + self._read_timeout
             if not self._headers_done:
                 at = min(at, self._headers_deadline)
             self._timer = self._loop.call_at(at, self._on_timer)
+
+    def _more_time(self, silent_s: float) -> float | None:
+        judge = self.on_silence
+        if judge is None:
+            return None
+        try:
+            more = judge(silent_s)
+        except Exception:   # noqa: BLE001 - a timer callback must not raise; give the exchange up as before
+            log.exception("stall judge failed")
+            return None
+        return None if more is None or not more > 0 else min(more, 3600.0)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:

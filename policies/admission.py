@@ -17,6 +17,12 @@ Rules (in one place, so the simulator and the gateway cannot drift):
 - When to drain: whenever capacity may have been freed (a request finished, a worker joined) and at the
   earliest `retry_at` a policy asked for (Decision.retry_at: e.g. aladdin's risk-mode deadline), plus the
   earliest deadline (to refuse on time).
+- Bounded decision cost: a request that found no worker is not tried again until something that can change the
+  answer happened: capacity changed (`changed`: a completion, a released reservation, a worker joined; each
+  bumps the queue's `epoch`) or its policy's `retry_at` came. A drain for any other reason (a poll, another
+  request entering) skips it without asking the policy. Without this an SLO-aware policy re-checked every
+  waiting request against every worker at every poll (bench/results/peers_sched.md counted ~10^5 worker checks
+  for 800 requests); with it a waiting request costs at most one check per capacity change.
 """
 
 from __future__ import annotations
@@ -61,12 +67,13 @@ class Waiting:
     handle: Any = None
     retry_at: float = math.inf   # the earliest time its policy asked to be retried (Decision.retry_at)
     queued: bool = field(default=True)
+    tried_epoch: int = -1        # the queue's epoch when it last found no worker (-1: not tried yet)
 
 
 class AdmissionQueue:
     """FIFO of the requests of one model that wait for a placement (see the module docstring)."""
 
-    __slots__ = ("max_size", "lookahead", "timeout_s", "_items", "peak")
+    __slots__ = ("max_size", "lookahead", "timeout_s", "_items", "peak", "epoch", "skipped")
 
     def __init__(self, max_size: int = DEFAULT_QUEUE_SIZE, lookahead: int = DEFAULT_QUEUE_LOOKAHEAD,
                  timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S) -> None:
@@ -77,6 +84,8 @@ class AdmissionQueue:
         self.timeout_s = timeout_s
         self._items: dict[Waiting, None] = {}   # insertion-ordered; O(1) removal
         self.peak = 0
+        self.epoch = 0       # bumped by `changed`: capacity may have been freed
+        self.skipped = 0     # tries a drain saved (nothing changed for the request since its last one)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -89,12 +98,15 @@ class AdmissionQueue:
         return len(self._items) < self.lookahead
 
     def enter(self, feats: RequestFeatures, now: float, handle: Any = None, swap_s: float = 0.0,
-              retry_at: float | None = None) -> Waiting:
+              retry_at: float | None = None, tried: bool | None = None) -> Waiting:
         """Queue a request (the caller checked `full` first); its deadline from `queue_budget` (`swap_s`: the time
         its model needs to be woken, 0 when awake); `retry_at`: when the policy that could not place it asked to
-        be tried again (None: when capacity changes)."""
+        be tried again (None: when capacity changes); `tried`: the caller just tried to place it (None: it did
+        when it has a `retry_at`), so a drain skips it until capacity changes."""
         budget, reason = queue_budget(feats, now, self.timeout_s, swap_s)
         w = Waiting(feats, now, now + budget, reason, handle, retry_at if retry_at is not None else math.inf)
+        if tried or (tried is None and retry_at is not None):
+            w.tried_epoch = self.epoch
         self._items[w] = None
         self.peak = max(self.peak, len(self._items))
         return w
@@ -111,14 +123,28 @@ class AdmissionQueue:
             self.remove(w)
         return gone
 
-    def candidates(self, order: Callable[[Waiting], Any] | None = None) -> Iterator[Waiting]:
+    def changed(self) -> None:
+        """Capacity may have been freed (a completion, a released reservation, a worker joined): every waiting
+        request is worth a try again."""
+        self.epoch += 1
+
+    def candidates(self, order: Callable[[Waiting], Any] | None = None, now: float | None = None
+                   ) -> Iterator[Waiting]:
         """The waiting requests to try now, in arrival order (or sorted by `order`, smaller first: a service-aware
         priority, policies/service_priority.py). The caller `remove`s each one it placed before asking for the
-        next; one still queued then counts as not placed, and after `lookahead` of those the drain ends."""
+        next; one still queued then counts as not placed, and after `lookahead` of those the drain ends. Given
+        `now`, a request tried since the last `changed` whose `retry_at` has not come is skipped (the module
+        docstring's bounded decision cost) and counts as a miss."""
         misses = 0
         items = list(self._items) if order is None else sorted(self._items, key=order)
         for w in items:
             if not w.queued:
+                continue
+            if now is not None and w.tried_epoch == self.epoch and w.retry_at > now:
+                self.skipped += 1      # known not to fit: a miss like a tried one (head-of-line stays so)
+                misses += 1
+                if misses >= self.lookahead:
+                    return
                 continue
             yield w
             if w.queued:
@@ -134,6 +160,7 @@ class AdmissionQueue:
             self.remove(w)
         else:
             w.retry_at = retry_at if retry_at is not None else math.inf
+            w.tried_epoch = self.epoch
 
     def due(self, now: float, poll_s: float | None = None) -> float:
         """When the next drain should run without any capacity freed: `next_wake`, and within `poll_s` while

@@ -69,6 +69,9 @@ class PerfModel:
     max_batch: int = 256          # engine's max_num_seqs
     k1q: float = 0.0              # prefill seconds per prompt token squared (causal attention, l²/2 pairs)
     pf: float = 0.0               # prefill floor: the weights' streaming time of one forward pass
+    # The tokens one engine step batches (vLLM's max_num_batched_tokens): a prompt is prefilled in chunks of
+    # this many, each batched with the running decodes. 0: not known (aladdin's prefill_chunk_tokens then).
+    chunk_tokens: int = 0
     # Hetero form p1..p8 when fitted on its own; None: derived from the Aladdin coefficients.
     p: tuple[float, ...] | None = None
     fit: dict[str, ComponentFit] = field(default_factory=dict)
@@ -123,6 +126,7 @@ class PerfModel:
         out: dict[str, Any] = {name: getattr(self, name) for name in _COEF_NAMES}
         out["kv_capacity"] = self.kv_capacity
         out["max_batch"] = self.max_batch
+        out["chunk_tokens"] = self.chunk_tokens
         out["p"] = list(self.p) if self.p is not None else None
         out["fit"] = {k: {"n": v.n, "rmse": v.rmse, "rel_err": v.rel_err} for k, v in self.fit.items()}
         return out
@@ -153,7 +157,7 @@ class PerfModel:
         """
         get = prior.get if isinstance(prior, Mapping) else (lambda k, d=None: getattr(prior, k, d))
         kw: dict[str, Any] = {}
-        for name in (*_COEF_NAMES, "kv_capacity", "max_batch", "p"):
+        for name in (*_COEF_NAMES, "kv_capacity", "max_batch", "chunk_tokens", "p"):
             v = get(name, None)
             if v is not None:
                 kw[name] = tuple(v) if name == "p" else v
@@ -163,8 +167,10 @@ class PerfModel:
             kw["h"] = 1.0 / float(get("block_size"))
         if "max_batch" not in kw and get("max_num_seqs", None) is not None:
             kw["max_batch"] = get("max_num_seqs")
-        model = cls(**{k: (float(v) if k not in ("max_batch", "p") else v) for k, v in kw.items()})
-        model.max_batch = int(model.max_batch)
+        if "chunk_tokens" not in kw and get("max_num_batched_tokens", None) is not None:
+            kw["chunk_tokens"] = get("max_num_batched_tokens")
+        model = cls(**{k: (float(v) if k not in ("max_batch", "chunk_tokens", "p") else v) for k, v in kw.items()})
+        model.max_batch, model.chunk_tokens = int(model.max_batch), int(model.chunk_tokens)
         model.validate()
         return model
 
@@ -195,6 +201,7 @@ class PerfModel:
             j=1.0,
             kv_capacity=float(get("num_gpu_blocks")),
             max_batch=bmax,
+            chunk_tokens=int(chunk),
         )
         model.validate()
         return model
@@ -208,6 +215,8 @@ class PerfModel:
             raise ValueError("PerfModel.k1, k2, h and kv_capacity must be positive")
         if self.max_batch < 1:
             raise ValueError("PerfModel.max_batch must be >= 1")
+        if not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 0:
+            raise ValueError(f"PerfModel.chunk_tokens must be an integer >= 0, got {self.chunk_tokens!r}")
 
 
 def aladdin_to_hetero(model: PerfModel) -> tuple[float, ...]:

@@ -389,6 +389,7 @@ class ClusterSim:
         self.moves = 0
         self._last_arrival = 0.0
         self._wake_at = math.inf
+        self._drained_tick = -1.0        # the scrape tick of the last queue drain (`_drain_queue`)
         self.cap = cap
         self.now = 0.0
         self.workers: dict[str, SimWorker] = {}
@@ -534,7 +535,8 @@ class ClusterSim:
         feats = self.features(r)
         q = self.queue
         retry_at = None
-        if q.admits_directly():
+        tried = q.admits_directly()
+        if tried:
             d = self._try_dispatch(r, feats, now)
             if d is None:
                 return
@@ -542,15 +544,22 @@ class ClusterSim:
         if q.full():
             self._reject(r, REFUSED, 429, "admission queue full", now)
             return
-        q.enter(feats, now, r, retry_at=retry_at)
+        q.enter(feats, now, r, retry_at=retry_at, tried=tried)
         self._arm(now)
 
-    def _drain_queue(self, now: float) -> None:
+    def _drain_queue(self, now: float, changed: bool = True) -> None:
+        """Try the waiting requests; `changed`: capacity may have been freed (policies/admission.py `changed`), as
+        a new engine report (a scrape tick since the last drain) may say too."""
         q = self.queue
+        iv = self.scrape_interval_s
+        tick = now // iv if iv > 0 else now
+        if changed or tick != self._drained_tick:
+            q.changed()
+        self._drained_tick = tick
         for w in q.expired(now):
             self._reject(w.handle, REFUSED, 429, w.reason, now)
         order = self.services.queue_order(now) if self.services is not None else None
-        for w in q.candidates(order):
+        for w in q.candidates(order, now):
             d = self._try_dispatch(w.handle, w.features, now)
             q.tried(w, d is None, d.retry_at if d is not None else None)
         self._arm(now)
@@ -838,4 +847,4 @@ def _wake_queue(sim: ClusterSim, now: float) -> None:
         return
     sim._wake_at = math.inf
     if sim.queue:
-        sim._drain_queue(now)
+        sim._drain_queue(now, changed=False)

@@ -221,8 +221,9 @@ def test_risk_mode_waits_while_a_young_request_would_likely_miss():
     ws = young_worker(short)
     d = short.choose(newcomer, ws, 1.02)
     assert (d.worker_id, d.reason) == (None, "no_fit") and short.last_rejections["prefill_slack"] == 1
-    # Ask again when waiting longer would cost its TTFT: 0.6 − 0.05 margin − (0.4 s prefill + 2 decode steps).
-    assert d.retry_at == pytest.approx(1.02 + 0.6 - 0.05 - 0.42)
+    # Ask again when waiting longer would cost its TTFT: 0.6 − 0.05 margin − (0.4 s prefill + the decode step in
+    # flight; the decodes batched with its one chunk add k2·ctx + c2·b ≈ 0, the chunk's own pass holds c3).
+    assert d.retry_at == pytest.approx(1.02 + 0.6 - 0.05 - 0.41)
     long = risk_policy(1000)      # every answer is 1000 tokens: r0 recovers -> place now
     ws = young_worker(long)
     assert long.choose(newcomer, ws, 1.02) == Decision("w0", "best_fit")
@@ -231,7 +232,7 @@ def test_risk_mode_waits_while_a_young_request_would_likely_miss():
 def test_risk_mode_places_at_the_ttft_deadline_and_when_late():
     p = risk_policy(5)
     ws = young_worker(p)
-    # TTFT estimate 0.4 s of prefill + 2 decode steps + what it waited: with 0.15 s waited it still fits,
+    # TTFT estimate 0.4 s of prefill + the decode step in flight + what it waited: with 0.15 s waited it still fits,
     # but not after another deadline margin (50 ms): waiting longer would cost its TTFT -> placed now.
     at_deadline = RequestFeatures("dl", "m", 400, predicted_output_tokens=40, arrival=1.02 - 0.16)
     assert p.choose(at_deadline, ws, 1.02) == Decision("w0", "deadline")

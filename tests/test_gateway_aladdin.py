@@ -150,3 +150,53 @@ async def _inflight_is(http: httpx.AsyncClient, url: str, n: int) -> bool:
 async def _has_metric(http: httpx.AsyncClient, url: str, name: str, labels: dict[str, str]) -> list[float]:
     v = await _metric(http, url, name, labels)
     return [] if v is None else [v]
+
+
+async def _inflight_on(http: httpx.AsyncClient, url: str, worker: str, n: int) -> bool:
+    return (await _metric(http, url, "fleetgate_worker_inflight", {"worker": worker}) or 0.0) == n
+
+
+async def _long_answer(http: httpx.AsyncClient, url: str, text: str, tokens: int) -> httpx.Response:
+    body = {**chat(tokens), "messages": [{"role": "user", "content": text}]}
+    async with http.stream("POST", url + "/v1/chat/completions", json=body,
+                           headers={"x-sim-output-tokens": str(tokens)}) as r:
+        await r.aread()
+    return r
+
+
+async def test_aladdin_without_kv_events_prices_a_turn_where_its_conversation_ran(sim_fleet) -> None:
+    """x-session-id: the next turn's prefix is cached where the last turn ran (policies/aladdin/affinity.py), so with
+    a TTFT target the prefill there meets easily, aladdin takes that worker over an idler one that would prefill the
+    whole conversation again; the same turn without its conversation id goes to the idler one."""
+    fleet = sim_fleet(2, time_scale=20)
+    history = "a long conversation so far " * 3000                       # ~20k tokens: ~0.75 s of prefill
+    turn1 = {"model": MODEL, "messages": [{"role": "user", "content": history}], "max_tokens": 4, "stream": True}
+    turn2 = {**turn1, "messages": [*turn1["messages"], {"role": "assistant", "content": "ok ok ok"},
+                                   {"role": "user", "content": "and now?"}]}
+    sid = {"x-session-id": "conv-1", "x-sim-output-tokens": "4"}
+    async with gateway(fleet.urls, "aladdin") as gw, httpx.AsyncClient(timeout=60) as http:
+        # A long answer to a long prompt occupies w0, so the conversation's first turn goes to the idle w1.
+        a = asyncio.create_task(_long_answer(http, gw.url, "another document " * 6000, 6000))
+        await poll(lambda: _inflight_on(http, gw.url, "w0", 1))
+        before = await served(http, fleet.urls)
+        r = await http.post(gw.url + "/v1/chat/completions", json=turn1, headers=sid)
+        assert r.status_code == 200
+        assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [0, 1]
+        # A longer answer now occupies w1 (less loaded than w0) and the first one ends: w0 is the idle worker.
+        await poll(lambda: _inflight_on(http, gw.url, "w1", 0))
+        b = asyncio.create_task(stream(http, gw.url, 16000))
+        await poll(lambda: _inflight_on(http, gw.url, "w1", 1))
+        assert (await a).status_code == 200
+        await poll(lambda: _inflight_on(http, gw.url, "w0", 0))
+        # The second turn with a 1 s TTFT target: 0.75 s of prefill on w0, its new tokens only on w1.
+        before = await served(http, fleet.urls)
+        r = await http.post(gw.url + "/v1/chat/completions", json=turn2, headers={**sid, "x-slo-ttft-ms": "1000"})
+        assert r.status_code == 200
+        assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [0, 1]
+        # The same turn without its conversation id is priced whole everywhere: the idle w0.
+        before = await served(http, fleet.urls)
+        r = await http.post(gw.url + "/v1/chat/completions", json=turn2,
+                            headers={"x-sim-output-tokens": "4", "x-slo-ttft-ms": "1000"})
+        assert r.status_code == 200
+        assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [1, 0]
+        assert (await b).status_code == 200

@@ -77,6 +77,27 @@ def test_a_waiter_removed_during_the_drain_is_skipped() -> None:
     assert seen == ["r0", "r2"] and len(q) == 2 and q.next_wake() == 1.0   # their TTFT deadlines
 
 
+def test_a_request_that_found_no_worker_waits_for_a_change_not_for_the_next_poll() -> None:
+    """Bounded decision cost: tried and not placed, a request is tried again only after `changed` (capacity may
+    have been freed) or once its policy's retry_at came; polls in between skip it without asking the policy."""
+    q = AdmissionQueue(10, lookahead=4, timeout_s=5)
+    a = q.enter(feats(0), 0.0, tried=True)               # tried on arrival: found no worker
+    b = q.enter(feats(1), 0.0)                           # queued behind others, never tried
+    c = q.enter(feats(2), 0.0, retry_at=0.3)             # tried; its policy asked for 0.3 s
+    assert [w.features.request_id for w in q.candidates(now=0.1)] == ["r1"]
+    q.tried(b, False)
+    assert list(q.candidates(now=0.2)) == [] and q.skipped == 2 + 3   # a poll: nothing changed for anybody
+    assert [w.features.request_id for w in q.candidates(now=0.3)] == ["r2"]   # its retry time came
+    q.tried(c, False, retry_at=None)
+    q.changed()                                          # a completion: every one is worth a try again
+    seen = [w.features.request_id for w in q.candidates(now=0.4)]
+    assert seen == ["r0", "r1", "r2"]
+    for w in (a, b, c):
+        q.tried(w, False)
+    assert list(q.candidates(now=0.5)) == []
+    assert [w.features.request_id for w in q.candidates()] == ["r0", "r1", "r2"]   # no clock: every one, as before
+
+
 # --- placement step -----------------------------------------------------------------------------------
 class Log(Policy):
     """least_requests that logs every hook in order."""

@@ -126,15 +126,15 @@ def test_engine_reported_load_counts_against_atgt():
 
 
 # --- cache pricing (price_cache: only the uncached prompt is prefill work) -------------------------------
-def test_cache_pricing_is_opt_in_and_asks_for_the_kv_view():
-    assert AladdinPolicy().needs_kv_blocks is False
-    assert make_policy("aladdin", price_cache=True).needs_kv_blocks is True
+def test_cache_pricing_is_on_by_default_and_asks_for_the_kv_view():
+    assert AladdinPolicy().needs_kv_blocks is True      # chats are half cached prompt tokens
+    assert make_policy("aladdin", price_cache=False).needs_kv_blocks is False
 
 
 def test_cache_pricing_counts_only_uncached_prefill_in_ttft_and_the_queue():
     ws = views(2)
     hit = {"w1": 500}                       # w1's prefix cache holds 500 of the prompt's 700 tokens
-    plain = policy(CLOCK, slack="off")      # 1 ms per prompt token, TTFT target 0.6 s
+    plain = policy(CLOCK, slack="off", price_cache=False)      # 1 ms per prompt token, TTFT target 0.6 s
     # Without pricing (the view ignored even when given): 0.7 s everywhere, nobody fits.
     assert plain.choose(req(0, l_in=700, cached_prefix_tokens=hit), ws, 0.0).reason == "best_effort"
     priced = policy(CLOCK, slack="off", price_cache=True)
@@ -149,6 +149,27 @@ def test_cache_pricing_counts_only_uncached_prefill_in_ttft_and_the_queue():
     over = policy(CLOCK, slack="off", price_cache=True)
     assert place(over, req(3, l_in=100, cached_prefix_tokens={"w0": 10_000}), ws, 0.0) == "w0"
     assert over.worker_load("w0")["pending_prefill_tokens"] == pytest.approx(0)
+
+
+def test_without_kv_events_a_turn_is_priced_where_its_conversation_ran():
+    """No KV-event view: the conversation's last turn left its prompt and answer in that worker's prefix cache
+    (policies/aladdin/affinity.py), so the next turn's prefill there is only the new part; elsewhere, the whole."""
+    ws = views(2)
+    p = policy(CLOCK, slack="off")                  # 1 ms per prompt token, TTFT target 0.6 s
+    first = req("t0", l_in=300, session_id="c1")
+    w = place(p, first, ws, 0.0)
+    p.observe_completion(first, 100, 1.0)
+    p.on_complete(first, w, 1.0)
+    # 900 tokens: 0.9 s anywhere uncached; on w the conversation's 400 are cached, 0.5 s: w.
+    second = req("t1", l_in=900, session_id="c1")
+    assert p.constraints.prefix_view(second) == {w: 400}
+    assert place(p, second, ws, 2.0) == w
+    assert p.worker_load(w)["pending_prefill_tokens"] == pytest.approx(500)
+    # Another conversation of the same length has nothing cached: no worker meets its TTFT.
+    assert p.choose(req("u0", l_in=900, session_id="c2"), ws, 2.0).reason == "best_effort"
+    # A KV-event view, where the caller has one, is the truth (here: nothing cached): no guess.
+    assert p.constraints.prefix_view(req("t2", l_in=900, session_id="c1", cached_prefix_tokens={})) == {}
+    assert policy(CLOCK, price_cache=False).constraints.sessions is None
 
 
 # --- (c) TTFT via eq. 2 -----------------------------------------------------------------------------
@@ -210,6 +231,42 @@ def test_kv_profile_uses_time_not_final_sizes():
     assert p.choose(req(1, l_in=200, lp=500), ws, 0.0).worker_id == "w0"
     # The engine reporting 90 % in use (traffic the ledger does not see) closes the worker.
     assert p.choose(req(1, l_in=200, lp=500), views(1, kv_usage=0.9), 0.0).worker_id is None
+
+
+def test_engine_kv_report_takes_shared_prefix_blocks_off_the_ledger_but_not_later_placements():
+    """The ledger counts each request's whole context; the engine holds a prefix that running requests
+    share once. Its report corrects the ledger down as well as up, compared with the ledger's level when the
+    report was first seen, so requests placed after that report still count in full."""
+    model = PerfModel(k1=1e-6, c1=0.0, k2=1e-9, c2=0.0, c3=0.01, h=1.0, j=0.0, kv_capacity=1000)
+    p = policy(model, bucket_steps=1)
+    assert place(p, req(0, l_in=400, lp=100), views(1), 0.0) == "w0"
+    # Ledger alone: 401 + 601 now, 500 + 700 at the end: no room (an unscraped engine, kv_usage 0, changes nothing).
+    assert p.choose(req(1, l_in=600, lp=100), views(1), 0.0).worker_id is None
+    # The engine holds 200 blocks where the ledger counts 401 (a shared prefix): 1200 - 201 fits.
+    shared = views(1, kv_usage=0.2)
+    assert place(p, req(1, l_in=600, lp=100), shared, 0.0) == "w0"
+    # The same (stale) report: r1 is not in it, so it counts whole. 410 + 610 + 310 - 201 > 1000.
+    assert p.choose(req(2, l_in=300, lp=10), shared, 0.0).worker_id is None
+    assert p.last_rejections[C_KV] == 1
+
+
+def test_prefill_chunk_follows_the_engine_and_d_stalls_by_the_chunk_compute_only():
+    """(c) counts the decodes batched with each prefill chunk of the worker's own engine (PerfModel.chunk_tokens,
+    vLLM's max_num_batched_tokens); (d)'s stall is k1 per prefill token, c1 (server overhead) stalls no decode."""
+    prof = {"c_step_s": 0.002, "t_weights_s": 0.005, "c_decode_s": 2e-5, "max_num_seqs": 256, "k_prefill_s": 2e-5,
+            "k_ctx_s": 4e-8, "num_gpu_blocks": 1000, "max_num_batched_tokens": 8192}
+    m = PerfModel.from_step_profile(prof)
+    assert m.chunk_tokens == 8192 and PerfModel.from_dict(m.to_dict()).chunk_tokens == 8192
+    assert PerfModel.from_prior(prof).chunk_tokens == 8192 and PerfModel().chunk_tokens == 0
+    for pol, chunk in ((policy(m), 8192), (policy(SIMPLE, prefill_chunk_tokens=512), 512)):   # model silent: the knob
+        assert pol.constraints.chunks(pol.ledger.rows_for_views(views(1)))[0] == chunk
+    # (d) as printed: a decode that saved 0.55 s of slack. The new prompt's chunks stall it 0.1 s; its 0.5 s of
+    # server overhead stalls no decode, so it fits (eq. 2 whole, 0.6 s, would not).
+    slow_api = PerfModel(k1=1e-3, c1=0.5, k2=1e-9, c2=0.0, c3=0.01, h=1 / 16, j=1, kv_capacity=1e6, max_batch=256)
+    p = policy(slow_api, slack="paper", slo_ttft_s=10.0, slo_atgt_s=0.1)
+    assert place(p, req(0, l_in=10, lp=1000), views(1), 0.0) == "w0"
+    p.report_progress("r0", 1, 0.01)
+    assert place(p, req(1, l_in=100, lp=10), views(1), 0.06) == "w0"
 
 
 # --- best fit: packing, no_fit, shortfall -------------------------------------------------------------

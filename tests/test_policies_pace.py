@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from policies.pace import (
     EjectionSettings,
     FleetPace,
@@ -12,6 +14,7 @@ from policies.pace import (
     ejection_s,
     first_token_limit,
     may_eject,
+    stall_verdict,
     times_ejected,
 )
 
@@ -107,3 +110,91 @@ def test_at_most_a_fraction_of_a_pool_is_ejected_but_always_one() -> None:
     assert may_eject(0, 1, s) and may_eject(0, 3, s)  # one always may
     assert not may_eject(1, 3, s)  # a second of three would be 67 %
     assert may_eject(1, 5, s) and not may_eject(2, 5, s)
+
+
+# --- the stall judge: relative to the fleet, and only with somewhere better to go ---------------------------
+
+def paced_fleet(workers: list[str], gap: float = 0.1, now: float = 100.0) -> FleetPace:
+    f = FleetPace(S)
+    for w in workers:
+        for _ in range(8):
+            f.of(w).observe(0.5, gap)
+        f.of(w).last_token_at = now
+    return f
+
+
+def test_a_zombie_among_progressing_peers_is_cut_at_the_same_limit() -> None:
+    f = paced_fleet(["a", "b", "c"])
+    f.of("a").last_token_at = 98.0       # a: silent since 98; b and c just produced tokens
+    assert f.judge("a", True, 1.9, None, 99.9, [("b", True), ("c", True)]) == pytest.approx(0.1)  # the 2 s floor
+    assert f.judge("a", True, 2.0, None, 100.0, [("b", True), ("c", True)]) is None   # a stall: give it up
+
+
+def test_a_stream_with_nowhere_better_to_go_is_kept() -> None:
+    f = paced_fleet(["a", "b"])
+    for w in ("a", "b"):
+        f.of(w).last_token_at = 95.0     # the whole fleet went quiet at once (slowed down, or a long prefill)
+    assert f.judge("a", True, 5.0, None, 100.0, [("b", True)]) == S.recheck_s   # judged again later, not cut
+    assert f.judge("a", True, 5.0, None, 100.0, []) == S.recheck_s   # no other worker at all
+
+
+def test_an_idle_peer_is_somewhere_better() -> None:
+    f = paced_fleet(["a", "b"])
+    f.of("a").last_token_at = 95.0
+    f.of("b").last_token_at = 50.0       # long quiet, but nothing in flight there
+    assert f.judge("a", True, 5.0, None, 100.0, [("b", False)]) is None
+
+
+def test_a_slowed_fleet_raises_every_limit_from_streams_in_flight() -> None:
+    f = paced_fleet(["a", "b", "c"])
+    f.of("a").last_token_at = 90.0
+    f.of("b").note_late(6.0, False, 99.0)   # b's next token came after 6 s
+    assert f.fleet_limits(100.0)[1] == 4 * 6.0
+    # a's own pace says 2 s, but the fleet's silences are 6 s long: a 10 s silence on a is not a stall yet
+    assert f.judge("a", True, 10.0, None, 100.0, [("b", True), ("c", True)]) == 24.0 - 10.0
+    # the evidence is forgotten after live_window_s
+    assert f.fleet_limits(99.0 + S.live_window_s + 1)[1] == S.gap_floor_s
+
+
+def test_a_worker_still_feeding_its_other_streams_is_working_through_its_queue() -> None:
+    f = paced_fleet(["a", "b"])
+    f.of("a").last_token_at = 99.5       # a's other streams progress; this one has been silent 3 s
+    assert f.judge("a", True, 3.0, None, 100.0, [("b", False)]) == pytest.approx(1.5)   # judged by a's silence
+    assert f.judge("a", False, 30.0, 2.5, 100.0, [("b", False)]) == pytest.approx(4.5)   # a first token too
+
+
+def test_first_token_waits_are_judged_the_same_way() -> None:
+    f = paced_fleet(["a", "b"])
+    f.of("a").last_token_at = None
+    assert f.judge("a", False, 4.0, 2.5, 100.0, [("b", True)]) == 1.0   # the fleet's paced limit: 5 s
+    assert f.judge("a", False, 5.0, 2.5, 100.0, [("b", True)]) is None
+    f.of("b").note_late(5.0, True, 100.0)  # b's first tokens come after 5 s: the fleet's first limit is 20 s
+    assert f.judge("a", False, 5.0, 2.5, 100.5, [("b", True)]) == 15.0   # (fleet limits: 0.25 s cache)
+
+
+def test_a_first_token_is_never_judged_stricter_than_the_fleets_slowed_gaps() -> None:
+    f = paced_fleet(["a", "b"])
+    f.of("a").last_token_at = None
+    f.of("b").note_late(4.0, False, 100.0)   # b's gaps are 4 s now: an engine iteration takes that long
+    assert f.judge("a", False, 6.0, 2.5, 100.0, [("b", True)]) == 16.0 - 6.0
+    cold = FleetPace(S)   # a worker without a pace: its cold gap limit does not hold its first token back
+    assert cold.judge("z", False, 3.0, 2.5, 0.0, [("y", False)]) is None
+
+
+def test_unpaced_workers_are_never_judged() -> None:
+    f = FleetPace(S, unpaced=["t"])
+    assert f.judge("t", True, 1e6, None, 0.0, [("x", False)]) == math.inf
+
+
+def test_stall_verdict() -> None:
+    assert stall_verdict(1.0, None, 2.0, True, 1.0) == 1.0
+    assert stall_verdict(2.0, None, 2.0, False, 1.0) == 1.0
+    assert stall_verdict(2.0, None, 2.0, True, 1.0) is None
+    assert stall_verdict(2.0, 0.5, 2.0, True, 1.0) == 1.5   # the worker fed another stream 0.5 s ago
+
+
+def test_peers_that_went_quiet_at_the_same_moment_are_no_better() -> None:
+    f = paced_fleet(["a", "b"])
+    f.of("a").last_token_at = 98.0
+    f.of("b").last_token_at = 98.001     # the whole fleet slowed down at once: b is quiet as long as a
+    assert f.judge("a", True, 2.0, None, 100.0, [("b", True)]) == S.recheck_s

@@ -23,6 +23,7 @@ The package, one module per part of the paper:
   * choice.py       Algorithm 1's best fit, worst fit, risk mode's deadline and the trust rule;
   * shortfall.py    the scale signal (section 4.1, appendix E.2);
   * rebalancing.py  Algorithm 2 (appendix C);
+  * affinity.py     where a conversation's prefix is cached when no KV-event view says so;
   * policy.py       `AladdinPolicy`, the Policy interface over them.
 
 Choices beyond the paper (each a parameter):
@@ -51,22 +52,31 @@ Choices beyond the paper (each a parameter):
     and, when every worker the model would place on is untrusted, the `fallback` baseline places the request
     ("fallback") until the rate falls or the learner installs a new model (which resets it).
   * (c) counts the time the request already waited (now − arrival, `count_wait`), the decode step in
-    flight and, per prefill chunk of `prefill_chunk_tokens` (vLLM's max_num_batched_tokens), the ongoing
-    decodes batched with it. A request whose TTFT is lost anyway ("late") is placed where (b), (d), (e)
-    hold, or (risk mode) where the risk is least, instead of waiting and blocking others.
+    flight and, per prefill chunk (the worker's model's `chunk_tokens`, vLLM's max_num_batched_tokens; else
+    `prefill_chunk_tokens`), the ongoing decodes batched with it: their share of the step, eq. 3 without c3
+    (the chunk's own pass streams the weights). A request whose TTFT is lost anyway ("late") is placed where
+    (b), (d), (e) hold, or (risk mode) where the risk is least, instead of waiting and blocking others.
+  * (d)'s t_pre is the stall the decodes suffer under chunked prefill: k1 per queued and new prefill token,
+    without c1 (the server's per-request overhead stalls no decode) (`Constraints.stall`).
   * capacity_norm divides batch size and context by the worker's own limits (eq. 4 at b=1, (T−c3)/c2)
     so that workers of different profiles rank on one scale.
   * A request that fits no worker even when alone (e.g. its prefill exceeds the TTFT target) is placed by
     the `fallback` baseline ("best_effort") instead of waiting forever.
   * Engine-reported load (WorkerView running/waiting/kv_usage) beyond the ledger's (other gateway
-    replicas) is counted in (b) and (e).
-  * Cache pricing (`price_cache=True`): the policy then declares `needs_kv_blocks`, so the
+    replicas) is counted in (b) and (e); in (e) the engine's report also corrects the ledger downwards
+    (`Ledger.kv_correction`): prefix blocks that running requests share (a system prompt) are held once.
+  * Cache pricing (`price_cache`, on by default: on multi-turn chats half the prompt tokens are cached and
+    the estimate without it is 2.5x too long, bench/results/aladdin_estimates.md): the policy declares
+    `needs_kv_blocks`, so the
     gateway (from the engines' KV events) and the simulator fill RequestFeatures.cached_prefix_tokens, and
     on each worker only the prompt tokens its prefix cache does not hold count as prefill work in (c), (d)
     and the ledger's prefill queue (eq. 2's k1·l plus the quadratic term's k1q·(l_in² − cached²): the
     uncached tokens still attend to the cached ones). A cached prefix then wins a placement exactly when
     the TTFT or slack it saves is what makes a worker fit (or gives it the most headroom). (b) and (e)
     still count the whole context: cached blocks are decoded over and held like any other.
+  * Conversation affinity without KV events (affinity.py): where the caller has no KV-event view, a turn's
+    cached prefix is estimated on the worker that served its conversation's last turn (`session_id`, the
+    `x-session-id` header), so staying saves the prefill and moving costs the re-prefill in (c) and (d).
 """
 
 from policies.aladdin.choice import FIT_BEST, FIT_WORST, FITS

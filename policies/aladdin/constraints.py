@@ -13,14 +13,16 @@ chunk terms, cache pricing) are described in the package docstring (policies/ala
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from policies.aladdin.affinity import SessionCache
 from policies.aladdin.ledger import INF, Ledger
 from policies.slo_targets import SloTarget, target_for
 from policies.tail import split_budget, tail_factor
-from policies.types import RequestFeatures, WorkerView
+from policies.types import NO_CACHED_PREFIX, RequestFeatures, WorkerView
 
 # Constraint (d) modes: "paper" is Aladdin's θ·min(T_dec·l_out − t_dec), the slack saved so far;
 # "lifetime" adds a lower bound on the slack still to come (a worker with only young requests is not
@@ -58,6 +60,24 @@ class Feasibility:
     later: np.ndarray | None = None
     risk: np.ndarray | None = None
     ttft: np.ndarray | None = None
+    terms: TtftTerms | None = None
+
+
+@dataclass(slots=True)
+class TtftTerms:
+    """(c)'s TTFT estimate per candidate row, term by term (bench/aladdin_estimates.py logs them next to what
+    the engine then did): waited + queued_s + own_s + interference_s (+ the tail term). queued_s: the prefill
+    work already placed there and not yet done (eq. 2, c1 included); own_s: the request's own (uncached) prefill;
+    interference_s: the decode steps batched with its prefill chunks; decode_step_s: eq. 3 at the current batch
+    (n_decoding requests); queued_tokens: the queued work in linear-token units."""
+
+    waited: float
+    queued_s: np.ndarray
+    own_s: np.ndarray
+    interference_s: np.ndarray
+    decode_step_s: np.ndarray
+    n_decoding: np.ndarray
+    queued_tokens: np.ndarray
 
 
 @dataclass(slots=True)
@@ -77,6 +97,7 @@ class Constraints:
     deadline_margin_s: float
     use_predictor: bool
     price_cache: bool
+    sessions: SessionCache | None = None
     _cdf_cache: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
 
     # --- per-request inputs ----------------------------------------------------------------------
@@ -91,11 +112,19 @@ class Constraints:
         var = predictor.predict_std(request.model, request.prompt_tokens) ** 2 if self.tail else 0.0
         return lp, var
 
+    def prefix_view(self, request: RequestFeatures) -> Mapping[str, int]:
+        """Worker -> prompt tokens its prefix cache holds for the request: the KV-event view where the caller has
+        one, else where its conversation's last turn ran (policies/aladdin/affinity.py)."""
+        view = request.cached_prefix_tokens
+        if view is NO_CACHED_PREFIX and self.sessions is not None:
+            return self.sessions.view(request)
+        return view
+
     def cached_for(self, request: RequestFeatures, workers: list[WorkerView] | tuple[WorkerView, ...]
                    ) -> np.ndarray | float:
         """Prompt tokens each candidate's prefix cache holds for the request (0 without cache pricing)."""
-        view = request.cached_prefix_tokens
-        if not self.price_cache or not view:
+        view = self.prefix_view(request) if self.price_cache else None
+        if not view:
             return 0.0
         top = max(int(request.prompt_tokens), 0)
         return np.array([min(max(int(view.get(w.id, 0)), 0), top) for w in workers], dtype=float)
@@ -152,7 +181,14 @@ class Constraints:
         n_dec = led.n_decoding[rows]
         t_d = np.where(n_dec > 0, k2 * (led.sum_prompt_decoding[rows] + n_dec * (led.step_clock[rows] + 1.0)
                                         - led.sum_start_step[rows]) + c2 * n_dec + c3, 0.0)
-        ttft = self.waited(request, now) + pre + (np.ceil((queued + l_new) / self.chunk) + 1.0) * t_d
+        waited = self.waited(request, now)
+        chunk = self.chunks(rows)
+        # A chunk's step streams the weights once for the prefill and the decodes batched with it (eq. 3's c3 is
+        # in the prefill's k1 already): each chunk adds the decodes' share, t_d − c3; the step in flight, t_d.
+        inter = np.ceil((queued + l_new) / chunk) * np.maximum(t_d - c3, 0.0) + t_d
+        ttft = waited + pre + inter
+        q_s = c1 + k1 * queued
+        terms = TtftTerms(waited, q_s, pre - q_s, inter, t_d, n_dec, queued)
         z = 0.0
         if self.tail:                                                  # section 4.3, appendix F
             busy = int(np.count_nonzero(n_all)) + 1
@@ -169,19 +205,20 @@ class Constraints:
             slack = (led.group_atgt * (G + 1.0)[:, None] - now + led.slack_key[rows]).min(axis=1)
             F = self.length_cdf(request.model) if self.slack == SLACK_RISK else None
             if F is not None:
-                risk = self.stall_risk_of(F, rows, now, pre / th, queued, t_d, l_in, slo.atgt_s, l_new)
+                risk = self.stall_risk_of(F, rows, now, self.stall(rows, queued, work) / th, queued, t_d, l_in,
+                                          slo.atgt_s, l_new)
                 ok_d = risk <= self.stall_risk
             else:
                 if self.slack in (SLACK_LIFETIME, SLACK_RISK):  # risk mode without length data: lifetime
                     slack = slack + self.future_slack(rows, G)
                 else:  # the MIP's ongoing requests include placed ones not decoding yet: l_out = t_dec = 0
                     slack = np.where(queued > 0, np.minimum(slack, 0.0), slack)
-                ok_d = pre <= th * slack
+                ok_d = self.stall(rows, queued, work) <= th * slack
                 risk = np.where(ok_d, 0.0, 1.0)
         else:
             ok_d = np.ones(len(rows), dtype=bool)
         out = Feasibility(ok=ok_b & ok_c & ok_d, norm=norm, head=norm, rejections={}, ttft_reachable=reachable,
-                          l_in=l_in, lp=lp, var=var, z=z)
+                          l_in=l_in, lp=lp, var=var, z=z, terms=terms)
         if self.slack == SLACK_RISK:
             out.base, out.risk, out.ttft = ok_b & ok_c, risk, ttft
             out.later = ok_b & (ttft + self.deadline_margin_s <= slo.ttft_s) if check_ttft else ok_b
@@ -202,6 +239,22 @@ class Constraints:
             head[idx] = np.minimum(head[idx], kv_head)
         out.head, out.rejections = head, rej
         return out
+
+    def chunks(self, rows: np.ndarray) -> np.ndarray:
+        """The prefill chunk of each row's engine (its model's chunk_tokens: vLLM's max_num_batched_tokens), else
+        `prefill_chunk_tokens`."""
+        c = self.ledger.chunk[rows]
+        return np.where(c > 0, c, float(self.chunk))
+
+    def stall(self, rows: np.ndarray, queued: np.ndarray, work: np.ndarray | float) -> np.ndarray:
+        """How long the prefills queued on each row plus the new one delay its ongoing decodes: (d)'s t_pre.
+
+        The paper's engine stops decoding for a whole prefill, eq. 2 with its per-request constant c1. vLLM V1
+        (chunked prefill) batches the decodes with every chunk instead, so each decode step that carries a
+        chunk is longer by the chunk's compute, k1 per token (eq. 2's slope; the weights are streamed for the
+        decodes anyway) and c1 (the server's per-request overhead before the engine sees the prompt) stalls
+        no decode."""
+        return self.ledger.k1[rows] * (queued + work)
 
     def stall_risk_of(self, F: np.ndarray, rows: np.ndarray, now: float, need: np.ndarray,
                       queued: np.ndarray, t_d: np.ndarray, l_in: float, t_slo: float,
@@ -233,7 +286,8 @@ class Constraints:
             risk += np.bincount(ri, weights=p, minlength=n)
         # The not yet started requests (S = 0, one token): stalled by the prompt beyond their last chunk.
         pend = led.n_requests[rows] - n_dec
-        beyond = queued + l_new - np.ceil(queued / self.chunk) * self.chunk
+        chunk = self.chunks(rows)
+        beyond = queued + l_new - np.ceil(queued / chunk) * chunk
         pi = np.nonzero((pend > 0) & (beyond > 0))[0]
         if len(pi):
             x = led.k1[rows[pi]] * beyond[pi] / self.theta * inv_gain[pi]
@@ -281,9 +335,8 @@ class Constraints:
         new = hh * (l_in + np.minimum(g_end, e_new[:, None]) - G[:, None] + 1.0) + j[:, None]
         demand = np.where(offs[None, :] < nb[:, None], hh * g_end * N + A + new, -INF)
         peak = demand.max(axis=1)
-        # The engine's own KV usage, when higher than the ledger's (traffic the ledger does not see).
-        now_model = h * G * N[:, 0] + A[:, 0]
-        peak += np.maximum(led.engine_kv_usage[rs] * M - now_model, 0.0)
+        # The engine's own KV usage against the ledger's (traffic the ledger does not see; shared prefixes).
+        peak += led.kv_correction(rs)
         if z:
             peak += z * h * np.sqrt(led.sum_variance[rs] + var)
         return peak <= M, 1.0 - peak / M

@@ -82,10 +82,12 @@ class Ledger:
                            in prefill-work units, next_prefill_end, next_predicted_end, bucket_now
       aggregates           n_requests, sum_prompt, sum_predicted, sum_variance, n_decoding,
                            sum_prompt_decoding, sum_start_step, min_atgt
-      engine view          engine_batch (running + waiting, or in flight), engine_kv_usage
+      engine view          engine_batch (running + waiting, or in flight), engine_kv_usage, kv_at_scrape (the
+                           ledger's own KV level when that engine value was first seen: `kv_correction`)
       model (perf_model)   k1, c1, k1q, prefill_floor (pf) of eq. 2; k2, c2, c3 of eq. 3; kv_per_token (h),
                            kv_per_request (j), kv_capacity (M) of eq. 1; max_batch; rmse_prefill,
-                           rmse_decode; batch_scale, context_scale (capacity_norm's units)
+                           rmse_decode; batch_scale, context_scale (capacity_norm's units); chunk (the
+                           engine's prefill chunk, max_num_batched_tokens; 0: not known)
       trust                miss_rate (EWMA of SLO misses)
       per SLO group        slack_key (the least slack key of the group's decodes)
       KV ring              kv_alive (N), kv_intercept (A), one column per bucket
@@ -109,6 +111,7 @@ class Ledger:
     min_atgt: np.ndarray
     engine_batch: np.ndarray
     engine_kv_usage: np.ndarray
+    kv_at_scrape: np.ndarray
     k1: np.ndarray
     c1: np.ndarray
     k2: np.ndarray
@@ -125,17 +128,18 @@ class Ledger:
     k1q: np.ndarray
     prefill_floor: np.ndarray
     miss_rate: np.ndarray
+    chunk: np.ndarray
 
     _SCALARS = (
         ("t_last", -INF), ("step_clock", 0.0), ("prefill_done", 0.0), ("prefill_queued", 0.0),
         ("next_prefill_end", INF), ("next_predicted_end", INF),
         ("n_requests", 0.0), ("sum_prompt", 0.0), ("sum_predicted", 0.0), ("sum_variance", 0.0),
         ("n_decoding", 0.0), ("sum_prompt_decoding", 0.0), ("sum_start_step", 0.0), ("min_atgt", INF),
-        ("engine_batch", 0.0), ("engine_kv_usage", 0.0),
+        ("engine_batch", 0.0), ("engine_kv_usage", 0.0), ("kv_at_scrape", 0.0),
         ("k1", 1.0), ("c1", 0.0), ("k2", 1.0), ("c2", 0.0), ("c3", 0.0), ("kv_per_token", 1.0),
         ("kv_per_request", 0.0), ("kv_capacity", 1.0), ("max_batch", 1.0), ("rmse_prefill", 0.0),
         ("rmse_decode", 0.0), ("batch_scale", 1.0), ("context_scale", 1.0),
-        ("k1q", 0.0), ("prefill_floor", 0.0), ("miss_rate", 0.0),
+        ("k1q", 0.0), ("prefill_floor", 0.0), ("miss_rate", 0.0), ("chunk", 0.0),
     )
 
     def __init__(self, *, atgt_s: float, predictor: LengthPredictor, tail: str | None, risk_mode: bool,
@@ -193,7 +197,7 @@ class Ledger:
         self.k1[r], self.c1[r], self.k2[r], self.c2[r], self.c3[r] = m.k1, m.c1, m.k2, m.c2, m.c3
         self.kv_per_token[r], self.kv_per_request[r], self.kv_capacity[r], self.max_batch[r] = (
             m.h, m.j, m.kv_capacity, m.max_batch)
-        self.k1q[r], self.prefill_floor[r] = m.k1q, m.pf
+        self.k1q[r], self.prefill_floor[r], self.chunk[r] = m.k1q, m.pf, m.chunk_tokens
         self.rmse_prefill[r] = m.fit[PREFILL].rmse if PREFILL in m.fit else 0.0
         self.rmse_decode[r] = m.fit[DECODE].rmse if DECODE in m.fit else 0.0
         # capacity_norm scales (deviation: normalised so heterogeneous workers compare).
@@ -230,8 +234,30 @@ class Ledger:
             vkv.append(v.kv_usage)
         idx = np.array(rows, dtype=np.intp)
         self.engine_batch[idx] = vb
-        self.engine_kv_usage[idx] = vkv
+        self._engine_kv(idx, np.array(vkv, dtype=float))
         return idx
+
+    def _engine_kv(self, idx: np.ndarray, usage: np.ndarray) -> None:
+        """Record the engines' reported KV usage; where it changed (a new scrape), the ledger's level at that
+        moment is what the report is compared with (`kv_correction`)."""
+        fresh = usage != self.engine_kv_usage[idx]
+        if fresh.any():
+            r = idx[fresh]
+            s = self.bucket_now[r] % self.H
+            self.kv_at_scrape[r] = self.kv_per_token[r] * self.step_clock[r] * self.kv_alive[r, s] + self.kv_intercept[r, s]
+            self.engine_kv_usage[r] = usage[fresh]
+
+    def kv_correction(self, rows: np.ndarray) -> np.ndarray:
+        """Blocks to add to the ledger's KV demand of each row (negative: to take off), from the engine's report.
+
+        The ledger counts every placed request's whole context; the engine holds a prefix that running requests
+        share (a system prompt, vLLM's prefix caching) once, and holds what other gateway replicas placed. The
+        difference between the engine's last report and the ledger's level at the moment of that report is
+        both (principle 2 of docs/design.md: scraped metrics correct drift); placements since the report are in
+        the ledger and not compared. No report (0: idle or not scraped): no correction downwards."""
+        eng = self.engine_kv_usage[rows]
+        diff = eng * self.kv_capacity[rows] - self.kv_at_scrape[rows]
+        return np.where(eng > 0, diff, np.maximum(diff, 0.0))
 
     def _row_for_view(self, v: WorkerView) -> int:
         r = self.index.get(v.id)
@@ -241,7 +267,7 @@ class Ledger:
             self.rows[r].profile = v.profile
             self.apply_model(r, self.model_for(v.profile))
         self.engine_batch[r] = max(v.running + v.waiting, v.inflight)
-        self.engine_kv_usage[r] = v.kv_usage
+        self._engine_kv(np.array([r], dtype=np.intp), np.array([v.kv_usage], dtype=float))
         return r
 
     def group(self, t_dec: float) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.aladdin.affinity import SessionCache
 from policies.aladdin.choice import FITS, note_outcome, pick_fit, pick_least_risk, risk_deadline, untrusted
 from policies.aladdin.constraints import SLACK_MODES, SLACK_RISK, Constraints, Feasibility
 from policies.aladdin.ledger import PENDING, Ledger, PlacedRequest
@@ -60,7 +61,7 @@ class AladdinPolicy(Policy):
         fallback: str | None = "least_requests",
         max_miss_rate: float = 0.1,
         miss_window: int = 64,
-        price_cache: bool = False,
+        price_cache: bool = True,    # multi-turn chats need it (bench/results/aladdin_estimates.md)
     ) -> None:
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"gamma (strictness knob) must be in [0, 1], got {gamma}")
@@ -106,7 +107,8 @@ class AladdinPolicy(Policy):
         self.constraints = Constraints(
             ledger=self.ledger, slo=self.slo, gamma=self.gamma, theta=self.theta, tail=self.tail, delta=self.delta,
             slack=slack, chunk=int(prefill_chunk_tokens), count_wait=count_wait, stall_risk=self.stall_risk,
-            deadline_margin_s=self.deadline_margin_s, use_predictor=use_predictor, price_cache=self.price_cache)
+            deadline_margin_s=self.deadline_margin_s, use_predictor=use_predictor, price_cache=self.price_cache,
+            sessions=SessionCache() if self.price_cache else None)
         self.unplaced = UnplacedSet(unplaced_ttl_s, self.gamma, self.theta)
         self.last_feasibility: Feasibility | None = None   # of the latest request checked
         self.last_rejections: dict[str, int] = {}
@@ -230,8 +232,11 @@ class AladdinPolicy(Policy):
         lp, var = self.constraints.predicted(request)
         req = PlacedRequest(rid, request.model, max(int(request.prompt_tokens), 0), lp, var, slo.atgt_s, slo.ttft_s,
                             led.group(slo.atgt_s), request.max_tokens)
-        cached = min(max(int(request.cached_prefix_tokens.get(worker_id, 0)), 0), req.l_in) if self.price_cache else 0
+        cons = self.constraints
+        cached = min(max(int(cons.prefix_view(request).get(worker_id, 0)), 0), req.l_in) if self.price_cache else 0
         led.add(r, req, float(cached))
+        if cons.sessions is not None:
+            cons.sessions.placed(request, worker_id)
         if req.l_in == 0:
             led.start_prefilled(r, now, now, float(led.prefill_done[r]))
 
@@ -252,7 +257,11 @@ class AladdinPolicy(Policy):
 
     def observe_completion(self, request: RequestFeatures, output_tokens: int, now: float) -> None:
         """The request completed after `output_tokens` tokens (called just before `on_complete`): corrects
-        the ledger and, with `learn_lengths`, teaches the length predictor."""
+        the ledger and, with `learn_lengths`, teaches the length predictor; its conversation's prefix is cached
+        there now, answer included (policies/aladdin/affinity.py)."""
+        r = self.ledger.req_row.get(request.request_id)
+        if r is not None and self.constraints.sessions is not None:
+            self.constraints.sessions.completed(request, self.ledger.rows[r].worker_id, output_tokens)
         self.report_progress(request.request_id, output_tokens, now)
 
     def observe_outcome(self, request: RequestFeatures, worker_id: str, slo_met: bool, now: float) -> None:
