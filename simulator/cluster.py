@@ -586,7 +586,7 @@ class ClusterSim:
         if self.queue.full():
             self._reject(r, REFUSED, 429, "admission queue full", now)
             return
-        self.queue.enter(feats, now, r)
+        self.queue.enter(feats, now, r, tried=True)     # it found no worker: woken by the next change
         self._arm(now)
 
     def _complete(self, w: SimWorker, r: WorkloadRequest, feats: RequestFeatures, now: float) -> None:

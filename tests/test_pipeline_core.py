@@ -184,8 +184,8 @@ def test_rebalancing_moves_requests_that_have_not_started_and_loses_none() -> No
     from policies.rebalance import MAX_MOVES_PER_S
     from simulator.simulate import SimSpec, build_sim, build_workload
 
-    # engines that queue (the rebalancer reads their scraped queues): 40 req/s on three workers
-    spec = SimSpec(trace="sharegpt", rate=40, workers=3, policy="aladdin", policy_params={"fit": "worst"},
+    # engines that queue (the rebalancer reads their scraped queues): 30 req/s on four workers
+    spec = SimSpec(trace="sharegpt", rate=30, workers=4, policy="aladdin", policy_params={"fit": "worst"},
                    queue_lookahead=16, duration=30, seed=0, rebalance_s=0.5)
     workload = build_workload(spec)
     sim = build_sim(spec, workload)
