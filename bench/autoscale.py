@@ -500,7 +500,7 @@ Arms (same routing, gateway queue, drain and cold-start code; only the controlle
   min(0.1, theta/4)) and Aladdin's N = ceil(k5 rate + c5) forecast; the batch pool from Algorithm 2 (groups by
   deadline, W = sum O_i / Theta with the normal approximation); interactive requests evict batch ones from
   mixed workers; scale-to-zero of the batch pool. An evicted batch request **restarts from scratch**, as it
-  does in the live gateway (gateway/batch_runner.py: the relay closes the upstream request, vLLM aborts it,
+  does in the live gateway (gateway/batch/runner.py: the relay closes the upstream request, vLLM aborts it,
   it is queued again).
 - **chiron swap** (simulator only): the same, but an evicted request keeps its generated tokens and its KV
   goes to host memory (Chiron section 4's fast restart); placed again it waits for the copy, (prompt +
@@ -574,7 +574,7 @@ NOTES = """## Reading the results, honestly
   output), 6k and 2.5k on the 8B. Keeping them costs 120-220 KV copies and up to ~100 GB of host memory
   fleet-wide (16 workers). Swap and restart differ by -0.5% to +3.7% in GPU-seconds, the size of the
   controllers' own noise (one batch worker more or less), not a measurable effect of the mechanism. The
-  live gateway restarts (gateway/batch_runner.py): vLLM offers no per-request KV swap-out/in, and resuming
+  live gateway restarts (gateway/batch/runner.py): vLLM offers no per-request KV swap-out/in, and resuming
   as a continuation would need streaming batch requests and a text-level continuation (/v1/completions:
   prompt + partial output; chat: vLLM's continue_final_message), which is not implemented. The "chiron"
   rows are what the gateway does; "chiron swap" is what the paper's mechanism would add in this model:
@@ -730,7 +730,7 @@ def _evict_continue(model_key: str | None, write: bool) -> None:
 EVICT_CONTINUE_TEXT = """\
 The gateway's batch runner now streams a batch request to its worker and, when interactive traffic evicts it,
 keeps the text it produced; its next run is the resume continuation (prompt plus that text, `max_tokens` less
-its tokens) on the worker its pool's router picks (gateway/batch_runner.py). Requests the continuation cannot
+its tokens) on the worker its pool's router picks (gateway/batch/runner.py). Requests the continuation cannot
 carry (n > 1, logprobs, structured output, tools) still restart. The simulator models both
 (simulator/autoscale_sim.py `Arm.evict_mode`): "restart" runs the request again from scratch; "continue"
 prefills the prompt plus the kept tokens (no prefix-cache credit: conservative) and decodes only the rest.

@@ -11,7 +11,7 @@ back at its minimum. Reported:
   `direction_changes`: how often the sign of the fleet's change flipped (one burst, done right: one flip,
   grow then shrink after it);
 - `stopped_busy`: workers whose engine still held a request when the actuator stopped them, from the
-  actuator's own warning (gateway/actuators.py `release`), and `worker_errors`: error log records of the
+  actuator's own warning (gateway/control/actuators.py `release`), and `worker_errors`: error log records of the
   simulated workers and the gateway's retries / stream breaks, which a client never sees.
 """
 

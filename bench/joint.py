@@ -12,7 +12,7 @@ simulator/autoscale_sim.py, the gateway's placement step and admission queue ins
   routing with `least_fill` behind the pool filter;
 - placement + scaling: the same autoscaler, routing with `aladdin` (`ALADDIN`: the parameters the placement study,
   bench/results/placement.md, chose by leave-one-trace-out), the two not joined;
-- joint: as above, and aladdin's placement shortfall raises the autoscaler's target (gateway/autoscaler.py does
+- joint: as above, and aladdin's placement shortfall raises the autoscaler's target (gateway/control/autoscaler.py does
   the same with the shortfall every replica publishes);
 - placement only: `aladdin` on a static fleet of the joint arm's mean size (the same GPU budget), and of its peak.
 """

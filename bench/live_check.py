@@ -53,7 +53,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.placement import CANDIDATES, point_spec, probe, with_policy
 from bench.report import write_report
 from gateway.config import load_config
-from gateway.learning import DOC_PREDICTOR
+from gateway.pipeline.learning import DOC_PREDICTOR
 from gateway.server import GatewayServer
 from gateway.state.memory import MemoryStore
 from policies.length_predictor import LengthPredictor

@@ -4,7 +4,7 @@
 
 Two measurements, one run:
 
-1. The hooks in the request path with both off (gateway/observe.py: the request's record is None, one test),
+1. The hooks in the request path with both off (gateway/ops/observe.py: the request's record is None, one test),
    and one request's observer work with each on (access-log record + formatted logfmt line into a null stream;
    tracing: the request span, admission, placement and one upstream leg with its traceparent, no exporter), timed
    in this process with `timeit` (best of 5).
@@ -48,15 +48,15 @@ METRICS = {  # bench.overhead summary row -> (column, unit)
 
 def hook_costs() -> list[tuple[str, float]]:
     """Seconds per call (best of 5) of the hot-path hooks and of one request's observer work."""
-    from gateway import observe
-    from gateway.access_log import AccessLog
     from gateway.config import TracingConfig
-    from gateway.context import Outcome, RequestContext
-    from gateway.logs import ACCESS_LOGGER, setup_logging
-    from gateway.observer import RequestObserver
-    from gateway.relay import RelayResult, ResponseState
-    from gateway.request import CHAT
-    from gateway.tracing import Tracing
+    from gateway.ops import observe
+    from gateway.ops.access_log import AccessLog
+    from gateway.ops.logs import ACCESS_LOGGER, setup_logging
+    from gateway.ops.tracing import Tracing
+    from gateway.pipeline.observer import RequestObserver
+    from gateway.request.context import Outcome, RequestContext
+    from gateway.request.parse import CHAT
+    from gateway.wire.results import RelayResult, ResponseState
 
     headers = b"Content-Type: application/json\r\nX-Request-Id: abc\r\nAccept: */*\r\n"
 

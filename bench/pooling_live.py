@@ -1,5 +1,5 @@
-"""Live check of pooled serving: the gateway's request-level swapping (shared_hosts, gateway/pooling.py) and its
-Aegaeon decode turns (`scheduling: turns`, gateway/turns.py) in front of pooled simulated engines, against the
+"""Live check of pooled serving: the gateway's request-level swapping (shared_hosts, gateway/control/pooling.py) and its
+Aegaeon decode turns (`scheduling: turns`, gateway/control/turns.py) in front of pooled simulated engines, against the
 virtual-time simulator's request mode and colocated turns (simulator/pooled.py) on the same workload, one point
 of bench/pooling.py's table.
 

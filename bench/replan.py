@@ -13,7 +13,7 @@ Setting (stated before any run, the same for every arm):
   4, 2, 2, 1 req/s. SLO: TTFT 1 s, TPOT 50 ms; routing `least_requests` with the gateway's admission queue.
 - Every arm starts from the same plan: the closed-form plan for the day's mean rates (policies/replan.py
   `replan` from an empty fleet). "fixed placement" keeps it all day (SeaLLM-A in SeaLLM section 6.3).
-- Re-placement (the same policy functions as the gateway's leader, gateway/replanner.py): at the end of each
+- Re-placement (the same policy functions as the gateway's leader, gateway/control/replanner.py): at the end of each
   interval, the demands of the interval just past (policies/replan.py `demands_between` on its arrivals and
   lengths) go to `replan` (closed forms over policies/planning.py, target 0.95, min saving 10 %); a changed plan
   starts its new instances, which take traffic after a 30 s cold start (Chiron section 6: 30-60 s), and drains the
@@ -292,7 +292,7 @@ NOTES = """Notes:
 
 - The re-planner is the closed-form one the gateway's leader runs (policies/replan.py); only the adaptive arms
   simulate, to estimate M_est as SeaLLM's simulator does. The gateway's live loop has no simulator in it and uses
-  the closed-form estimate (gateway/replanner.py).
+  the closed-form estimate (gateway/control/replanner.py).
 - Lengths for the demands are taken from the requests that arrived in the interval (the gateway learns them from
   the requests that finished; with lengths drawn from a fixed distribution the two agree).
 - Requests whose prompt exceeds the model's context (ShareGPT on the 4096-token llama2-13b) are refused by every

@@ -4,7 +4,7 @@
 
 The relay's per-chunk work in-process, on vLLM-shaped chat events of one token each (~230 bytes): the stream
 scanner (engine_adapters/vllm/sse.py) as for any stream, against the scanner in whole-events mode plus
-StreamResume.note (gateway/resume.py), for streams of 256 to 16,000 tokens. Past FOLD_BYTES of relayed bytes
+StreamResume.note (gateway/wire/resume.py), for streams of 256 to 16,000 tokens. Past FOLD_BYTES of relayed bytes
 (~4,000 tokens) a resumable stream folds them into its text (one regex pass), which is the cost the longest
 streams pay. Timed with time.process_time(), the best of 9 alternated runs of 200,000 events per point and mode (the
 machine is shared: process time is less disturbed by other load than wall time). Results: bench/results/resume_overhead.md.
@@ -20,7 +20,7 @@ import orjson
 
 from bench.report import write_report
 from engine_adapters.vllm.sse import VllmStreamScanner
-from gateway.resume import FOLD_BYTES, StreamResume
+from gateway.wire.resume import FOLD_BYTES, StreamResume
 
 EVENT = b"data: " + orjson.dumps({
     "id": "chatcmpl-0123456789abcdef0123456789abcdef", "object": "chat.completion.chunk", "created": 1764165000,

@@ -2,7 +2,7 @@
 
 Body shape (OpenAI API reference, "Error codes"): {"error": {"message", "type", "param", "code"}}. A stream
 that fails after its 200 ends with that body as an ordinary data event, then [DONE], as vLLM does it
-(docs/reference/vllm-interface.md §2). The gateway re-exports both from gateway/errors.py.
+(docs/reference/vllm-interface.md §2). The gateway re-exports both from gateway/wire/errors.py.
 """
 
 from __future__ import annotations

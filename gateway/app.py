@@ -2,7 +2,7 @@
 
 A thin raw-ASGI front serves the two proxy routes (POST /v1/chat/completions, /v1/completions)
 straight into the dispatcher, with no framework on the hot path, and POST /v1/responses through its front door
-(gateway/responses_api.py), which runs it as a chat request. Everything else (/v1/models,
+(gateway/api/responses.py), which runs it as a chat request. Everything else (/v1/models,
 /health, /ready, /metrics, /admin/*) goes to a FastAPI app. There is no ASGI lifespan: the server
 (gateway/server.py) starts the gateway (state store, upstream pool, control loops) before uvicorn serves and
 stops it after, so start-up errors surface before the port opens. The `Gateway` (the process's parts) lives
@@ -19,22 +19,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import errors
-from gateway.admin import admin_router
-from gateway.batch_api import batch_router
+from gateway.api.admin import admin_router
+from gateway.api.batch import batch_router
+from gateway.api.messages import PATHS as MESSAGES_PATHS
+from gateway.api.messages import MessagesApi
+from gateway.api.passthrough import passthrough_router
+from gateway.api.responses import PATH as RESPONSES_PATH
+from gateway.api.responses import ResponsesFrontDoor, responses_router
+from gateway.api.status_page import status_router
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
-from gateway.dispatch import ROUTES
-from gateway.drain import draining_error, refuse
-from gateway.errors import GatewayError
-from gateway.messages_api import PATHS as MESSAGES_PATHS
-from gateway.messages_api import MessagesApi
-from gateway.passthrough import passthrough_router
-from gateway.request_metrics import count_error_response
-from gateway.responses_api import PATH as RESPONSES_PATH
-from gateway.responses_api import ResponsesFrontDoor, responses_router
+from gateway.pipeline.dispatch import ROUTES
+from gateway.pipeline.drain import draining_error, refuse
+from gateway.pipeline.request_metrics import count_error_response
 from gateway.state.base import StateStore
-from gateway.status_page import status_router
+from gateway.wire import errors
+from gateway.wire.errors import GatewayError
 
 log = logging.getLogger("fleetgate")
 
@@ -47,7 +47,7 @@ class FleetgateApp:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.api = build_api(gateway)
-        self.responses = ResponsesFrontDoor(gateway)   # POST /v1/responses (gateway/responses_api.py)
+        self.responses = ResponsesFrontDoor(gateway)   # POST /v1/responses (gateway/api/responses.py)
         self.messages = MessagesApi(gateway)   # Anthropic's Messages API over the chat pipeline
 
     async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001
@@ -56,7 +56,7 @@ class FleetgateApp:
             route = ROUTES.get(scope["path"])
             if route is not None and scope["method"] == "POST":
                 drain = self.gateway.drain
-                if drain.draining:   # SIGTERM: a clear 503 the client retries elsewhere (gateway/drain.py)
+                if drain.draining:   # SIGTERM: a clear 503 the client retries elsewhere (gateway/pipeline/drain.py)
                     await refuse(send)
                     return
                 with drain.track():
@@ -159,7 +159,7 @@ def build_api(gw: Gateway) -> FastAPI:
 
     @api.get("/ready")
     async def ready() -> Response:
-        if gw.drain.draining:   # load balancers stop sending at once; /health stays 200 (gateway/drain.py)
+        if gw.drain.draining:   # load balancers stop sending at once; /health stays 200 (gateway/pipeline/drain.py)
             return _error_response(draining_error())
         if gw.registry.any_healthy():
             return JSONResponse({"status": "ready"})

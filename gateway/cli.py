@@ -342,7 +342,7 @@ def config_reference(
                                     "instead of printing it."),
 ) -> None:
     """Print every configuration key, its type, default and meaning, as markdown (from the config models)."""
-    from gateway.config_reference import reference
+    from gateway.config.reference import reference
 
     text = reference()
     if out is None:

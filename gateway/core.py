@@ -10,28 +10,28 @@ from typing import Any
 
 from engine_adapters.base import EngineAdapter
 from engine_adapters.vllm import VllmAdapter
-from gateway.access_log import AccessLog
-from gateway.auth import Authenticator
-from gateway.autoscaler import Autoscaler
-from gateway.batch_runner import BatchRunner
+from gateway.batch.runner import BatchRunner
 from gateway.config import GatewayConfig
-from gateway.dispatch import Dispatcher
-from gateway.dns_discovery import DnsDiscovery
-from gateway.drain import Drain
-from gateway.kv_events import KvEventsService
-from gateway.learning import Learner
-from gateway.metrics import GatewayMetrics
-from gateway.observer import RequestObserver
-from gateway.pooling import SwapController
-from gateway.rebalancer import Rebalancer
-from gateway.registry import Registry
-from gateway.relay import Relay, make_upstream_pool
-from gateway.slo import SloBook
+from gateway.control.autoscaler import Autoscaler
+from gateway.control.pooling import SwapController
+from gateway.fleet.discovery import DnsDiscovery
+from gateway.fleet.kv_events import KvEventsService
+from gateway.fleet.registry import Registry
+from gateway.ops.access_log import AccessLog
+from gateway.ops.metrics import GatewayMetrics
+from gateway.ops.status_history import StatusHistory
+from gateway.ops.tracing import Tracing
+from gateway.pipeline.dispatch import Dispatcher
+from gateway.pipeline.drain import Drain
+from gateway.pipeline.learning import Learner
+from gateway.pipeline.observer import RequestObserver
+from gateway.pipeline.rebalancer import Rebalancer
+from gateway.pipeline.relay import Relay, make_upstream_pool
+from gateway.pipeline.slo import SloBook
 from gateway.state.base import StateStore
 from gateway.state.factory import make_store
-from gateway.status_history import StatusHistory
-from gateway.tracing import Tracing
-from gateway.upstream import UpstreamPool
+from gateway.tenancy.auth import Authenticator
+from gateway.wire.upstream import UpstreamPool
 from policies.pace import FleetPace
 
 
@@ -55,7 +55,7 @@ class Gateway:
         self.learner = Learner(config, self.store, self.registry, self.metrics.registry)
         self.batch = BatchRunner(config, self.store, self.registry, self.metrics)  # Batch API work
         self.autoscaler = Autoscaler(config, self.store, self.registry, self.metrics, self.batch)
-        self.upstream: UpstreamPool | None = None  # the one client to workers (gateway/upstream.py)
+        self.upstream: UpstreamPool | None = None  # the one client to workers (gateway/wire/upstream.py)
         self.access_log = AccessLog() if config.logging.access_log else None
         self.tracing: Tracing | None = Tracing(config.tracing) if config.tracing.enabled else None
         self.kv_events = KvEventsService(config, self.registry, self.metrics.registry)  # exact prefix-cache view
@@ -63,7 +63,7 @@ class Gateway:
         self.status_history = StatusHistory(config.status, self.metrics, self.registry, self._queue_depths)
         self.relay: Relay | None = None
         self.dispatcher: Dispatcher | None = None
-        self.drain = Drain()   # SIGTERM's graceful drain (gateway/drain.py, driven by gateway/server.py)
+        self.drain = Drain()   # SIGTERM's graceful drain (gateway/pipeline/drain.py, driven by gateway/server.py)
         self.rebalancer = Rebalancer(config, self.metrics.registry) if Rebalancer.wanted(config) else None
         self.dns_discovery = DnsDiscovery(self.registry, config.worker_discovery) if config.worker_discovery else None
 

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from gateway.config import ConfigError, load_config
-from gateway.logs import setup_logging
+from gateway.ops.logs import setup_logging
 from gateway.server import bind_socket
 from policies.base import DEFAULT_POLICY
 from policies.pd import parse_pd_split
@@ -194,7 +194,7 @@ def run_pooled_demo(port: int = 8000, workers: int = 2, num_models: int = 4, pol
     model per host). Each host runs one simulated engine per model (sleep mode on: the simulator's /sleep and
     /wake_up, its wake-up taking the profile's `wake_up_s` in model time, so / --time-scale here); with
     `scheduling` request the gateway's swap controller wakes a model's engine when its requests arrive
-    (gateway/pooling.py), with turns the models with requests take Aegaeon's decode turns (gateway/turns.py)."""
+    (gateway/control/pooling.py), with turns the models with requests take Aegaeon's decode turns (gateway/control/turns.py)."""
     from simulator.profiles import load_profile
 
     try:
@@ -293,7 +293,7 @@ def autoscale_demo_settings(workers: int, profile: str, model: str, time_scale: 
 def _run_autoscale_demo(port: int, workers: int, policy: str, profile: str, model: str, time_scale: float,
                         base_port: int, slo: dict[str, float]) -> None:
     """The gateway with the autoscaler and the `sim` actuator: it starts and stops simulated workers itself
-    (gateway/actuators.py), each with a 30 s cold start in model time (Chiron section 6: 30-60 s)."""
+    (gateway/control/actuators.py), each with a 30 s cold start in model time (Chiron section 6: 30-60 s)."""
     if workers < 1:
         _fail(f"--workers must be at least 1, got {workers}.")
     cold = 30.0 / time_scale
@@ -474,7 +474,7 @@ def run_lora_demo(port: int = 8000, workers: int = 2, adapters: int = 4, policy:
                   slo: dict[str, float] | None = None, max_loras: int = 2) -> None:
     """`fleetgate demo --lora-adapters N`: N LoRA adapters of the model (config `models.<model>.adapters`) over
     simulated workers with `--max-loras` GPU slots and runtime updating on, no adapter loaded at start: the
-    gateway loads each where it routes its first request (gateway/adapters.py)."""
+    gateway loads each where it routes its first request (gateway/fleet/adapters.py)."""
     try:
         setup_logging("info", log_format)
     except ValueError as e:

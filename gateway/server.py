@@ -24,12 +24,12 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from gateway.app import FleetgateApp, create_app
-from gateway.client_limits import ClientLimits, protocol_factory
 from gateway.config import ConfigError, GatewayConfig, check_worker_url, load_config
 from gateway.core import Gateway
-from gateway.fd_limit import check_fd_limit
-from gateway.logs import setup_logging_from
+from gateway.ops.fd_limit import check_fd_limit
+from gateway.ops.logs import setup_logging_from
 from gateway.state.base import StateStore
+from gateway.wire.client_limits import ClientLimits, protocol_factory
 
 log = logging.getLogger("fleetgate")
 
@@ -59,14 +59,14 @@ def _uvicorn_config(app: FleetgateApp) -> uvicorn.Config:
     return uvicorn.Config(app, http=protocol_factory(limits), loop="none", lifespan="off", access_log=False,
                           log_level="warning", timeout_graceful_shutdown=AFTER_DRAIN_S, server_header=False,
                           date_header=False, timeout_keep_alive=sc.keepalive_s, limit_concurrency=sc.max_connections,
-                          proxy_headers=False)  # X-Forwarded-For is gateway/forwarding.py's (trusted_proxies)
+                          proxy_headers=False)  # X-Forwarded-For is gateway/wire/forwarding.py's (trusted_proxies)
 
 
 AFTER_DRAIN_S = 5.0  # uvicorn's own shutdown, once the drain is over: only idle connections are left to close
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn whose first SIGTERM or SIGINT drains the gateway (gateway/drain.py) before uvicorn's own shutdown:
+    """uvicorn whose first SIGTERM or SIGINT drains the gateway (gateway/pipeline/drain.py) before uvicorn's own shutdown:
     the listening socket stays open to answer 503 meanwhile. A second signal ends at once, as in uvicorn.
     The signal is not re-raised after the shutdown (uvicorn does so), so a drained gateway exits 0."""
 

@@ -1,5 +1,5 @@
 """The admission queue: requests that found no placement wait here, in arrival order, until one is found or
-their budget runs out. Pure: the caller passes its clock; the gateway (gateway/admission.py) and the
+their budget runs out. Pure: the caller passes its clock; the gateway (gateway/request/admission.py) and the
 virtual-time simulator (simulator/cluster.py) drive this same object.
 
 Rules (in one place, so the simulator and the gateway cannot drift):
@@ -154,7 +154,7 @@ class AdmissionQueue:
 
     def tried(self, w: Waiting, placed: bool, retry_at: float | None = None) -> None:
         """A drain tried `w`: placed, it leaves the queue; not placed, it waits on until `retry_at` (its
-        Decision's; None: until capacity changes). Both drains (gateway/admission.py, simulator/cluster.py)
+        Decision's; None: until capacity changes). Both drains (gateway/request/admission.py, simulator/cluster.py)
         report every candidate through here."""
         if placed:
             self.remove(w)

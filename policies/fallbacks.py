@@ -1,5 +1,5 @@
 """Model fallbacks: which failure of a request that has not started lets it move to another model, and to which
-models, in which order. Pure: the gateway's pipeline (gateway/dispatch.py `place_again`, FALL_BACK) asks here.
+models, in which order. Pure: the gateway's pipeline (gateway/pipeline/dispatch.py `place_again`, FALL_BACK) asks here.
 
 Rules:
 - Only a failure before the client saw a byte moves a request, and only one the model (not the caller) caused:

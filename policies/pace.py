@@ -41,7 +41,7 @@ A stalled or failing worker is ejected with Envoy's outlier-ejection backoff (`e
 time times the number of times it has been ejected, capped (envoyproxy.io docs, "Outlier detection",
 base_ejection_time / max_ejection_time), and at most `max_ejected` workers of a pool out at once
 (max_ejection_percent). Pure: the caller measures durations on its own clock and passes them in; the
-gateway's relay (gateway/relay.py) turns the limits into read timeouts.
+gateway's relay (gateway/pipeline/relay.py) turns the limits into read timeouts.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ FLEET_CACHE_S = 0.25  # the fleet's limits are recomputed at most this often
 
 class FleetPace:
     """WorkerPace per worker id. `unpaced`: workers whose silences are planned, not hangs (engines of shared hosts
-    running Aegaeon's turns, gateway/turns.py: a stream waits a whole round of other models' turns); they have no
+    running Aegaeon's turns, gateway/control/turns.py: a stream waits a whole round of other models' turns); they have no
     pace limit, only the gateway's fixed timeouts."""
 
     def __init__(self, settings: PaceSettings, unpaced: Iterable[str] = ()) -> None:

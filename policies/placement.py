@@ -12,7 +12,7 @@
 
 and the feedback, in this order for every request: `dispatched` once it was sent, `first_token`, then
 `finished` (with its output length when it completed) or `released` (failed, aborted). The live gateway
-(gateway/dispatch.py) and the virtual-time simulator (simulator/cluster.py) both drive this object; neither
+(gateway/pipeline/dispatch.py) and the virtual-time simulator (simulator/cluster.py) both drive this object; neither
 calls a policy directly.
 """
 

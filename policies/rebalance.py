@@ -1,4 +1,4 @@
-"""The rebalancer's rules, one copy for the live gateway (gateway/rebalancer.py) and the virtual-time simulator
+"""The rebalancer's rules, one copy for the live gateway (gateway/pipeline/rebalancer.py) and the virtual-time simulator
 (simulator/rebalance_sim.py): which requests may move, how slow each worker is observed to be, how many moves a
 look may make, and where a moved request goes. Each caller only gathers what it sees (the gateway: its streams'
 token counts and the scraped engines; the simulator: its engines) and carries the moves out.

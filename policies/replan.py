@@ -1,4 +1,4 @@
-"""Re-planning as traffic moves (SeaLLM section 4.3): what the autoscaler's leader (gateway/replanner.py) and the
+"""Re-planning as traffic moves (SeaLLM section 4.3): what the autoscaler's leader (gateway/control/replanner.py) and the
 diurnal experiment (bench/replan.py) both run, pure arithmetic with the clock passed in.
 
 - `next_interval`: SeaLLM's adaptive re-placement interval (section 4.3, eq. 8): at the end of interval t, with

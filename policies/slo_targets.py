@@ -58,7 +58,7 @@ def check_slo(arrival_s: float, first_token_s: float | None, last_token_s: float
               ttft_target_s: float | None, atgt_target_s: float | None) -> SloCheck:
     """Judge one streamed answer (the gateway's streams, every simulated request): TTFT and ATGT against their
     targets; a target of None holds trivially. No first token at all (error, abort) misses both. The one test
-    of a streamed request's SLO: gateway/slo.py `SloBook.judge` and simulator/cluster.py `RequestResult.slo_met`
+    of a streamed request's SLO: gateway/pipeline/slo.py `SloBook.judge` and simulator/cluster.py `RequestResult.slo_met`
     both call it."""
     if first_token_s is None:
         return SloCheck(math.inf, math.inf, False, False)

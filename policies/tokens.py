@@ -1,6 +1,6 @@
 """The prompt-token estimate: what a request's prompt counts, in tokens, before any tokenizer saw it.
 
-One rule for the gateway (gateway/request.py reads a request's prompt with it; placement and reservations use
+One rule for the gateway (gateway/request/parse.py reads a request's prompt with it; placement and reservations use
 the count) and the simulator (simulator/tokenizer.py tokenizes with it): one token per `BYTES_PER_TOKEN` bytes
 of UTF-8 text, and a chat prompt is its messages rendered by a minimal chat template (each message
 `<|role|>\\n` + text + `\\n`, then the generation prompt `<|assistant|>\\n`). Exact against the simulator's

@@ -1,6 +1,6 @@
 """The exact prefix-cache view in virtual time: simulated engines' KV events feed a KvIndex synchronously.
 
-In the live gateway, engines publish KV events over ZMQ and gateway/kv_events.py folds them into a
+In the live gateway, engines publish KV events over ZMQ and gateway/fleet/kv_events.py folds them into a
 `policies.kv_index.KvIndex`. In `ClusterSim` there are no sockets: after every engine step the cluster hands
 the step's events to its `on_kv_events` hooks, and `SimKvView` (one of them) applies them to the same index
 class, so a policy such as `precise_prefix` sees the same kind of view in both. The view is exact up to the

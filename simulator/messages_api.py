@@ -3,7 +3,7 @@ neither; the server registers them unless it imitates 0.11, as it does `/v1/resp
 
 vLLM serves Anthropic's Messages API by translating it to its chat completions path; so does the simulated
 server, with the translation the gateway's front door uses (engine_adapters/apis/messages.py) and the ASGI glue
-of gateway/translated.py around the server's own chat route: one copy of each rule. Errors are Anthropic's shape
+of gateway/api/translated.py around the server's own chat route: one copy of each rule. Errors are Anthropic's shape
 (a refusal of the chat route is translated by its status). `count_tokens` counts the rendered chat prompt with the
 simulator's tokenizer.
 """
@@ -17,7 +17,7 @@ import orjson
 
 from engine_adapters.apis.messages import MessagesError, MessagesTranslator, to_chat
 from engine_adapters.openai_errors import error_body
-from gateway.translated import dispatch_chat, read_body
+from gateway.api.translated import dispatch_chat, read_body
 from policies.tokens import estimate_chat_tokens
 from simulator import tokenizer
 

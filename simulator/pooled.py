@@ -313,7 +313,7 @@ class PooledSim:
             self._setup_static(mode)
         elif mode == "request":
             self.hosts = [_Host(f"w{i}", "mixed") for i in range(spec.workers)]
-            self.swapping = RequestLevelSwaps()     # the gateway's planner (gateway/pooling.py)
+            self.swapping = RequestLevelSwaps()     # the gateway's planner (gateway/control/pooling.py)
             self._waiting: dict[str, deque[str]] = {}   # model -> its requests waiting for an awake engine
         elif spec.colocated:
             self._setup_turns()

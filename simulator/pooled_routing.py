@@ -1,7 +1,7 @@
 """Which engine of a model takes a request in the pooled simulator: the gateway's placement step, not a copy.
 
-On a pooled fleet the gateway sees each engine of a shared host as a worker serving its model (gateway/pooling.py,
-gateway/turns.py) and places a request as it places any other: the model's `ModelPlacement`
+On a pooled fleet the gateway sees each engine of a shared host as a worker serving its model (gateway/control/pooling.py,
+gateway/control/turns.py) and places a request as it places any other: the model's `ModelPlacement`
 (policies/placement.py) with the default policy (`policies.base.DEFAULT_POLICY`, least_tokens) over the
 candidates under their cap (`has_room`), each a `WorkerView` carrying the requests and tokens reserved on it
 (`reserved_tokens`: the prompt and the predicted output, the online `LengthPredictor` the gateway runs). This

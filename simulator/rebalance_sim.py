@@ -1,5 +1,5 @@
 """Rebalancing in the virtual-time simulator: the live rebalancer's rules (policies/rebalance.py), looked at every
-`interval_s` of simulated time, as gateway/rebalancer.py looks every `rebalance.interval_s` of wall time.
+`interval_s` of simulated time, as gateway/pipeline/rebalancer.py looks every `rebalance.interval_s` of wall time.
 
 What each side sees differs only in where it reads it: the gateway counts its streams' tokens and reads the
 engines' queues from their scraped /metrics; the simulator reads its engines' token counts (`output_so_far`) and

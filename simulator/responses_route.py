@@ -4,7 +4,7 @@ and generates, which is what running it through this server's chat route does.
 
 Stateless, like vLLM without VLLM_ENABLE_RESPONSES_API_STORE=1: `store` is ignored and a `previous_response_id` is
 not found. The translation is engine_adapters/apis/responses.py, the same the gateway uses; the ASGI glue is
-gateway/translated.py (it knows nothing of the gateway).
+gateway/api/translated.py (it knows nothing of the gateway).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 
 from engine_adapters.apis import responses as api
-from gateway.translated import dispatch_chat, read_body
+from gateway.api.translated import dispatch_chat, read_body
 
 ASGI = Callable[[dict, Callable, Callable], Awaitable[None]]
 

@@ -8,7 +8,7 @@ import os
 from pydantic import BaseModel
 
 from gateway.config import GatewayConfig
-from gateway.config_reference import REGENERATE, _nested, reference
+from gateway.config.reference import REGENERATE, _nested, reference
 from policies.admission import DEFAULT_QUEUE_SIZE
 from tests.helpers import ROOT, run_cli
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def exported_series() -> set[str]:
     """Every series a gateway can export: its own, the SLO book's and the P/D router's."""
     from gateway.core import Gateway
-    from gateway.pd_legs import PdMetrics
+    from gateway.pipeline.pd_legs import PdMetrics
 
     gw = Gateway(load_config(None))
     PdMetrics.for_registry(gw.metrics.registry)

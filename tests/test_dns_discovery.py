@@ -1,4 +1,4 @@
-"""Workers found by DNS (config `worker_discovery`, gateway/dns_discovery.py), resolved for real: a DNS server
+"""Workers found by DNS (config `worker_discovery`, gateway/fleet/discovery.py), resolved for real: a DNS server
 on a loopback UDP port (tests/dns_server.py) names simulated vLLM servers listening on 127.0.0.2, .3, .4 (one
 port for all, as a compose service or a headless Service has), and the system resolver for `localhost`."""
 

@@ -389,7 +389,7 @@ async def test_webhook_scale_in_drains_then_releases_the_workers_it_picked(sim_f
 def test_keda_scaled_objects_read_the_exported_desired_workers() -> None:
     import yaml
 
-    from gateway.metrics import GatewayMetrics
+    from gateway.ops.metrics import GatewayMetrics
 
     docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/base/keda-scaledobject.yaml").read_text()))
     assert {d["kind"] for d in docs} == {"ScaledObject"}

@@ -1,4 +1,4 @@
-"""Evicted batch work continues where it stopped (gateway/batch_runner.py): the runner streams to the worker,
+"""Evicted batch work continues where it stopped (gateway/batch/runner.py): the runner streams to the worker,
 an interactive request evicts it mid-generation, and its next run is the continuation of the tokens it had.
 The output line reads as one uninterrupted non-streaming answer. Real HTTP, simulated workers, the Batch API
 through the gateway with the `openai` client."""

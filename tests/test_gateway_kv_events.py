@@ -19,7 +19,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from engine_adapters.vllm.kv_events import END_SEQ, encode_batch, seq_bytes
-from gateway.kv_events import KvEventsMetrics, Source, Subscriber, source_from_listing
+from gateway.fleet.kv_events import KvEventsMetrics, Source, Subscriber, source_from_listing
 from policies.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvIndex
 from simulator import tokenizer
 from tests.helpers import ADMIN, free_port_range, metric, poll, running_gateway

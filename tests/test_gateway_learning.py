@@ -15,14 +15,10 @@ import yaml
 
 from engine_adapters.base import Usage
 from gateway.config import ConfigError, load_config
-from gateway.learning import (
-    _PrefillLog,
-    _Trace,
-    merge_predictors,
-)
-from gateway.priors import profile_prior, scale_time
-from gateway.relay import RelayResult
+from gateway.config.priors import profile_prior, scale_time
+from gateway.pipeline.learning import _PrefillLog, _Trace, merge_predictors
 from gateway.server import GatewayServer
+from gateway.wire.results import RelayResult
 from policies.length_predictor import LengthPredictor
 from policies.perf_model import PerfModel
 from policies.types import RequestFeatures

@@ -1,4 +1,4 @@
-"""Anthropic's Messages API through the gateway (gateway/messages_api.py), as a user of the official `anthropic`
+"""Anthropic's Messages API through the gateway (gateway/api/messages.py), as a user of the official `anthropic`
 SDK sees it: over simulated workers that speak only chat completions (vLLM 0.11's routes), through the whole
 pipeline, with Anthropic's error shapes and statuses."""
 

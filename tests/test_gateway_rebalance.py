@@ -1,4 +1,4 @@
-"""Rebalancing live (gateway/rebalancer.py): a stream still queued on a worker that a fault slowed down moves to
+"""Rebalancing live (gateway/pipeline/rebalancer.py): a stream still queued on a worker that a fault slowed down moves to
 another worker and meets its TTFT target, where without rebalancing (same setup) it misses; the streams already
 running there stay; the move is counted.
 
@@ -210,7 +210,7 @@ async def test_a_non_streaming_request_queued_on_a_slowed_worker_moves_too(sim_f
 
 def test_a_model_may_override_the_top_level_rebalance() -> None:
     from gateway.config import load_config
-    from gateway.rebalancer import Rebalancer
+    from gateway.pipeline.rebalancer import Rebalancer
 
     cfg = load_config(None, models={MODEL: {"rebalance": {"enabled": True, "slow_ratio": 4}}, "other": {}})
     assert cfg.rebalance_for(MODEL).enabled and cfg.rebalance_for(MODEL).slow_ratio == 4

@@ -1,4 +1,4 @@
-"""Re-planning in the autoscaler's leader (gateway/replanner.py, config `replan:`): the gateway on Redis starts a
+"""Re-planning in the autoscaler's leader (gateway/control/replanner.py, config `replan:`): the gateway on Redis starts a
 plan's instances as simulated vLLM servers (the sim actuator), two models' traffic flows through it, one model's
 rate steps to 3x, and the leader re-plans within its interval bounds and grows that model's GPUs through the
 actuator, without a failed request; with two replicas, the leader plans from both replicas' traffic and the other

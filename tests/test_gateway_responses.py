@@ -1,4 +1,4 @@
-"""OpenAI's Responses API through the gateway (gateway/responses_api.py), as a user runs it: the official `openai`
+"""OpenAI's Responses API through the gateway (gateway/api/responses.py), as a user runs it: the official `openai`
 client over loopback HTTP, simulated vLLM workers, the gateway's state store (in memory, or a real Redis shared by
 two `fleetgate serve` processes). Workers get chat completions; conversation state lives in the gateway."""
 

@@ -1,4 +1,4 @@
-"""Streams that survive their worker (gateway/resume.py): simulated workers drop the connection mid-stream
+"""Streams that survive their worker (gateway/wire/resume.py): simulated workers drop the connection mid-stream
 (simulator/faults.py drop_after_tokens) and the official client still reads one continuous, complete answer."""
 
 from __future__ import annotations

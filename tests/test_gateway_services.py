@@ -1,4 +1,4 @@
-"""Service-aware priority in the live gateway (gateway/services.py): the service of a request (X-Service header,
+"""Service-aware priority in the live gateway (gateway/tenancy/services.py): the service of a request (X-Service header,
 tenant, model), the admission queue's order and vLLM's `priority` field, over loopback HTTP with the official
 openai client against simulated vLLM workers."""
 
@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from gateway.auth import ANONYMOUS, Tenant
 from gateway.config import ServicePriorityConfig, load_config
-from gateway.services import ServiceOrder
+from gateway.tenancy.auth import ANONYMOUS, Tenant
+from gateway.tenancy.services import ServiceOrder
 from policies.tokens import estimate_chat_tokens
 from simulator.engine import EngineCore
 from tests.helpers import MODEL, poll, running_gateway, worker_entries

@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from engine_adapters.base import Usage
 from gateway.config import load_config
-from gateway.errors import GatewayError
-from gateway.relay import RelayResult
-from gateway.slo import SloBook, _Window, parse_target_ms
+from gateway.pipeline.slo import SloBook, _Window, parse_target_ms
+from gateway.wire.errors import GatewayError
+from gateway.wire.results import RelayResult
 from policies.admission import queue_budget
 from policies.types import RequestFeatures
 from tests.helpers import MODEL, metric

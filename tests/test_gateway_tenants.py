@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.ratelimit import KeyLimits, LocalBuckets, RateLimited, Ticket, format_reset
+from gateway.state.ratelimit import KeyLimits, LocalBuckets, RateLimited, Ticket, format_reset
 from tests.helpers import ADMIN, MODEL, running_gateway
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}

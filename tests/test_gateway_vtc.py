@@ -1,4 +1,4 @@
-"""Fair sharing between tenants in the live gateway (`service_priority.order: vtc`, gateway/services.py): a tenant is
+"""Fair sharing between tenants in the live gateway (`service_priority.order: vtc`, gateway/tenancy/services.py): a tenant is
 an API key's name, and under VTC a light tenant's request overtakes a heavy tenant's backlog in the admission queue
 (under FCFS it waits behind it). Real HTTP on loopback, the openai client, simulated vLLM workers."""
 
@@ -10,9 +10,9 @@ import time
 import openai
 import pytest
 
-from gateway.auth import ANONYMOUS, Tenant
 from gateway.config import ServicePriorityConfig, load_config
-from gateway.services import ServiceOrder
+from gateway.tenancy.auth import ANONYMOUS, Tenant
+from gateway.tenancy.services import ServiceOrder
 from tests.helpers import MODEL, running_gateway, worker_entries
 
 FAST = 20.0

@@ -1,4 +1,4 @@
-"""The buffered per-request series of gateway/metrics.py export exactly what direct prometheus updates would."""
+"""The buffered per-request series of gateway/ops/metrics.py export exactly what direct prometheus updates would."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from gateway.metrics import E2E_BUCKETS, FLUSH_EVERY, ROUTING_BUCKETS, GatewayMetrics
+from gateway.ops.metrics import E2E_BUCKETS, FLUSH_EVERY, ROUTING_BUCKETS, GatewayMetrics
 
 
 def series(text: str, name: str) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Batch progress lines and the stall warning (gateway/batch_progress.py), on a clock the test moves, and once
+"""Batch progress lines and the stall warning (gateway/batch/progress.py), on a clock the test moves, and once
 end to end: a batch whose only worker hangs is reported stalled by a running gateway."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 
 import httpx
 
-from gateway.batch_progress import BatchProgressLog
+from gateway.batch.progress import BatchProgressLog
 from tests.helpers import MODEL, poll, running_gateway
 
 

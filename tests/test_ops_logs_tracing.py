@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from gateway.config import load_config
-from gateway.logs import ACCESS_LOGGER, RateLimitFilter, setup_logging
+from gateway.ops.logs import ACCESS_LOGGER, RateLimitFilter, setup_logging
+from gateway.ops.tracing import Tracing
 from gateway.server import GatewayServer
-from gateway.tracing import Tracing
 from tests.helpers import MODEL, loopback_app, poll, running_gateway, worker_entries
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}

@@ -23,8 +23,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.metrics import TTFT_BUCKETS
-from gateway.status_history import quantile
+from gateway.ops.metrics import TTFT_BUCKETS
+from gateway.ops.status_history import quantile
 from simulator.profiles import load_profile
 from tests.helpers import (
     ADMIN_KEY,

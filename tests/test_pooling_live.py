@@ -1,5 +1,5 @@
 """Pooled serving in the live gateway: models sharing a host through vLLM sleep mode, woken by the
-gateway's swap controller (gateway/pooling.py, decisions in policies/pooling/swapping.py). Real HTTP, simulated
+gateway's swap controller (gateway/control/pooling.py, decisions in policies/pooling/swapping.py). Real HTTP, simulated
 vLLM servers with sleep mode, the official openai client; the engines' own counters say whether a request ever
 reached a sleeping engine."""
 
@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from gateway.config import ConfigError, load_config
-from gateway.outage import stop_task
-from gateway.pooling import swap_costs
+from gateway.control.pooling import swap_costs
+from gateway.state.outage import stop_task
 from policies.pooling.swapping import EngineView, HostView, RequestLevelSwaps, SwapStep
 from tests.helpers import metric, redis_prefix
 from tests.helpers import running_gateway as gateway

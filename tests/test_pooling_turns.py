@@ -1,4 +1,4 @@
-"""Aegaeon's decode turns enforced live on a shared host (`shared_hosts[].scheduling: turns`, gateway/turns.py;
+"""Aegaeon's decode turns enforced live on a shared host (`shared_hosts[].scheduling: turns`, gateway/control/turns.py;
 turn rules in policies/pooling/turns.py, quotas from policies/pooling/aegaeon.py eq. 2-3). Real HTTP, simulated
 vLLM servers with sleep mode (they keep requests that arrive while asleep and run them after the wake-up), the
 official openai client; the engines' own /is_sleeping says which one runs."""
@@ -415,7 +415,7 @@ def test_a_vllm_without_level_0_is_paused_at_level_1() -> None:
 @pytest.mark.slow  # two gateway processes, one killed
 async def test_when_the_driving_replica_dies_the_other_drives_within_seconds(sim_fleet, make_client, gateway_process,
                                                                               tmp_path) -> None:
-    """The host lease is short (gateway/turns.py: max(3 s, 2 x the longest switch)), so when the replica driving
+    """The host lease is short (gateway/control/turns.py: max(3 s, 2 x the longest switch)), so when the replica driving
     the turns is killed (SIGKILL: it releases nothing) the other one takes the host over within seconds and the
     streams of both models, sent through the survivor, finish."""
     import signal

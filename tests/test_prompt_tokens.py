@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
 
-from gateway.prompt_tokens import HfTokenizer, SimTokenizer, make_tokenizer
+from gateway.wire.prompt_tokens import HfTokenizer, SimTokenizer, make_tokenizer
 from simulator import tokenizer as simtok
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"

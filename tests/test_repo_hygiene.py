@@ -216,7 +216,7 @@ def test_arrow_checker_sees_what_it_must():
 
 # --- import cycles inside gateway/ ---------------------------------------------------------------------------
 # Every pair of gateway modules imports one way: the leg runner and the P/D legs take the request context
-# (gateway/context.py) and typed collaborators, not the dispatcher; the turns driver takes the narrow `TurnHost`
+# (gateway/request/context.py) and typed collaborators, not the dispatcher; the turns driver takes the narrow `TurnHost`
 # view of the swap controller that owns it.
 CYCLE_EXEMPT: set[frozenset[str]] = set()
 

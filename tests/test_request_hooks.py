@@ -1,13 +1,13 @@
-"""Request hooks (gateway/hooks.py): the four points a request passes, who hears them, in which order."""
+"""Request hooks (gateway/request/hooks.py): the four points a request passes, who hears them, in which order."""
 
 from __future__ import annotations
 
 import httpx
 import openai
 
-from gateway.context import Outcome, RequestContext
-from gateway.hooks import RequestHook, RequestHooks
-from gateway.registry import WorkerState
+from gateway.fleet.registry import WorkerState
+from gateway.request.context import Outcome, RequestContext
+from gateway.request.hooks import RequestHook, RequestHooks
 from tests.helpers import MODEL, running_gateway
 
 
@@ -62,7 +62,7 @@ async def test_a_request_passes_the_four_points_and_a_malformed_one_only_finishe
     fleet = sim_fleet(1, time_scale=50)
     async with running_gateway(fleet.urls, logging={"access_log": True}) as gw:
         d = gw.gateway.dispatcher
-        # Who registers, in order (the service order only while it is on): gateway/hooks.py.
+        # Who registers, in order (the service order only while it is on): gateway/request/hooks.py.
         assert [type(h).__name__ for h in d.hooks.hooks] == [
             "ClassRouter", "Tickets", "Learner", "SloBook", "RequestMetrics", "RequestObserver"]
         rec = Recorder()

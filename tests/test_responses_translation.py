@@ -8,7 +8,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from engine_adapters.apis import responses as R
-from gateway.translated import SseSplitter
+from gateway.api.translated import SseSplitter
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 

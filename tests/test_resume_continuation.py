@@ -1,11 +1,11 @@
-"""The continuation building of gateway/resume.py, without a network: what may resume, what the client has,
+"""The continuation building of gateway/wire/resume.py, without a network: what may resume, what the client has,
 the request for the rest, and the continuation's events in the first answer's identity."""
 
 from __future__ import annotations
 
 import orjson
 
-from gateway.resume import (
+from gateway.wire.resume import (
     FOLD_BYTES,
     Delivered,
     StreamResume,

@@ -1,4 +1,4 @@
-"""Tool-call streams that survive their worker (gateway/resume.py): tool-call events are held until the call is
+"""Tool-call streams that survive their worker (gateway/wire/resume.py): tool-call events are held until the call is
 complete, so a worker that dies mid-call has delivered none of it and the next worker answers the turn again.
 The hold itself without a network, then the official `openai` client over simulated workers that die."""
 
@@ -10,7 +10,7 @@ import httpx
 import openai
 import orjson
 
-from gateway.resume import DONE, StreamResume
+from gateway.wire.resume import DONE, StreamResume
 from tests.helpers import ADMIN, MODEL, metric, running_gateway
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {

@@ -1,4 +1,4 @@
-"""gateway/translated.py: the ASGI glue between a translating front door and the chat pipeline."""
+"""gateway/api/translated.py: the ASGI glue between a translating front door and the chat pipeline."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import functools
 import orjson
 import pytest
 
-from gateway.request import CHAT
-from gateway.translated import (
+from gateway.api.translated import (
     BodyTooLarge,
     SseSplitter,
     TranslatedSend,
@@ -18,6 +17,7 @@ from gateway.translated import (
     dispatch_chat,
     read_body,
 )
+from gateway.request.parse import CHAT
 
 CHUNKS = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b'data: {"error": {"message": "boom"}}\n\n',
           b"data: [DONE]\n\n"]

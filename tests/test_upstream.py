@@ -1,4 +1,4 @@
-"""The relay's upstream HTTP/1.1 client (gateway/upstream.py) against scripted servers on real loopback sockets:
+"""The relay's upstream HTTP/1.1 client (gateway/wire/upstream.py) against scripted servers on real loopback sockets:
 keep-alive reuse, chunked and EOF-delimited bodies, the failure kinds the relay maps, timeouts, flow control."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.request import new_request_id, read_headers
-from gateway.upstream import (
+from gateway.request.parse import new_request_id, read_headers
+from gateway.wire.upstream import (
     KEEPALIVE_S,
     ClientConnectorError,
     ClientPayloadError,

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from gateway.config import load_config
-from gateway.relay import make_upstream_pool
-from gateway.upstream import ClientConnectorError, PoolTimeoutError, encode_headers
+from gateway.pipeline.relay import make_upstream_pool
+from gateway.wire.upstream import ClientConnectorError, PoolTimeoutError, encode_headers
 from tests.helpers import free_port, poll
 from tests.test_upstream import ScriptedServer, answer, echo, pool
 

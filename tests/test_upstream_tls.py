@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from openai import AsyncOpenAI
 
-from gateway.upstream import ClientConnectorError, TlsSettings
+from gateway.wire.upstream import ClientConnectorError, TlsSettings
 from tests.helpers import MODEL, poll, require_command, running_gateway
 from tests.test_upstream import pool
 from tests.test_upstream_pool import CountingResolver

@@ -1,4 +1,4 @@
-"""SIGTERM drains the gateway (gateway/drain.py), with real processes: `fleetgate serve` gateways in front of
+"""SIGTERM drains the gateway (gateway/pipeline/drain.py), with real processes: `fleetgate serve` gateways in front of
 `fleetgate sim --workers 1` workers.
 
 - SIGTERM with 20 streams of 10-20 s in flight: every stream completes with `[DONE]`, its text continuous and

@@ -1,6 +1,6 @@
 """A turns host loses the engine whose turn it is, with real processes: 2 hosts x 3 models, every engine a
 `fleetgate sim` process of its own on gpu0 (gpu1's three share one), the gateway `fleetgate serve`, its turns
-driver (gateway/turns.py) switching between the models with requests.
+driver (gateway/control/turns.py) switching between the models with requests.
 
 `kill -9` (or SIGSTOP) of gpu0's running engine: the engine loses its turn (its pause is never answered, so it
 is taken for dead or hung and out of rotation), gpu0's other two engines go on taking turns, and the lost
@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.turns import PAUSE_FLOOR_S
+from gateway.control.turns import PAUSE_FLOOR_S
 from tests.helpers import poll
 
 pytestmark = pytest.mark.timeout(300)

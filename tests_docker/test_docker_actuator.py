@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import re
 
-from gateway.actuators import ActuatorContext
 from gateway.config import DockerActuatorConfig
-from gateway.docker_actuator import DockerActuator
+from gateway.control.actuators import ActuatorContext
+from gateway.control.docker_actuator import DockerActuator
 from tests.helpers import poll, running_gateway
 from tests_docker.conftest import IMAGE, docker
 

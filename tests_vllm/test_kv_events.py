@@ -21,7 +21,7 @@ import httpx
 import yaml
 
 from engine_adapters.vllm.kv_events import decode_batch, encode_batch
-from gateway.prompt_tokens import HfTokenizer
+from gateway.wire.prompt_tokens import HfTokenizer
 from policies.kv_hash import BlockHasher
 from policies.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from scripts.vllm_servers import ensure_model, venv_path

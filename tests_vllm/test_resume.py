@@ -1,4 +1,4 @@
-"""A stream cut mid-way on a real vLLM server resumes on the other one (gateway/resume.py): the continuation is
+"""A stream cut mid-way on a real vLLM server resumes on the other one (gateway/wire/resume.py): the continuation is
 a chat with `continue_final_message` (completions: the prompt plus the text sent), and with greedy decoding on
 identical weights the client reads the same text and usage as one uninterrupted answer would give.
 

@@ -1,4 +1,4 @@
-"""Live decode turns against real vLLM: the gateway runs Aegaeon's turns (gateway/turns.py,
+"""Live decode turns against real vLLM: the gateway runs Aegaeon's turns (gateway/control/turns.py,
 `scheduling: turns`) between the two real tiny-model servers declared as ONE host, through vLLM's dev-mode
 /sleep?level=0&mode=keep (pause, in-flight requests kept) and /wake_up, while each has a long streamed request
 in flight.

@@ -1,4 +1,4 @@
-"""Shared hosts against real vLLM: the gateway's swap controller (gateway/pooling.py) switches two real
+"""Shared hosts against real vLLM: the gateway's swap controller (gateway/control/pooling.py) switches two real
 tiny-model servers declared as ONE host with `max_awake: 1`, through vLLM's dev-mode /sleep?level=1&mode=wait and
 /wake_up (vLLM CPU 0.32 accepts `mode=`: its /sleep takes level and mode, docs/reference/vllm-interface.md §6.1).
 

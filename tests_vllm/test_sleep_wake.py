@@ -34,7 +34,7 @@ def _gateway_sees(gw, state: str) -> bool:  # noqa: ANN001
 
 def test_request_blocks_while_asleep_and_finishes_after_wake_up(plain_server) -> None:  # noqa: ANN001
     """Sent straight to the sleeping engine, a request is held and finishes after /wake_up (vLLM's behaviour).
-    The gateway routes nothing to a sleeping engine (gateway/registry.py `awake`): once its scrape has seen its
+    The gateway routes nothing to a sleeping engine (gateway/fleet/registry.py `awake`): once its scrape has seen its
     only engine asleep, a request gets an OpenAI-style 503 at once (what a client retries, and what a model's
     fallbacks act on), never a hang; once it has seen the engine awake again, requests through it succeed."""
     url = plain_server.url

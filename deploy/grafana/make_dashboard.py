@@ -18,7 +18,7 @@ def vllm(name: str) -> str:
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Requests/s by status", "reqps",
      [("sum by (status) (rate(fleetgate_requests_total[1m]))", "{{status}}")]),
-    # SLOs (gateway/slo.py): the ratio is each replica's sliding window, so take the worst replica.
+    # SLOs (gateway/pipeline/slo.py): the ratio is each replica's sliding window, so take the worst replica.
     ("SLO attainment (sliding window)", "percentunit",
      [("min by (model, class) (fleetgate_slo_attainment_ratio)", "{{model}} {{class}}")]),
     ("SLO-judged requests/s: met vs missed", "reqps",
@@ -47,7 +47,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Admission queue wait (requests that waited)", "s",
      [("histogram_quantile(0.5, sum by (le) (rate(fleetgate_queue_wait_seconds_bucket[1m])))", "p50"),
       ("histogram_quantile(0.99, sum by (le) (rate(fleetgate_queue_wait_seconds_bucket[1m])))", "p99")]),
-    # Prefill/decode disaggregation (gateway/pd_legs.py).
+    # Prefill/decode disaggregation (gateway/pipeline/pd_legs.py).
     ("P/D decisions/s", "short",
      [("sum by (model, decision) (rate(fleetgate_pd_decisions_total[1m]))", "{{model}} {{decision}}")]),
     ("P/D phase time p99", "s",
@@ -62,7 +62,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Prefix-cache hit rate", "percentunit",
      [(f"sum(rate({vllm('prefix_cache_hits_total')}[1m])) / sum(rate({vllm('prefix_cache_queries_total')}[1m]))",
        "hit rate")]),
-    # Backpressure and autoscaling (gateway/autoscaler.py). Every replica exports the leader's numbers: take
+    # Backpressure and autoscaling (gateway/control/autoscaler.py). Every replica exports the leader's numbers: take
     # max over replicas, not sum. The interactive admission queue is per replica: that one is summed.
     ("Workers per pool: desired vs current", "short",
      [("max by (pool) (fleetgate_desired_workers)", "desired {{pool}}"),
@@ -81,12 +81,12 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
      [("max by (worker) (fleetgate_worker_batch_cap)", "{{worker}}")]),
     ("Autoscaler leader", "short",
      [("fleetgate_autoscaler_leader", "{{instance}}")]),
-    # Pooled serving (shared hosts): engines asleep or paused take no requests (gateway/registry.py).
+    # Pooled serving (shared hosts): engines asleep or paused take no requests (gateway/fleet/registry.py).
     ("Engines by sleep state (awake, paused, weights_offloaded, discard_all)", "short",
      [("sum by (state) (max by (worker, model, state) (fleetgate_engine_state))", "{{state}}")]),
 ]
 
-# A row of its own: models sharing hosts, swapped by the gateway's swap controller (gateway/pooling.py).
+# A row of its own: models sharing hosts, swapped by the gateway's swap controller (gateway/control/pooling.py).
 POOLED_ROW = "Pooled serving (shared hosts)"
 POOLED_PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Model swaps/s (in: woken, out: put to sleep)", "ops",
@@ -96,7 +96,7 @@ POOLED_PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
       ("histogram_quantile(0.99, sum by (le) (rate(fleetgate_swap_seconds_bucket[1m])))", "p99")]),
     ("Engines awake per model", "short",
      [('sum by (model) (max by (worker, model) (fleetgate_engine_state{state="awake"}))', "{{model}}")]),
-    # `scheduling: turns` hosts (gateway/turns.py, Aegaeon section 4.3): decode turns started per host and model.
+    # `scheduling: turns` hosts (gateway/control/turns.py, Aegaeon section 4.3): decode turns started per host and model.
     # Only the replica driving a host counts its turns: max over replicas, not sum.
     ("Decode turns/s (scheduling: turns hosts)", "ops",
      [("max by (host, model) (rate(fleetgate_turns_total[1m]))", "{{host}} {{model}}")]),

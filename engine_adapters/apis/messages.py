@@ -1,6 +1,6 @@
 """Anthropic's Messages API (`POST /v1/messages`) as chat completions, and back: pure translation, no I/O.
 
-The gateway's front door (gateway/messages_api.py) and the simulated worker imitating vLLM 0.32/0.33
+The gateway's front door (gateway/api/messages.py) and the simulated worker imitating vLLM 0.32/0.33
 (simulator/vllm_api.py) both serve Messages by translating a request into a chat completions request, running
 that, and translating its answer (a JSON body, or its SSE chunks one by one) into Messages' shapes. One copy of
 each rule, here:
@@ -38,7 +38,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                529: "overloaded_error"}
 OVERLOADED = 529
-# The pipeline's codes for "the fleet is full" (gateway/errors.py `overloaded`): a 429 that is not the key's own
+# The pipeline's codes for "the fleet is full" (gateway/wire/errors.py `overloaded`): a 429 that is not the key's own
 # limit, so Anthropic's 529 rather than its 429.
 _FLEET_FULL_CODES = ("capacity_exceeded",)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn",
@@ -489,7 +489,7 @@ class MessageStream:
 
 class MessagesTranslator:
     """A chat answer of the pipeline (or a worker's chat route) as Messages' answer: the `Translator` of
-    gateway/translated.py. One per request."""
+    gateway/api/translated.py. One per request."""
 
     def __init__(self, model: str = "", input_tokens: int = 0, stop_sequences: list[str] | None = None) -> None:
         self.model = model

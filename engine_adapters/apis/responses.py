@@ -1,6 +1,6 @@
 """OpenAI's Responses API (`POST /v1/responses`) translated to and from chat completions. Pure: no I/O.
 
-The gateway's front door (gateway/responses_api.py) and the simulated worker (simulator/) both serve Responses
+The gateway's front door (gateway/api/responses.py) and the simulated worker (simulator/) both serve Responses
 by running the translated chat request; this module holds every rule of the translation, once:
 
     parse_request     check a Responses body (OpenAI API reference, "Create a model response") into a
@@ -409,7 +409,7 @@ def failure(message: str) -> dict[str, Any]:
 
 
 class ResponsesTranslator:
-    """The pipeline's chat answer -> the Responses answer (gateway/translated.py's `Translator`): a chat completion
+    """The pipeline's chat answer -> the Responses answer (gateway/api/translated.py's `Translator`): a chat completion
     JSON -> the response object, or chat SSE chunks one at a time -> Responses events. When it is done,
     `response` holds the final response object (what `store` keeps) and `output` its items."""
 

@@ -28,7 +28,7 @@ _WANTED: dict[str, tuple[str, int]] = {
     "vllm:prefix_cache_hits": ("prefix_cache_hits", 0),
     "vllm:gpu_prefix_cache_hits_total": ("prefix_cache_hits", 1),
     "vllm:gpu_prefix_cache_hits": ("prefix_cache_hits", 1),
-    # local autoscaler (gateway/autoscaler.py): throughput and inter-token latency (docs/reference/vllm-interface.md §3.2)
+    # local autoscaler (gateway/control/autoscaler.py): throughput and inter-token latency (docs/reference/vllm-interface.md §3.2)
     "vllm:generation_tokens_total": ("generation_tokens", 0),
     "vllm:generation_tokens": ("generation_tokens", 0),
     "vllm:inter_token_latency_seconds_sum": ("itl_sum", 0),

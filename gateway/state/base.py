@@ -18,7 +18,7 @@ from gateway.state.jobs import JobStore, StoreUnavailableError
 from gateway.state.responses import ResponseDocs
 
 if TYPE_CHECKING:
-    from gateway.ratelimit import Ticket
+    from gateway.state.ratelimit import Ticket
 
 __all__ = ["EngineMetrics", "Inflight", "StateStore", "StoreUnavailableError", "WorkerRecord"]
 
@@ -110,7 +110,7 @@ class StateStore(JobStore, ResponseDocs, ABC):
         """The ids of the gateway replicas sharing this store now (their leases not expired)."""
         return [self.replica_id]
 
-    # --- per-key limits (gateway/ratelimit.py) -----------------------------------------------------
+    # --- per-key limits (gateway/state/ratelimit.py) -----------------------------------------------------
     # A request of a limited key has an open ticket from dispatch to its end: its first successful
     # try_reserve also takes the key's request and tokens (atomically with the reservation, or raises
     # RateLimited and reserves nothing); its reservations count against the key's concurrency.

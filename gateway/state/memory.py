@@ -13,9 +13,9 @@ import time
 
 import orjson
 
-from gateway.ratelimit import LocalBuckets, Ticket
 from gateway.state.base import EngineMetrics, Inflight, StateStore, WorkerRecord
-from gateway.state.jobs import MemoryJobs
+from gateway.state.jobs_memory import MemoryJobs
+from gateway.state.ratelimit import LocalBuckets, Ticket
 from gateway.state.responses import MemoryResponses
 
 
@@ -37,7 +37,7 @@ class MemoryStore(MemoryJobs, MemoryResponses, StateStore):
         # inflight() is a true snapshot.
         self._inflight: dict[str, Inflight] = {}
         self._docs: dict[str, bytes] = {}
-        self._tickets: dict[str, Ticket] = {}  # request id -> ticket of a limited key (gateway/ratelimit.py)
+        self._tickets: dict[str, Ticket] = {}  # request id -> ticket of a limited key (gateway/state/ratelimit.py)
         self._buckets = LocalBuckets()
 
     async def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Stored Responses-API responses (gateway/responses_api.py): a response and the conversation it ends, kept so
+"""Stored Responses-API responses (gateway/api/responses.py): a response and the conversation it ends, kept so
 that `previous_response_id` rebuilds the conversation on any replica and any worker.
 
 `ResponseDocs` is the interface (StateStore inherits it); `MemoryResponses` and `RedisResponses` are the two
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from gateway.state.jobs import _guard
+from gateway.state.jobs_redis import _guard
 
 
 class ResponseDocs:

@@ -4,7 +4,7 @@ Algorithm 2 (appendix C, "Re-balancing with prediction error") as printed: each 
 (l^e, b^e) from its ongoing requests (underestimated outputs re-predicted, early finishes), then new requests
 move from over- to under-estimated workers while that lowers the summed distance of the errors from each
 worker's eq. 4 line (`propose_moves`). The simulator (simulator/cluster.py `_rebalance`) and the live gateway
-(gateway/rebalancer.py) both reach it through `ModelPlacement.rebalance`.
+(gateway/pipeline/rebalancer.py) both reach it through `ModelPlacement.rebalance`.
 
 Two additions for the live gateway, both pure, clock and observations passed in:
 

@@ -1,4 +1,4 @@
-"""The global autoscaler's FleetObservation, built in one place for the gateway (gateway/autoscaler.py `_gather`)
+"""The global autoscaler's FleetObservation, built in one place for the gateway (gateway/control/autoscaler.py `_gather`)
 and the simulator (simulator/autoscale_sim.py `observe_fleet`). Pure; the clock is passed in.
 
 Each caller measures its raw inputs its own way (the gateway samples its in-flight counts every `sample_s` and

@@ -4,7 +4,7 @@
     aegaeon.py    grouped-FCFS prefill placement (Algorithm 1) and decode work lists with time quotas
                   (Algorithm 2, eq. 2-3)
     turns.py      the turn boundaries of one host's decode turns (which model runs, when its turn ends), over
-                  aegaeon.py's work lists; driven live by gateway/turns.py
+                  aegaeon.py's work lists; driven live by gateway/control/turns.py
     baselines.py  dedicated, request-level swapping (ServerlessLLM-style) and co-resident multiplexing
                   (MuxServe-style)
 

@@ -6,7 +6,7 @@ compares against, pure like every policy.
   (`resident_capacity`), placed once by popularity (`static_placement`), time-shared step by step in round
   robin (`RoundRobin`). Models beyond the hosts' room are not served.
 - Request-level swapping (ServerlessLLM-style, sections 2.3 and 3.1): policies/pooling/swapping.py
-  `RequestLevelSwaps`, the one planner the live gateway (gateway/pooling.py) and the simulator
+  `RequestLevelSwaps`, the one planner the live gateway (gateway/control/pooling.py) and the simulator
   (simulator/pooled.py, `--pooling request`) both use.
 """
 

@@ -1,7 +1,7 @@
 """Request-level swapping over shared hosts whose engines sleep and wake (ServerlessLLM-style, Aegaeon SOSP 2025
 sections 2.3 and 3.1), pure: the caller says which models have requests waiting for an awake engine and what
 each host's engines are doing; `RequestLevelSwaps.plan` answers which engine to put to sleep and which to wake.
-The one planner of the live gateway (its swap controller, gateway/pooling.py) and the simulator
+The one planner of the live gateway (its swap controller, gateway/control/pooling.py) and the simulator
 (simulator/pooled.py `--pooling request`, one engine awake per host, drained at once).
 
 The rules:

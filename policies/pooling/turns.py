@@ -1,5 +1,5 @@
 """Decode turns on one shared host (Aegaeon, SOSP 2025, section 4.3), pure: which model's engine runs now and
-until when. The callers (the gateway's turn loop, gateway/turns.py, and the simulator's colocated turns,
+until when. The callers (the gateway's turn loop, gateway/control/turns.py, and the simulator's colocated turns,
 simulator/pooled.py `_next_turns`) pass their clock, the models with requests in flight on the host, the
 batches' step times and the switch costs; they carry the switches out and say when a new turn's engine runs
 (`switched`).

@@ -1,0 +1,1 @@
+"""What operators see: Prometheus metrics, logs, the access log, tracing, the status history."""
