@@ -386,6 +386,7 @@ class ClusterSim:
             self.engine_config = self.services.engine_config(engine_config)
         self.rebalance_s = rebalance_s     # the live rebalancer's look every this many seconds (None: off)
         self.rebalancer = SimRebalancer(self, rebalance_s) if rebalance_s is not None else None
+        self.faults: Any = None            # simulator/worker_faults.py WorkerFaults, once a worker fails
         self.moves = 0
         self._last_arrival = 0.0
         self._wake_at = math.inf
@@ -508,6 +509,8 @@ class ClusterSim:
         for hook in self.on_dispatch:
             hook(self, r, wid, now)
         self._pending[r.request_id] = (r, feats)
+        if self.faults is not None and self.faults.fails(self, w, r, feats, now):
+            return None     # the worker answered 5xx at once: simulator/worker_faults.py placed it again
         heapq.heappush(self._heap, (now + w.profile.pre_engine_delay(w.engine.num_running), next(self._seq), _ADD,
                                      (wid, r.request_id)))
         return None

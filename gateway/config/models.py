@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from gateway.config.base import _deprecated_key, _Strict
 from gateway.config.priors import prior_from_mapping
-from policies.pace import EjectionSettings, PaceSettings
+from policies.pace import EJECT_AFTER_ERRORS, EjectionSettings, PaceSettings
 from policies.rebalance import INTERVAL_S as REBALANCE_INTERVAL_S
 from policies.rebalance import MAX_MOVES_PER_S, SLOW_RATIO
 
@@ -142,7 +142,7 @@ class ResumeConfig(_Strict):
     suspect_hold_s: float | None = Field(None, ge=0, description=(
         "Deprecated: read as ejection_base_s (an ejected worker now stays out base x times ejected, and returns "
         "only after a probe generation succeeds)."))
-    eject_after_errors: int = Field(5, ge=0,
+    eject_after_errors: int = Field(EJECT_AFTER_ERRORS, ge=0,
                                     description="This many failed requests in a row eject a worker (0: "
                                                 "never).")
     ejection_base_s: float = Field(10.0, ge=0, description=(
