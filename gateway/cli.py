@@ -220,10 +220,10 @@ def simulate(
         "7.2); 0 = no partition, Aegaeon's turns on colocated hosts (what the gateway's scheduling: turns runs)."),
     kv_kept: bool = typer.Option(False, "--kv-kept", help="Pooled aegaeon --prefill-fraction 0: keep a sleeping "
                                  "engine's KV in host memory and copy it back (simulator only; stock vLLM drops it)."),
-    recompute_quota: bool | None = typer.Option(
-        None, "--recompute-quota/--no-recompute-quota", help="Pooled aegaeon --prefill-fraction 0: count the "
-        "recomputation of a dropped KV as switching (eq. 3's c, turn). Default: the gateway's "
-        "shared_hosts[].recompute_quota (on) for colocated turns that drop the KV (not with --kv-kept)."),
+    recompute_quota_on: bool = typer.Option(
+        True, "--recompute-quota/--no-recompute-quota", help="Pooled aegaeon --prefill-fraction 0: the "
+        "recomputation of a dropped KV counts as switching (eq. 3's c), as on the gateway's shared_hosts; always "
+        "on (--no-recompute-quota is refused: the stock quota starves the turns)."),
     turns_placement: str = typer.Option("spread", "--turns-placement", help="Pooled aegaeon --prefill-fraction 0: "
                                         "spread (ceil(M/N) models per host) or all (every model on every host)."),
 ) -> None:
@@ -243,13 +243,15 @@ def simulate(
     from simulator.simulate import SimSpec, parse_params, run_simulate_cli
 
     if pooling is not None or num_models is not None:
-        from gateway.config import SharedHostConfig
+        from policies.pooling.turns import RECOMPUTE_OFF_REMOVED
         from simulator.pooled import PooledSpec, run_pooled_cli
 
-        if recompute_quota is None:   # the gateway's default where it applies: colocated turns, the KV dropped
-            colocated = (pooling or "aegaeon") == "aegaeon" and prefill_fraction == 0
-            recompute_quota = colocated and not kv_kept and SharedHostConfig.model_fields["recompute_quota"].default
+        # the gateway's rule where it applies: colocated turns, the KV dropped (shared_hosts[].recompute_quota)
+        colocated = (pooling or "aegaeon") == "aegaeon" and prefill_fraction == 0
+        recompute_quota = colocated and not kv_kept
         try:
+            if not recompute_quota_on:
+                raise ValueError(f"--no-recompute-quota: {RECOMPUTE_OFF_REMOVED}")
             if pd is not None:
                 raise ValueError("--pd does not combine with --pooling (aegaeon splits its own workers)")
             if rate is None:

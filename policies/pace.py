@@ -308,5 +308,21 @@ def may_eject(ejected: int, pool: int, s: EjectionSettings) -> bool:
     return ejected == 0 or ejected + 1 <= s.max_fraction * pool
 
 
-__all__ = ["EjectionSettings", "FleetPace", "PaceSettings", "WorkerPace", "ejection_s",
+EJECT_AFTER_ERRORS = 5   # failed requests in a row that eject a worker (the gateway's resume.eject_after_errors)
+
+
+def error_streak(in_row: int, ok: bool, limit: int) -> tuple[int, bool]:
+    """Envoy's consecutive_5xx outlier detection: a worker's count of failed requests in a row after one more
+    outcome, and whether that ejects it (`limit` failures in a row; 0: never). The count starts again after an
+    ejection. The gateway (gateway/fleet/registry.py `note_outcome`) and the simulator's failing workers
+    (simulator/worker_faults.py) count with it."""
+    if ok:
+        return 0, False
+    in_row += 1
+    if limit and in_row >= limit:
+        return 0, True
+    return in_row, False
+
+
+__all__ = ["EJECT_AFTER_ERRORS", "EjectionSettings", "FleetPace", "PaceSettings", "WorkerPace", "ejection_s", "error_streak",
            "first_token_limit", "may_eject", "stall_verdict", "times_ejected"]

@@ -48,7 +48,7 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,13 +72,13 @@ from policies.types import (
     ROLE_MIXED,
     ROLE_PREFILL,
     Decision,
-    Move,
     RequestFeatures,
     WorkerView,
 )
 from simulator.engine import BLOCK_SIZE, EngineConfig, EngineCore, SimRequest
 from simulator.kv_sim import SimKvView
 from simulator.profiles import Profile, load_profile
+from simulator.rebalance_sim import SimRebalancer
 from simulator.service_sim import ServicePriority, ServiceScheduler, service_summary
 from simulator.workload import WorkloadRequest
 
@@ -384,7 +384,9 @@ class ClusterSim:
             if prefill_workers:
                 raise ValueError("a service priority is not supported with P/D workers")
             self.engine_config = self.services.engine_config(engine_config)
-        self.rebalance_s = rebalance_s     # Algorithm 2 over requests waiting, not started, in engine queues
+        self.rebalance_s = rebalance_s     # the live rebalancer's look every this many seconds (None: off)
+        self.rebalancer = SimRebalancer(self, rebalance_s) if rebalance_s is not None else None
+        self.faults: Any = None            # simulator/worker_faults.py WorkerFaults, once a worker fails
         self.moves = 0
         self._last_arrival = 0.0
         self._wake_at = math.inf
@@ -478,10 +480,12 @@ class ClusterSim:
             if self.kv_view is not None else NO_CACHED_PREFIX,
         )
 
-    def _try_dispatch(self, r: WorkloadRequest, feats: RequestFeatures, now: float) -> Decision | None:
-        """Place and send the request; None when it was handled (sent, or refused as too long), else the
-        Decision that found no worker (its retry_at tells the queue when to ask again)."""
-        views = [self._view(w, now) for w in self.workers.values() if not w.draining and has_room(w.inflight, w.cap)]
+    def _try_dispatch(self, r: WorkloadRequest, feats: RequestFeatures, now: float,
+                      exclude: Collection[str] = ()) -> Decision | None:
+        """Place and send the request (on none of `exclude`); None when it was handled (sent, or refused as too
+        long), else the Decision that found no worker (its retry_at tells the queue when to ask again)."""
+        views = [self._view(w, now) for w in self.workers.values()
+                 if not w.draining and has_room(w.inflight, w.cap) and w.id not in exclude]
         decision = self.placement.place(feats, views, now)
         wid = decision.worker_id
         if wid is None:
@@ -505,6 +509,8 @@ class ClusterSim:
         for hook in self.on_dispatch:
             hook(self, r, wid, now)
         self._pending[r.request_id] = (r, feats)
+        if self.faults is not None and self.faults.fails(self, w, r, feats, now):
+            return None     # the worker answered 5xx at once: simulator/worker_faults.py placed it again
         heapq.heappush(self._heap, (now + w.profile.pre_engine_delay(w.engine.num_running), next(self._seq), _ADD,
                                      (wid, r.request_id)))
         return None
@@ -573,36 +579,18 @@ class ClusterSim:
 
     # ---- Aladdin's Algorithm 2: requests placed but not started move to cancel prediction errors ---------
     def _rebalance(self, now: float) -> None:
-        """Every `rebalance_s`: the policy's moves of requests that wait, not started, in an engine's queue;
-        each is aborted there (it computed nothing) and sent to its new worker (ModelPlacement.rebalance)."""
-        queued: dict[str, tuple[str, RequestFeatures]] = {}
-        for rid, (_, feats) in self._pending.items():
-            w = self.workers.get(self.results[rid].worker_id or "")
-            if w is not None and rid not in self._pd_legs and w.engine.not_started(rid):
-                queued[rid] = (w.id, feats)
-        if queued:
-            views = [self._view(w, now) for w in self.workers.values() if not w.draining]
-            for m in self.placement.rebalance(queued, views, now):
-                self._move(m, now)
+        """Every `rebalance_s`: the live rebalancer's look (simulator/rebalance_sim.py over policies/rebalance.py)."""
+        self.rebalancer.look(now)
         if self._pending or self.queue or now < self._last_arrival:
             self.schedule(now + self.rebalance_s, lambda sim, t: sim._rebalance(t))
 
-    def _move(self, m: Move, now: float) -> None:
-        src, dst = self.workers.get(m.src), self.workers.get(m.dst)
-        if src is None or dst is None or dst.draining or not src.engine.not_started(m.request_id):
+    def _requeue(self, r: WorkloadRequest, feats: RequestFeatures, now: float) -> None:
+        """A moved request no worker takes now waits in the admission queue, as a new one would."""
+        if self.queue.full():
+            self._reject(r, REFUSED, 429, "admission queue full", now)
             return
-        r, feats = self._pending[m.request_id]
-        if src.step_end is not None and src.step_end > now:
-            self._truncate(src, now)
-        src.engine.abort(m.request_id, now)
-        src.reserve(reserved_tokens(feats), -1)
-        dst.reserve(reserved_tokens(feats))
-        self.results[m.request_id].worker_id = dst.id
-        self.placement.moved(feats, src.id, dst.id, now)
-        self.moves += 1
-        heapq.heappush(self._heap, (now + dst.profile.pre_engine_delay(dst.engine.num_running), next(self._seq),
-                                     _ADD, (dst.id, m.request_id)))
-        self._maybe_retire(src, now)
+        self.queue.enter(feats, now, r, tried=True)     # it found no worker: woken by the next change
+        self._arm(now)
 
     def _complete(self, w: SimWorker, r: WorkloadRequest, feats: RequestFeatures, now: float) -> None:
         w.reserve(reserved_tokens(feats), -1)

@@ -359,6 +359,11 @@ class EngineCore:
         """The request has reached this engine (waiting or running) and has not finished or been aborted."""
         return request_id in self._seqs
 
+    def output_so_far(self, request_id: str) -> int:
+        """Output tokens the request has produced here so far (0: none, or not here)."""
+        seq = self._seqs.get(request_id)
+        return seq.num_output if seq is not None else 0
+
     def not_started(self, request_id: str) -> bool:
         """The request waits in this engine's queue and has computed nothing yet (it can still move elsewhere
         at no cost but its time in the queue)."""

@@ -30,10 +30,11 @@ policies deciding what runs are the pure objects of policies/pooling:
               Placement (`turns_placement`, what a `shared_hosts` config declares): `spread` (default) gives each
               host ceil(M / N) engines by `static_placement` (every model on at least one host, spare slots as
               extra copies of the busiest, the others asleep in CPU memory); `all` puts every model on every host
-              (as `fleetgate demo --num-models` does). A request goes to the engine of its model with the fewest
-              requests in flight, ties to the host with the fewest (the gateway's least-loaded routing over the
-              engines serving the model). What runs when is each host's `HostTurns` (policies/pooling/turns.py),
-              the object the live gateway's turn driver asks, told the models with requests on the host: rounds
+              (as `fleetgate demo --num-models` does). A request goes to an engine of its model by the gateway's
+              placement step over the engines serving it (`_route`, simulator/pooled_routing.py: `ModelPlacement`,
+              least_tokens, `has_room`; every mode routes so). What runs when is each host's `HostTurns`
+              (policies/pooling/turns.py), the object the live gateway's turn driver asks, told the models with
+              requests on the host: rounds
               of time-quota turns (eq. 2-3, tbt = the TPOT target, c = the host's swap costs); a turn ends when
               its quota is spent or its engine has nothing left; a model alone with work runs on without a quota
               or a switch (a second model's request cuts the step at its next iteration and starts a round). The
@@ -42,8 +43,9 @@ policies deciding what runs are the pure objects of policies/pooling:
               leave (`swap_cost`, no prefetch: vLLM has no call for it) and
               stock vLLM drops the paused requests' KV (`EngineCore.drop_kv`): they recompute prompt and output
               so far in their next turn. That recomputation is not in eq. 2-3: a quota shorter than it starves
-              the batch (it loses its KV again before it decodes). `recompute_quota` (the gateway's default)
-              counts the estimated recomputation as switching (in c, and the turn's quota starts after it);
+              the batch (it loses its KV again before it decodes). `recompute_quota` (the gateway's rule, always
+              on there and in `fleetgate simulate`; off is the bench's stock baseline) counts the estimated
+              recomputation as switching (in c, and the turn's quota starts after it);
               `kv_kept` (simulator only) keeps the KV in host memory and copies it back before the turn
               (`kv_copy_time_s`, section 5.3 without the overlap). The simulator does the I/O the gateway's
               `TurnDriver` does (`_next_turns`, `_turn_switch`): switch, start the quota, step.
@@ -94,6 +96,7 @@ from policies.pooling.turns import HostTurns
 from policies.service_priority import SERVICE_PRIORITIES, ServiceScheduler, make_service_scheduler
 from simulator.cluster import RequestResult, SimResult
 from simulator.engine import EngineConfig, EngineCore, SimRequest
+from simulator.pooled_routing import EngineRouter
 from simulator.pooled_workload import (
     ModelMix,
     ModelRequest,
@@ -135,7 +138,7 @@ class PooledSpec:
     shared_kv: bool = False              # multiplex: models share one KV pool (SeaLLM section 4.4)
     kv_kept: bool = False                # aegaeon colocated: KV kept in host memory across turns (simulator only)
     turns_placement: str = "spread"      # aegaeon colocated: spread (static_placement) | all (every model everywhere)
-    recompute_quota: bool = False        # aegaeon colocated, KV dropped: a turn's recomputation counts as switching
+    recompute_quota: bool = False        # colocated, KV dropped: recomputation counts as switching (off: bench baseline)
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLING_MODES:
@@ -304,6 +307,7 @@ class PooledSim:
                                                if spec.service_priority is not None else None)
         self._prefetching = spec.prefetch and spec.reinit == REINIT_OPTIMIZED and not spec.colocated
         self.kv_dropped = 0
+        self.router = EngineRouter()                    # the gateway's placement step per model
         mode = spec.pooling
         if mode in ("dedicated", "multiplex"):
             self._setup_static(mode)
@@ -497,7 +501,7 @@ class PooledSim:
                 res.error = f"no host serves {r.model}"
                 self._leave(r.model, now)
                 return
-            h = min(hosts, key=lambda x: x.engines[r.model].num_running + x.engines[r.model].num_waiting)
+            h = self._by_id[self._route(r, [x.id for x in hosts], now)]
             self._add(h, r.model, self._sim_request(r, now), now)
         elif self.spec.colocated:
             self._reach_turns(r, now)
@@ -516,12 +520,12 @@ class PooledSim:
 
     # ---- request-level swapping: the gateway's planner (policies/pooling/swapping.py) over one engine per host --
     def _reach_request(self, r: ModelRequest, now: float) -> None:
-        """To an awake engine of the model taking requests (the one with the fewest in flight), else wait for a
-        swap: the model's demand joins the planner's book, FCFS, as the gateway's swap controller reports it."""
+        """To an awake engine of the model taking requests (`_route` among them), else wait for a swap: the
+        model's demand joins the planner's book, FCFS, as the gateway's swap controller reports it."""
         waiting = self._waiting.get(r.model)
         hosts = [h for h in self.hosts if h.resident_model == r.model and h.target is None and h.swap_end is None]
         if hosts and not waiting:
-            h = min(hosts, key=lambda x: x.inflight)
+            h = self._by_id[self._route(r, [x.id for x in hosts], now)]
             h.inflight += 1
             self._add(h, r.model, self._sim_request(r, now), now)
             return
@@ -670,6 +674,8 @@ class PooledSim:
         if self.spec.pooling == "request":     # the model's waiting requests drain onto its engine, in order
             h.after_swap = list(self._waiting.pop(h.resident_model, ()))
             h.inflight += len(h.after_swap)
+            for rid in h.after_swap:
+                self.router.hold(h.resident_model, h.id, self.requests[rid], now)
         pending, h.after_swap = h.after_swap, []
         for rid in pending:
             self._engine(h, h.resident_model).add(self._sim_request(self.requests[rid], now), now)
@@ -780,15 +786,18 @@ class PooledSim:
                 return
 
     # ---- colocated turns (module docstring; the gateway's `scheduling: turns`) ------------------------------
-    def _reach_turns(self, r: ModelRequest, now: float) -> None:
-        """The gateway's routing: the engine of the request's model with the fewest requests in flight, ties to the
-        least loaded host. A step in flight is cut at its next iteration (`_add`), so the keeper decides again:
-        a model that ran alone starts a round when a second one gets work."""
-        def load(h: _Host) -> tuple[int, int]:
-            eng = h.engines.get(r.model)
-            return (eng.num_running + eng.num_waiting if eng is not None else 0), sum(map(len, h.reqs.values()))
+    def _route(self, r: ModelRequest, hosts: list[str], now: float) -> str:
+        """The gateway's placement step over the engines of the request's model on `hosts` (simulator/pooled_routing.py;
+        no cap, so one is always chosen)."""
+        host = self.router.place(r.model, r, hosts, now)
+        assert host is not None, "an engine without a cap always has room"
+        return host
 
-        h = min((self._by_id[i] for i in self.placement[r.model]), key=load)
+    def _reach_turns(self, r: ModelRequest, now: float) -> None:
+        """The gateway's routing (`_route`) over the engines of the request's model, asleep or not. A step in
+        flight is cut at its next iteration (`_add`), so the keeper decides again: a model that ran alone starts
+        a round when a second one gets work."""
+        h = self._by_id[self._route(r, self.placement[r.model], now)]
         h.reqs.setdefault(r.model, set()).add(r.request_id)
         if r.model not in h.engines:
             h.engines[r.model] = EngineCore(self.profile, EngineConfig(num_gpu_blocks=h.blocks))
@@ -947,6 +956,7 @@ class PooledSim:
         res.finished, res.output_tokens, res.finish_reason = finished, n_out, reason
         h = self._host_of.pop(r.request_id)
         res.worker_id = h.id
+        self.router.finished(r.model, h.id, r.request_id, n_out if res.completed else 0, now)
         if self.sched is not None:
             self.sched.finished(r.request_id, r.prompt_tokens, n_out, now, completed=res.completed)
             for rids in h.live.values():

@@ -177,30 +177,40 @@ def test_pd_is_a_profile_of_the_same_step() -> None:
 
 
 def test_rebalancing_moves_requests_that_have_not_started_and_loses_none() -> None:
-    """Aladdin's Algorithm 2 in the simulator (SimSpec.rebalance_s): a request waiting, not started, in an
-    engine's queue may move to another worker; it then runs there, once, to completion."""
+    """The live rebalancer's rules in the simulator (SimSpec.rebalance_s; simulator/rebalance_sim.py over
+    policies/rebalance.py): a request still queued in an engine (by the scraped queue) may move, within the move
+    budget, once; it is placed again through the placement step, on another worker, and runs there, once, to
+    completion."""
+    from policies.rebalance import MAX_MOVES_PER_S
     from simulator.simulate import SimSpec, build_sim, build_workload
 
-    spec = SimSpec(trace="sharegpt", rate=8, workers=6, policy="aladdin", policy_params={"fit": "worst"},
-                   queue_lookahead=16, duration=120, seed=0, rebalance_s=0.5)
+    # engines that queue (the rebalancer reads their scraped queues): 30 req/s on four workers
+    spec = SimSpec(trace="sharegpt", rate=30, workers=4, policy="aladdin", policy_params={"fit": "worst"},
+                   queue_lookahead=16, duration=30, seed=0, rebalance_s=0.5)
     workload = build_workload(spec)
     sim = build_sim(spec, workload)
     moved: list[tuple[str, str, str]] = []
-    original = sim._move
+    looks: list[tuple[float, int]] = []
+    look = sim.rebalancer.look
 
-    def move(m, now: float) -> None:
-        before = sim.moves
-        original(m, now)
-        if sim.moves > before:
-            moved.append((m.request_id, m.src, m.dst))
+    def recorded(now: float) -> list:
+        made = look(now)
+        moved.extend((m.request_id, m.src, m.dst) for m in made)
+        looks.append((now, len(made)))
+        return made
 
-    sim._move = move
+    sim.rebalancer.look = recorded
     res = sim.run(workload)
     assert sim.moves == len(moved) > 0
+    assert len({rid for rid, _, _ in moved}) == len(moved)              # never moved twice
+    # the budget: at most MAX_MOVES_PER_S a second (a burst of that many), over any window of looks
+    for i, (t0, _) in enumerate(looks):
+        in_window = sum(n for t, n in looks[i:] if t < t0 + 10.0)
+        assert in_window <= MAX_MOVES_PER_S * 10.0 + MAX_MOVES_PER_S, (t0, in_window)
     by_id = {r.request_id: r for r in res.results}
     assert len(by_id) == len(workload)
-    for rid, src, dst in moved:
-        assert src != dst and by_id[rid].worker_id == dst and by_id[rid].completed, by_id[rid]
+    for rid, src, _ in moved:
+        assert by_id[rid].worker_id != src and by_id[rid].completed, by_id[rid]
     assert all(r.completed for r in res.results if r.finish_reason not in ("refused", "rejected_too_long"))
 
     off = SimSpec(**{**spec.__dict__, "rebalance_s": None})

@@ -8,7 +8,9 @@ from pydantic import Field, field_validator, model_validator
 
 from gateway.config.base import _deprecated_key, _Strict
 from gateway.config.priors import prior_from_mapping
-from policies.pace import EjectionSettings, PaceSettings
+from policies.pace import EJECT_AFTER_ERRORS, EjectionSettings, PaceSettings
+from policies.rebalance import INTERVAL_S as REBALANCE_INTERVAL_S
+from policies.rebalance import MAX_MOVES_PER_S, SLOW_RATIO
 
 
 class SloConfig(_Strict):
@@ -39,10 +41,10 @@ class RebalanceConfig(_Strict):
 
     enabled: bool = Field(False, description="Move queued requests between workers (off by default: see "
                                              "bench/results/rebalance.md).")
-    interval_s: float = Field(0.25, gt=0, description="How often the rebalancer looks for moves.")
-    max_moves_per_s: float = Field(4.0, gt=0, description="Budget of moves per second per model (a token "
+    interval_s: float = Field(REBALANCE_INTERVAL_S, gt=0, description="How often the rebalancer looks for moves.")
+    max_moves_per_s: float = Field(MAX_MOVES_PER_S, gt=0, description="Budget of moves per second per model (a token "
                                                           "bucket holding at most one second of moves).")
-    slow_ratio: float = Field(3.0, gt=1, description="A worker whose decode steps are measured more than this "
+    slow_ratio: float = Field(SLOW_RATIO, gt=1, description="A worker whose decode steps are measured more than this "
                                                      "many times its performance model's prediction is slow: its "
                                                      "queued requests move off it (healthy workers measured up to "
                                                      "2.2x on a loaded machine).")
@@ -140,7 +142,7 @@ class ResumeConfig(_Strict):
     suspect_hold_s: float | None = Field(None, ge=0, description=(
         "Deprecated: read as ejection_base_s (an ejected worker now stays out base x times ejected, and returns "
         "only after a probe generation succeeds)."))
-    eject_after_errors: int = Field(5, ge=0,
+    eject_after_errors: int = Field(EJECT_AFTER_ERRORS, ge=0,
                                     description="This many failed requests in a row eject a worker (0: "
                                                 "never).")
     ejection_base_s: float = Field(10.0, ge=0, description=(

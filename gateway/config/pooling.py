@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 from gateway.config.base import _Strict, check_worker_id
 from gateway.config.workers import WorkerConfig, check_worker_url
 from policies.pooling.aegaeon import Q_MAX_S
+from policies.pooling.turns import RECOMPUTE_OFF_REMOVED
 
 SharedSleepLevel = Literal[1, 2]
 
@@ -73,15 +74,22 @@ class SharedHostConfig(_Strict):
                                  description="turns: the TBT target d of eq. 2-3; default slo.tpot_ms.")
     recompute_quota: bool = Field(True,
                                   description="turns at sleep level >= 1: stock vLLM dropped the paused "
-                                              "requests' KV, so a turn first recomputes it; count that "
-                                              "estimate as switching (in eq. 3's c, and the quota starts "
-                                              "after it), else a quota shorter than the recomputation "
-                                              "decodes nothing (simulator/pooled.py `recompute_quota`).")
+                                              "requests' KV, so a turn first recomputes it; that estimate "
+                                              "counts as switching (in eq. 3's c, and the quota starts after "
+                                              "it). Always on: false (the stock rule) is refused, its turns "
+                                              "starve (bench/results/pooling.md, 2026-12-07).")
 
     @field_validator("id")
     @classmethod
     def _id_chars(cls, v: str) -> str:
         return check_worker_id(v)
+
+    @field_validator("recompute_quota")
+    @classmethod
+    def _recompute_on(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError(RECOMPUTE_OFF_REMOVED)
+        return v
 
     @field_validator("engines", mode="after")
     @classmethod

@@ -22,9 +22,10 @@ uses:
 Simulator only: with L >= 1 stock vLLM drops the paused requests' KV cache, so they recompute their context
 after the wake-up (the simulated engine does the same), whereas Aegaeon keeps the KV in host memory and copies
 it back (its section 5); the live gateway cannot move KV, only the simulator models Aegaeon's KV swap.
-Hence `recompute_quota` (default on): at L >= 1 a turn's quota starts after the learner's prefill estimate for
-the tokens in flight on its engine, and that estimate counts in c (the simulator's `recompute_quota`; with the
-stock rule a quota shorter than the recomputation decodes nothing: bench/results/pooling_seeds.md).
+Hence `recompute_quota` (always on; false is refused: its turns starve): at L >= 1 a turn's quota starts after
+the learner's prefill estimate for the tokens in flight on its engine, and that estimate counts in c (the
+simulator's `recompute_quota`; with the stock rule a quota shorter than the recomputation decodes nothing:
+bench/results/pooling_seeds.md, bench/results/pooling.md 2026-12-07).
 
 A wake-up that fails marks the engine failed for a while (out of rotation, its model left out of the work
 list); waiting requests for a model with no engine left get the OpenAI-style 503, as on request-level hosts.
@@ -218,10 +219,10 @@ class TurnDriver:
         return max(moved, self.switch_s) + self._recompute_s(b)
 
     def _recompute_s(self, model: str) -> float:
-        """With `recompute_quota`, at level >= 1: the learner's prefill estimate for the tokens in flight on the
-        model's engine (prompts and outputs so far, as the gateway accounts them: an upper estimate), the KV its
-        requests recompute after the wake-up. 0 at level 0, or without a profile to estimate from."""
-        if not self.host.recompute_quota or self._level(model) == 0:
+        """At level >= 1 (`recompute_quota`, always on): the learner's prefill estimate for the tokens in flight
+        on the model's engine (prompts and outputs so far, as the gateway accounts them: an upper estimate), the KV
+        its requests recompute after the wake-up. 0 at level 0, or without a profile to estimate from."""
+        if self._level(model) == 0:
             return 0.0
         pm = self._perf_model(model)
         f = self.ctl.store.inflight().get(self.host.worker_id(model))

@@ -36,7 +36,7 @@ from gateway.ops.metrics import GatewayMetrics
 from gateway.state.base import WORKER_ACTIVE, WORKER_DRAINING, EngineMetrics, StateStore, WorkerRecord
 from gateway.state.outage import quiet_loop, stop_task
 from gateway.wire.upstream import UpstreamPool
-from policies.pace import ejection_s, may_eject, times_ejected
+from policies.pace import ejection_s, error_streak, may_eject, times_ejected
 from policies.types import ROLE_MIXED, WorkerView
 
 log = logging.getLogger("fleetgate.registry")
@@ -267,13 +267,9 @@ class Registry:
         ws = self.workers.get(worker_id)
         if ws is None:
             return
-        if ok:
-            ws.errors_in_row = 0
-            return
-        ws.errors_in_row += 1
         limit = self.config.resume.eject_after_errors
-        if limit and ws.errors_in_row >= limit:
-            ws.errors_in_row = 0
+        ws.errors_in_row, eject = error_streak(ws.errors_in_row, ok, limit)
+        if eject:
             self._hold_out(worker_id, f"{limit} requests in a row failed", False)
 
     def _hold_out(self, worker_id: str, why: str, suspected: bool) -> None:

@@ -50,6 +50,7 @@ from gateway.wire.results import RelayResult, UpstreamFailure
 from gateway.wire.resume import StreamResume, continuation_body, resumable, text_tokenize_body, tokenize_body
 from policies.fallbacks import CONTEXT_WINDOW, NO_WORKER, failure_reason, fallback_targets, refusal_reason
 from policies.placement import TOO_LONG, context_limit, has_room, reserved_tokens, too_long_message
+from policies.rebalance import move_exclusions
 from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, RequestFeatures, WorkerView
 
 if TYPE_CHECKING:
@@ -421,12 +422,11 @@ class Attempts:
     async def _place_again(self, ctx: RequestContext, reason: str) -> bool:
         if self._all_tried(ctx):   # waiting would not help: the next step (a fallback model) may
             return False
-        if reason == MOVE and ctx.moved_to is not None:   # the destination rebalancing proposed, if it still fits
-            others = [ws.id for ws in self.registry.candidates(ctx.rt.model) if ws.id != ctx.moved_to]
-            if await self._place(ctx, others):
+        # a move: the destination rebalancing proposed, if it still fits, then any other (policies/rebalance.py)
+        dst = ctx.moved_to if reason == MOVE else None
+        for exclude in move_exclusions(dst, (ws.id for ws in self.registry.candidates(ctx.rt.model)), ctx.tried):
+            if await self._place(ctx, exclude):
                 return True
-        if await self._place(ctx, ctx.tried):
-            return True
         # Nobody else can take it now (the others at their caps, or the policy would queue it): it waits in the
         # admission queue as a new request would, within its own queue budget, rather than failing.
         try:

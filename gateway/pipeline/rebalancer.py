@@ -26,15 +26,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.state.outage import quiet_loop, stop_task
-from policies.aladdin.rebalancing import MoveBudget, observed_ratio, still_queued
-from policies.types import ROLE_MIXED, RequestFeatures, WorkerView
+from policies.aladdin.rebalancing import MoveBudget
+from policies.rebalance import LegSeen, budget_for, propose_moves, queued_legs, step_ratio
+from policies.types import ROLE_MIXED, WorkerView
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -157,7 +158,7 @@ class Rebalancer:
         by_id = {v.id: v for v in views}
         samples: dict[str, list[tuple[float, int]]] = {}
         decoding: dict[str, list[int]] = {}
-        waiting: dict[str, list[_Leg]] = {}
+        seen: list[LegSeen] = []
         for leg in legs.values():
             n = leg.ctx.state.tokens
             if n > 0:
@@ -166,42 +167,29 @@ class Rebalancer:
                 if n != leg.seen:
                     leg.seen, leg.seen_at = n, now
                 decoding.setdefault(leg.worker, []).append(leg.ctx.feats.prompt_tokens + n)
-            else:
-                if not leg.ctx.stream:   # its answer comes whole: it may be decoding, its context a guess
-                    decoding.setdefault(leg.worker, []).append(leg.ctx.feats.prompt_tokens)
-                if leg.movable and not leg.task.done() and leg.move_to is None:
-                    waiting.setdefault(leg.worker, []).append(leg)
+            elif not leg.ctx.stream:   # its answer comes whole: it may be decoding, its context a guess
+                decoding.setdefault(leg.worker, []).append(leg.ctx.feats.prompt_tokens)
+            seen.append(LegSeen(leg.ctx.feats.request_id, leg.worker, leg.ctx.feats, n, leg.sent,
+                                leg.movable and not leg.task.done() and leg.move_to is None))
+        queued = queued_legs(seen, {v.id: v.waiting for v in views})
         ratios: dict[str, float] = {}
-        for wid in {*samples, *waiting}:
+        for wid in {*samples, *(leg.worker for leg in seen if leg.tokens == 0 and leg.movable)}:
             v = by_id.get(wid)
             pm = self.d.learner.model_for(v.profile) if v is not None and v.profile else None
             if pm is None:
                 continue
-            ctxs = decoding.get(wid) or [0]
-            step = pm.decode_step(max(len(ctxs), v.running), sum(ctxs) / len(ctxs))
-            r = observed_ratio(samples[wid], step) if wid in samples else self._scraped_ratio(wid, v.running, step)
+            r = (step_ratio(samples[wid], decoding.get(wid, ()), v.running, pm) if wid in samples
+                 else self._scraped_ratio(wid, v.running, pm, decoding.get(wid, ())))
             if r is not None:
                 ratios[wid] = r
-        queued: dict[str, tuple[str, RequestFeatures]] = {}
-        for wid, ws in waiting.items():
-            v = by_id.get(wid)
-            if v is None:
-                continue
-            ws.sort(key=lambda leg: leg.sent)
-            for rid in still_queued([leg.ctx.feats.request_id for leg in ws], v.waiting):
-                queued[rid] = (wid, legs[rid].ctx.feats)
-        log.debug("model %s: step ratios %s; %d legs without a token, %d still queued", model,
-                  {w: round(r, 2) for w, r in ratios.items()}, sum(len(v) for v in waiting.values()), len(queued))
-        if not queued:
-            return
+        log.debug("model %s: step ratios %s; %d still queued", model, {w: round(r, 2) for w, r in ratios.items()},
+                  len(queued))
         budget = self.budgets.get(model)
         if budget is None:
-            budget = self.budgets[model] = MoveBudget(cfg.max_moves_per_s, max(1.0, cfg.max_moves_per_s))
-        allowed = budget.available(now)
-        if allowed <= 0:
+            budget = self.budgets[model] = budget_for(cfg.max_moves_per_s)
+        moves = propose_moves(rt.placement, queued, views, time.time(), ratios, cfg.slow_ratio, budget, now)
+        if not moves:
             return
-        moves = rt.placement.rebalance(queued, views, time.time(), observed=ratios, bound=cfg.slow_ratio,
-                                       max_moves=allowed)
         made = 0
         for m in moves:
             leg = legs.get(m.request_id)
@@ -218,7 +206,7 @@ class Rebalancer:
                 leg.move_to = None
         budget.spend(made)
 
-    def _scraped_ratio(self, wid: str, running: int, step_s: float) -> float | None:
+    def _scraped_ratio(self, wid: str, running: int, pm: Any, contexts: Sequence[int]) -> float | None:
         """Observed over predicted decode step of a worker from its scraped engine counters: the seconds between
         two scrapes times its running sequences over the output tokens generated meanwhile (None: no new
         scrape with tokens yet; the last ratio until the next one)."""
@@ -231,7 +219,8 @@ class Rebalancer:
             return prev[2]
         ratio = None
         if prev is not None and running > 0 and m.generation_tokens - prev[1] >= running:
-            ratio = observed_ratio([((m.scraped_at - prev[0]) * running, int(m.generation_tokens - prev[1]))], step_s)
+            ratio = step_ratio([((m.scraped_at - prev[0]) * running, int(m.generation_tokens - prev[1]))], contexts,
+                               running, pm)
         self._scraped[wid] = (m.scraped_at, m.generation_tokens, ratio)
         return ratio
 

@@ -36,6 +36,14 @@ from policies.pooling.aegaeon import Q_MAX_S, DecodeBatch, DecodeWorkLists, Roun
 
 PAUSED, REFUSED, LOST = "paused", "refused", "lost"   # how a pause ended: the next may wake / may not / may
 
+# Why the stock rule (eq. 2-3's quota with the switch alone in c) is refused over engines that drop the KV on
+# sleep: the gateway's `shared_hosts[].recompute_quota: false` and `fleetgate simulate --no-recompute-quota` say it.
+RECOMPUTE_OFF_REMOVED = (
+    "recompute_quota false is not supported: stock vLLM drops a sleeping engine's KV, so a turn first "
+    "recomputes it; a quota that does not count that recomputation can end before a token is decoded, and the "
+    "turns starve as workers are added (16 Zipf models at 2 req/s: 17% of requests within their SLOs at 4 "
+    "workers, 9% at 7; bench/results/pooling.md). The recomputation always counts as switching now: drop the key")
+
 
 def pause_outcome(status: int | None, asleep: bool | None) -> str:
     """How a pause ended, from its HTTP status (None: no answer within its timeout) and, when it had none, the
