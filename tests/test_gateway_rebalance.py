@@ -199,7 +199,9 @@ async def test_a_non_streaming_request_queued_on_a_slowed_worker_moves_too(sim_f
     off = await _run_unary(sim_fleet, rebalance=False)
     on = await _run_unary(sim_fleet, rebalance=True)
     assert on.long_ok and off.long_ok
-    assert metric(on.metrics, "fleetgate_rebalance_moves_total", {"model": MODEL}) == 1, on.finished
+    # at least one move (on a loaded machine the short request may be moved once more, within the move budget, from
+    # a worker whose scraped steps looked slow too); what moved is pinned down by the engines' counts below
+    assert metric(on.metrics, "fleetgate_rebalance_moves_total", {"model": MODEL}) >= 1, on.finished
     assert on.ttft_s < off.ttft_s / 2, (on.ttft_s, off.ttft_s)
     # the long ones stayed and completed on w0; the short one was aborted there and completed elsewhere, whole
     assert on.finished[0] == {"stop": 0, "length": 2, "abort": 1}, on.finished
