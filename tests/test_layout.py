@@ -1,4 +1,4 @@
-"""gateway/'s layout (docs/design.md, "Where things live"; made by scripts/relayout.py): subpackages in layers
+"""gateway/'s layout (docs/design.md, "Where things live"): subpackages in layers
 that import one way, few modules at the top level, no long modules.
 
 - A module imports only from its own layer and the layers below it (`LAYERS`, lowest first), at run time or
