@@ -20,16 +20,16 @@ FleetgateHandler.emit_access (gateway/ops/logs.py:127) 4
 def test_samples_go_to_the_innermost_known_part() -> None:
     shares, total = group_samples(RAW)
     assert total == 20
-    assert shares["dispatch pipeline (gateway/pipeline/dispatch.py, app.py, resume.py)"] == 5 / 20
+    assert shares["dispatch pipeline (gateway/pipeline/: dispatch, attempts, legs; app.py, wire/resume.py)"] == 5 / 20
     assert shares["Redis client (redis-py)"] == 3 / 20        # inside the store's call: redis-py's own frames
     assert shares["Redis socket writes and reads (asyncio streams: only redis-py uses them here)"] == 2 / 20
     assert shares["event loop, transports, tasks (asyncio, uvloop: C code shows as its caller)"] == 6 / 20
-    assert shares["access log, observe (gateway/access_log, logs, observe)"] == 4 / 20
+    assert shares["access log, observe (gateway/ops/: access_log, logs, observe, tracing)"] == 4 / 20
     assert abs(sum(shares.values()) - 1.0) < 1e-9
 
 
 def test_the_table_turns_shares_into_microseconds() -> None:
     shares, total = group_samples(RAW)
     text = table([PhaseProfile("in-memory, non-streaming", 100, 1000.0, 0.2, shares, total)])
-    assert "| dispatch pipeline (gateway/pipeline/dispatch.py, app.py, resume.py) | 25.0% / 50 |" in text
+    assert "| dispatch pipeline (gateway/pipeline/: dispatch, attempts, legs; app.py, wire/resume.py) | 25.0% / 50 |" in text
     assert "**0.200**" in text
