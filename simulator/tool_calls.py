@@ -44,7 +44,8 @@ def _argument(tool: dict[str, Any]) -> str:
     if not isinstance(params, dict):
         return "text"
     props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-    for key in params.get("required") or ():
+    required = params.get("required")
+    for key in required if isinstance(required, list) else ():
         if isinstance(key, str) and key in props:
             return key
     return next(iter(props), "text")
@@ -58,7 +59,8 @@ def tool_call_for(body: dict[str, Any]) -> ToolCall | None:
         return None
     by_name = {t["function"].get("name"): t for t in tools}
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
         tool = by_name.get(name)
         return ToolCall(name, _argument(tool)) if tool is not None else None
     if choice != "required":

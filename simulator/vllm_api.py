@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import parse_qs
 
 import orjson
@@ -145,6 +145,10 @@ class ChatRequest(_GenRequest):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # typed as vLLM's ChatCompletionRequest types them (a list of tool objects; a mode or a named function): any
+    # other shape is its 400, not a crash of the simulated model
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -454,7 +458,7 @@ class SimServer:
         if tp is not None:  # vLLM continues the caller's trace with it (--otlp-traces-endpoint); kept for /sim/state
             self.traceparents.append(tp.decode("latin-1"))
         plan = self._plan(req, headers, chat)
-        if chat and (req.model_extra or {}).get("tools") and (call := tool_call_for(orjson.loads(body))):
+        if chat and req.tools and (call := tool_call_for(orjson.loads(body))):
             send = ToolCallSend(send, call)   # the answer as a function call (simulator/tool_calls.py)
         self._counter += 1
         handle = self.driver.submit(
