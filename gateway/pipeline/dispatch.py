@@ -60,7 +60,7 @@ from gateway.wire import errors
 from gateway.wire.errors import GatewayError, sse_error_event
 from gateway.wire.forwarding import ForwardedFor
 from gateway.wire.results import RelayResult, ResponseState
-from gateway.wire.translated import front_of
+from gateway.wire.translated import BodyTooLarge, front_of, read_body
 from policies.admission import AdmissionQueue
 from policies.base import make_policy
 from policies.placement import ModelPlacement
@@ -262,27 +262,13 @@ class Dispatcher:
     async def _read_body(self, receive, content_length: int | None) -> bytes:  # noqa: ANN001
         if content_length is not None and content_length > self.max_body:
             raise errors.body_too_large(self.max_body)
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
+        try:
+            body = await read_body(receive, self.max_body)
+        except BodyTooLarge:
+            raise errors.body_too_large(self.max_body) from None
+        if body is None:
             raise ClientGone
-        body = msg.get("body", b"")
-        if not msg.get("more_body"):
-            if len(body) > self.max_body:
-                raise errors.body_too_large(self.max_body)
-            return body
-        parts = [body]
-        size = len(body)
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise ClientGone
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                raise errors.body_too_large(self.max_body)
-            parts.append(chunk)
-            if not msg.get("more_body"):
-                return b"".join(parts)
+        return body
 
     def _resolve_model(self, req: ParsedRequest) -> tuple[str, bool]:
         model = req.model

@@ -80,19 +80,21 @@ class BodyTooLarge(ValueError):
 
 
 async def read_body(receive: Receive, limit: int | None = None) -> bytes | None:
-    """The client's whole request body (a front door reads it to translate it); None when the client disconnected
-    first; `BodyTooLarge` past `limit` bytes."""
-    body = bytearray()
-    more = True
-    while more:
+    """The client's whole request body (the chat pipeline reads it, a front door to translate it); None when the
+    client disconnected first; `BodyTooLarge` past `limit` bytes. A body in one message is returned as it came."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             return None
-        body += msg.get("body", b"")
-        if limit is not None and len(body) > limit:
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
             raise BodyTooLarge(limit)
-        more = msg.get("more_body", False)
-    return bytes(body)
+        if not msg.get("more_body"):
+            return b"".join((*parts, chunk)) if parts else chunk
+        parts.append(chunk)
 
 
 def body_receive(body: bytes, receive: Receive) -> Receive:
