@@ -21,7 +21,7 @@ which the gateway feeds from text chunks and the simulator from token blocks, ne
 
 Observed on the gateway side as a user of its extension points sees it: a request hook (gateway/request/hooks.py)
 hears each decode placement (the first, and the one after a failure) with the prefill worker planned; the
-workers' own /metrics say which worker computed the prompt (a prefill worker, or the decode worker itself).
+prefill workers' own /metrics say which of them computed the prompt (none: the decode worker prefilled it).
 
 Compared, request by request: the first decode worker and prefill worker planned, the decode worker that
 served it, the worker that prefilled it (or its refusal, 429, or failure, 500); and the re-placements:
@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from policies.pace import EJECT_AFTER_ERRORS
@@ -119,6 +120,7 @@ async def gateway_run(urls: list[str]) -> dict[str, Any]:
     workers = [{"id": w, "url": u, "profile": PROFILE, "cap": CAP, "role": "prefill" if w in PREFILL else "decode"}
                for w, u in zip(ids, urls, strict=True)]
     by_id = dict(zip(ids, urls, strict=True))
+    prefill_urls = {w: by_id[w] for w in PREFILL}
     out: list[tuple] = []
     prefilled: list[str | None] = []
     arrivals: list[float] = []
@@ -149,7 +151,7 @@ async def gateway_run(urls: list[str]) -> dict[str, Any]:
                         assert r.status_code == 200, r.text
                         lost[w] = time.time() - t0
                 await poll(lambda: _scraped_agrees(gw), timeout=20, what="the scraped engines agree")
-                before, prompts = _held(gw), await _prompt_tokens(http, by_id)
+                before, prompts = _held(gw), await _prompt_tokens(http, prefill_urls)
                 body = {"model": MODEL, "messages": messages(i), "max_tokens": MAX_TOKENS, "stream": True}
                 req = http.build_request("POST", gw.url + "/v1/chat/completions", json=body,
                                          headers={"x-sim-output-tokens": str(MAX_TOKENS), "x-request-id": f"r{i}"})
@@ -170,11 +172,10 @@ async def gateway_run(urls: list[str]) -> dict[str, Any]:
                     assert len(grew) == 1, (i, before, after)
                     out.append((grew[0],))
                     open_.append(_Stream(i, grew[0], resp, asyncio.create_task(_drain(lines))))
-                    now = await _prompt_tokens(http, by_id)
-                    computed = [w for w in ids if now[w] > prompts[w]]
-                    by_prefill = [w for w in computed if w in PREFILL]   # a decode worker that failed after the
-                    assert computed and len(by_prefill) <= 1, (i, computed)   # prefill leg: two computed it
-                    prefilled.append(by_prefill[0] if by_prefill else None)
+                    now = await _prompt_tokens(http, prefill_urls)
+                    computed = [w for w in PREFILL if now[w] > prompts[w]]
+                    assert len(computed) <= 1, (i, computed)
+                    prefilled.append(computed[0] if computed else None)   # None: its decode worker prefilled it
                 for s in open_[:CLOSES[i]]:
                     await close(s)
         finally:
@@ -235,6 +236,7 @@ def _gateway_replacements(run: dict[str, Any]) -> tuple[list, list, dict[str, tu
     return decode, prefill, first
 
 
+@pytest.mark.timeout(400)   # ~50 s alone; each request waits for its prefill leg, slower on a loaded machine
 async def test_p_d_legs_are_placed_again_alike_when_a_decode_and_a_prefill_worker_are_lost(sim_fleet) -> None:  # noqa: ANN001
     servers = [{"model": MODEL, "role": "kv_producer"}] * len(PREFILL) + \
         [{"model": MODEL, "role": "kv_consumer"}] * len(DECODE)
