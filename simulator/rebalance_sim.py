@@ -57,7 +57,7 @@ class SimRebalancer:
 
     def look(self, now: float, observed: Mapping[str, float] | None = None) -> list[Move]:
         """One look: the moves made. `observed`: step ratios to judge (worker -> observed over predicted step)
-        instead of measuring them, as the gateway's `Rebalancer.tick` takes them (a harness driving both sides
+        for the workers it names, instead of measuring them, as the gateway's `Rebalancer.tick` takes them (a harness driving both sides
         with the same observations: tests/test_pipeline_parity_moves.py)."""
         sim = self.sim
         views = [sim._view(w, now) for w in sim.workers.values() if not w.draining and w.role == ROLE_MIXED]

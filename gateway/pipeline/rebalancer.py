@@ -147,7 +147,7 @@ class Rebalancer:
         is `time.perf_counter()` and each worker's step ratio is measured. A harness that drives this side and
         the simulator's (simulator/rebalance_sim.py) with the same observations passes both: `now` on the
         perf_counter clock (the move budget's clock and the legs' token timestamps), `observed` the step ratios
-        to judge (worker -> observed over predicted step) instead of measuring them
+        to judge (worker -> observed over predicted step) for the workers it names, instead of measuring them
         (tests/test_pipeline_parity_moves.py)."""
         at = time.perf_counter() if now is None else now
         made: list[Move] = []
