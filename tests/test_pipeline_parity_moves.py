@@ -32,6 +32,12 @@ What each side observes, and how the comparison is made honest:
 
 Compared: each request's first worker (or its refusal, 429), and every look's moves: (request, from, proposed
 destination, where it landed).
+
+The policy is least_tokens (the default), whose rebalancing is the move off slow workers. Not compared: aladdin's
+Algorithm 2. Its ledger advances each request's predicted progress with the policies' clock (wall time live,
+virtual time simulated), so even its placements part in this harness after about 20 requests (tried with the
+same SLOs and the same performance models on both sides), before any move; the moves it proposes are covered by
+the rule's own tests (tests/test_policies_aladdin.py, tests/test_pipeline_core.py).
 """
 
 from __future__ import annotations
