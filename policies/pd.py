@@ -217,6 +217,13 @@ class PdPolicy(Policy):
     def prefill_model_for(self, profile: str) -> PerfModel:
         return self._prefill_models.get(profile, self._default_prefill)
 
+    def set_perf_model(self, profile: str, model: PerfModel | Mapping[str, Any]) -> None:
+        """A profile's current performance model (the gateway's learner pushes each fit, starting from the
+        profile's prior): its prefill times. The decode policy hears its own models. Without it the gateway's
+        prefill estimates used a default model while the simulator's used the profile's, so the two could
+        choose prefill workers and overflow to local prefill differently."""
+        self._prefill_models[profile] = _as_model(model)
+
     def _best_cached(self, request: RequestFeatures, pool: Sequence[WorkerView]) -> tuple[WorkerView | None, int]:
         """The decode-capable worker most likely to cache the prompt's head, under a load guard, and how
         many prompt tokens it caches (estimated: matched prefix chunks x tokens per chunk)."""

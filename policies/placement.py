@@ -47,18 +47,27 @@ def has_room(inflight: int, cap: int | None) -> bool:
 def _off_slow_workers(queued: Mapping[str, tuple[str, RequestFeatures]], views: Sequence[WorkerView],
                       slow: set[str], max_moves: int | None) -> list[Move]:
     """A policy without Algorithm 2: the requests queued on slow workers, in order, each to the least loaded
-    worker that is not slow (counting the moves already proposed)."""
+    worker that is not slow and has room under its cap (counting the moves already proposed). No such worker:
+    the request stays where it is queued, since a move nobody can take would turn a slow answer into a refusal
+    (found by tests/test_pipeline_parity_moves.py, where such moves were refused on both sides alike)."""
     if not slow:
         return []
     load = {v.id: v.load for v in views if v.id not in slow}
+    held = {v.id: v.inflight for v in views}
+    caps = {v.id: v.cap for v in views}
     moves: list[Move] = []
     for rid, (src, _) in queued.items():
-        if not load or (max_moves is not None and len(moves) >= max_moves):
+        if max_moves is not None and len(moves) >= max_moves:
             break
-        if src in slow:
-            dst = min(load, key=load.__getitem__)
-            load[dst] += 1
-            moves.append(Move(rid, src, dst))
+        if src not in slow:
+            continue
+        room = [w for w in load if has_room(held[w], caps[w])]
+        if not room:
+            break
+        dst = min(room, key=load.__getitem__)
+        load[dst] += 1
+        held[dst] += 1
+        moves.append(Move(rid, src, dst))
     return moves
 
 

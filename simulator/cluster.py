@@ -498,7 +498,7 @@ class ClusterSim:
             raise RuntimeError(f"policy {self.policy_name} chose {wid!r}, which is not a candidate")
         if decision.prefill_worker_id is not None or self.placement.pd is not None:
             self.results[r.request_id].pd_decision = decision.reason
-        self.placement.dispatched(feats, decision, now)
+        pd = self.placement.dispatched(feats, decision, now)
         self._decisions[r.request_id] = decision
         if decision.prefill_worker_id is not None:
             self._dispatch_pd(r, feats, w, decision.prefill_worker_id, now)
@@ -509,11 +509,16 @@ class ClusterSim:
         for hook in self.on_dispatch:
             hook(self, r, wid, now)
         self._pending[r.request_id] = (r, feats)
-        if self.faults is not None and self.faults.fails(self, w, r, feats, now):
+        if self.faults is not None and self.faults.fails(self, w, r, feats, now, pd):
             return None     # the worker answered 5xx at once: simulator/worker_faults.py placed it again
-        heapq.heappush(self._heap, (now + w.profile.pre_engine_delay(w.engine.num_running), next(self._seq), _ADD,
-                                     (wid, r.request_id)))
+        self._send(w, r.request_id, now)
         return None
+
+    def _send(self, w: SimWorker, rid: str, now: float) -> None:
+        """The request (a plain one, or a P/D request prefilled by its decode worker) reaches w's engine after
+        the API overhead."""
+        heapq.heappush(self._heap, (now + w.profile.pre_engine_delay(w.engine.num_running), next(self._seq), _ADD,
+                                     (w.id, rid)))
 
     def _reject(self, r: WorkloadRequest, reason: str, status: int, error: str, now: float) -> None:
         """The request is answered with an error and never reaches an engine (a 400 or a 429)."""
@@ -687,6 +692,13 @@ class ClusterSim:
         for hook in self.on_dispatch:
             hook(self, r, wd.id, now)
         self._pending[r.request_id] = (r, feats)
+        if self.faults is not None:   # a failing prefill worker: another one, or the decode worker prefills
+            wp = self.faults.prefill_leg(self, r, feats, wp, now)
+            if wp is None:
+                res.prefill_worker_id = None
+                self._send(wd, r.request_id, now)
+                return True
+            res.prefill_worker_id = wp.id
         leg = _PdLeg(r.request_id, r.request_id + "#prefill", wp, wd)
         self._pd_legs[leg.prefill_id] = leg
         self._pd_legs[leg.request_id] = leg
@@ -732,6 +744,8 @@ class ClusterSim:
         return False
 
     def _pd_add_decode(self, leg: _PdLeg, now: float, kv_ready_at: float) -> None:
+        if self.faults is not None and self.faults.decode_leg_fails(self, leg, now):
+            return      # its decode worker failed it: simulator/worker_faults.py placed the leg again
         r, _ = self._pending[leg.request_id]
         wd = leg.decode
         max_tokens = r.max_tokens or max(1, wd.engine.max_model_len - r.prompt_tokens)

@@ -13,6 +13,7 @@ attempt loop does (`Attempts.place_again`, MOVE); with no worker free it waits i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from policies.perf_model import PerfModel
@@ -54,8 +55,10 @@ class SimRebalancer:
             pm = self._models[prof.name] = PerfModel.from_step_profile(prof)
         return pm
 
-    def look(self, now: float) -> list[Move]:
-        """One look: the moves made."""
+    def look(self, now: float, observed: Mapping[str, float] | None = None) -> list[Move]:
+        """One look: the moves made. `observed`: step ratios to judge (worker -> observed over predicted step)
+        for the workers it names, instead of measuring them, as the gateway's `Rebalancer.tick` takes them (a harness driving both sides
+        with the same observations: tests/test_pipeline_parity_moves.py)."""
         sim = self.sim
         views = [sim._view(w, now) for w in sim.workers.values() if not w.draining and w.role == ROLE_MIXED]
         by_id = {v.id: v for v in views}
@@ -79,8 +82,8 @@ class SimRebalancer:
                                 rid not in sim._pd_legs and rid not in self.moved))
         self._seen = seen
         queued = queued_legs(legs, {v.id: v.waiting for v in views})
-        ratios: dict[str, float] = {}
-        for wid in {*samples, *(leg.worker for leg in legs if leg.tokens == 0 and leg.movable)}:
+        ratios: dict[str, float] = dict(observed) if observed is not None else {}
+        for wid in {*samples, *(leg.worker for leg in legs if leg.tokens == 0 and leg.movable)} - ratios.keys():
             if wid in samples:
                 r = step_ratio(samples[wid], decoding.get(wid, ()), by_id[wid].running, self._perf_model(sim, wid))
                 if r is not None:

@@ -24,10 +24,9 @@ Why each decision is deterministic, and what is left out:
   the requests it holds there, and the simulator reads its engines exactly (scrape interval 0).
 - nothing completes, so the output-length predictor keeps its prior on both sides and no performance model is
   refitted; the learning loop's progress reports are off (its interval beyond the run).
-- moves and P/D re-placements are not in this stream: moves need a worker measured slow, which depends on
-  wall-clock step times (tests/test_gateway_rebalance.py checks the live side, tests/test_pipeline_core.py the
-  simulated one, both over policies/rebalance.py); the simulator's failing workers serve plain placements only,
-  so there is no P/D leg to re-place.
+- moves and P/D re-placements are compared by their own streams: tests/test_pipeline_parity_moves.py (the
+  rebalancer's observations given to both sides alike, since measured step times run on different clocks) and
+  tests/test_pipeline_parity_pd.py (a decode and a prefill worker lost).
 - w2's health checks keep passing (only its generations fail), so only outlier ejection takes it out, after a
   count of failures, not after a time; the retries are compared through the placements they lead to.
 """

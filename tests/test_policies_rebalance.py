@@ -37,6 +37,20 @@ def test_moves_stay_within_the_budget_and_the_moved_request_prefers_its_destinat
     assert move_exclusions(None, ["w0", "w1"], ("w0",)) == [("w0",)]
 
 
+def test_a_request_queued_on_a_slow_worker_moves_only_to_a_worker_with_room() -> None:
+    """Off slow workers (a policy without Algorithm 2): a destination at its cap cannot take the request, which
+    would then be refused where it could have waited; the moves proposed count toward the caps."""
+    placement = ModelPlacement(LeastRequests())
+    queued = {f"r{i}": ("w0", RequestFeatures(f"r{i}", "m", 100)) for i in range(4)}
+    full = [WorkerView("w0", inflight=6, cap=6), WorkerView("w1", inflight=6, cap=6),
+            WorkerView("w2", inflight=6, cap=6)]
+    assert propose_moves(placement, queued, full, 0.0, {"w0": 10.0}, 3.0, budget_for(10.0), 0.0) == []
+    one_free = [WorkerView("w0", inflight=6, cap=6), WorkerView("w1", inflight=5, cap=6),
+                WorkerView("w2", inflight=6, cap=6)]
+    moves = propose_moves(placement, queued, one_free, 0.0, {"w0": 10.0}, 3.0, budget_for(10.0), 0.0)
+    assert [(m.request_id, m.dst) for m in moves] == [("r0", "w1")]
+
+
 def test_step_ratio_is_observed_over_the_perf_models_decode_step() -> None:
     pm = PerfModel.from_step_profile(load_profile("llama3-8b-h100"))
     step = pm.decode_step(2, 1000.0)

@@ -225,180 +225,210 @@ def _short(v: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-# --- routes ---------------------------------------------------------------------------------------
+# --- routes: one handler per route, registered by `batch_router` ------------------------------------
 def owned(doc: dict[str, Any] | None, tenant: Tenant) -> dict[str, Any] | None:
     """The document if `tenant` made it (other keys: as if it did not exist)."""
     return doc if doc is not None and doc.get("_fg_owner", "") == tenant.id else None
 
 
-def batch_router() -> APIRouter:
-    r = APIRouter(prefix="/v1")
+def _caller(request: Request) -> tuple[Gateway, Tenant]:
+    """The gateway and the key calling it; 404 for every route when the Batch API is off."""
+    gw = request.app.state.gateway
+    tenant = gw.auth.authenticate(request.headers.get("authorization"))
+    if not gw.config.batch.enabled:
+        raise GatewayError(404, "The Batch API is disabled on this gateway (batch.enabled: false).",
+                           "invalid_request_error", None, "batch_disabled")
+    return gw, tenant
 
-    def caller(request: Request) -> tuple[Gateway, Tenant]:
-        gw = request.app.state.gateway
-        tenant = gw.auth.authenticate(request.headers.get("authorization"))
-        if not gw.config.batch.enabled:
-            raise GatewayError(404, "The Batch API is disabled on this gateway (batch.enabled: false).",
-                               "invalid_request_error", None, "batch_disabled")
-        return gw, tenant
 
-    async def own_file(gw: Gateway, tenant: Tenant, file_id: str, param: str = "file_id") -> dict[str, Any]:
-        meta = owned(await gw.store.get_file(file_id), tenant) if _ID_RE.match(file_id) else None
-        if meta is None:
-            raise _not_found("file", file_id, param)
-        return meta
+async def _own_file(gw: Gateway, tenant: Tenant, file_id: str, param: str = "file_id") -> dict[str, Any]:
+    meta = owned(await gw.store.get_file(file_id), tenant) if _ID_RE.match(file_id) else None
+    if meta is None:
+        raise _not_found("file", file_id, param)
+    return meta
 
-    async def own_batch(gw: Gateway, tenant: Tenant, batch_id: str) -> dict[str, Any]:
-        doc = owned(await gw.store.get_batch(batch_id), tenant) if _ID_RE.match(batch_id) else None
-        if doc is None:
-            raise _not_found("batch", batch_id, "batch_id")
-        return doc
 
-    @r.post("/files")
-    @_store_errors
-    async def create_file(request: Request) -> JSONResponse:
-        gw, tenant = caller(request)
-        cfg = gw.config.batch
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > cfg.max_file_bytes + 65_536:
-            raise errors.body_too_large(cfg.max_file_bytes)
-        used = sum(m.get("bytes", 0) for m in await gw.store.list_files() if owned(m, tenant))
-        room = cfg.storage_per_key_bytes - used
-        if room <= 0:
-            raise _quota_error(cfg.storage_per_key_bytes, used)
-        limit = min(cfg.max_file_bytes, room)
-        too_large = (errors.body_too_large(limit) if limit == cfg.max_file_bytes
-                     else _quota_error(cfg.storage_per_key_bytes, used))
-        file_id = new_id("file-")
-        writer = await gw.store.open_upload(file_id)
-        got = await receive_upload(request.stream(), request.headers.get("content-type", ""), writer, limit,
-                                   too_large)
-        try:
-            purpose = got.fields.get("purpose", "")
-            if purpose != PURPOSE_BATCH:
-                raise errors.bad_request(f"`purpose` must be 'batch' (the only purpose this gateway stores), got "
-                                         f"{_short(purpose)}.", "purpose")
-            ttl = parse_expires_after(got.fields.get("expires_after[anchor]"),
-                                      got.fields.get("expires_after[seconds]"), "expires_after")
-            now = int(time.time())
-            meta = file_object(file_id, got.size, got.filename or "upload.jsonl", purpose, now,
-                               now + int(ttl if ttl is not None else cfg.file_ttl_s), tenant.id)
-            await writer.commit(meta)
-        except BaseException:
-            await writer.abort()
-            raise
-        return JSONResponse(public(meta))
+async def _own_batch(gw: Gateway, tenant: Tenant, batch_id: str) -> dict[str, Any]:
+    doc = owned(await gw.store.get_batch(batch_id), tenant) if _ID_RE.match(batch_id) else None
+    if doc is None:
+        raise _not_found("batch", batch_id, "batch_id")
+    return doc
 
-    @r.get("/files")
-    @_store_errors
-    async def list_files(request: Request) -> JSONResponse:
-        gw, tenant = caller(request)
-        files = [public(m) for m in await gw.store.list_files() if owned(m, tenant)]
-        return JSONResponse({"object": "list", "data": files, "has_more": False})
 
-    @r.get("/files/{file_id}")
-    @_store_errors
-    async def get_file(file_id: str, request: Request) -> JSONResponse:
-        gw, tenant = caller(request)
-        return JSONResponse(public(await own_file(gw, tenant, file_id)))
+# --- files -------------------------------------------------------------------------------------------
+@_store_errors
+async def create_file(request: Request) -> JSONResponse:
+    """POST /v1/files: the upload streamed into the store within the key's quota (module docstring)."""
+    gw, tenant = _caller(request)
+    cfg = gw.config.batch
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cfg.max_file_bytes + 65_536:
+        raise errors.body_too_large(cfg.max_file_bytes)
+    used = sum(m.get("bytes", 0) for m in await gw.store.list_files() if owned(m, tenant))
+    room = cfg.storage_per_key_bytes - used
+    if room <= 0:
+        raise _quota_error(cfg.storage_per_key_bytes, used)
+    limit = min(cfg.max_file_bytes, room)
+    too_large = (errors.body_too_large(limit) if limit == cfg.max_file_bytes
+                 else _quota_error(cfg.storage_per_key_bytes, used))
+    file_id = new_id("file-")
+    writer = await gw.store.open_upload(file_id)
+    got = await receive_upload(request.stream(), request.headers.get("content-type", ""), writer, limit,
+                               too_large)
+    try:
+        purpose = got.fields.get("purpose", "")
+        if purpose != PURPOSE_BATCH:
+            raise errors.bad_request(f"`purpose` must be 'batch' (the only purpose this gateway stores), got "
+                                     f"{_short(purpose)}.", "purpose")
+        ttl = parse_expires_after(got.fields.get("expires_after[anchor]"),
+                                  got.fields.get("expires_after[seconds]"), "expires_after")
+        now = int(time.time())
+        meta = file_object(file_id, got.size, got.filename or "upload.jsonl", purpose, now,
+                           now + int(ttl if ttl is not None else cfg.file_ttl_s), tenant.id)
+        await writer.commit(meta)
+    except BaseException:
+        await writer.abort()
+        raise
+    return JSONResponse(public(meta))
 
-    @r.delete("/files/{file_id}")
-    @_store_errors
-    async def delete_file(file_id: str, request: Request) -> JSONResponse:
-        gw, tenant = caller(request)
-        await own_file(gw, tenant, file_id)
-        await gw.store.delete_file(file_id)
-        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
-    @r.get("/files/{file_id}/content")
-    @_store_errors
-    async def file_content(file_id: str, request: Request) -> Response:
-        gw, tenant = caller(request)
-        meta = await own_file(gw, tenant, file_id)
-        return StreamingResponse(gw.store.read_file(file_id), media_type="application/octet-stream",
-                                 headers={"content-length": str(meta["bytes"])})
+@_store_errors
+async def list_files(request: Request) -> JSONResponse:
+    gw, tenant = _caller(request)
+    files = [public(m) for m in await gw.store.list_files() if owned(m, tenant)]
+    return JSONResponse({"object": "list", "data": files, "has_more": False})
 
-    @r.post("/batches")
-    @_store_errors
-    async def create_batch(request: Request) -> JSONResponse:
-        gw, tenant = caller(request)
-        body = parse_json_object(await request.body())
-        input_file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
-        if not isinstance(input_file_id, str) or not input_file_id:
-            raise errors.bad_request("`input_file_id` is required.", "input_file_id")
-        if endpoint not in ENDPOINTS:
-            raise errors.bad_request(f"`endpoint` must be one of {', '.join(ENDPOINTS)}, got {_short(endpoint)}.",
-                                     "endpoint")
-        window_s = parse_window(body.get("completion_window"))
-        metadata = body.get("metadata")
-        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
-                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                for k, v in metadata.items())):
-            raise errors.bad_request("`metadata` must map at most 16 keys (<= 64 chars) to strings (<= 512 chars).",
-                                     "metadata")
-        out_exp = body.get("output_expires_after")
-        if out_exp is not None and not isinstance(out_exp, dict):
-            raise errors.bad_request("`output_expires_after` must be an object.", "output_expires_after")
-        out_ttl = parse_expires_after((out_exp or {}).get("anchor"), (out_exp or {}).get("seconds"),
-                                      "output_expires_after") if out_exp else None
-        meta = await own_file(gw, tenant, input_file_id, "input_file_id")
-        if meta.get("purpose") != PURPOSE_BATCH:
-            raise errors.bad_request(f"File {input_file_id} has purpose {meta.get('purpose')!r}, not 'batch'.",
-                                     "input_file_id")
-        lines = await file_lines(gw.store.read_file(input_file_id))
-        now = time.time()
-        batch_id = new_id("batch_")
-        doc = batch_object(batch_id, input_file_id, endpoint, body["completion_window"], int(now),
-                           int(now + window_s), metadata)
-        doc["_fg_owner"] = tenant.id
-        doc["_fg_output_ttl_s"] = out_ttl if out_ttl is not None else gw.config.batch.file_ttl_s
-        check = check_input_file(iter(lines), endpoint, batch_id, now + window_s, gw.config.batch.max_requests,
-                                 _model_check(gw, tenant), tenant.id)
-        del lines
-        if check.problems:
-            doc.update(status="failed", failed_at=int(time.time()),
-                       errors={"object": "list", "data": check.problems[:MAX_REPORTED_ERRORS]})
-            await gw.store.put_batch(doc)
-            return JSONResponse(public(doc))
-        doc = await gw.batch.submit(doc, check.items, check.failed)
+
+@_store_errors
+async def get_file(file_id: str, request: Request) -> JSONResponse:
+    gw, tenant = _caller(request)
+    return JSONResponse(public(await _own_file(gw, tenant, file_id)))
+
+
+@_store_errors
+async def delete_file(file_id: str, request: Request) -> JSONResponse:
+    gw, tenant = _caller(request)
+    await _own_file(gw, tenant, file_id)
+    await gw.store.delete_file(file_id)
+    return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+
+@_store_errors
+async def file_content(file_id: str, request: Request) -> Response:
+    gw, tenant = _caller(request)
+    meta = await _own_file(gw, tenant, file_id)
+    return StreamingResponse(gw.store.read_file(file_id), media_type="application/octet-stream",
+                             headers={"content-length": str(meta["bytes"])})
+
+
+# --- batches -----------------------------------------------------------------------------------------
+def _checked_metadata(body: dict[str, Any]) -> dict[str, str] | None:
+    """The batch's `metadata`: at most 16 string keys (<= 64 chars) to strings (<= 512 chars)."""
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+            for k, v in metadata.items())):
+        raise errors.bad_request("`metadata` must map at most 16 keys (<= 64 chars) to strings (<= 512 chars).",
+                                 "metadata")
+    return metadata
+
+
+def _output_ttl(body: dict[str, Any]) -> float | None:
+    """The batch's `output_expires_after` in seconds (None: not given)."""
+    out_exp = body.get("output_expires_after")
+    if out_exp is not None and not isinstance(out_exp, dict):
+        raise errors.bad_request("`output_expires_after` must be an object.", "output_expires_after")
+    return parse_expires_after((out_exp or {}).get("anchor"), (out_exp or {}).get("seconds"),
+                               "output_expires_after") if out_exp else None
+
+
+@_store_errors
+async def create_batch(request: Request) -> JSONResponse:
+    """POST /v1/batches: the request checked (each field, then every line of its input file); a file with no
+    usable structure fails the batch, else its good lines are queued (module docstring)."""
+    gw, tenant = _caller(request)
+    body = parse_json_object(await request.body())
+    input_file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
+    if not isinstance(input_file_id, str) or not input_file_id:
+        raise errors.bad_request("`input_file_id` is required.", "input_file_id")
+    if endpoint not in ENDPOINTS:
+        raise errors.bad_request(f"`endpoint` must be one of {', '.join(ENDPOINTS)}, got {_short(endpoint)}.",
+                                 "endpoint")
+    window_s = parse_window(body.get("completion_window"))
+    metadata = _checked_metadata(body)
+    out_ttl = _output_ttl(body)
+    meta = await _own_file(gw, tenant, input_file_id, "input_file_id")
+    if meta.get("purpose") != PURPOSE_BATCH:
+        raise errors.bad_request(f"File {input_file_id} has purpose {meta.get('purpose')!r}, not 'batch'.",
+                                 "input_file_id")
+    lines = await file_lines(gw.store.read_file(input_file_id))
+    now = time.time()
+    batch_id = new_id("batch_")
+    doc = batch_object(batch_id, input_file_id, endpoint, body["completion_window"], int(now),
+                       int(now + window_s), metadata)
+    doc["_fg_owner"] = tenant.id
+    doc["_fg_output_ttl_s"] = out_ttl if out_ttl is not None else gw.config.batch.file_ttl_s
+    check = check_input_file(iter(lines), endpoint, batch_id, now + window_s, gw.config.batch.max_requests,
+                             _model_check(gw, tenant), tenant.id)
+    del lines
+    if check.problems:
+        doc.update(status="failed", failed_at=int(time.time()),
+                   errors={"object": "list", "data": check.problems[:MAX_REPORTED_ERRORS]})
+        await gw.store.put_batch(doc)
         return JSONResponse(public(doc))
+    doc = await gw.batch.submit(doc, check.items, check.failed)
+    return JSONResponse(public(doc))
 
-    @r.get("/batches")
-    @_store_errors
-    async def list_batches(request: Request) -> JSONResponse:
-        gw, tenant = caller(request)
-        q = request.query_params
-        raw_limit = q.get("limit", "20")
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
-            raise errors.bad_request(f"`limit` must be an integer from 1 to 100, got {raw_limit[:20]!r}.", "limit")
-        limit = int(raw_limit)
-        docs = [d for d in await gw.store.list_batches() if owned(d, tenant)]
-        after = q.get("after")
-        if after:
-            ids = [d["id"] for d in docs]
-            if after not in ids:
-                raise _not_found("batch", after, "after")
-            docs = docs[ids.index(after) + 1:]
-        page = [public(await gw.batch.with_counts(d)) for d in docs[:limit]]
-        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None, "has_more": len(docs) > limit})
 
-    @r.get("/batches/{batch_id}")
-    @_store_errors
-    async def get_batch(batch_id: str, request: Request) -> JSONResponse:
-        gw, tenant = caller(request)
-        return JSONResponse(public(await gw.batch.with_counts(await own_batch(gw, tenant, batch_id))))
+@_store_errors
+async def list_batches(request: Request) -> JSONResponse:
+    """GET /v1/batches: the key's batches, a page of `limit` after `after`."""
+    gw, tenant = _caller(request)
+    q = request.query_params
+    raw_limit = q.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+        raise errors.bad_request(f"`limit` must be an integer from 1 to 100, got {raw_limit[:20]!r}.", "limit")
+    limit = int(raw_limit)
+    docs = [d for d in await gw.store.list_batches() if owned(d, tenant)]
+    after = q.get("after")
+    if after:
+        ids = [d["id"] for d in docs]
+        if after not in ids:
+            raise _not_found("batch", after, "after")
+        docs = docs[ids.index(after) + 1:]
+    page = [public(await gw.batch.with_counts(d)) for d in docs[:limit]]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(docs) > limit})
 
-    @r.post("/batches/{batch_id}/cancel")
-    @_store_errors
-    async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
-        gw, tenant = caller(request)
-        doc = await own_batch(gw, tenant, batch_id)
-        if doc["status"] in ("completed", "failed", "expired", "finalizing"):
-            raise GatewayError(409, f"Cannot cancel a batch with status {doc['status']!r}.", "invalid_request_error",
-                               None, "batch_not_cancellable")
-        return JSONResponse(public(await gw.batch.cancel(doc)))
 
+@_store_errors
+async def get_batch(batch_id: str, request: Request) -> JSONResponse:
+    gw, tenant = _caller(request)
+    return JSONResponse(public(await gw.batch.with_counts(await _own_batch(gw, tenant, batch_id))))
+
+
+@_store_errors
+async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
+    gw, tenant = _caller(request)
+    doc = await _own_batch(gw, tenant, batch_id)
+    if doc["status"] in ("completed", "failed", "expired", "finalizing"):
+        raise GatewayError(409, f"Cannot cancel a batch with status {doc['status']!r}.", "invalid_request_error",
+                           None, "batch_not_cancellable")
+    return JSONResponse(public(await gw.batch.cancel(doc)))
+
+
+def batch_router() -> APIRouter:
+    """The Files and Batches routes (module docstring), each its handler above."""
+    r = APIRouter(prefix="/v1")
+    r.post("/files")(create_file)
+    r.get("/files")(list_files)
+    r.get("/files/{file_id}")(get_file)
+    r.delete("/files/{file_id}")(delete_file)
+    r.get("/files/{file_id}/content")(file_content)
+    r.post("/batches")(create_batch)
+    r.get("/batches")(list_batches)
+    r.get("/batches/{batch_id}")(get_batch)
+    r.post("/batches/{batch_id}/cancel")(cancel_batch)
     return r
 
 

@@ -143,6 +143,7 @@ class Dispatcher:
 
             def pd_factory() -> Any:
                 pd = pd_policy_factory(self.config, model)()
+                self.learner.attach(model, pd)                 # its prefill time estimates
                 self.learner.attach(model, pd.decode_policy)
                 return pd
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter
 from gateway.state.outage import quiet_loop, stop_task
 from policies.aladdin.rebalancing import MoveBudget
 from policies.rebalance import LegSeen, budget_for, propose_moves, queued_legs, step_ratio
-from policies.types import ROLE_MIXED, WorkerView
+from policies.types import ROLE_MIXED, Move, WorkerView
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -142,18 +142,26 @@ class Rebalancer:
             self.moves_met.labels(model).inc()
 
     # --- the loop ---------------------------------------------------------------------------------------------
-    async def tick(self) -> None:
-        """One look at every model's legs (also callable directly, e.g. by tests)."""
+    async def tick(self, now: float | None = None, observed: Mapping[str, float] | None = None) -> list[Move]:
+        """One look at every model's legs; the moves made. The loop calls it with neither argument: the clock
+        is `time.perf_counter()` and each worker's step ratio is measured. A harness that drives this side and
+        the simulator's (simulator/rebalance_sim.py) with the same observations passes both: `now` on the
+        perf_counter clock (the move budget's clock and the legs' token timestamps), `observed` the step ratios
+        to judge (worker -> observed over predicted step) for the workers it names, instead of measuring them
+        (tests/test_pipeline_parity_moves.py)."""
+        at = time.perf_counter() if now is None else now
+        made: list[Move] = []
         for model, legs in list(self.legs.items()):
             if legs:
-                self._look(model, legs)
+                made += self._look(model, legs, at, observed)
+        return made
 
-    def _look(self, model: str, legs: dict[str, _Leg]) -> None:
+    def _look(self, model: str, legs: dict[str, _Leg], now: float,
+              observed: Mapping[str, float] | None) -> list[Move]:
         cfg = self.config.rebalance_for(model)
         rt = self.d.runtimes.get(model)
         if rt is None or not cfg.enabled:
-            return
-        now = time.perf_counter()
+            return []
         views = self._views(model)
         by_id = {v.id: v for v in views}
         samples: dict[str, list[tuple[float, int]]] = {}
@@ -172,8 +180,8 @@ class Rebalancer:
             seen.append(LegSeen(leg.ctx.feats.request_id, leg.worker, leg.ctx.feats, n, leg.sent,
                                 leg.movable and not leg.task.done() and leg.move_to is None))
         queued = queued_legs(seen, {v.id: v.waiting for v in views})
-        ratios: dict[str, float] = {}
-        for wid in {*samples, *(leg.worker for leg in seen if leg.tokens == 0 and leg.movable)}:
+        ratios: dict[str, float] = dict(observed) if observed is not None else {}
+        for wid in {*samples, *(leg.worker for leg in seen if leg.tokens == 0 and leg.movable)} - ratios.keys():
             v = by_id.get(wid)
             pm = self.d.learner.model_for(v.profile) if v is not None and v.profile else None
             if pm is None:
@@ -188,9 +196,7 @@ class Rebalancer:
         if budget is None:
             budget = self.budgets[model] = budget_for(cfg.max_moves_per_s)
         moves = propose_moves(rt.placement, queued, views, time.time(), ratios, cfg.slow_ratio, budget, now)
-        if not moves:
-            return
-        made = 0
+        made: list[Move] = []
         for m in moves:
             leg = legs.get(m.request_id)
             if (leg is None or leg.ctx.state.tokens > 0 or leg.task.done() or m.dst not in by_id
@@ -198,13 +204,14 @@ class Rebalancer:
                 continue
             leg.move_to = m.dst
             if leg.task.cancel():
-                made += 1
+                made.append(m)
                 self.moves.labels(model).inc()
                 log.info("request %s: moved off %s (to %s; observed step ratio %.2f)", m.request_id, m.src, m.dst,
                          ratios.get(m.src, 1.0))
             else:
                 leg.move_to = None
-        budget.spend(made)
+        budget.spend(len(made))
+        return made
 
     def _scraped_ratio(self, wid: str, running: int, pm: Any, contexts: Sequence[int]) -> float | None:
         """Observed over predicted decode step of a worker from its scraped engine counters: the seconds between
