@@ -3,12 +3,27 @@
 A chat resends the whole conversation every turn, so a turn's prompt starts with the previous turn's prompt and
 answer, and vLLM's prefix cache on the worker that served that turn still holds them (until evicted). With KV
 events the caller fills RequestFeatures.cached_prefix_tokens exactly (docs/routing.md); without them, aladdin's
-cache pricing falls back to this estimate, keyed by the request's conversation id (`session_id`, the gateway's
-`x-session-id` header): on the last turn's worker, min(that turn's prompt + answer, this prompt − 1) tokens (vLLM
-never serves a prompt's last token from cache); elsewhere none. So the prefill a turn saves where its conversation
-ran is in (c)'s and (d)'s estimate, and moving a conversation costs its re-prefill there.
+cache pricing falls back to this estimate: on the last turn's worker, min(that turn's prompt + answer, this
+prompt − 1) tokens (vLLM never serves a prompt's last token from cache); elsewhere none. So the prefill a turn
+saves where its conversation ran is in (c)'s and (d)'s estimate, and moving a conversation costs its re-prefill.
 
-Bounded: the `max_sessions` most recently seen conversations (LRU). Pure: no clock, no I/O.
+Which turn was the last one:
+  * the request carries a conversation id (`session_id`: the gateway's `x-session-id` header, a Responses chain,
+    `prompt_cache_key`, Anthropic `metadata.user_id`): the id's last turn. The id always wins.
+  * it does not: inferred from its prefix. `prefix_chain` holds the chained hash of every full chunk of the prompt
+    (policies/prefix.py `prompt_chain`; the simulator's block keys), so turn k+1's chain holds the hash of turn
+    k's deepest full chunk, its *turn end*. Each turn placed without an id records its turn end; a request's
+    previous turn is the deepest turn end in its chain before its own last chunk (one dict look-up per chunk,
+    deepest first).
+    A head that many conversations share must not glue them together: conversations that open with the same
+    system prompt and a message shorter than a chunk all end their first turn on the system prompt's last chunk,
+    and every later conversation on that prompt holds it. In a conversation each turn end is continued once,
+    by the next turn, so a turn end is *shared*, and matches nothing any more, once two turns end on it or two
+    different requests continue it; a request whose deepest turn end is shared infers nothing (every shallower
+    one is shared at least as widely). At most one request per shared head (the first to continue it) is
+    matched before the second shows it is shared.
+
+Bounded: the `max_sessions` most recently seen ids and as many turn ends (each an LRU). Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -21,42 +36,116 @@ from policies.types import RequestFeatures
 DEFAULT_MAX_SESSIONS = 100_000
 
 
+class _Turn:
+    """A turn placed without a conversation id: where it ran and what it left cached there."""
+
+    __slots__ = ("request_id", "worker", "tokens", "next_id", "shared")
+
+    def __init__(self, request_id: str, worker: str, tokens: int) -> None:
+        self.request_id, self.worker, self.tokens = request_id, worker, tokens
+        self.next_id: str | None = None   # the request that continued it (its conversation's next turn)
+        self.shared = False               # two turns ended here, or two requests continued it
+
+
 class SessionCache:
-    """Per conversation: the worker of its last turn and the tokens that turn left in its prefix cache."""
+    """Per conversation: the worker of its last turn and the tokens that turn left in its prefix cache; the
+    conversation named by the request's id, else inferred from its prefix chain (module docstring)."""
 
-    __slots__ = ("max_sessions", "_last")
+    __slots__ = ("max_sessions", "infer", "_last", "_ends")
 
-    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS, infer: bool = True) -> None:
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         self.max_sessions = max_sessions
+        self.infer = bool(infer)
         self._last: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._ends: OrderedDict[int, _Turn] = OrderedDict()   # turn-end hash -> the turn
 
     def view(self, request: RequestFeatures) -> Mapping[str, int]:
         """The estimated cached prefix per worker for the request ({} when its conversation is unknown)."""
         sid = request.session_id
-        last = self._last.get(sid) if sid else None
-        if last is None:
-            return {}
-        worker, tokens = last
+        if sid:
+            last = self._last.get(sid)
+            if last is None:
+                return {}
+            worker, tokens = last
+        else:
+            turn = self._previous(request)[0]
+            if turn is None:
+                return {}
+            worker, tokens = turn.worker, turn.tokens
         return {worker: max(min(tokens, int(request.prompt_tokens) - 1), 0)}
+
+    def previous_turn(self, request: RequestFeatures) -> str | None:
+        """The request id of the turn inferred to precede this request (None: none, or it carries an id)."""
+        turn = None if request.session_id else self._previous(request)[0]
+        return turn.request_id if turn is not None else None
 
     def placed(self, request: RequestFeatures, worker_id: str) -> None:
         """The turn went to `worker_id`: its prompt will be cached there once prefilled."""
-        self._note(request, worker_id, int(request.prompt_tokens))
+        if request.session_id:
+            self._note(request.session_id, worker_id, int(request.prompt_tokens))
+            return
+        if not self.infer or not request.prefix_chain:
+            return
+        rid = request.request_id
+        prev, fork = self._previous(request)
+        if prev is not None:
+            prev.next_id = rid
+        elif fork is not None:
+            fork.shared = True
+        end = request.prefix_chain[-1]
+        turn = self._ends.get(end)
+        if turn is None:
+            self._ends[end] = _Turn(rid, worker_id, max(int(request.prompt_tokens), 0))
+            while len(self._ends) > self.max_sessions:
+                self._ends.popitem(last=False)
+            return
+        self._ends.move_to_end(end)
+        if turn.request_id == rid:      # placed again (a retry elsewhere): it runs there now
+            turn.worker, turn.tokens = worker_id, max(int(request.prompt_tokens), 0)
+        else:                           # a second turn ends on this head: shared by two conversations
+            turn.shared = True
 
     def completed(self, request: RequestFeatures, worker_id: str, output_tokens: int) -> None:
         """The turn ended on `worker_id` after `output_tokens`: its prompt and answer are cached there."""
-        self._note(request, worker_id, int(request.prompt_tokens) + max(int(output_tokens), 0))
-
-    def _note(self, request: RequestFeatures, worker_id: str, tokens: int) -> None:
-        sid = request.session_id
-        if not sid:
+        tokens = int(request.prompt_tokens) + max(int(output_tokens), 0)
+        if request.session_id:
+            self._note(request.session_id, worker_id, tokens)
             return
+        if not self.infer or not request.prefix_chain:
+            return
+        turn = self._ends.get(request.prefix_chain[-1])
+        if turn is not None and turn.request_id == request.request_id:
+            turn.worker, turn.tokens = worker_id, max(tokens, 0)
+
+    def _previous(self, request: RequestFeatures) -> tuple[_Turn | None, _Turn | None]:
+        """(the turn this request continues, None) or, when its deepest turn end is shared or continued by another
+        request already, (None, that turn); (None, None) when its chain holds no turn end."""
+        if not self.infer:
+            return None, None
+        ends, rid, chain = self._ends, request.request_id, request.prefix_chain
+        # Its own last chunk is its own turn end, never the previous turn's: a request that ends on the chunk
+        # another turn ended on adds less than a chunk to it (a second conversation on the same head).
+        for i in range(len(chain) - 2, -1, -1):
+            turn = ends.get(chain[i])
+            if turn is None:
+                continue
+            if turn.shared or (turn.next_id is not None and turn.next_id != rid):
+                return None, turn
+            return turn, None
+        return None, None
+
+    def _note(self, sid: str, worker_id: str, tokens: int) -> None:
         self._last[sid] = (worker_id, max(tokens, 0))
         self._last.move_to_end(sid)
         while len(self._last) > self.max_sessions:
             self._last.popitem(last=False)
+
+    @property
+    def turn_ends(self) -> int:
+        """How many turn ends (requests placed without an id) it remembers."""
+        return len(self._ends)
 
     def __len__(self) -> int:
         return len(self._last)
