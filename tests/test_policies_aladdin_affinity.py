@@ -49,11 +49,21 @@ def test_a_continuation_is_found_and_priced_on_the_worker_of_its_previous_turn()
     t2 = turn("c1-t2", SYSTEM, "What is the capital of France, and why did it become the capital?",
               "Paris. " * 150, "And of Italy?", "Rome. " * 20, "Spain?")
     assert cache.previous_turn(t2) == "c1-t1" and cache.view(t2) == {"w0": t1.prompt_tokens + 25}
+    # A short answer and a short message add less than a chunk: the next turn ends on the chunk this one ended on,
+    # and holds its prompt and answer, so it is still this conversation's next turn (and moves the end on).
+    run(cache, t2, "w1", output_tokens=2)
+    t3 = turn("c1-t3", SYSTEM, "What is the capital of France, and why did it become the capital?",
+              "Paris. " * 150, "And of Italy?", "Rome. " * 20, "Spain?", "Madrid.", "Thanks!")
+    assert t3.prefix_chain[-1] == t2.prefix_chain[-1] and t3.prompt_tokens >= t2.prompt_tokens + 2
+    assert cache.previous_turn(t3) == "c1-t2" and cache.view(t3) == {"w1": t2.prompt_tokens + 2}
+    run(cache, t3, "w1", output_tokens=3)
+    t4 = turn("c1-t4", SYSTEM, "What is the capital of France, and why did it become the capital?",
+              "Paris. " * 150, "And of Italy?", "Rome. " * 20, "Spain?", "Madrid.", "Thanks!", "Welcome " * 30)
+    assert cache.turn_ends == 3 and cache.previous_turn(t4) == "c1-t3"
     # Never more than the prompt minus its last token (vLLM recomputes it).
-    short = RequestFeatures("c1-t9", "m", prompt_tokens=10, prefix_chain=t2.prefix_chain)
-    assert cache.view(short) == {"w0": 9}
+    short = RequestFeatures("c1-t9", "m", prompt_tokens=10, prefix_chain=t4.prefix_chain)
+    assert cache.view(short) == {"w1": 9}
     # Asked again once placed (a retry), a turn still finds the turn before it, not itself.
-    cache.placed(t2, "w1")
     assert cache.previous_turn(t2) == "c1-t1"
 
 

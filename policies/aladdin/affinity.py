@@ -13,8 +13,9 @@ Which turn was the last one:
   * it does not: inferred from its prefix. `prefix_chain` holds the chained hash of every full chunk of the prompt
     (policies/prefix.py `prompt_chain`; the simulator's block keys), so turn k+1's chain holds the hash of turn
     k's deepest full chunk, its *turn end*. Each turn placed without an id records its turn end; a request's
-    previous turn is the deepest turn end in its chain before its own last chunk (one dict look-up per chunk,
-    deepest first).
+    previous turn is the deepest turn end in its chain (one dict look-up per chunk, deepest first); on its own
+    last chunk only a completed turn whose prompt and answer its prompt can hold (an answer and a new message
+    shorter than a chunk).
     A head that many conversations share must not glue them together: conversations that open with the same
     system prompt and a message shorter than a chunk all end their first turn on the system prompt's last chunk,
     and every later conversation on that prompt holds it. In a conversation each turn end is continued once,
@@ -39,10 +40,11 @@ DEFAULT_MAX_SESSIONS = 100_000
 class _Turn:
     """A turn placed without a conversation id: where it ran and what it left cached there."""
 
-    __slots__ = ("request_id", "worker", "tokens", "next_id", "shared")
+    __slots__ = ("request_id", "worker", "tokens", "done", "next_id", "shared")
 
     def __init__(self, request_id: str, worker: str, tokens: int) -> None:
         self.request_id, self.worker, self.tokens = request_id, worker, tokens
+        self.done = False                 # completed: `tokens` is its prompt + answer
         self.next_id: str | None = None   # the request that continued it (its conversation's next turn)
         self.shared = False               # two turns ended here, or two requests continued it
 
@@ -96,7 +98,7 @@ class SessionCache:
             fork.shared = True
         end = request.prefix_chain[-1]
         turn = self._ends.get(end)
-        if turn is None:
+        if turn is None or turn is prev:   # new, or its previous turn ended on the same chunk: it moves on
             self._ends[end] = _Turn(rid, worker_id, max(int(request.prompt_tokens), 0))
             while len(self._ends) > self.max_sessions:
                 self._ends.popitem(last=False)
@@ -117,7 +119,7 @@ class SessionCache:
             return
         turn = self._ends.get(request.prefix_chain[-1])
         if turn is not None and turn.request_id == request.request_id:
-            turn.worker, turn.tokens = worker_id, max(tokens, 0)
+            turn.worker, turn.tokens, turn.done = worker_id, max(tokens, 0), True
 
     def _previous(self, request: RequestFeatures) -> tuple[_Turn | None, _Turn | None]:
         """(the turn this request continues, None) or, when its deepest turn end is shared or continued by another
@@ -125,11 +127,14 @@ class SessionCache:
         if not self.infer:
             return None, None
         ends, rid, chain = self._ends, request.request_id, request.prefix_chain
-        # Its own last chunk is its own turn end, never the previous turn's: a request that ends on the chunk
-        # another turn ended on adds less than a chunk to it (a second conversation on the same head).
-        for i in range(len(chain) - 2, -1, -1):
+        for i in range(len(chain) - 1, -1, -1):
             turn = ends.get(chain[i])
-            if turn is None:
+            if turn is None or turn.request_id == rid:   # its own end (asked again once placed)
+                continue
+            # On its own last chunk, a turn that ended there too is its previous turn only if this prompt holds
+            # that one's prompt and answer (a short answer and message); else it is a second conversation that
+            # opened on the same head (a system prompt and a message shorter than a chunk).
+            if i == len(chain) - 1 and not (turn.done and int(request.prompt_tokens) >= turn.tokens):
                 continue
             if turn.shared or (turn.next_id is not None and turn.next_id != rid):
                 return None, turn
