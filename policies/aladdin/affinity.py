@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
+from itertools import islice
 
 from policies.types import RequestFeatures
 
@@ -53,7 +54,7 @@ class SessionCache:
     """Per conversation: the worker of its last turn and the tokens that turn left in its prefix cache; the
     conversation named by the request's id, else inferred from its prefix chain (module docstring)."""
 
-    __slots__ = ("max_sessions", "infer", "_last", "_ends")
+    __slots__ = ("max_sessions", "infer", "_last", "_ends", "_version", "_memo")
 
     def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS, infer: bool = True) -> None:
         if max_sessions < 1:
@@ -62,6 +63,9 @@ class SessionCache:
         self.infer = bool(infer)
         self._last: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._ends: OrderedDict[int, _Turn] = OrderedDict()   # turn-end hash -> the turn
+        # A request is looked up at each decision, at its dispatch and when placed: one scan while nothing changed.
+        self._version = 0
+        self._memo: tuple[str, tuple[int, ...], int, tuple[_Turn | None, _Turn | None]] | None = None
 
     def view(self, request: RequestFeatures) -> Mapping[str, int]:
         """The estimated cached prefix per worker for the request ({} when its conversation is unknown)."""
@@ -92,6 +96,7 @@ class SessionCache:
             return
         rid = request.request_id
         prev, fork = self._previous(request)
+        self._version += 1
         if prev is not None:
             prev.next_id = rid
         elif fork is not None:
@@ -120,26 +125,36 @@ class SessionCache:
         turn = self._ends.get(request.prefix_chain[-1])
         if turn is not None and turn.request_id == request.request_id:
             turn.worker, turn.tokens, turn.done = worker_id, max(tokens, 0), True
+            self._version += 1
 
     def _previous(self, request: RequestFeatures) -> tuple[_Turn | None, _Turn | None]:
         """(the turn this request continues, None) or, when its deepest turn end is shared or continued by another
         request already, (None, that turn); (None, None) when its chain holds no turn end."""
-        if not self.infer:
+        if not self.infer or not request.prefix_chain:
             return None, None
+        rid, chain = request.request_id, request.prefix_chain
+        memo = self._memo
+        if memo is not None and memo[0] == rid and memo[1] is chain and memo[2] == self._version:
+            return memo[3]
+        found = self._scan(request)
+        self._memo = (rid, chain, self._version, found)
+        return found
+
+    def _scan(self, request: RequestFeatures) -> tuple[_Turn | None, _Turn | None]:
         ends, rid, chain = self._ends, request.request_id, request.prefix_chain
-        for i in range(len(chain) - 1, -1, -1):
-            turn = ends.get(chain[i])
-            if turn is None or turn.request_id == rid:   # its own end (asked again once placed)
-                continue
-            # On its own last chunk, a turn that ended there too is its previous turn only if this prompt holds
-            # that one's prompt and answer (a short answer and message); else it is a second conversation that
-            # opened on the same head (a system prompt and a message shorter than a chunk).
-            if i == len(chain) - 1 and not (turn.done and int(request.prompt_tokens) >= turn.tokens):
-                continue
-            if turn.shared or (turn.next_id is not None and turn.next_id != rid):
-                return None, turn
-            return turn, None
-        return None, None
+        last = ends.get(chain[-1])
+        # On its own last chunk, a turn that ended there too is its previous turn only if this prompt holds that
+        # one's prompt and answer (a short answer and message); else it is a second conversation that opened on
+        # the same head (a system prompt and a message shorter than a chunk), or itself, asked again once placed.
+        if last is not None and last.request_id != rid and last.done and int(request.prompt_tokens) >= last.tokens:
+            turn: _Turn | None = last
+        else:   # the deepest turn end before it: the look-ups run in C (a long prompt has thousands of chunks)
+            turn = next(filter(None, map(ends.get, islice(reversed(chain), 1, None))), None)
+        if turn is None:
+            return None, None
+        if turn.shared or (turn.next_id is not None and turn.next_id != rid):
+            return None, turn
+        return turn, None
 
     def _note(self, sid: str, worker_id: str, tokens: int) -> None:
         self._last[sid] = (worker_id, max(tokens, 0))
