@@ -5,12 +5,15 @@ from neither, next to least_tokens and to aladdin with KV events.
     python -m bench.peers_sched_infer [--workers-range 2 16] [--out bench/results/peers_sched.md]
 
 The arms (each probe one ClusterSim run as bench/peers_sched_cost.py's, llama3-8b-h100 workers, the first seed):
-  least_tokens                      the default, for reference
-  aladdin + KV events               the engines publish KV events: the exact cached prefix per worker
-  aladdin, ids                      no KV events; each turn carries its conversation id (x-session-id)
-  aladdin, ids removed              no KV events, no ids: the conversation inferred from the prefix chain
-  aladdin, ids removed, no inference  no KV events, no ids, infer_sessions false: no affinity estimate at all
-The Mooncake trace carries no conversation ids, so there the "ids" arm is the "ids removed" one and is not run.
+  least_tokens                  the default, for reference
+  aladdin + KV events           the engines publish KV events: the exact cached prefix per worker
+  aladdin, ids only             no KV events; each turn carries its conversation id (x-session-id); infer_prefix
+                                false: the estimate is the id's last turn only (aladdin before the inference)
+  aladdin, ids                  no KV events, ids; infer_prefix (the default): and what each worker was sent
+  aladdin, ids removed          no KV events, no ids: the conversation inferred from the prefix chain, and what
+                                each worker was sent
+  aladdin, no ids, no inference no KV events, no ids, infer_prefix false: no cached-prefix estimate at all
+The Mooncake trace carries no conversation ids, so there the arms with ids are the ones without and are not run.
 Per window: workers for 99% (bisection in (lo, hi]), and at each size from one below the smallest boundary to two
 above the largest: attainment, refusals, the engines' prefix-cache hit rate; at each arm's boundary the wall and CPU
 time of the run and microseconds per decision. For the ids-removed arm: how each turn whose previous turn is in the
@@ -49,11 +52,12 @@ class Arm:
 ARMS = (
     Arm("least_tokens", "least_tokens"),
     Arm("aladdin + KV events", "aladdin"),
+    Arm("aladdin, ids only", "aladdin", {"infer_prefix": False}, kv_events=False),
     Arm("aladdin, ids", "aladdin", kv_events=False),
     Arm("aladdin, ids removed", "aladdin", kv_events=False, strip_ids=True),
-    Arm("aladdin, ids removed, no inference", "aladdin", {"infer_sessions": False}, kv_events=False,
-        strip_ids=True),
+    Arm("aladdin, no ids, no inference", "aladdin", {"infer_prefix": False}, kv_events=False, strip_ids=True),
 )
+WITH_IDS = ("aladdin, ids only", "aladdin, ids")   # the same as others where the trace carries no ids
 INFER = "aladdin, ids removed"
 
 
@@ -144,7 +148,7 @@ def tables(ws: Sequence[Window], lo: int, hi: int) -> list[str]:
     run = Runner()
     out: list[str] = []
     for w in ws:
-        arms = [a for a in ARMS if not (a.label == "aladdin, ids" and not any(r.session_id for r in w.reqs))]
+        arms = [a for a in ARMS if not (a.label in WITH_IDS and not any(r.session_id for r in w.reqs))]
         out += [f"#### {w.name}", "",
                 f"| arm | workers for {TARGET:.0%} | attainment there | refused (429) | hit rate | wall s | CPU s "
                 "| decisions | µs per decision |", "|---|---|---|---|---|---|---|---|---|"]

@@ -99,6 +99,10 @@ class PrefixIndex:
                 hi = mid - 1
         return lo
 
+    def workers(self) -> list[str]:
+        """The workers it holds chunks of."""
+        return [w for w, lru in self._by_worker.items() if lru]
+
     def forget_worker(self, worker_id: str) -> None:
         self._by_worker.pop(worker_id, None)
 

@@ -202,7 +202,7 @@ async def _long_answer(http: httpx.AsyncClient, url: str, text: str, tokens: int
 async def test_aladdin_without_kv_events_prices_a_turn_where_its_conversation_ran(sim_fleet) -> None:
     """x-session-id: the next turn's prefix is cached where the last turn ran (policies/aladdin/affinity.py), so with
     a TTFT target the prefill there meets easily, aladdin takes that worker over an idler one that would prefill the
-    whole conversation again; the same turn without its conversation id goes to the idler one."""
+    whole conversation again."""
     fleet = sim_fleet(2, time_scale=20)
     history = "a long conversation so far " * 3000                       # ~20k tokens: ~0.75 s of prefill
     turn1 = {"model": MODEL, "messages": [{"role": "user", "content": history}], "max_tokens": 4, "stream": True}
@@ -228,10 +228,11 @@ async def test_aladdin_without_kv_events_prices_a_turn_where_its_conversation_ra
         r = await http.post(gw.url + "/v1/chat/completions", json=turn2, headers={**sid, "x-slo-ttft-ms": "1000"})
         assert r.status_code == 200
         assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [0, 1]
-        # The same turn without its conversation id is priced whole everywhere: the idle w0.
+        # The same turn without its conversation id: w1 was sent its prefix (the first turn), so it is priced there
+        # too (affinity.py: what each worker was sent), not whole.
         before = await served(http, fleet.urls)
         r = await http.post(gw.url + "/v1/chat/completions", json=turn2,
                             headers={"x-sim-output-tokens": "4", "x-slo-ttft-ms": "1000"})
         assert r.status_code == 200
-        assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [1, 0]
+        assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [0, 1]
         assert (await b).status_code == 200

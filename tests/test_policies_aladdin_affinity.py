@@ -48,21 +48,23 @@ def test_a_continuation_is_found_and_priced_on_the_worker_of_its_previous_turn()
     run(cache, t1, "w0", output_tokens=25)                     # it moved: the third turn follows it
     t2 = turn("c1-t2", SYSTEM, "What is the capital of France, and why did it become the capital?",
               "Paris. " * 150, "And of Italy?", "Rome. " * 20, "Spain?")
-    assert cache.previous_turn(t2) == "c1-t1" and cache.view(t2) == {"w0": t1.prompt_tokens + 25}
+    assert cache.previous_turn(t2) == "c1-t1" and cache.view(t2)["w0"] == t1.prompt_tokens + 25
+    # w2, which served the first turn, was sent the head of this prompt up to that turn's prompt: credited with it.
+    assert cache.view(t2)["w2"] == int(len(t0.prefix_chain) * t2.prompt_tokens / (len(t2.prefix_chain) + 1))
     # A short answer and a short message add less than a chunk: the next turn ends on the chunk this one ended on,
     # and holds its prompt and answer, so it is still this conversation's next turn (and moves the end on).
     run(cache, t2, "w1", output_tokens=2)
     t3 = turn("c1-t3", SYSTEM, "What is the capital of France, and why did it become the capital?",
               "Paris. " * 150, "And of Italy?", "Rome. " * 20, "Spain?", "Madrid.", "Thanks!")
     assert t3.prefix_chain[-1] == t2.prefix_chain[-1] and t3.prompt_tokens >= t2.prompt_tokens + 2
-    assert cache.previous_turn(t3) == "c1-t2" and cache.view(t3) == {"w1": t2.prompt_tokens + 2}
+    assert cache.previous_turn(t3) == "c1-t2" and cache.view(t3)["w1"] == t2.prompt_tokens + 2
     run(cache, t3, "w1", output_tokens=3)
     t4 = turn("c1-t4", SYSTEM, "What is the capital of France, and why did it become the capital?",
               "Paris. " * 150, "And of Italy?", "Rome. " * 20, "Spain?", "Madrid.", "Thanks!", "Welcome " * 30)
     assert cache.turn_ends == 3 and cache.previous_turn(t4) == "c1-t3"
     # Never more than the prompt minus its last token (vLLM recomputes it).
     short = RequestFeatures("c1-t9", "m", prompt_tokens=10, prefix_chain=t4.prefix_chain)
-    assert cache.view(short) == {"w1": 9}
+    assert cache.view(short)["w1"] == 9 and max(cache.view(short).values()) == 9
     # Asked again once placed (a retry), a turn still finds the turn before it, not itself.
     assert cache.previous_turn(t2) == "c1-t1"
 
@@ -75,16 +77,19 @@ def test_a_shared_system_prompt_does_not_glue_two_conversations():
     b0 = turn("b-t0", SYSTEM, "hey")
     assert a0.prefix_chain == b0.prefix_chain
     run(cache, a0, "w0", 200)
-    assert cache.view(b0) == {}                       # b's first turn is not a's: a turn ends where it begins
+    assert cache.previous_turn(b0) is None            # b's first turn is not a's: a turn ends where it begins
     run(cache, b0, "w1", 200)                         # two turns ended on that head: shared from now on
     c0 = turn("c-t0", SYSTEM, "Tell me about the history of the Roman empire in three long paragraphs. " * 3)
     assert len(c0.prefix_chain) > len(a0.prefix_chain)       # it holds the shared head and goes past it
-    assert cache.view(c0) == {} and cache.previous_turn(c0) is None
+    assert cache.previous_turn(c0) is None
+    # Both workers were sent the system prompt: each is credited with it, and with nothing of a's or b's turns.
+    system = int(len(a0.prefix_chain) * c0.prompt_tokens / (len(c0.prefix_chain) + 1))
+    assert system <= len(SYSTEM) // 4 + 1 and cache.view(c0) == {"w0": system, "w1": system}
     # Each conversation's own turns are still found past the shared head.
     a1 = turn("a-t1", SYSTEM, "hi", "Hello! How can I help you today? " * 10, "Plan a trip.")
     run(cache, a1, "w0", 80)
     a2 = turn("a-t2", SYSTEM, "hi", "Hello! How can I help you today? " * 10, "Plan a trip.", "Sure. " * 60, "Go")
-    assert cache.previous_turn(a2) == "a-t1" and cache.view(a2) == {"w0": a1.prompt_tokens + 80}
+    assert cache.previous_turn(a2) == "a-t1" and cache.view(a2)["w0"] == a1.prompt_tokens + 80
 
 
 def test_a_head_continued_by_two_requests_is_shared_and_matches_nothing_more():
@@ -97,25 +102,28 @@ def test_a_head_continued_by_two_requests_is_shared_and_matches_nothing_more():
     assert cache.previous_turn(b0) == "a-t0"          # the one glue the rule allows per shared head
     run(cache, b0, "w1", 100)
     c0 = turn("c-t0", SYSTEM, "Write a haiku about autumn leaves falling on a quiet mountain lake. " * 3)
-    assert cache.view(c0) == {}
+    assert cache.previous_turn(c0) is None
     run(cache, c0, "w2", 100)
     d0 = turn("d-t0", SYSTEM, "Explain quicksort and its average complexity, step by step, with an example. " * 3)
-    assert cache.view(d0) == {} and cache.previous_turn(d0) is None
+    assert cache.previous_turn(d0) is None
+    # No worker is credited with more than the system prompt (what all four share).
+    system = int(64 * d0.prompt_tokens / (len(d0.prefix_chain) + 1))
+    assert cache.view(d0) == {"w0": system, "w1": system, "w2": system}
     # b's own next turn is found (its turn end is past the shared head).
     b1 = turn("b-t1", SYSTEM, "Summarise the plot of Hamlet in five sentences, please, with the names. " * 3,
               "Hamlet is a prince. " * 30, "Now Macbeth.")
-    assert cache.view(b1) == {"w1": b0.prompt_tokens + 100}
+    assert cache.previous_turn(b1) == "b-t0" and cache.view(b1)["w1"] == b0.prompt_tokens + 100
 
 
-def test_memory_is_bounded_by_max_sessions():
-    cache = SessionCache(max_sessions=3)
+def test_memory_is_bounded_by_max_sessions_and_max_sent_chunks():
+    cache = SessionCache(max_sessions=3, max_sent_chunks=10)
     firsts = [turn(f"c{i}-t0", f"conversation {i}: " + "words " * 100) for i in range(10)]
     for i, t in enumerate(firsts):
         run(cache, t, f"w{i % 2}", 50)
-    assert cache.turn_ends == 3
+    assert cache.turn_ends == 3 and cache.sent_chunks("w0") == cache.sent_chunks("w1") == 10
     old = turn("c0-t1", "conversation 0: " + "words " * 100, "answer " * 40, "next")
     new = turn("c9-t1", "conversation 9: " + "words " * 100, "answer " * 40, "next")
-    assert cache.view(old) == {}                       # forgotten, least recently placed first
+    assert cache.view(old) == {}                       # forgotten, least recently placed first (both kinds)
     assert cache.view(new) == {"w1": firsts[9].prompt_tokens + 50}
     for i in range(10):
         cache.placed(turn(f"s{i}", f"s{i}", session=f"id{i}"), "w0")
@@ -131,11 +139,13 @@ def test_a_conversation_id_wins_over_the_inferred_conversation():
     # Its prefix continues x-t0 (on w0), but it names conversation y, whose last turn ran on w1.
     t = turn("y-t1", SYSTEM, "question one, long enough to end past the system prompt", "a " * 100, "more",
              session="conv-y")
-    assert cache.view(t) == {"w1": len("something else entirely") // 4 + 100}
+    sent = int(len(prompt_chain(SYSTEM + "\nquestion one, long enough to end past the system prompt"))
+               * t.prompt_tokens / (len(t.prefix_chain) + 1))    # what w0 was sent of it: x-t0's prompt, not its answer
+    assert cache.view(t) == {"w1": len("something else entirely") // 4 + 100, "w0": sent}
     assert cache.previous_turn(t) is None
-    # An id without a previous turn: nothing, not the inferred conversation.
+    # An id without a previous turn: not the inferred conversation (x-t0 and its answer), only what w0 was sent.
     assert cache.view(RequestFeatures("z", "m", prompt_tokens=t.prompt_tokens, session_id="conv-z",
-                                      prefix_chain=t.prefix_chain)) == {}
+                                      prefix_chain=t.prefix_chain)) == {"w0": sent}
     # infer=False: ids only (how it was before).
     off = SessionCache(infer=False)
     run(off, turn("x-t0", SYSTEM, "question one, long enough to end past the system prompt"), "w0", 100)
@@ -146,7 +156,7 @@ def test_aladdin_places_a_turn_without_an_id_where_its_conversation_ran():
     """Through the policy: on_dispatch and observe_completion feed the cache, (c) prices the cached prefix."""
     ws = [WorkerView("w0"), WorkerView("w1")]
     p = AladdinPolicy(default_perf_model=CLOCK, slack="off")       # 1 ms per prompt token, TTFT 0.6 s
-    assert p.needs_prefix_chain and not AladdinPolicy(infer_sessions=False).needs_prefix_chain
+    assert p.needs_prefix_chain and not AladdinPolicy(infer_prefix=False).needs_prefix_chain
     history = "the story so far " * 120                                # ~510 tokens
     t0 = turn("t0", history)
     d = p.choose(t0, ws, 0.0)
@@ -158,7 +168,7 @@ def test_aladdin_places_a_turn_without_an_id_where_its_conversation_ran():
     d1 = p.choose(t1, ws, 2.0)
     assert d1.worker_id == d.worker_id and d1.reason != "best_effort"
     # Without inference no worker holds it: nothing fits, a best effort.
-    q = AladdinPolicy(default_perf_model=CLOCK, slack="off", infer_sessions=False)
+    q = AladdinPolicy(default_perf_model=CLOCK, slack="off", infer_prefix=False)
     q.on_dispatch(t0, d.worker_id, 0.0)
     q.observe_completion(t0, 100, 1.0)
     q.on_complete(t0, d.worker_id, 1.0)

@@ -302,7 +302,7 @@ class Dispatcher:
                   hdrs: ClientHeaders) -> RequestFeatures:
         body = req.body
         hashes = rt.needs_prefix or self._pd_fleet(rt.model)  # P/D decides local prefills on cached prefixes
-        chain = rt.needs_chain and not hdrs.session_id      # a conversation id wins over the inferred one
+        chain = rt.needs_chain    # the policy estimates cached prefixes from it (aladdin without KV events)
         text: str | None = None
         if route is CHAT:
             messages = body["messages"]

@@ -24,7 +24,16 @@ Which turn was the last one:
     one is shared at least as widely). At most one request per shared head (the first to continue it) is
     matched before the second shows it is shared.
 
-Bounded: the `max_sessions` most recently seen ids and as many turn ends (each an LRU). Pure: no clock, no I/O.
+What every worker was sent: a conversation's turn is one source of a cached prefix; a prefix that many requests
+share (a system prompt, a document) is another, and it is cached on every worker that served one of them. So the
+chain of every request placed is recorded per worker (policies/prefix.py PrefixIndex: LRU, the head chunks the
+most recent, as production-stack's prefixaware and llm-d's approximate prefix scorer keep it), and each worker is
+credited with the tokens of the longest head of the request's chain it was sent (its chunks x the fewest tokens a
+chunk of this prompt can hold, prompt / (chunks + 1), so never more than was sent). That credits a shared system prompt where it went, and only it: it names no
+conversation, so it glues none. The estimate for a worker is the larger of the two.
+
+Bounded: the `max_sessions` most recently seen ids and as many turn ends (each an LRU), `max_sent_chunks` chunk
+hashes per worker. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from itertools import islice
 
+from policies.prefix import PrefixIndex
 from policies.types import RequestFeatures
 
 DEFAULT_MAX_SESSIONS = 100_000
+DEFAULT_MAX_SENT_CHUNKS = 20_000    # per worker, as prefix_affinity's index (policies/baselines.py)
 
 
 class _Turn:
@@ -54,33 +65,46 @@ class SessionCache:
     """Per conversation: the worker of its last turn and the tokens that turn left in its prefix cache; the
     conversation named by the request's id, else inferred from its prefix chain (module docstring)."""
 
-    __slots__ = ("max_sessions", "infer", "_last", "_ends", "_version", "_memo")
+    __slots__ = ("max_sessions", "infer", "_last", "_ends", "_sent", "_version", "_memo")
 
-    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS, infer: bool = True) -> None:
+    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS, infer: bool = True,
+                 max_sent_chunks: int = DEFAULT_MAX_SENT_CHUNKS) -> None:
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         self.max_sessions = max_sessions
         self.infer = bool(infer)
         self._last: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._sent = PrefixIndex(max_sent_chunks)               # worker -> the chunks it was sent (LRU)
         self._ends: OrderedDict[int, _Turn] = OrderedDict()   # turn-end hash -> the turn
         # A request is looked up at each decision, at its dispatch and when placed: one scan while nothing changed.
         self._version = 0
         self._memo: tuple[str, tuple[int, ...], int, tuple[_Turn | None, _Turn | None]] | None = None
 
     def view(self, request: RequestFeatures) -> Mapping[str, int]:
-        """The estimated cached prefix per worker for the request ({} when its conversation is unknown)."""
+        """The estimated cached prefix per worker for the request ({} where nothing is known)."""
+        top = max(int(request.prompt_tokens) - 1, 0)
+        out: dict[str, int] = {}
+        chain = request.prefix_chain
+        if self.infer and chain:
+            # Tokens a chunk holds, at least: the chain's full chunks and a partial one make the prompt.
+            per, sent = int(request.prompt_tokens) / (len(chain) + 1), self._sent
+            for w in sent.workers():
+                n = sent.match_len(w, chain)
+                if n:
+                    out[w] = min(int(n * per), top)
         sid = request.session_id
         if sid:
             last = self._last.get(sid)
             if last is None:
-                return {}
+                return out
             worker, tokens = last
         else:
             turn = self._previous(request)[0]
             if turn is None:
-                return {}
+                return out
             worker, tokens = turn.worker, turn.tokens
-        return {worker: max(min(tokens, int(request.prompt_tokens) - 1), 0)}
+        out[worker] = max(out.get(worker, 0), min(tokens, top))
+        return out
 
     def previous_turn(self, request: RequestFeatures) -> str | None:
         """The request id of the turn inferred to precede this request (None: none, or it carries an id)."""
@@ -89,6 +113,8 @@ class SessionCache:
 
     def placed(self, request: RequestFeatures, worker_id: str) -> None:
         """The turn went to `worker_id`: its prompt will be cached there once prefilled."""
+        if self.infer and request.prefix_chain:
+            self._sent.record(worker_id, request.prefix_chain)
         if request.session_id:
             self._note(request.session_id, worker_id, int(request.prompt_tokens))
             return
@@ -161,6 +187,10 @@ class SessionCache:
         self._last.move_to_end(sid)
         while len(self._last) > self.max_sessions:
             self._last.popitem(last=False)
+
+    def sent_chunks(self, worker_id: str) -> int:
+        """How many chunk hashes sent to the worker it remembers (at most `max_sent_chunks`)."""
+        return self._sent.size(worker_id)
 
     @property
     def turn_ends(self) -> int:
