@@ -4,8 +4,9 @@ A chat resends the whole conversation every turn, so a turn's prompt starts with
 answer, and vLLM's prefix cache on the worker that served that turn still holds them (until evicted). With KV
 events the caller fills RequestFeatures.cached_prefix_tokens exactly (docs/routing.md); without them, aladdin's
 cache pricing falls back to this estimate: on the last turn's worker, min(that turn's prompt + answer, this
-prompt − 1) tokens (vLLM never serves a prompt's last token from cache); elsewhere none. So the prefill a turn
-saves where its conversation ran is in (c)'s and (d)'s estimate, and moving a conversation costs its re-prefill.
+prompt − 1) tokens (vLLM never serves a prompt's last token from cache); elsewhere what the worker was sent (below).
+So the prefill a turn saves where its conversation ran is in (c)'s and (d)'s estimate, and moving a conversation
+costs its re-prefill. `infer` off (aladdin's infer_prefix false): the id's last turn only, nothing inferred.
 
 Which turn was the last one:
   * the request carries a conversation id (`session_id`: the gateway's `x-session-id` header, a Responses chain,
@@ -29,8 +30,9 @@ share (a system prompt, a document) is another, and it is cached on every worker
 chain of every request placed is recorded per worker (policies/prefix.py PrefixIndex: LRU, the head chunks the
 most recent, as production-stack's prefixaware and llm-d's approximate prefix scorer keep it), and each worker is
 credited with the tokens of the longest head of the request's chain it was sent (its chunks x the fewest tokens a
-chunk of this prompt can hold, prompt / (chunks + 1), so never more than was sent). That credits a shared system prompt where it went, and only it: it names no
-conversation, so it glues none. The estimate for a worker is the larger of the two.
+chunk of this prompt can hold, prompt / (chunks + 1), so never more than was sent). That credits a shared system
+prompt where it went, and only it: it names no conversation, so it glues none. The estimate for a worker is the
+larger of the two.
 
 Bounded: the `max_sessions` most recently seen ids and as many turn ends (each an LRU), `max_sent_chunks` chunk
 hashes per worker. Pure: no clock, no I/O.
