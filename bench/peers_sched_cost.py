@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.harness import REPO, log
 from bench.peers_sched import PROFILE, chat_window, trace_window
@@ -37,14 +38,20 @@ class Cost:
     cpu_s: float        # the process's CPU time for the run: what a shared, loaded machine does not inflate
     decisions: int
     us_per_decision: float
+    hit_rate: float = 0.0   # the engines' prefix-cache hit rate over prompt tokens
 
 
-def cost_run(reqs: Sequence[WorkloadRequest], policy: str, workers: int) -> Cost:
-    """One virtual-time run of `policy` on `workers`, its decisions timed (the policy's `choose` wrapped)."""
+def cost_run(reqs: Sequence[WorkloadRequest], policy: str, workers: int, params: dict[str, Any] | None = None,
+             kv_events: bool = True, on_sim: Callable[[Any], None] | None = None) -> Cost:
+    """One virtual-time run of `policy` on `workers`, its decisions timed (the policy's `choose` wrapped).
+    `params`: the policy's parameters (default: none); kv_events=False: engines that publish none;
+    `on_sim(sim)`: called before the run (to observe it)."""
     from simulator.cluster import ClusterSim
 
     sim = ClusterSim(PROFILE, workers, policy, slo_tpot_s=SLO_TPOT_S, queue_poll_s=QUEUE_POLL_S,
-                     queue_lookahead=QUEUE_LOOKAHEAD, seed=0)
+                     queue_lookahead=QUEUE_LOOKAHEAD, seed=0, policy_params=params, kv_events=kv_events)
+    if on_sim is not None:
+        on_sim(sim)
     pol, inner, spent = sim.policy, sim.policy.choose, [0, 0.0]
 
     def timed(request, views, now):
@@ -59,7 +66,8 @@ def cost_run(reqs: Sequence[WorkloadRequest], policy: str, workers: int) -> Cost
     d = sim.run([dataclasses.replace(r) for r in reqs]).to_dict()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     refused = sum(1 for r in sim.results.values() if r.finish_reason == "refused")
-    return Cost(d["slo_attainment"], refused, wall, cpu, spent[0], spent[1] / max(spent[0], 1) * 1e6)
+    return Cost(d["slo_attainment"], refused, wall, cpu, spent[0], spent[1] / max(spent[0], 1) * 1e6,
+                d["prefix_cache_hit_rate"])
 
 
 class Runner:

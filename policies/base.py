@@ -23,6 +23,8 @@ class Policy:
     name: str = "base"
     # A policy that reads RequestFeatures.prefix_hashes says so: the gateway hashes prompts only for those.
     needs_prefix_hashes: bool = False
+    # ... and one that reads RequestFeatures.prefix_chain (every full chunk of the prompt) says so too.
+    needs_prefix_chain: bool = False
     # A policy that places by performance models says so: every worker then needs its profile's model.
     needs_perf_models: bool = False
 

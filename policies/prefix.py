@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 CHUNK_CHARS = 128  # production-stack hashes 128-character chunks (docs/reference/peer-routers.md §1.1)
 MAX_CHUNKS = 64
+# prompt_chain: every full chunk, up to 1 MiB of text (longer than any context window the gateway routes for).
+CHAIN_MAX_CHUNKS = 8192
 
 
 def prompt_chunk_hashes(text: str, chunk_chars: int = CHUNK_CHARS, max_chunks: int = MAX_CHUNKS) -> tuple[int, ...]:
@@ -44,6 +46,17 @@ def prompt_chunk_hashes(text: str, chunk_chars: int = CHUNK_CHARS, max_chunks: i
         adler = adler32(chunk, adler)
         out.append((crc << 32) | adler)
     return tuple(out)
+
+
+def prompt_chain(text: str, chunk_chars: int = CHUNK_CHARS, max_chunks: int = CHAIN_MAX_CHUNKS) -> tuple[int, ...]:
+    """The chained hashes of every FULL chunk of the prompt (RequestFeatures.prefix_chain): a conversation's next
+    turn starts with this turn's whole text, so it holds each of them, the deepest included (a partial last chunk
+    would not recur: the next turn fills it with other text). Same hashes as `prompt_chunk_hashes` chunk for chunk.
+    """
+    if chunk_chars <= 0:
+        raise ValueError("chunk_chars must be positive")
+    full = min(len(text) // chunk_chars, max_chunks) * chunk_chars
+    return prompt_chunk_hashes(text[:full], chunk_chars, max_chunks) if full else ()
 
 
 class PrefixIndex:
@@ -85,6 +98,10 @@ class PrefixIndex:
             else:
                 hi = mid - 1
         return lo
+
+    def workers(self) -> list[str]:
+        """The workers it holds chunks of."""
+        return [w for w, lru in self._by_worker.items() if lru]
 
     def forget_worker(self, worker_id: str) -> None:
         self._by_worker.pop(worker_id, None)

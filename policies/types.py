@@ -34,6 +34,9 @@ class RequestFeatures:
     session_id: str | None = None
     # Chained hashes of the prompt's leading chunks (see policies.prefix); equal prefixes share a head.
     prefix_hashes: tuple[int, ...] = ()
+    # Chained hashes of EVERY full chunk of the prompt (policies.prefix.prompt_chain; the simulator's block keys),
+    # for policies that declare `needs_prefix_chain` (aladdin infers a conversation from it: affinity.py).
+    prefix_chain: tuple[int, ...] = ()
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     priority: int = 0

@@ -325,6 +325,7 @@ class ClusterSim:
         rebalance_s: float | None = None,
         service_priority: str | ServiceScheduler | None = None,
         service_preempt: bool = False,
+        kv_events: bool = True,
     ) -> None:
         if workers < 0:
             raise ValueError("workers must be >= 0")
@@ -407,7 +408,11 @@ class ClusterSim:
         # KV-cache events of each engine step, as (sim, worker_id, events, now); simulator/kv_sim.py feeds
         # the exact prefix-cache view (`kv_view`) of policies that want one (needs_kv_blocks).
         self.on_kv_events: list[Callable[..., Any]] = []
-        self.kv_view = SimKvView(self.profiles[0].block_size) if SimKvView.wanted(self.policy) else None
+        # kv_events=False: a fleet whose engines publish none, so such policies fall back to their own estimate.
+        self.kv_view = (SimKvView(self.profiles[0].block_size) if kv_events and SimKvView.wanted(self.policy)
+                        else None)
+        # Every block key of the prompt for policies that infer a conversation from it (needs_prefix_chain).
+        self._chain = bool(getattr(self.policy, "needs_prefix_chain", False))
         if self.kv_view is not None:
             self.engine_config = self.kv_view.engine_config(self.engine_config)
             self.on_kv_events.append(self.kv_view.on_events)
@@ -474,6 +479,7 @@ class ClusterSim:
             request_id=r.request_id, model=self.model, prompt_tokens=r.prompt_tokens,
             max_tokens=r.max_tokens, predicted_output_tokens=self._predict(r),
             session_id=r.session_id, prefix_hashes=tuple(r.prefix_blocks[:PREFIX_HASHES_MAX]),
+            prefix_chain=tuple(r.prefix_blocks) if self._chain else (),
             slo_ttft_s=r.slo_ttft_s or self.slo_ttft_s, slo_tpot_s=r.slo_tpot_s or self.slo_tpot_s,
             priority=r.priority, arrival=r.arrival,
             cached_prefix_tokens=self.kv_view.cached_prefix(r.prefix_blocks, r.prompt_tokens)

@@ -310,3 +310,24 @@ def test_the_chat_window_holds_every_turn_in_it_and_each_turn_replays_the_previo
         assert nxt.prefix_blocks[:full_blocks] == prev.prefix_blocks[:full_blocks]
         n = full_blocks * BLOCK_SIZE
         assert encode(prompt_text(nxt, cache))[:n] == encode(prompt_text(prev, cache))[:n]
+
+
+def test_without_ids_the_chat_turns_are_matched_to_their_own_previous_turns_in_virtual_time():
+    """bench/peers_sched_infer.py's ids-removed arm on a short chat window: no turn is matched to another
+    conversation's turn, and every turn whose previous turn ran in the window is matched to it, but for a first turn
+    that ended on a shared system prompt's last block (a message shorter than a block): the first other conversation
+    to extend that head is glued to it once, which shows the head is shared, and the real next turn then finds
+    nothing. So at most one glue and one miss per system prompt (8)."""
+    from bench.peers_sched import chat_window
+    from bench.peers_sched_infer import ARMS, INFER, Runner, previous_turns
+    from bench.peers_sched_virtual import Window
+
+    w = Window("chat", 0, chat_window(0, 240, 2.0))
+    truth = previous_turns(w.reqs)
+    assert truth and all(v.split("-t")[0] == k.split("-t")[0] for k, v in truth.items())
+    run = Runner()
+    arm = next(a for a in ARMS if a.label == INFER)
+    cost = run(w, arm, 2)
+    m = run.matches[("chat", 2)]
+    assert cost.refused == 0 and m.wrong == 0 and m.right + m.none == len(truth) and m.none <= 8
+    assert m.others == len(w.reqs) - len(truth) and m.glued <= 8 and m.right >= 80

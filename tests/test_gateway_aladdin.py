@@ -135,6 +135,41 @@ async def test_hetero_sends_more_to_the_stronger_worker(sim_fleet) -> None:
     assert strong >= 2 * weak, (strong, weak)
 
 
+async def test_aladdin_without_kv_events_or_an_id_infers_the_conversation_from_the_prefix(sim_fleet) -> None:
+    """No x-session-id: the second turn's prompt holds the first turn's whole text, so its prefix chain holds the first
+    turn's last full chunk (policies/aladdin/affinity.py) and aladdin prices it where that turn ran, as with an id;
+    another conversation of the same length, which continues nothing, goes to the idle worker."""
+    fleet = sim_fleet(2, time_scale=20)
+    history = "a long conversation so far " * 3000                       # ~20k tokens: ~0.75 s of prefill
+    turn1 = {"model": MODEL, "messages": [{"role": "user", "content": history}], "max_tokens": 4, "stream": True}
+    turn2 = {**turn1, "messages": [*turn1["messages"], {"role": "assistant", "content": "ok ok ok"},
+                                   {"role": "user", "content": "and now?"}]}
+    other = {**turn2, "messages": [{"role": "user", "content": "another talk, as long " * 3000},
+                                   *turn2["messages"][1:]]}
+    out = {"x-sim-output-tokens": "4"}
+    async with gateway(fleet.urls, "aladdin") as gw, httpx.AsyncClient(timeout=60) as http:
+        a = asyncio.create_task(_long_answer(http, gw.url, "another document " * 6000, 6000))
+        await poll(lambda: _inflight_on(http, gw.url, "w0", 1))
+        before = await served(http, fleet.urls)
+        r = await http.post(gw.url + "/v1/chat/completions", json=turn1, headers=out)
+        assert r.status_code == 200
+        assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [0, 1]
+        await poll(lambda: _inflight_on(http, gw.url, "w1", 0))
+        b = asyncio.create_task(stream(http, gw.url, 16000))
+        await poll(lambda: _inflight_on(http, gw.url, "w1", 1))
+        assert (await a).status_code == 200
+        await poll(lambda: _inflight_on(http, gw.url, "w0", 0))
+        before = await served(http, fleet.urls)
+        r = await http.post(gw.url + "/v1/chat/completions", json=turn2, headers={**out, "x-slo-ttft-ms": "1000"})
+        assert r.status_code == 200
+        assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [0, 1]
+        before = await served(http, fleet.urls)
+        r = await http.post(gw.url + "/v1/chat/completions", json=other, headers={**out, "x-slo-ttft-ms": "1000"})
+        assert r.status_code == 200
+        assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [1, 0]
+        assert (await b).status_code == 200
+
+
 async def _metric(http: httpx.AsyncClient, url: str, name: str, labels: dict[str, str]) -> float | None:
     return metric((await http.get(url + "/metrics")).text, name, labels)
 
@@ -167,7 +202,7 @@ async def _long_answer(http: httpx.AsyncClient, url: str, text: str, tokens: int
 async def test_aladdin_without_kv_events_prices_a_turn_where_its_conversation_ran(sim_fleet) -> None:
     """x-session-id: the next turn's prefix is cached where the last turn ran (policies/aladdin/affinity.py), so with
     a TTFT target the prefill there meets easily, aladdin takes that worker over an idler one that would prefill the
-    whole conversation again; the same turn without its conversation id goes to the idler one."""
+    whole conversation again."""
     fleet = sim_fleet(2, time_scale=20)
     history = "a long conversation so far " * 3000                       # ~20k tokens: ~0.75 s of prefill
     turn1 = {"model": MODEL, "messages": [{"role": "user", "content": history}], "max_tokens": 4, "stream": True}
@@ -193,10 +228,11 @@ async def test_aladdin_without_kv_events_prices_a_turn_where_its_conversation_ra
         r = await http.post(gw.url + "/v1/chat/completions", json=turn2, headers={**sid, "x-slo-ttft-ms": "1000"})
         assert r.status_code == 200
         assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [0, 1]
-        # The same turn without its conversation id is priced whole everywhere: the idle w0.
+        # The same turn without its conversation id: w1 was sent its prefix (the first turn), so it is priced there
+        # too (affinity.py: what each worker was sent), not whole.
         before = await served(http, fleet.urls)
         r = await http.post(gw.url + "/v1/chat/completions", json=turn2,
                             headers={"x-sim-output-tokens": "4", "x-slo-ttft-ms": "1000"})
         assert r.status_code == 200
-        assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [1, 0]
+        assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [0, 1]
         assert (await b).status_code == 200

@@ -64,7 +64,7 @@ from gateway.wire.translated import BodyTooLarge, front_of, read_body
 from policies.admission import AdmissionQueue
 from policies.base import make_policy
 from policies.placement import ModelPlacement
-from policies.prefix import prompt_chunk_hashes
+from policies.prefix import prompt_chain, prompt_chunk_hashes
 from policies.tokens import estimate_chat_tokens, estimate_prompt_tokens
 from policies.types import ROLE_DECODE, ROLE_PREFILL, RequestFeatures
 
@@ -153,7 +153,8 @@ class Dispatcher:
                                self.attempts.place_queued, self.poll_s, self.retry_after_s,
                                lambda n, m=model: self._queue_depth(m, n),
                                self.services.queue_order(model) if self.services.enabled else None)
-            rt = ModelRuntime(model, policy, name, policy.needs_prefix_hashes, placement, queue)
+            rt = ModelRuntime(model, policy, name, policy.needs_prefix_hashes, placement, queue,
+                              bool(getattr(policy, "needs_prefix_chain", False)))
             self.runtimes[model] = rt
         return rt
 
@@ -302,21 +303,26 @@ class Dispatcher:
                   hdrs: ClientHeaders) -> RequestFeatures:
         body = req.body
         hashes = rt.needs_prefix or self._pd_fleet(rt.model)  # P/D decides local prefills on cached prefixes
+        chain = rt.needs_chain    # the policy estimates cached prefixes from it (aladdin without KV events)
+        text: str | None = None
         if route is CHAT:
             messages = body["messages"]
             prompt_tokens = estimate_chat_tokens(messages)
-            prefix = prompt_chunk_hashes(chat_text(messages)) if hashes else ()
+            text = chat_text(messages) if hashes or chain else None
         else:
             prompt = body["prompt"]
             prompt_tokens = estimate_prompt_tokens(prompt)
-            prefix = prompt_chunk_hashes(prompt) if hashes and isinstance(prompt, str) else ()
+            text = prompt if isinstance(prompt, str) else None
+        prefix = prompt_chunk_hashes(text) if hashes and text is not None else ()
+        full = prompt_chain(text) if chain and text is not None else ()
         max_tokens = req.max_tokens if req.max_tokens is not None else route.default_max_tokens
         rclass = hdrs.request_class
         slo_ttft, slo_tpot = self.slo.targets(rt.model, rclass, hdrs.slo_ttft, hdrs.slo_tpot)
         return RequestFeatures(
             request_id=rid, model=rt.model, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
             predicted_output_tokens=self.learner.predict(rt.model, prompt_tokens, max_tokens),
-            session_id=hdrs.session_id, prefix_hashes=prefix, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
+            session_id=hdrs.session_id, prefix_hashes=prefix, prefix_chain=full, slo_ttft_s=slo_ttft,
+            slo_tpot_s=slo_tpot,
             priority=req.priority, request_class=rclass, arrival=time.time(),
             cached_prefix_tokens=cached_prefix_for(self.kv_events, rt.policy, body, route is CHAT),
             adapter=self.adapters.adapter_of(rt.model, body.get("model")),

@@ -40,6 +40,7 @@ class ModelRuntime:
     needs_prefix: bool
     placement: ModelPlacement
     queue: ModelQueue
+    needs_chain: bool = False   # the policy infers a turn's conversation from RequestFeatures.prefix_chain
 
 
 @dataclass(slots=True)

@@ -77,6 +77,9 @@ Choices beyond the paper (each a parameter):
   * Conversation affinity without KV events (affinity.py): where the caller has no KV-event view, a turn's
     cached prefix is estimated on the worker that served its conversation's last turn (`session_id`, the
     `x-session-id` header), so staying saves the prefill and moving costs the re-prefill in (c) and (d).
+    With `infer_prefix` (on by default; the policy declares `needs_prefix_chain`): a turn without an id continues
+    the turn whose last full prompt chunk is the deepest in its `prefix_chain` that no two conversations share,
+    and every worker is also credited with the longest head of the prompt it was sent (a shared system prompt).
 """
 
 from policies.aladdin.choice import FIT_BEST, FIT_WORST, FITS

@@ -62,6 +62,7 @@ class AladdinPolicy(Policy):
         max_miss_rate: float = 0.1,
         miss_window: int = 64,
         price_cache: bool = True,    # multi-turn chats need it (bench/results/aladdin_estimates.md)
+        infer_prefix: bool = True,  # without KV events: cached prefixes estimated from the prompt's prefix chain
     ) -> None:
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"gamma (strictness knob) must be in [0, 1], got {gamma}")
@@ -99,6 +100,9 @@ class AladdinPolicy(Policy):
         self.max_miss_rate, self._miss_alpha = float(max_miss_rate), 1.0 / miss_window
         self.price_cache = bool(price_cache)
         self.needs_kv_blocks = self.price_cache   # the caller fills cached_prefix_tokens only when asked
+        self.infer_prefix = bool(infer_prefix)
+        # ... and prefix_chain: what each worker was sent, and the conversation of a turn without an id (affinity.py).
+        self.needs_prefix_chain = self.price_cache and self.infer_prefix
         self.ledger = Ledger(
             atgt_s=self.slo.atgt_s, predictor=predictor if predictor is not None else LengthPredictor(),
             tail=self.tail, risk_mode=slack == SLACK_RISK, bucket_steps=bucket_steps, horizon_steps=horizon_steps,
@@ -108,7 +112,7 @@ class AladdinPolicy(Policy):
             ledger=self.ledger, slo=self.slo, gamma=self.gamma, theta=self.theta, tail=self.tail, delta=self.delta,
             slack=slack, chunk=int(prefill_chunk_tokens), count_wait=count_wait, stall_risk=self.stall_risk,
             deadline_margin_s=self.deadline_margin_s, use_predictor=use_predictor, price_cache=self.price_cache,
-            sessions=SessionCache() if self.price_cache else None)
+            sessions=SessionCache(infer=self.infer_prefix) if self.price_cache else None)
         self.unplaced = UnplacedSet(unplaced_ttl_s, self.gamma, self.theta)
         self.last_feasibility: Feasibility | None = None   # of the latest request checked
         self.last_rejections: dict[str, int] = {}
