@@ -347,9 +347,11 @@ def test_metrics_names_labels_buckets_and_counters(sim_url):
     assert after["vllm:inter_token_latency_seconds_count"] == 3
     assert after["vllm:time_per_output_token_seconds_count"] == 3
     assert after["vllm:request_generation_tokens_sum"] == 4
-    # model time: TTFT >= the profile's 15 ms API overhead; ITL ~ one decode step of the H100 profile
-    assert 0.015 <= after["vllm:time_to_first_token_seconds_sum"] < 0.1
-    assert 0.005 < after["vllm:inter_token_latency_seconds_sum"] / 3 < 0.02
+    # model time: TTFT >= the profile's 15 ms API overhead; ITL at least one decode step of the H100 profile. The
+    # upper bounds only say "seconds, not milliseconds": a loaded machine delays the simulated engine's loop (one
+    # run saw a 176 ms TTFT with both cores busy), and what it reports is the time the request really took.
+    assert 0.015 <= after["vllm:time_to_first_token_seconds_sum"] < 2.0
+    assert 0.005 < after["vllm:inter_token_latency_seconds_sum"] / 3 < 0.5
     om = httpx.get(sim_url + "/metrics", headers={"Accept": "application/openmetrics-text"})
     assert om.headers["content-type"].startswith("application/openmetrics-text") and om.text.endswith("# EOF\n")
 
