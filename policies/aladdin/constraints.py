@@ -69,7 +69,8 @@ class TtftTerms:
     the engine then did): waited + queued_s + own_s + interference_s (+ the tail term). queued_s: the prefill
     work already placed there and not yet done (eq. 2, c1 included); own_s: the request's own (uncached) prefill;
     interference_s: the decode steps batched with its prefill chunks; decode_step_s: eq. 3 at the current batch
-    (n_decoding requests); queued_tokens: the queued work in linear-token units."""
+    (n_decoding requests); queued_tokens: the queued work in linear-token units; slot_s: the wait for a batch
+    slot on a worker already holding max_batch (vLLM's max_num_seqs) requests (`slot_wait`)."""
 
     waited: float
     queued_s: np.ndarray
@@ -78,6 +79,7 @@ class TtftTerms:
     decode_step_s: np.ndarray
     n_decoding: np.ndarray
     queued_tokens: np.ndarray
+    slot_s: np.ndarray
 
 
 @dataclass(slots=True)
@@ -135,6 +137,56 @@ class Constraints:
             return 0.0
         return max(now - request.arrival, 0.0)
 
+    # --- the TTFT estimate ((c), and the admission rule of policies/shedding.py) -------------------------
+    def ttft(self, request: RequestFeatures, rows: np.ndarray, now: float, cached: np.ndarray | float = 0.0,
+             l_in: float | None = None, b_now: np.ndarray | None = None
+             ) -> tuple[np.ndarray, TtftTerms, np.ndarray | float, np.ndarray | float]:
+        """The request's predicted TTFT on each candidate row (point estimate, no tail term), its terms, its
+        prefill work and its uncached prompt tokens per row. The one TTFT estimate of the code base: (c) reads
+        it, and so does the admission rule that sheds what will miss (policies/shedding.py) for every policy.
+
+        eq. 2 over the prefill work queued there plus the request's own (its uncached part), plus what it
+        waited already, the decode step in flight and, in every prefill chunk, the ongoing decodes (vLLM V1
+        batches them with the chunk: (chunks + 1) decode steps of eq. 3), plus the wait for a batch slot when
+        the worker already holds max_batch requests (`slot_wait`). `b_now`: the batch the caller counts
+        (ledger or engine report, the larger), default that."""
+        led = self.ledger
+        if l_in is None:
+            l_in = float(max(request.prompt_tokens, 0))
+        if b_now is None:
+            b_now = np.maximum(led.n_requests[rows], led.engine_batch[rows])
+        k1, c1, c3 = led.k1[rows], led.c1[rows], led.c3[rows]
+        queued = np.maximum(led.prefill_queued[rows] - led.prefill_done[rows], 0.0)  # prefill work, linear-token units
+        work = led.prefill_work(rows, l_in, cached)   # the uncached part (price_cache) or all of it
+        l_new = l_in - cached
+        pre = c1 + np.maximum(led.prefill_floor[rows], k1 * (queued + work))    # eq. 2 over queued + new
+        n_dec = led.n_decoding[rows]
+        t_d = np.where(n_dec > 0, led.k2[rows] * (led.sum_prompt_decoding[rows] + n_dec * (led.step_clock[rows] + 1.0)
+                                                  - led.sum_start_step[rows]) + led.c2[rows] * n_dec + c3, 0.0)
+        waited = self.waited(request, now)
+        chunk = self.chunks(rows)
+        # A chunk's step streams the weights once for the prefill and the decodes batched with it (eq. 3's c3 is
+        # in the prefill's k1 already): each chunk adds the decodes' share, t_d − c3; the step in flight, t_d.
+        inter = np.ceil((queued + l_new) / chunk) * np.maximum(t_d - c3, 0.0) + t_d
+        slot = self.slot_wait(rows, b_now, t_d)
+        q_s = c1 + k1 * queued
+        return (waited + pre + inter + slot, TtftTerms(waited, q_s, pre - q_s, inter, t_d, n_dec, queued, slot),
+                work, l_new)
+
+    def slot_wait(self, rows: np.ndarray, b_now: np.ndarray, t_d: np.ndarray) -> np.ndarray:
+        """How long a request waits for a batch slot on a worker that holds b_now >= max_batch requests: the
+        engine runs max_batch at a time and each slot turns over once per request life (its predicted output
+        times the decode step, eq. 3), so the (b_now + 1 − max_batch)-th in line waits that many lives over
+        max_batch (Little's law). 0 below max_batch: vLLM schedules it at once."""
+        led = self.ledger
+        mb = led.max_batch[rows]
+        over = b_now + 1.0 - mb
+        if not (over > 0).any():
+            return np.zeros(len(rows))
+        n = led.n_requests[rows]
+        life = np.where(n > 0, led.sum_predicted[rows] / np.maximum(n, 1.0), 1.0) * np.maximum(t_d, led.c3[rows])
+        return np.where(over > 0, over * life / mb, 0.0)
+
     # --- the constraints ---------------------------------------------------------------------------
     def fits_alone(self, request: RequestFeatures, rows: np.ndarray, cached: np.ndarray | float = 0.0) -> np.ndarray:
         """Constraints (b), (c), (e) for the request on an empty worker of each candidate's profile."""
@@ -159,7 +211,7 @@ class Constraints:
         l_in = float(max(request.prompt_tokens, 0))
         lp, var = self.predicted(request)
         n_all = led.n_requests[rows]
-        k1, c1, k2, c2, c3 = led.k1[rows], led.c1[rows], led.k2[rows], led.c2[rows], led.c3[rows]
+        k2, c2, c3 = led.k2[rows], led.c2[rows], led.c3[rows]
         ctx = led.sum_prompt[rows] + g * led.sum_predicted[rows]
         # capacity_norm (section 4.2): L2 norm of batch size and Σ(l_in + γ·l_out), here per capacity.
         norm = np.hypot(n_all / led.batch_scale[rows], ctx / led.context_scale[rows])
@@ -172,23 +224,8 @@ class Constraints:
         b = b_now + 1.0
         t_dec = np.minimum(led.min_atgt[rows], slo.atgt_s)
         limit = th * (t_dec - c2 * b - c3) / k2                       # (b) via eq. 4
-        queued = np.maximum(led.prefill_queued[rows] - led.prefill_done[rows], 0.0)  # prefill work, linear-token units
-        work = led.prefill_work(rows, l_in, cached)   # the uncached part (price_cache) or all of it
-        l_new = l_in - cached
-        pre = c1 + np.maximum(led.prefill_floor[rows], k1 * (queued + work))    # eq. 2 over queued + new
-        # TTFT also pays what it waited, the decode step in flight and, in every prefill chunk, the ongoing
-        # decodes (vLLM V1 batches them with the chunk): (chunks + 1) decode steps of eq. 3.
-        n_dec = led.n_decoding[rows]
-        t_d = np.where(n_dec > 0, k2 * (led.sum_prompt_decoding[rows] + n_dec * (led.step_clock[rows] + 1.0)
-                                        - led.sum_start_step[rows]) + c2 * n_dec + c3, 0.0)
-        waited = self.waited(request, now)
-        chunk = self.chunks(rows)
-        # A chunk's step streams the weights once for the prefill and the decodes batched with it (eq. 3's c3 is
-        # in the prefill's k1 already): each chunk adds the decodes' share, t_d − c3; the step in flight, t_d.
-        inter = np.ceil((queued + l_new) / chunk) * np.maximum(t_d - c3, 0.0) + t_d
-        ttft = waited + pre + inter
-        q_s = c1 + k1 * queued
-        terms = TtftTerms(waited, q_s, pre - q_s, inter, t_d, n_dec, queued)
+        ttft, terms, work, l_new = self.ttft(request, rows, now, cached, l_in, b_now)
+        queued, t_d, pre = terms.queued_tokens, terms.decode_step_s, terms.queued_s + terms.own_s
         z = 0.0
         if self.tail:                                                  # section 4.3, appendix F
             busy = int(np.count_nonzero(n_all)) + 1
