@@ -65,6 +65,7 @@ from policies.placement import (
     reserved_tokens,
     too_long_message,
 )
+from policies.shedding import WILL_MISS
 from policies.slo_targets import check_slo
 from policies.types import (
     NO_CACHED_PREFIX,
@@ -325,6 +326,7 @@ class ClusterSim:
         rebalance_s: float | None = None,
         service_priority: str | ServiceScheduler | None = None,
         service_preempt: bool = False,
+        shed: bool = True,
     ) -> None:
         if workers < 0:
             raise ValueError("workers must be >= 0")
@@ -368,7 +370,14 @@ class ClusterSim:
                 return pd_policy_for_profiles(policy, params, self.profiles, slo_ttft_s=slo_ttft_s,
                                               slo_tpot_s=slo_tpot_s, prefix_chunk_tokens=BLOCK_SIZE)
         observe = self.length_predictor.observe if self.length_predictor is not None else None
-        self.placement = ModelPlacement(self.policy, pd_factory, observe)
+        self.placement = ModelPlacement(self.policy, pd_factory, observe, shed)
+        shedder = self.placement.shedder
+        if shedder is not None and shedder.own_tracker:   # the rule's ledger: each profile's model, the run's lengths
+            for prof in self.profiles:
+                shedder.tracker.set_perf_model(prof.name, PerfModel.from_step_profile(prof))
+            if self.length_predictor is not None:
+                shedder.tracker.predictor = self.length_predictor
+                shedder.tracker.learn_lengths = False
         self.prefill_workers = prefill_workers
         if prefill_workers:
             self.policy_name = f"pd/{self.policy_name}"
@@ -492,6 +501,9 @@ class ClusterSim:
             if decision.reason == TOO_LONG:
                 self._reject(r, REJECTED_TOO_LONG, 400, too_long_message(feats, context_limit(views)), now)
                 return None
+            if decision.reason == WILL_MISS and self.placement.last_shed is not None:
+                self._reject(r, REFUSED, 429, self.placement.last_shed.message, now)   # policies/shedding.py
+                return None
             return decision
         w = self.workers.get(wid)
         if w is None or w.draining:
@@ -547,8 +559,13 @@ class ClusterSim:
         if q.full():
             self._reject(r, REFUSED, 429, "admission queue full", now)
             return
-        q.enter(feats, now, r, retry_at=retry_at, tried=tried)
+        q.enter(feats, now, r, retry_at=retry_at, tried=tried, prefill_s=self._prefill_s(feats, now))
         self._arm(now)
+
+    def _prefill_s(self, feats: RequestFeatures, now: float) -> float:
+        """The request's predicted prefill: its queue budget ends that long before its TTFT target."""
+        return self.placement.queue_prefill_s(feats, [self._view(w, now) for w in self.workers.values()
+                                                      if not w.draining])
 
     def _drain_queue(self, now: float, changed: bool = True) -> None:
         """Try the waiting requests; `changed`: capacity may have been freed (policies/admission.py `changed`), as
@@ -589,7 +606,7 @@ class ClusterSim:
         if self.queue.full():
             self._reject(r, REFUSED, 429, "admission queue full", now)
             return
-        self.queue.enter(feats, now, r, tried=True)     # it found no worker: woken by the next change
+        self.queue.enter(feats, now, r, tried=True, prefill_s=self._prefill_s(feats, now))  # woken by the next change
         self._arm(now)
 
     def _complete(self, w: SimWorker, r: WorkloadRequest, feats: RequestFeatures, now: float) -> None:

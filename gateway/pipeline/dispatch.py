@@ -146,12 +146,15 @@ class Dispatcher:
                 self.learner.attach(model, pd.decode_policy)
                 return pd
 
-            placement = ModelPlacement(policy, pd_factory, self.learner.observe_length)
             lim = self.config.limits
+            placement = ModelPlacement(policy, pd_factory, self.learner.observe_length, lim.shed_will_miss)
+            if placement.shedder is not None and placement.shedder.own_tracker:
+                self.learner.attach(model, placement.shedder.tracker)   # learned perf models, shared predictor
             queue = ModelQueue(model, AdmissionQueue(lim.queue_size, lim.queue_lookahead, lim.queue_timeout_s),
                                self.attempts.place_queued, self.poll_s, self.retry_after_s,
                                lambda n, m=model: self._queue_depth(m, n),
-                               self.services.queue_order(model) if self.services.enabled else None)
+                               self.services.queue_order(model) if self.services.enabled else None,
+                               lambda feats, now, p=placement: p.drain_s(feats, now, self.retry_after_s))
             rt = ModelRuntime(model, policy, name, policy.needs_prefix_hashes, placement, queue)
             self.runtimes[model] = rt
         return rt

@@ -139,7 +139,7 @@ class Constraints:
 
     # --- the TTFT estimate ((c), and the admission rule of policies/shedding.py) -------------------------
     def ttft(self, request: RequestFeatures, rows: np.ndarray, now: float, cached: np.ndarray | float = 0.0,
-             l_in: float | None = None, b_now: np.ndarray | None = None
+             l_in: float | None = None, b_now: np.ndarray | None = None, slots: bool = True
              ) -> tuple[np.ndarray, TtftTerms, np.ndarray | float, np.ndarray | float]:
         """The request's predicted TTFT on each candidate row (point estimate, no tail term), its terms, its
         prefill work and its uncached prompt tokens per row. The one TTFT estimate of the code base: (c) reads
@@ -148,8 +148,9 @@ class Constraints:
         eq. 2 over the prefill work queued there plus the request's own (its uncached part), plus what it
         waited already, the decode step in flight and, in every prefill chunk, the ongoing decodes (vLLM V1
         batches them with the chunk: (chunks + 1) decode steps of eq. 3), plus the wait for a batch slot when
-        the worker already holds max_batch requests (`slot_wait`). `b_now`: the batch the caller counts
-        (ledger or engine report, the larger), default that."""
+        the worker's engine runs as many requests as it can at once (`slot_wait`; `slots` False leaves it out:
+        aladdin's own (b) and (e) keep a worker it would place on below that point, so (c) does not repeat it).
+        `b_now`: the batch the caller counts (ledger or engine report, the larger), default that."""
         led = self.ledger
         if l_in is None:
             l_in = float(max(request.prompt_tokens, 0))
@@ -168,24 +169,69 @@ class Constraints:
         # A chunk's step streams the weights once for the prefill and the decodes batched with it (eq. 3's c3 is
         # in the prefill's k1 already): each chunk adds the decodes' share, t_d − c3; the step in flight, t_d.
         inter = np.ceil((queued + l_new) / chunk) * np.maximum(t_d - c3, 0.0) + t_d
-        slot = self.slot_wait(rows, b_now, t_d)
+        slot = self.slot_wait(rows, b_now) if slots else np.zeros(len(rows))
         q_s = c1 + k1 * queued
         return (waited + pre + inter + slot, TtftTerms(waited, q_s, pre - q_s, inter, t_d, n_dec, queued, slot),
                 work, l_new)
 
-    def slot_wait(self, rows: np.ndarray, b_now: np.ndarray, t_d: np.ndarray) -> np.ndarray:
-        """How long a request waits for a batch slot on a worker that holds b_now >= max_batch requests: the
-        engine runs max_batch at a time and each slot turns over once per request life (its predicted output
-        times the decode step, eq. 3), so the (b_now + 1 − max_batch)-th in line waits that many lives over
-        max_batch (Little's law). 0 below max_batch: vLLM schedules it at once."""
+    def slot_wait(self, rows: np.ndarray, b_now: np.ndarray) -> np.ndarray:
+        """How long a request waits for a batch slot on a worker that holds b_now requests when the engine runs
+        at most `slots` of them at once (`slots`). The (b_now + 1 − slots) requests ahead of it must complete
+        first, and the worker completes one per unit of work: its prefill (eq. 2 at the mean prompt) plus its
+        share of the decode steps of a full batch (its predicted output times eq. 3 at `slots` and the mean
+        mid-life context, over `slots`). 0 while a slot is free: vLLM schedules it at once."""
         led = self.ledger
-        mb = led.max_batch[rows]
-        over = b_now + 1.0 - mb
+        n = led.n_requests[rows]
+        nn = np.maximum(n, 1.0)
+        l_in, lp = led.sum_prompt[rows] / nn, led.sum_predicted[rows] / nn
+        slots = self.slots(rows, n, l_in, lp)
+        over = b_now + 1.0 - slots
         if not (over > 0).any():
             return np.zeros(len(rows))
-        n = led.n_requests[rows]
-        life = np.where(n > 0, led.sum_predicted[rows] / np.maximum(n, 1.0), 1.0) * np.maximum(t_d, led.c3[rows])
-        return np.where(over > 0, over * life / mb, 0.0)
+        step = led.k2[rows] * slots * (l_in + lp / 2.0) + led.c2[rows] * slots + led.c3[rows]   # eq. 3, full batch
+        work = led.c1[rows] + led.k1[rows] * l_in + lp * step / slots
+        return np.where(over > 0, over * work, 0.0)
+
+    def paced_atgt(self, request: RequestFeatures, rows: np.ndarray, now: float, b_now: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The request's predicted ATGT on each row once it joins the batch (b = b_now + 1, at most the slots the
+        engine runs at once, `slots`): eq. 3 at that batch and its mean mid-life context, t_d(b), stretched by
+        the prefills that arrive during its decode. Under chunked prefill every prefill token stalls the decodes
+        by its compute (k1, `stall`), so a worker that prefills at rate ρ decodes a fraction 1 − k1·ρ of the
+        time. ρ is the lesser of two rates: the prefill work that asked for the worker lately (the ledger's
+        `offered_rate_now`, placed or refused: what arrives), and what a full batch turns over (each of the b
+        requests is replaced after l_out tokens by a prompt of l_in: ρ = b·l_in / (l_out·ATGT), Little's law).
+        The first is the ATGT t_d(b) / (1 − k1·ρ); the second solves to t_d(b) + b·k1·l_in / l_out.
+        Returns (ATGT, b, slope, free) with t_d(b) = c3 + b·slope and ATGT <= t_d(b) / free: the caller can solve
+        for the batch a target allows."""
+        led = self.ledger
+        if b_now is None:
+            b_now = np.maximum(led.n_requests[rows], led.engine_batch[rows])
+        lp_new, _ = self.predicted(request)
+        n = led.n_requests[rows] + 1.0
+        l_in = (led.sum_prompt[rows] + float(max(request.prompt_tokens, 0))) / n
+        lp = (led.sum_predicted[rows] + lp_new) / n
+        b = np.minimum(b_now + 1.0, self.slots(rows, n, l_in, lp))
+        slope = led.k2[rows] * (l_in + lp / 2.0) + led.c2[rows]
+        t_d = led.c3[rows] + b * slope
+        k1 = led.k1[rows]
+        by_offer = t_d / np.maximum(1.0 - k1 * led.offered_rate_now(rows, now), 1e-3)
+        by_turnover = t_d + b * k1 * l_in / np.maximum(lp, 1.0)
+        atgt = np.minimum(by_offer, by_turnover)
+        return atgt, b, slope, t_d / atgt
+
+    def slots(self, rows: np.ndarray, n: np.ndarray, l_in: np.ndarray, lp: np.ndarray) -> np.ndarray:
+        """How many requests each row's engine runs at once: max_batch (vLLM's max_num_seqs) or as many as its KV
+        cache holds at `n` requests' mean size (eq. 1: h·(l_in + l_out) + j blocks each, M in all), the fewer.
+        An engine that reported requests waiting with its KV cache full holds no more than it ran then
+        (`engine_full`: the scrape corrects the predicted sizes, which run short while the length predictor is
+        young)."""
+        led = self.ledger
+        kv_each = led.kv_per_token[rows] * (l_in + lp) + led.kv_per_request[rows]
+        by_kv = np.divide(led.kv_capacity[rows], kv_each, out=np.full(len(rows), INF), where=(n > 0) & (kv_each > 0))
+        slots = np.minimum(led.max_batch[rows], by_kv)
+        full = led.engine_full[rows]
+        return np.maximum(np.where(full > 0, np.minimum(slots, full), slots), 1.0)
 
     # --- the constraints ---------------------------------------------------------------------------
     def fits_alone(self, request: RequestFeatures, rows: np.ndarray, cached: np.ndarray | float = 0.0) -> np.ndarray:
@@ -224,7 +270,7 @@ class Constraints:
         b = b_now + 1.0
         t_dec = np.minimum(led.min_atgt[rows], slo.atgt_s)
         limit = th * (t_dec - c2 * b - c3) / k2                       # (b) via eq. 4
-        ttft, terms, work, l_new = self.ttft(request, rows, now, cached, l_in, b_now)
+        ttft, terms, work, l_new = self.ttft(request, rows, now, cached, l_in, b_now, slots=False)
         queued, t_d, pre = terms.queued_tokens, terms.decode_step_s, terms.queued_s + terms.own_s
         z = 0.0
         if self.tail:                                                  # section 4.3, appendix F
