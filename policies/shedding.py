@@ -13,7 +13,7 @@ The rule, for every policy (the placement step, policies/placement.py, applies i
   (policies/admission.py `queue_budget`, `prefill_s` here): past that moment it cannot start in time.
 - The same for its time per output token when it has a TPOT target: its predicted ATGT once it joins the
   worker's batch (`Constraints.paced_atgt`: eq. 3 at that batch, stretched by the prefill work placed there
-  lately, which stalls every decode under chunked prefill). Without it, a fleet without caps grows
+  lately and its own, which stall every decode under chunked prefill). Without it, a fleet without caps grows
   its batches until every decode misses (at 10x, virtual time: 0 TTFT misses among admitted, 95% TPOT misses).
 - A request that cannot meet its target even on an idle worker (a prompt whose prefill alone takes longer) is
   not shed: no fleet state would serve it in time, so it is served best effort (aladdin's "best_effort").
@@ -104,8 +104,6 @@ class Shedder:
             i = next((k for k, v in enumerate(views) if v.id == worker_id), -1)
             if i < 0:
                 return None
-        # what asks for the worker, placed or not, paces its decodes (Constraints.paced_atgt)
-        led.offer(int(rows[i]), float(led.prefill_work(int(rows[i]), float(max(feats.prompt_tokens, 0)), 0.0)), now)
         tpot = feats.slo_tpot_s
         atgt = b = slope = free = None
         if tpot is not None:

@@ -372,12 +372,9 @@ class ClusterSim:
         observe = self.length_predictor.observe if self.length_predictor is not None else None
         self.placement = ModelPlacement(self.policy, pd_factory, observe, shed)
         shedder = self.placement.shedder
-        if shedder is not None and shedder.own_tracker:   # the rule's ledger: each profile's model, the run's lengths
-            for prof in self.profiles:
-                shedder.tracker.set_perf_model(prof.name, PerfModel.from_step_profile(prof))
-            if self.length_predictor is not None:
-                shedder.tracker.predictor = self.length_predictor
-                shedder.tracker.learn_lengths = False
+        if shedder is not None and shedder.own_tracker and self.length_predictor is not None:
+            shedder.tracker.predictor = self.length_predictor     # the rule's ledger reads the run's lengths
+            shedder.tracker.learn_lengths = False
         self.prefill_workers = prefill_workers
         if prefill_workers:
             self.policy_name = f"pd/{self.policy_name}"
@@ -436,6 +433,9 @@ class ClusterSim:
             raise ValueError("weight must be > 0")
         t = self.now if now is None else now
         engine = EngineCore(prof, self.engine_config)
+        shedder = self.placement.shedder
+        if shedder is not None and shedder.own_tracker and prof.name not in shedder.tracker.ledger.models:
+            shedder.tracker.set_perf_model(prof.name, PerfModel.from_step_profile(prof))   # a profile new to the run
         if self.services is not None:
             self.services.attach(engine)
         self.workers[wid] = SimWorker(wid, prof, engine, t, role,

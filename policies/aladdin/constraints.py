@@ -196,29 +196,26 @@ class Constraints:
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The request's predicted ATGT on each row once it joins the batch (b = b_now + 1, at most the slots the
         engine runs at once, `slots`): eq. 3 at that batch and its mean mid-life context, t_d(b), stretched by
-        the prefills that arrive during its decode. Under chunked prefill every prefill token stalls the decodes
-        by its compute (k1, `stall`), so a worker that prefills at rate ρ decodes a fraction 1 − k1·ρ of the
-        time. ρ is the lesser of two rates: the prefill work that asked for the worker lately (the ledger's
-        `offered_rate_now`, placed or refused: what arrives), and what a full batch turns over (each of the b
-        requests is replaced after l_out tokens by a prompt of l_in: ρ = b·l_in / (l_out·ATGT), Little's law).
-        The first is the ATGT t_d(b) / (1 − k1·ρ); the second solves to t_d(b) + b·k1·l_in / l_out.
-        Returns (ATGT, b, slope, free) with t_d(b) = c3 + b·slope and ATGT <= t_d(b) / free: the caller can solve
-        for the batch a target allows."""
+        the prefills that keep arriving. Under chunked prefill every prefill token stalls the decodes by its
+        compute (k1, `stall`), so a worker that prefills ρ work units per second decodes a fraction 1 − k1·ρ of
+        the time: ATGT = t_d(b) / (1 − k1·ρ). ρ is the prefill work placed there lately (the ledger's
+        `placed_rate_now`; the request's own prefill comes before its first token, so not in its ATGT): a rule that admits by this estimate holds the prefill rate a
+        worker takes to what its decodes can afford, from the first second of a burst on. Returns (ATGT, b,
+        slope, free) with t_d(b) = c3 + b·slope and ATGT = t_d(b) / free: the caller can solve for the batch a
+        target allows."""
         led = self.ledger
         if b_now is None:
             b_now = np.maximum(led.n_requests[rows], led.engine_batch[rows])
         lp_new, _ = self.predicted(request)
+        l_new = float(max(request.prompt_tokens, 0))
         n = led.n_requests[rows] + 1.0
-        l_in = (led.sum_prompt[rows] + float(max(request.prompt_tokens, 0))) / n
+        l_in = (led.sum_prompt[rows] + l_new) / n
         lp = (led.sum_predicted[rows] + lp_new) / n
         b = np.minimum(b_now + 1.0, self.slots(rows, n, l_in, lp))
         slope = led.k2[rows] * (l_in + lp / 2.0) + led.c2[rows]
-        t_d = led.c3[rows] + b * slope
-        k1 = led.k1[rows]
-        by_offer = t_d / np.maximum(1.0 - k1 * led.offered_rate_now(rows, now), 1e-3)
-        by_turnover = t_d + b * k1 * l_in / np.maximum(lp, 1.0)
-        atgt = np.minimum(by_offer, by_turnover)
-        return atgt, b, slope, t_d / atgt
+        rho = led.placed_rate_now(rows, now)
+        free = np.maximum(1.0 - led.k1[rows] * rho, 1e-3)
+        return (led.c3[rows] + b * slope) / free, b, slope, free
 
     def slots(self, rows: np.ndarray, n: np.ndarray, l_in: np.ndarray, lp: np.ndarray) -> np.ndarray:
         """How many requests each row's engine runs at once: max_batch (vLLM's max_num_seqs) or as many as its KV

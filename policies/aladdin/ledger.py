@@ -33,7 +33,7 @@ from policies.types import WorkerView
 
 PENDING, DECODING = 0, 1
 MAX_SLO_GROUPS = 8
-RATE_WINDOW_S = 1.0     # the offered prefill work rate's EWMA time constant (`offered_rate_now`)
+RATE_WINDOW_S = 5.0     # the placed prefill work rate's EWMA time constant (`placed_rate_now`)
 YOUNG = 8               # risk mode: the most recently started decodes tracked per worker
 INF = math.inf
 
@@ -101,8 +101,8 @@ class Ledger:
                            rmse_decode; batch_scale, context_scale (capacity_norm's units); chunk (the
                            engine's prefill chunk, max_num_batched_tokens; 0: not known)
       trust                miss_rate (EWMA of SLO misses)
-      pace                 offered_rate (EWMA of the prefill work of the requests that asked for the worker, per
-                           second, placed or not: `offer`, `offered_rate_now`), offer_t
+      pace                 placed_rate (EWMA of the prefill work placed on the worker per second: `placed_rate_now`),
+                           placed_t (its last update), placed_t0 (the first placement)
       per SLO group        slack_key (the least slack key of the group's decodes)
       KV ring              kv_alive (N), kv_intercept (A), one column per bucket
       risk mode            young_start_step, young_start_time, young_atgt (0: an empty slot), young_next
@@ -143,8 +143,9 @@ class Ledger:
     k1q: np.ndarray
     prefill_floor: np.ndarray
     miss_rate: np.ndarray
-    offered_rate: np.ndarray
-    offer_t: np.ndarray
+    placed_rate: np.ndarray
+    placed_t: np.ndarray
+    placed_t0: np.ndarray
     chunk: np.ndarray
 
     _SCALARS = (
@@ -157,7 +158,7 @@ class Ledger:
         ("kv_per_request", 0.0), ("kv_capacity", 1.0), ("max_batch", 1.0), ("rmse_prefill", 0.0),
         ("rmse_decode", 0.0), ("batch_scale", 1.0), ("context_scale", 1.0),
         ("k1q", 0.0), ("prefill_floor", 0.0), ("miss_rate", 0.0), ("chunk", 0.0),
-        ("offered_rate", 0.0), ("offer_t", -INF),
+        ("placed_rate", 0.0), ("placed_t", -INF), ("placed_t0", INF),
     )
 
     def __init__(self, *, atgt_s: float, predictor: LengthPredictor, tail: str | None, risk_mode: bool,
@@ -368,14 +369,22 @@ class Ledger:
             if repredict and self.next_predicted_end[r] < g_new:
                 self.repredict_due(r)
 
-    def offer(self, r: int, work: float, now: float) -> None:
-        """A request of `work` prefill units asked for row r at `now` (placed there or refused)."""
-        self.offered_rate[r] = float(self.offered_rate_now(r, now)) + work / RATE_WINDOW_S
-        self.offer_t[r] = now
+    def _placed_work(self, r: int, work: float, now: float) -> None:
+        """`work` prefill units were placed on row r at `now` (`add`)."""
+        if not math.isfinite(now):
+            return
+        decay = math.exp(-max(now - float(self.placed_t[r]), 0.0) / RATE_WINDOW_S) if self.placed_t[r] > -INF else 0.0
+        self.placed_rate[r] = float(self.placed_rate[r]) * decay + work / RATE_WINDOW_S
+        self.placed_t[r] = now
+        self.placed_t0[r] = min(float(self.placed_t0[r]), now)
 
-    def offered_rate_now(self, r: Any, now: float) -> Any:
-        """The prefill work that asked for row(s) r per second lately (an EWMA over RATE_WINDOW_S), at `now`."""
-        return self.offered_rate[r] * np.exp(-np.maximum(now - self.offer_t[r], 0.0) / RATE_WINDOW_S)
+    def placed_rate_now(self, r: Any, now: float) -> Any:
+        """The prefill work placed on row(s) r per second lately, at `now`: an EWMA over RATE_WINDOW_S,
+        bias-corrected for a worker asked for less than that long (as Adam's moments are), so the rate is right
+        from the first second of a burst, not RATE_WINDOW_S late (at least a tenth of the window counts)."""
+        age = np.maximum(now - self.placed_t0[r], 0.1 * RATE_WINDOW_S)
+        seen = -np.expm1(-age / RATE_WINDOW_S)
+        return self.placed_rate[r] * np.exp(-np.maximum(now - self.placed_t[r], 0.0) / RATE_WINDOW_S) / seen
 
     def step_time(self, r: int) -> float:
         """Eq. 3 at the worker's current batch and context."""
@@ -448,7 +457,9 @@ class Ledger:
         predicted life."""
         row = self.rows[r]
         req.g0 = float(self.step_clock[r])
-        self.prefill_queued[r] += self.prefill_work(r, float(req.l_in), cached)  # prefill work (perf_model)
+        work = self.prefill_work(r, float(req.l_in), cached)  # prefill work (perf_model)
+        self.prefill_queued[r] += work
+        self._placed_work(r, float(work), float(self.t_last[r]))   # the caller advanced the row to now
         req.pend_end = float(self.prefill_queued[r])
         row.pending.append(req)
         if len(row.pending) == 1:
