@@ -196,26 +196,34 @@ class Constraints:
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The request's predicted ATGT on each row once it joins the batch (b = b_now + 1, at most the slots the
         engine runs at once, `slots`): eq. 3 at that batch and its mean mid-life context, t_d(b), stretched by
-        the prefills that keep arriving. Under chunked prefill every prefill token stalls the decodes by its
-        compute (k1, `stall`), so a worker that prefills ρ work units per second decodes a fraction 1 − k1·ρ of
-        the time: ATGT = t_d(b) / (1 − k1·ρ). ρ is the prefill work placed there lately (the ledger's
-        `placed_rate_now`; the request's own prefill comes before its first token, so not in its ATGT): a rule that admits by this estimate holds the prefill rate a
-        worker takes to what its decodes can afford, from the first second of a burst on. Returns (ATGT, b,
-        slope, free) with t_d(b) = c3 + b·slope and ATGT = t_d(b) / free: the caller can solve for the batch a
-        target allows."""
+        the prefills that keep arriving (the ledger's `placed_rate_now`: ρ prefill work units and λ requests
+        placed there per second lately; the request's own prefill comes before its first token).
+
+        Under chunked prefill a step that carries prefill tokens costs their compute, k1 each (eq. 2's slope,
+        `stall`), and is compute-bound: the weights' streaming time (eq. 2's prefill floor pf) is hidden under
+        the compute, and each decode batched with it costs one token of compute too, k1, not eq. 3's
+        memory-bound c2. Such a step costs its decodes t_m = t_d − pf + (k1 − c2)·b. Over a time T with N
+        decode steps, of which N_m carry prefill: T = N·t_d − N_m·(t_d − t_m) + k1·ρ·T. When prefills are rarer
+        than steps (N_m = λ·T) this is ATGT = T/N = t_d / (1 − k1·ρ + λ·(t_d − t_m)); when every step carries
+        one (N_m = N, as soon as λ·ATGT >= 1), t_m / (1 − k1·ρ). Returns (ATGT, b, slope, free) with t_d(b) = c3 + b·slope and
+        ATGT = t_d(b) / free: the caller can solve for the batch a target allows."""
         led = self.ledger
         if b_now is None:
             b_now = np.maximum(led.n_requests[rows], led.engine_batch[rows])
         lp_new, _ = self.predicted(request)
-        l_new = float(max(request.prompt_tokens, 0))
         n = led.n_requests[rows] + 1.0
-        l_in = (led.sum_prompt[rows] + l_new) / n
+        l_in = (led.sum_prompt[rows] + float(max(request.prompt_tokens, 0))) / n
         lp = (led.sum_predicted[rows] + lp_new) / n
         b = np.minimum(b_now + 1.0, self.slots(rows, n, l_in, lp))
         slope = led.k2[rows] * (l_in + lp / 2.0) + led.c2[rows]
-        rho = led.placed_rate_now(rows, now)
-        free = np.maximum(1.0 - led.k1[rows] * rho, 1e-3)
-        return (led.c3[rows] + b * slope) / free, b, slope, free
+        t_d = led.c3[rows] + b * slope
+        k1 = led.k1[rows]
+        t_m = t_d - np.minimum(led.prefill_floor[rows], led.c3[rows]) + np.maximum(k1 - led.c2[rows], 0.0) * b
+        rho, lam = led.placed_rate_now(rows, now)
+        busy = np.maximum(1.0 - k1 * rho, 1e-3)     # the share of time not spent on prefill compute
+        every = t_m / busy
+        atgt = np.where(lam * every >= 1.0, every, t_d / np.maximum(busy + lam * (t_d - t_m), 1e-3))
+        return atgt, b, slope, t_d / atgt
 
     def slots(self, rows: np.ndarray, n: np.ndarray, l_in: np.ndarray, lp: np.ndarray) -> np.ndarray:
         """How many requests each row's engine runs at once: max_batch (vLLM's max_num_seqs) or as many as its KV

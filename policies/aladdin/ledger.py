@@ -101,8 +101,8 @@ class Ledger:
                            rmse_decode; batch_scale, context_scale (capacity_norm's units); chunk (the
                            engine's prefill chunk, max_num_batched_tokens; 0: not known)
       trust                miss_rate (EWMA of SLO misses)
-      pace                 placed_rate (EWMA of the prefill work placed on the worker per second: `placed_rate_now`),
-                           placed_t (its last update), placed_t0 (the first placement)
+      pace                 placed_rate, placed_n (EWMAs of the prefill work and of the requests placed on the worker
+                           per second: `placed_rate_now`), placed_t (their last update), placed_t0 (the first)
       per SLO group        slack_key (the least slack key of the group's decodes)
       KV ring              kv_alive (N), kv_intercept (A), one column per bucket
       risk mode            young_start_step, young_start_time, young_atgt (0: an empty slot), young_next
@@ -144,6 +144,7 @@ class Ledger:
     prefill_floor: np.ndarray
     miss_rate: np.ndarray
     placed_rate: np.ndarray
+    placed_n: np.ndarray
     placed_t: np.ndarray
     placed_t0: np.ndarray
     chunk: np.ndarray
@@ -158,7 +159,7 @@ class Ledger:
         ("kv_per_request", 0.0), ("kv_capacity", 1.0), ("max_batch", 1.0), ("rmse_prefill", 0.0),
         ("rmse_decode", 0.0), ("batch_scale", 1.0), ("context_scale", 1.0),
         ("k1q", 0.0), ("prefill_floor", 0.0), ("miss_rate", 0.0), ("chunk", 0.0),
-        ("placed_rate", 0.0), ("placed_t", -INF), ("placed_t0", INF),
+        ("placed_rate", 0.0), ("placed_n", 0.0), ("placed_t", -INF), ("placed_t0", INF),
     )
 
     def __init__(self, *, atgt_s: float, predictor: LengthPredictor, tail: str | None, risk_mode: bool,
@@ -375,16 +376,18 @@ class Ledger:
             return
         decay = math.exp(-max(now - float(self.placed_t[r]), 0.0) / RATE_WINDOW_S) if self.placed_t[r] > -INF else 0.0
         self.placed_rate[r] = float(self.placed_rate[r]) * decay + work / RATE_WINDOW_S
+        self.placed_n[r] = float(self.placed_n[r]) * decay + 1.0 / RATE_WINDOW_S
         self.placed_t[r] = now
         self.placed_t0[r] = min(float(self.placed_t0[r]), now)
 
-    def placed_rate_now(self, r: Any, now: float) -> Any:
-        """The prefill work placed on row(s) r per second lately, at `now`: an EWMA over RATE_WINDOW_S,
+    def placed_rate_now(self, r: Any, now: float) -> tuple[Any, Any]:
+        """The prefill work and the requests placed on row(s) r per second lately, at `now`: EWMAs over RATE_WINDOW_S,
         bias-corrected for a worker asked for less than that long (as Adam's moments are), so the rate is right
         from the first second of a burst, not RATE_WINDOW_S late (at least a tenth of the window counts)."""
         age = np.maximum(now - self.placed_t0[r], 0.1 * RATE_WINDOW_S)
         seen = -np.expm1(-age / RATE_WINDOW_S)
-        return self.placed_rate[r] * np.exp(-np.maximum(now - self.placed_t[r], 0.0) / RATE_WINDOW_S) / seen
+        k = np.exp(-np.maximum(now - self.placed_t[r], 0.0) / RATE_WINDOW_S) / seen
+        return self.placed_rate[r] * k, self.placed_n[r] * k
 
     def step_time(self, r: int) -> float:
         """Eq. 3 at the worker's current batch and context."""
