@@ -11,7 +11,9 @@ The rule, for every policy (the placement step, policies/placement.py, applies i
 - A request the policy could not place (it would queue) is refused at once when even the best candidate misses:
   waiting only adds to its TTFT. A queued request's budget ends at target − predicted prefill
   (policies/admission.py `queue_budget`, `prefill_s` here): past that moment it cannot start in time.
-- The same for its time per output token when it has a TPOT target: its predicted ATGT once it joins the
+- The same for its time per output token when it has a TPOT target (on a worker that refused lately, against θ
+  times the target: Aladdin's error margin on its decode constraints, section 4.2): its predicted ATGT once it
+  joins the
   worker's batch (`Constraints.paced_atgt`: eq. 3 at that batch, stretched by the prefill work placed there
   lately and its own, which stall every decode under chunked prefill). Without it, a fleet without caps grows
   its batches until every decode misses (at 10x, virtual time: 0 TTFT misses among admitted, 95% TPOT misses).
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from policies.aladdin.ledger import RATE_WINDOW_S
 from policies.aladdin.policy import AladdinPolicy
 from policies.base import Policy
 from policies.types import CLASS_BATCH, RequestFeatures, WorkerView
@@ -67,11 +70,16 @@ def sheddable(feats: RequestFeatures) -> bool:
 
 class Shedder:
     """The rule of the module docstring over one model's placement step. `policy`: the model's policy (aladdin
-    is read directly; any other gets a tracker of its own, `own_tracker`)."""
+    is read directly; any other gets a tracker of its own, `own_tracker`); `theta`: Aladdin's error margin θ on
+    the decode side (0.8, as AladdinPolicy's default): on a saturated worker the predicted ATGT may take that
+    share of the target (`check`)."""
 
-    __slots__ = ("tracker", "own_tracker", "shed", "checks", "_rows")
+    __slots__ = ("tracker", "own_tracker", "theta", "shed", "checks", "_rows", "_last_shed")
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, theta: float = 0.8) -> None:
+        if not 0.0 < theta <= 1.0:
+            raise ValueError(f"theta (error margin) must be in (0, 1], got {theta}")
+        self.theta = theta     # the share of its TPOT target a request's predicted ATGT may take (`check`)
         if isinstance(policy, AladdinPolicy):
             self.tracker, self.own_tracker = policy, False
         else:
@@ -80,6 +88,7 @@ class Shedder:
         self.shed = 0          # requests refused by the rule
         self.checks = 0
         self._rows: np.ndarray | None = None   # the candidates' ledger rows at the last check
+        self._last_shed: dict[str, float] = {}  # worker -> when it last refused a request (`check`)
 
     # --- the rule ------------------------------------------------------------------------------------------
     def check(self, feats: RequestFeatures, views: Sequence[WorkerView], now: float,
@@ -104,7 +113,16 @@ class Shedder:
             i = next((k for k, v in enumerate(views) if v.id == worker_id), -1)
             if i < 0:
                 return None
-        tpot = feats.slo_tpot_s
+        # On a worker that refused a request lately (saturated: what it admits fills it up to the threshold) the
+        # ATGT is judged against θ·target, Aladdin's error margin on its decode constraints ((b), (d), section
+        # 4.2): admitting up to the target itself fills a saturated worker until the mean ATGT is the target and
+        # half its requests miss (measured live: TPOT p50 100.1 ms against 100 ms). A worker that has not
+        # refused within RATE_WINDOW_S is judged against the target itself: its load is not held at the
+        # threshold, and the margin there only refused requests that met their SLO (simulate golden runs).
+        tpot = None
+        if feats.slo_tpot_s is not None:
+            wid = views[i].id
+            tpot = feats.slo_tpot_s * (self.theta if now - self._last_shed.get(wid, -math.inf) < RATE_WINDOW_S else 1.0)
         atgt = b = slope = free = None
         if tpot is not None:
             atgt, b, slope, free = cons.paced_atgt(feats, rows, now)
@@ -116,6 +134,7 @@ class Shedder:
             if self._alone(feats, rows, cached) > target:
                 return None      # no state of the fleet serves it in time: best effort, not shed
             self.shed += 1
+            self._last_shed[views[i].id] = now
             return Shed(float(ttft[i]), target, _drain(float(ttft[i] - terms.waited), target), views[i].id)
         if atgt is not None and b is not None and slope is not None and free is not None and atgt[i] > tpot:
             if float(np.min(led.c3[rows] + slope)) > tpot:
@@ -125,7 +144,9 @@ class Shedder:
             lp, _ = cons.predicted(feats)
             drain = max(float(b[i]) - allowed, 0.0) / float(b[i]) * lp * float(atgt[i])
             self.shed += 1
-            return Shed(float(atgt[i]), float(tpot), _drain(drain, 0.0), views[i].id, "time per output token")
+            self._last_shed[views[i].id] = now
+            return Shed(float(atgt[i]), float(feats.slo_tpot_s), _drain(drain, 0.0), views[i].id,  # type: ignore[arg-type]
+                        "time per output token")
         return None
 
     def prefill_s(self, feats: RequestFeatures, views: Sequence[WorkerView]) -> float:
