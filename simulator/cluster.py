@@ -413,7 +413,9 @@ class ClusterSim:
         # KV-cache events of each engine step, as (sim, worker_id, events, now); simulator/kv_sim.py feeds
         # the exact prefix-cache view (`kv_view`) of policies that want one (needs_kv_blocks).
         self.on_kv_events: list[Callable[..., Any]] = []
-        self.kv_view = SimKvView(self.profiles[0].block_size) if SimKvView.wanted(self.policy) else None
+        # the exact prefix-cache view, for policies that read it and for the shedding rule's ledger (any policy)
+        wanted = SimKvView.wanted(self.policy) or SimKvView.wanted(shedder.tracker if shedder is not None else None)
+        self.kv_view = SimKvView(self.profiles[0].block_size) if wanted else None
         if self.kv_view is not None:
             self.engine_config = self.kv_view.engine_config(self.engine_config)
             self.on_kv_events.append(self.kv_view.on_events)

@@ -315,11 +315,15 @@ class Dispatcher:
         max_tokens = req.max_tokens if req.max_tokens is not None else route.default_max_tokens
         rclass = hdrs.request_class
         slo_ttft, slo_tpot = self.slo.targets(rt.model, rclass, hdrs.slo_ttft, hdrs.slo_tpot)
+        # the prefix-cache view (KV events, when configured) for the policy, or for the shedding rule's own ledger
+        # (policies/shedding.py: its prefill estimates price cached prefixes whatever the policy)
+        shedder = rt.placement.shedder
+        reader = shedder.tracker if shedder is not None and shedder.own_tracker and slo_ttft is not None else rt.policy
         return RequestFeatures(
             request_id=rid, model=rt.model, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
             predicted_output_tokens=self.learner.predict(rt.model, prompt_tokens, max_tokens),
             session_id=hdrs.session_id, prefix_hashes=prefix, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
             priority=req.priority, request_class=rclass, arrival=time.time(),
-            cached_prefix_tokens=cached_prefix_for(self.kv_events, rt.policy, body, route is CHAT),
+            cached_prefix_tokens=cached_prefix_for(self.kv_events, reader, body, route is CHAT),
             adapter=self.adapters.adapter_of(rt.model, body.get("model")),
         )

@@ -227,12 +227,19 @@ class Constraints:
 
     def slots(self, rows: np.ndarray, n: np.ndarray, l_in: np.ndarray, lp: np.ndarray) -> np.ndarray:
         """How many requests each row's engine runs at once: max_batch (vLLM's max_num_seqs) or as many as its KV
-        cache holds at `n` requests' mean size (eq. 1: h·(l_in + l_out) + j blocks each, M in all), the fewer.
+        cache holds at `n` requests' mean size (eq. 1: h·(l_in + l_out) + j blocks each, M in all, less the share
+        of prefix blocks the engine's KV report says they hold in common), the fewer.
         An engine that reported requests waiting with its KV cache full holds no more than it ran then
         (`engine_full`: the scrape corrects the predicted sizes, which run short while the length predictor is
         young)."""
         led = self.ledger
         kv_each = led.kv_per_token[rows] * (l_in + lp) + led.kv_per_request[rows]
+        # The engine holds a prefix its requests share (a system prompt, a conversation's earlier turns) once: its
+        # KV report against the ledger's level (`Ledger.kv_correction`) scales the predicted size down.
+        slot = led.bucket_now[rows] % led.H
+        level = led.kv_per_token[rows] * led.step_clock[rows] * led.kv_alive[rows, slot] + led.kv_intercept[rows, slot]
+        shared = np.divide(level + led.kv_correction(rows), level, out=np.ones(len(rows)), where=level > 0)
+        kv_each = kv_each * np.clip(shared, 0.05, 1.0)
         by_kv = np.divide(led.kv_capacity[rows], kv_each, out=np.full(len(rows), INF), where=(n > 0) & (kv_each > 0))
         slots = np.minimum(led.max_batch[rows], by_kv)
         full = led.engine_full[rows]
