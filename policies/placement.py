@@ -121,7 +121,9 @@ class ModelPlacement:
         return self._pd
 
     # --- the decision -------------------------------------------------------------------------------
-    def place(self, feats: RequestFeatures, views: Sequence[WorkerView], now: float) -> Decision:
+    def place(self, feats: RequestFeatures, views: Sequence[WorkerView], now: float, swap_s: float = 0.0) -> Decision:
+        """The placement step (module docstring). `swap_s`: the wake of its model on a shared host the request
+        waited for, which the admission rule counts in its TTFT target as the queue budget does."""
         if not views:
             return Decision(None, NO_WORKERS)
         if not servable(feats, context_limit(views)):
@@ -142,7 +144,7 @@ class ModelPlacement:
         else:
             d = self.policy.choose(feats, views, now)
         if self.shedder is not None and d.reason != TOO_LONG:
-            shed = self.shedder.check(feats, views, now, d.worker_id)
+            shed = self.shedder.check(feats, views, now, d.worker_id, swap_s)
             if shed is not None:
                 self.last_shed = shed
                 return Decision(None, WILL_MISS)

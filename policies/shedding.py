@@ -93,9 +93,10 @@ class Shedder:
 
     # --- the rule ------------------------------------------------------------------------------------------
     def check(self, feats: RequestFeatures, views: Sequence[WorkerView], now: float,
-              worker_id: str | None) -> Shed | None:
+              worker_id: str | None, swap_s: float = 0.0) -> Shed | None:
         """None when the request may go on (placed on `worker_id`, or queued when None and some candidate could
-        still serve it in time); else why it is refused."""
+        still serve it in time); else why it is refused. `swap_s`: its model's wake it waited for, counted in its
+        TTFT target (policies/admission.py `queue_budget` does the same)."""
         if not views or not sheddable(feats):
             return None
         self.checks += 1
@@ -107,7 +108,7 @@ class Shedder:
         cons = t.constraints
         cached = cons.cached_for(feats, list(views))
         ttft, terms, _, _ = cons.ttft(feats, rows, now, cached)
-        target = float(feats.slo_ttft_s)  # type: ignore[arg-type]  (sheddable)
+        target = float(feats.slo_ttft_s) + max(swap_s, 0.0)  # type: ignore[arg-type]  (sheddable)
         if worker_id is None:
             i = int(np.argmin(ttft))
         else:

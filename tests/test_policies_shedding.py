@@ -1,4 +1,4 @@
-"""Admission that sheds what will miss (policies/shedding.py, issue 41 item 3): the rule by hand on a known
+"""Admission that sheds what will miss (policies/shedding.py): the rule by hand on a known
 performance model, and at 10x overload in virtual time for several policies (deterministic: no wall clock)."""
 
 from __future__ import annotations

@@ -536,6 +536,7 @@ class Attempts:
             raise errors.overloaded(rt.model, self.retry_after_s, "admission queue full")
         t = time.perf_counter()
         swap_s = self.pooling.wake_s(rt.model) if self.pooling is not None else 0.0   # its model asleep: a swap
+        ctx.swap_s = max(ctx.swap_s, swap_s)   # the admission rule counts it as the queue budget does
         # its queue budget ends its predicted prefill before its TTFT target (policies/shedding.py)
         prefill_s = rt.placement.queue_prefill_s(ctx.feats, self.views(rt.model)[0]) if ctx.feats.slo_ttft_s else 0.0
         await q.wait(ctx, ctx.feats, retry_at, swap_s, prefill_s)
@@ -597,7 +598,7 @@ class Attempts:
         placed = False
         try:
             while True:
-                d = rt.placement.place(feats, views, time.time())
+                d = rt.placement.place(feats, views, time.time(), ctx.swap_s)
                 ctx.decision = d
                 ws = by_id.get(d.worker_id) if d.worker_id is not None else None
                 if ws is None:
