@@ -97,7 +97,8 @@ def run_pair(policy: str, rate: float | None, n: int, seed: int) -> PairResult:
     for _ in range(WARM_SAMPLES):
         p, o = rows[rng.randrange(len(rows))]
         predictor.observe(model, p, o)
-    sim = ClusterSim([STRONG, WEAK], 0, make_pair_policy(policy), predicted_output_tokens=predictor)
+    # every request placed (shed=False): the study measures where each policy sends the load, not admission
+    sim = ClusterSim([STRONG, WEAK], 0, make_pair_policy(policy), predicted_output_tokens=predictor, shed=False)
     sim.add_worker(STRONG, "strong", weight=STRONG_WEIGHT)
     sim.add_worker(WEAK, "weak", weight=WEAK_WEIGHT)
     res = sim.run(workload(n, rate, seed))

@@ -190,6 +190,8 @@ def simulate(
                                         help="Admission queue look-ahead (the gateway's limits.queue_lookahead)."),
     rebalance_s: float | None = typer.Option(None, "--rebalance-s", help="Run Aladdin's Algorithm 2 (moves of "
                                              "requests not started) every this many seconds; off by default."),
+    no_shed: bool = typer.Option(False, "--no-shed", help="Admit what will miss its SLO (the gateway's "
+                                 "limits.shed_will_miss: false); by default such requests are refused (429)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     pd: str | None = typer.Option(None, "--pd", help="P:D prefill and decode workers (replaces --workers); "
                                      "--policy then places the decode legs."),
@@ -278,7 +280,8 @@ def simulate(
                        slo_ttft_s=slo_ttft_ms / 1000.0, slo_tpot_s=slo_tpot_ms / 1000.0, ttft_slowdown=ttft_slowdown, pd=pd,
                        lengths="oracle" if oracle_lengths else "predicted", warmup=warmup,
                        queue_lookahead=queue_lookahead, rebalance_s=rebalance_s, services=services,
-                       service_priority=service_priority, service_preempt=service_preempt, max_num_seqs=max_num_seqs)
+                       service_priority=service_priority, service_preempt=service_preempt, max_num_seqs=max_num_seqs,
+                       shed=not no_shed)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -9,8 +9,9 @@ Rules (in one place, so the simulator and the gateway cannot drift):
   gives one) and stops after `lookahead` of them found no worker
   (lookahead 1: head-of-line; larger: a head that does not fit, e.g. one an SLO-aware policy holds back until
   its own deadline, does not block the requests behind it).
-- A request gives up at its deadline (`queue_budget`): an interactive request when its TTFT target has
-  passed (waiting longer cannot meet it), else after the configured queue timeout. It is refused with 429.
+- A request gives up at its deadline (`queue_budget`): an interactive request when it can no longer start in
+  time, its TTFT target less its predicted prefill (`prefill_s`, policies/shedding.py: a request that starts
+  later is certain to miss), else after the configured queue timeout. It is refused with 429.
   A request whose model must first be woken on a shared host (none of its engines awake) has the swap time its
   model needs added to that target (`swap_s`): the swap is part of its first token's time, as the pooled
   simulator prices it, so it waits for the swap and a 429 means that the fleet really is full.
@@ -42,15 +43,21 @@ DEFAULT_QUEUE_TIMEOUT_S = 5.0     # the longest wait without a TTFT target (limi
 DEFAULT_QUEUE_LOOKAHEAD = 16
 
 
-def queue_budget(feats: RequestFeatures, now: float, timeout_s: float, swap_s: float = 0.0) -> tuple[float, str]:
+def queue_budget(feats: RequestFeatures, now: float, timeout_s: float, swap_s: float = 0.0,
+                 prefill_s: float = 0.0) -> tuple[float, str]:
     """How long the request may wait for a worker from `now`, and why that long: an interactive request with a
-    TTFT target gives up when the target has passed (its arrival is `feats.arrival`, on the caller's clock), the
-    target counted after `swap_s`, the time its model needs to be woken (0: an engine of it is awake); else the
-    configured queue timeout."""
+    TTFT target gives up when it can no longer start in time: the target (from its arrival, `feats.arrival`,
+    on the caller's clock) less `prefill_s`, its own predicted prefill (policies/shedding.py), counted after
+    `swap_s`, the time its model needs to be woken (0: an engine of it is awake); else the configured queue
+    timeout."""
     if feats.slo_ttft_s is not None and feats.request_class != CLASS_BATCH:
-        left = feats.slo_ttft_s + max(swap_s, 0.0) - max(now - feats.arrival, 0.0)
+        pre = min(max(prefill_s, 0.0), feats.slo_ttft_s)
+        left = feats.slo_ttft_s - pre + max(swap_s, 0.0) - max(now - feats.arrival, 0.0)
         if left < timeout_s:
             swap = f" after its model's {swap_s:g} s swap" if swap_s > 0 else ""
+            if pre > 0:
+                return max(left, 0.0), (f"it could no longer start in time to meet its TTFT target of "
+                                        f"{feats.slo_ttft_s * 1000:g} ms{swap} (its prefill takes {pre * 1000:.0f} ms)")
             return max(left, 0.0), f"its TTFT target of {feats.slo_ttft_s * 1000:g} ms{swap} passed while queued"
     return timeout_s, f"waited {timeout_s:g}s in the admission queue"
 
@@ -98,12 +105,12 @@ class AdmissionQueue:
         return len(self._items) < self.lookahead
 
     def enter(self, feats: RequestFeatures, now: float, handle: Any = None, swap_s: float = 0.0,
-              retry_at: float | None = None, tried: bool | None = None) -> Waiting:
+              retry_at: float | None = None, tried: bool | None = None, prefill_s: float = 0.0) -> Waiting:
         """Queue a request (the caller checked `full` first); its deadline from `queue_budget` (`swap_s`: the time
-        its model needs to be woken, 0 when awake); `retry_at`: when the policy that could not place it asked to
+        its model needs to be woken, 0 when awake; `prefill_s`: its predicted prefill); `retry_at`: when the policy that could not place it asked to
         be tried again (None: when capacity changes); `tried`: the caller just tried to place it (None: it did
         when it has a `retry_at`), so a drain skips it until capacity changes."""
-        budget, reason = queue_budget(feats, now, self.timeout_s, swap_s)
+        budget, reason = queue_budget(feats, now, self.timeout_s, swap_s, prefill_s)
         w = Waiting(feats, now, now + budget, reason, handle, retry_at if retry_at is not None else math.inf)
         if tried or (tried is None and retry_at is not None):
             w.tried_epoch = self.epoch

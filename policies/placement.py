@@ -8,7 +8,10 @@
       -> adapter              plain profile, a request naming a LoRA adapter: the policy among the workers
                               serving it, else the cheapest load with its time priced in (policies/adapters.py)
       -> policy               any policy by name (policies/base.py)
-      -> Decision             worker(s), or None with a reason and maybe a `retry_at` (the admission queue waits)
+      -> shedding             a request whose predicted TTFT there misses its target is refused (policies/shedding.py:
+                              the chosen worker, or the best candidate when the policy placed it nowhere)
+      -> Decision             worker(s), or None with a reason and maybe a `retry_at` (the admission queue waits);
+                              reason WILL_MISS: the caller answers 429 with `last_shed`'s Retry-After
 
 and the feedback, in this order for every request: `dispatched` once it was sent, `first_token`, then
 `finished` (with its output length when it completed) or `released` (failed, aborted). The live gateway
@@ -25,6 +28,7 @@ from policies.aladdin.rebalancing import slow_workers
 from policies.autoscale.routing import pool_filter, pools_in_use
 from policies.base import Policy
 from policies.pd import DISAGGREGATED, LOCAL_CACHED, LOCAL_NO_PREFILL, LOCAL_OVERFLOW, LOCAL_SHORT, PdPolicy
+from policies.shedding import WILL_MISS, Shed, Shedder
 from policies.types import ROLE_MIXED, Decision, Move, RequestFeatures, WorkerView
 
 TOO_LONG = "too_long"        # Decision.reason of a request no candidate can hold (the caller answers 400)
@@ -99,17 +103,21 @@ def too_long_message(feats: RequestFeatures, limit: int | None) -> str:
 class ModelPlacement:
     """The placement step of one model (module docstring). `pd_factory` builds the P/D profile's PdPolicy (around
     the model's policy settings) the first time the fleet has prefill or decode workers; `observe_length` hears
-    every completed request's (model, prompt tokens, output tokens) for output-length prediction."""
+    every completed request's (model, prompt tokens, output tokens) for output-length prediction. `shed`: apply
+    the admission rule that refuses what will miss its TTFT (policies/shedding.py; `shedder`, None when off).
+    Requests placed as P/D are not judged by it (its estimate is of one mixed worker's TTFT)."""
 
-    __slots__ = ("policy", "_pd", "_pd_factory", "_via_pd", "observe_length")
+    __slots__ = ("policy", "_pd", "_pd_factory", "_via_pd", "observe_length", "shedder", "last_shed")
 
     def __init__(self, policy: Policy, pd_factory: Callable[[], PdPolicy] | None = None,
-                 observe_length: Callable[[str, int, int], None] | None = None) -> None:
+                 observe_length: Callable[[str, int, int], None] | None = None, shed: bool = True) -> None:
         self.policy = policy
         self._pd: PdPolicy | None = None
         self._pd_factory = pd_factory
         self._via_pd: set[str] = set()            # requests the P/D profile placed (its ledger hears about them)
         self.observe_length = observe_length
+        self.shedder = Shedder(policy) if shed else None
+        self.last_shed: Shed | None = None        # why the latest WILL_MISS decision refused its request
 
     @property
     def pd(self) -> PdPolicy | None:
@@ -122,7 +130,9 @@ class ModelPlacement:
         return self._pd
 
     # --- the decision -------------------------------------------------------------------------------
-    def place(self, feats: RequestFeatures, views: Sequence[WorkerView], now: float) -> Decision:
+    def place(self, feats: RequestFeatures, views: Sequence[WorkerView], now: float, swap_s: float = 0.0) -> Decision:
+        """The placement step (module docstring). `swap_s`: the wake of its model on a shared host the request
+        waited for, which the admission rule counts in its TTFT target as the queue budget does."""
         if not views:
             return Decision(None, NO_WORKERS)
         if not servable(feats, context_limit(views)):
@@ -139,8 +149,27 @@ class ModelPlacement:
             if not views:
                 return Decision(None, NO_WORKERS)
         if feats.adapter is not None:
-            return choose_for_adapter(self.policy, feats, views, now, self.adapter_load_s(feats))
-        return self.policy.choose(feats, views, now)
+            d = choose_for_adapter(self.policy, feats, views, now, self.adapter_load_s(feats))
+        else:
+            d = self.policy.choose(feats, views, now)
+        if self.shedder is not None and d.reason != TOO_LONG:
+            shed = self.shedder.check(feats, views, now, d.worker_id, swap_s)
+            if shed is not None:
+                self.last_shed = shed
+                return Decision(None, WILL_MISS)
+        return d
+
+    def queue_prefill_s(self, feats: RequestFeatures, views: Sequence[WorkerView]) -> float:
+        """The request's predicted prefill (policies/shedding.py `prefill_s`): its queue budget ends that long
+        before its TTFT target. 0 when the rule is off."""
+        return self.shedder.prefill_s(feats, views) if self.shedder is not None else 0.0
+
+    def drain_s(self, feats: RequestFeatures, now: float, default: float) -> float:
+        """Retry-After for a request refused at its queue deadline: the predicted drain time (`default` when
+        the rule is off or the request has no TTFT target)."""
+        if self.shedder is None or feats.slo_ttft_s is None:
+            return default
+        return self.shedder.drain_s(feats, now)
 
     def adapter_load_s(self, feats: RequestFeatures) -> float:
         """Seconds a runtime load of the request's adapter takes (policies/adapters.py)."""
@@ -189,6 +218,8 @@ class ModelPlacement:
             self._pd.on_dispatch(feats, decision.worker_id, now)
             return True
         self.policy.on_dispatch(feats, decision.worker_id, now)
+        if self.shedder is not None:
+            self.shedder.dispatched(feats, decision.worker_id, now)
         return False
 
     def moved(self, feats: RequestFeatures, old_worker: str, new_worker: str, now: float) -> None:
@@ -196,13 +227,18 @@ class ModelPlacement:
         owner = self._owner(feats.request_id)
         owner.on_complete(feats, old_worker, now)
         owner.on_dispatch(feats, new_worker, now)
+        if self.shedder is not None and owner is self.policy:
+            self.shedder.moved(feats, old_worker, new_worker, now)
 
     def progress(self, feats: RequestFeatures, tokens: int, now: float) -> None:
         """`tokens` output tokens exist so far: 1 at the first token; the gateway's learning loop reports more
         now and then. Only policies that keep a ledger (`report_progress`) listen."""
-        hook = getattr(self._owner(feats.request_id), "report_progress", None)
+        owner = self._owner(feats.request_id)
+        hook = getattr(owner, "report_progress", None)
         if hook is not None:
             hook(feats.request_id, tokens, now)
+        if self.shedder is not None and owner is self.policy:
+            self.shedder.progress(feats, tokens, now)
 
     def finished(self, feats: RequestFeatures, worker_id: str, output_tokens: int, now: float,
                  slo_met: bool | None = None) -> None:
@@ -221,6 +257,8 @@ class ModelPlacement:
             if hook is not None:
                 hook(feats, output_tokens, now)
         owner.on_complete(feats, worker_id, now)
+        if self.shedder is not None and owner is self.policy:
+            self.shedder.finished(feats, worker_id, output_tokens, now)
         self._via_pd.discard(feats.request_id)
 
 

@@ -65,6 +65,7 @@ from policies.placement import (
     reserved_tokens,
     too_long_message,
 )
+from policies.shedding import WILL_MISS
 from policies.slo_targets import check_slo
 from policies.types import (
     NO_CACHED_PREFIX,
@@ -326,6 +327,7 @@ class ClusterSim:
         service_priority: str | ServiceScheduler | None = None,
         service_preempt: bool = False,
         kv_events: bool = True,
+        shed: bool = True,
     ) -> None:
         if workers < 0:
             raise ValueError("workers must be >= 0")
@@ -369,7 +371,11 @@ class ClusterSim:
                 return pd_policy_for_profiles(policy, params, self.profiles, slo_ttft_s=slo_ttft_s,
                                               slo_tpot_s=slo_tpot_s, prefix_chunk_tokens=BLOCK_SIZE)
         observe = self.length_predictor.observe if self.length_predictor is not None else None
-        self.placement = ModelPlacement(self.policy, pd_factory, observe)
+        self.placement = ModelPlacement(self.policy, pd_factory, observe, shed)
+        shedder = self.placement.shedder
+        if shedder is not None and shedder.own_tracker and self.length_predictor is not None:
+            shedder.tracker.predictor = self.length_predictor     # the rule's ledger reads the run's lengths
+            shedder.tracker.learn_lengths = False
         self.prefill_workers = prefill_workers
         if prefill_workers:
             self.policy_name = f"pd/{self.policy_name}"
@@ -408,9 +414,10 @@ class ClusterSim:
         # KV-cache events of each engine step, as (sim, worker_id, events, now); simulator/kv_sim.py feeds
         # the exact prefix-cache view (`kv_view`) of policies that want one (needs_kv_blocks).
         self.on_kv_events: list[Callable[..., Any]] = []
+        # the exact prefix-cache view, for policies that read it and for the shedding rule's ledger (any policy);
         # kv_events=False: a fleet whose engines publish none, so such policies fall back to their own estimate.
-        self.kv_view = (SimKvView(self.profiles[0].block_size) if kv_events and SimKvView.wanted(self.policy)
-                        else None)
+        wanted = SimKvView.wanted(self.policy) or SimKvView.wanted(shedder.tracker if shedder is not None else None)
+        self.kv_view = SimKvView(self.profiles[0].block_size) if kv_events and wanted else None
         # Every block key of the prompt for policies that infer a conversation from it (needs_prefix_chain).
         self._chain = bool(getattr(self.policy, "needs_prefix_chain", False))
         if self.kv_view is not None:
@@ -432,6 +439,9 @@ class ClusterSim:
             raise ValueError("weight must be > 0")
         t = self.now if now is None else now
         engine = EngineCore(prof, self.engine_config)
+        shedder = self.placement.shedder
+        if shedder is not None and shedder.own_tracker and prof.name not in shedder.tracker.ledger.models:
+            shedder.tracker.set_perf_model(prof.name, PerfModel.from_step_profile(prof))   # a profile new to the run
         if self.services is not None:
             self.services.attach(engine)
         self.workers[wid] = SimWorker(wid, prof, engine, t, role,
@@ -498,6 +508,9 @@ class ClusterSim:
             if decision.reason == TOO_LONG:
                 self._reject(r, REJECTED_TOO_LONG, 400, too_long_message(feats, context_limit(views)), now)
                 return None
+            if decision.reason == WILL_MISS and self.placement.last_shed is not None:
+                self._reject(r, REFUSED, 429, self.placement.last_shed.message, now)   # policies/shedding.py
+                return None
             return decision
         w = self.workers.get(wid)
         if w is None or w.draining:
@@ -558,8 +571,13 @@ class ClusterSim:
         if q.full():
             self._reject(r, REFUSED, 429, "admission queue full", now)
             return
-        q.enter(feats, now, r, retry_at=retry_at, tried=tried)
+        q.enter(feats, now, r, retry_at=retry_at, tried=tried, prefill_s=self._prefill_s(feats, now))
         self._arm(now)
+
+    def _prefill_s(self, feats: RequestFeatures, now: float) -> float:
+        """The request's predicted prefill: its queue budget ends that long before its TTFT target."""
+        return self.placement.queue_prefill_s(feats, [self._view(w, now) for w in self.workers.values()
+                                                      if not w.draining])
 
     def _drain_queue(self, now: float, changed: bool = True) -> None:
         """Try the waiting requests; `changed`: capacity may have been freed (policies/admission.py `changed`), as
@@ -600,7 +618,7 @@ class ClusterSim:
         if self.queue.full():
             self._reject(r, REFUSED, 429, "admission queue full", now)
             return
-        self.queue.enter(feats, now, r, tried=True)     # it found no worker: woken by the next change
+        self.queue.enter(feats, now, r, tried=True, prefill_s=self._prefill_s(feats, now))  # woken by the next change
         self._arm(now)
 
     def _complete(self, w: SimWorker, r: WorkloadRequest, feats: RequestFeatures, now: float) -> None:

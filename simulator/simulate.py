@@ -72,6 +72,7 @@ class SimSpec:
     service_preempt: bool = False        # re-prioritise running requests by preemption (simulator only)
     max_num_seqs: int | None = None      # the engines' --max-num-seqs (None: the profile's)
     rebalance_s: float | None = None     # Aladdin's Algorithm 2 every this many seconds (None: off)
+    shed: bool = True                    # refuse what will miss its SLO (the gateway's limits.shed_will_miss)
 
     def __post_init__(self) -> None:
         if self.lengths not in LENGTHS:
@@ -145,7 +146,7 @@ def build_sim(spec: SimSpec, workload: list[WorkloadRequest]) -> ClusterSim:
                      predicted_output_tokens=predictor, policy_params=spec.policy_params or None,
                      prefill_workers=prefill, queue_lookahead=spec.queue_lookahead, queue_poll_s=spec.queue_poll_s,
                      seed=spec.seed, rebalance_s=spec.rebalance_s, service_priority=spec.service_priority,
-                     service_preempt=spec.service_preempt,
+                     service_preempt=spec.service_preempt, shed=spec.shed,
                      engine_config=EngineConfig(max_num_seqs=spec.max_num_seqs) if spec.max_num_seqs else None)
     if spec.lengths == "oracle":
         sim.predicted_output_tokens = lambda r: r.output_tokens   # told by name; the predictor still learns

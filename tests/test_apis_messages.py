@@ -160,6 +160,7 @@ def test_a_mid_stream_error_is_an_error_event() -> None:
     (403, None, (403, "permission_error")), (404, "model_not_found", (404, "not_found_error")),
     (413, "request_too_large", (413, "request_too_large")), (429, "rate_limit_exceeded", (429, "rate_limit_error")),
     (429, "capacity_exceeded", (529, "overloaded_error")), (503, "no_healthy_worker", (529, "overloaded_error")),
+    (429, "slo_unattainable", (529, "overloaded_error")),
     (502, "worker_failed", (500, "api_error")), (504, None, (500, "api_error")), (500, None, (500, "api_error")),
     (422, None, (400, "invalid_request_error")),
 ])
@@ -167,5 +168,5 @@ def test_pipeline_errors_map_to_anthropics_statuses(status: int, code: str | Non
     got, body = error_from_openai(status, orjson.dumps({"error": {"message": "m", "type": "t", "code": code}}))
     parsed = orjson.loads(body)
     assert (got, parsed["error"]["type"]) == want and parsed["type"] == "error" and parsed["error"]["message"] == "m"
-    if code != "capacity_exceeded":   # without a body only the status tells
+    if code not in ("capacity_exceeded", "slo_unattainable"):   # without a body only the status tells
         assert MessagesTranslator().json_body(status, b"not json")[0] == want[0]

@@ -430,8 +430,8 @@ async def test_plain_and_pd_requests_take_one_path(sim_fleet, monkeypatch) -> No
     seen: list[tuple[str, str, str | None]] = []
     place = ModelPlacement.place
 
-    def spy(self, feats, views, now):  # noqa: ANN001, ANN202
-        d = place(self, feats, views, now)
+    def spy(self, feats, views, now, swap_s=0.0):  # noqa: ANN001, ANN202
+        d = place(self, feats, views, now, swap_s)
         seen.append((feats.request_id, d.reason, d.prefill_worker_id))
         return d
 

@@ -185,8 +185,9 @@ def test_rebalancing_moves_requests_that_have_not_started_and_loses_none() -> No
     from simulator.simulate import SimSpec, build_sim, build_workload
 
     # engines that queue (the rebalancer reads their scraped queues): 30 req/s on four workers
+    # (shed=False: requests the admission rule would refuse are the ones that wait in engine queues to be moved)
     spec = SimSpec(trace="sharegpt", rate=30, workers=4, policy="aladdin", policy_params={"fit": "worst"},
-                   queue_lookahead=16, duration=30, seed=0, rebalance_s=0.5)
+                   queue_lookahead=16, duration=30, seed=0, rebalance_s=0.5, shed=False)
     workload = build_workload(spec)
     sim = build_sim(spec, workload)
     moved: list[tuple[str, str, str]] = []

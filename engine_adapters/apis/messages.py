@@ -40,7 +40,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 OVERLOADED = 529
 # The pipeline's codes for "the fleet is full" (gateway/wire/errors.py `overloaded`): a 429 that is not the key's own
 # limit, so Anthropic's 529 rather than its 429.
-_FLEET_FULL_CODES = ("capacity_exceeded",)
+_FLEET_FULL_CODES = ("capacity_exceeded", "slo_unattainable")   # slo_unattainable: policies/shedding.py
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn",
                 "error": "end_turn", "repetition": "end_turn"}
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}

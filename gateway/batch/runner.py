@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleetgate.batch")
 
 _ACTIVE_STATUSES = ("validating", "in_progress", "cancelling", "finalizing")
-_REQUEUE_CODES = ("capacity_exceeded", "no_healthy_worker")
+_REQUEUE_CODES = ("capacity_exceeded", "slo_unattainable", "no_healthy_worker")
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 EVICT_WAIT_S = 5.0
 SWEEP_S = 1.0

@@ -31,6 +31,12 @@ class LimitsConfig(_Strict):
                                 "change or scrape, or when its policy asked.")
     retries: int = Field(2, ge=0, le=10,
                          description="Extra workers tried when one fails before any byte was sent.")
+    shed_will_miss: bool = Field(True,
+                                 description="Refuse (429, Retry-After = the predicted drain time) a request with "
+                                             "a TTFT target whose predicted TTFT (wait + prefill, from the learned "
+                                             "performance models) misses it, for every policy and without caps "
+                                             "(policies/shedding.py). Requests of the batch class or without a "
+                                             "TTFT target are never refused by it.")
 
 
 ServiceSource = Literal["header", "tenant", "model"]

@@ -150,7 +150,7 @@ class GatewayMetrics:
         self.responses = Counter(
             "fleetgate_responses", "Answers by model, HTTP status, its class (2xx, 4xx, 5xx) and reason: the error "
             "code the client got (model_not_found, invalid_api_key, rate_limit_exceeded, capacity_exceeded, "
-            "request_too_large, no_route, ...), `worker` for a worker's own status relayed, `client_gone` (499), "
+            "slo_unattainable, request_too_large, no_route, ...), `worker` for a worker's own status relayed, `client_gone` (499), "
             "`stream_broken`, `ok`. Also the gateway's answers outside the proxy routes (no route, other APIs' "
             "errors). A model the gateway does not serve is `_unknown`.", ["model", "status", "class", "reason"],
             registry=r)

@@ -51,6 +51,7 @@ from gateway.wire.resume import StreamResume, continuation_body, resumable, text
 from policies.fallbacks import CONTEXT_WINDOW, NO_WORKER, failure_reason, fallback_targets, refusal_reason
 from policies.placement import TOO_LONG, context_limit, has_room, reserved_tokens, too_long_message
 from policies.rebalance import move_exclusions
+from policies.shedding import WILL_MISS
 from policies.types import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, RequestFeatures, WorkerView
 
 if TYPE_CHECKING:
@@ -535,7 +536,10 @@ class Attempts:
             raise errors.overloaded(rt.model, self.retry_after_s, "admission queue full")
         t = time.perf_counter()
         swap_s = self.pooling.wake_s(rt.model) if self.pooling is not None else 0.0   # its model asleep: a swap
-        await q.wait(ctx, ctx.feats, retry_at, swap_s)
+        ctx.swap_s = max(ctx.swap_s, swap_s)   # the admission rule counts it as the queue budget does
+        # its queue budget ends its predicted prefill before its TTFT target (policies/shedding.py)
+        prefill_s = rt.placement.queue_prefill_s(ctx.feats, self.views(rt.model)[0]) if ctx.feats.slo_ttft_s else 0.0
+        await q.wait(ctx, ctx.feats, retry_at, swap_s, prefill_s)
         self.metrics.observe_queue_wait(rt.model, time.perf_counter() - t)
         observe.note_queue(ctx.record, time.perf_counter() - t)
 
@@ -594,12 +598,15 @@ class Attempts:
         placed = False
         try:
             while True:
-                d = rt.placement.place(feats, views, time.time())
+                d = rt.placement.place(feats, views, time.time(), ctx.swap_s)
                 ctx.decision = d
                 ws = by_id.get(d.worker_id) if d.worker_id is not None else None
                 if ws is None:
                     if d.reason == TOO_LONG:
                         raise errors.context_too_long(too_long_message(feats, context_limit(views)))
+                    if d.reason == WILL_MISS and rt.placement.last_shed is not None:
+                        shed = rt.placement.last_shed
+                        raise errors.will_miss(rt.model, shed.retry_after_s, shed.message)
                     return False
                 if not await store.try_reserve(ws.id, rid, ws.rec.cap, reserved_tokens(feats)):
                     views = [v for v in views if v.id != ws.id]

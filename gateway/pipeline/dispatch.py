@@ -147,12 +147,15 @@ class Dispatcher:
                 self.learner.attach(model, pd.decode_policy)
                 return pd
 
-            placement = ModelPlacement(policy, pd_factory, self.learner.observe_length)
             lim = self.config.limits
+            placement = ModelPlacement(policy, pd_factory, self.learner.observe_length, lim.shed_will_miss)
+            if placement.shedder is not None and placement.shedder.own_tracker:
+                self.learner.attach(model, placement.shedder.tracker)   # learned perf models, shared predictor
             queue = ModelQueue(model, AdmissionQueue(lim.queue_size, lim.queue_lookahead, lim.queue_timeout_s),
                                self.attempts.place_queued, self.poll_s, self.retry_after_s,
                                lambda n, m=model: self._queue_depth(m, n),
-                               self.services.queue_order(model) if self.services.enabled else None)
+                               self.services.queue_order(model) if self.services.enabled else None,
+                               lambda feats, now, p=placement: p.drain_s(feats, now, self.retry_after_s))
             rt = ModelRuntime(model, policy, name, policy.needs_prefix_hashes, placement, queue,
                               bool(getattr(policy, "needs_prefix_chain", False)))
             self.runtimes[model] = rt
@@ -318,12 +321,16 @@ class Dispatcher:
         max_tokens = req.max_tokens if req.max_tokens is not None else route.default_max_tokens
         rclass = hdrs.request_class
         slo_ttft, slo_tpot = self.slo.targets(rt.model, rclass, hdrs.slo_ttft, hdrs.slo_tpot)
+        # the prefix-cache view (KV events, when configured) for the policy, or for the shedding rule's own ledger
+        # (policies/shedding.py: its prefill estimates price cached prefixes whatever the policy)
+        shedder = rt.placement.shedder
+        reader = shedder.tracker if shedder is not None and shedder.own_tracker and slo_ttft is not None else rt.policy
         return RequestFeatures(
             request_id=rid, model=rt.model, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
             predicted_output_tokens=self.learner.predict(rt.model, prompt_tokens, max_tokens),
             session_id=hdrs.session_id, prefix_hashes=prefix, prefix_chain=full, slo_ttft_s=slo_ttft,
             slo_tpot_s=slo_tpot,
             priority=req.priority, request_class=rclass, arrival=time.time(),
-            cached_prefix_tokens=cached_prefix_for(self.kv_events, rt.policy, body, route is CHAT),
+            cached_prefix_tokens=cached_prefix_for(self.kv_events, reader, body, route is CHAT),
             adapter=self.adapters.adapter_of(rt.model, body.get("model")),
         )

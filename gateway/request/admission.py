@@ -29,13 +29,17 @@ PlaceFn = Callable[[Any], Awaitable[tuple[bool, float | None]]]
 
 
 class ModelQueue:
-    __slots__ = ("model", "queue", "place", "poll_s", "retry_after_s", "on_depth", "order", "_draining", "_again",
-                 "_timer", "_timer_at")
+    __slots__ = ("model", "queue", "place", "poll_s", "retry_after_s", "on_depth", "order", "drain_s", "_draining",
+                 "_again", "_timer", "_timer_at")
 
     def __init__(self, model: str, queue: AdmissionQueue, place: PlaceFn, poll_s: float, retry_after_s: float,
                  on_depth: Callable[[int], None] | None = None,
-                 order: Callable[[float], Callable[[Waiting], Any]] | None = None) -> None:
+                 order: Callable[[float], Callable[[Waiting], Any]] | None = None,
+                 drain_s: Callable[[Any, float], float] | None = None) -> None:
         self.model = model
+        # Retry-After of a request refused at its deadline: the predicted drain time (policies/shedding.py), given
+        # its features and the clock; None: `retry_after_s`
+        self.drain_s = drain_s
         self.order = order     # a service-aware priority's order (gateway/tenancy/services.py); None: arrival order
         self.queue = queue
         self.place = place
@@ -50,12 +54,14 @@ class ModelQueue:
     def __len__(self) -> int:
         return len(self.queue)
 
-    async def wait(self, handle: Any, feats: Any, retry_at: float | None, swap_s: float = 0.0) -> None:
+    async def wait(self, handle: Any, feats: Any, retry_at: float | None, swap_s: float = 0.0,
+                   prefill_s: float = 0.0) -> None:
         """Queue `handle` until a drain placed it (returns) or refused it (raises a 429 GatewayError). The
         caller checked `queue.full()`. A cancelled waiter (client gone) leaves the queue. `swap_s`: the time its
-        model needs to be woken on a shared host (policies/admission.py `queue_budget`)."""
+        model needs to be woken on a shared host, `prefill_s` its predicted prefill (policies/admission.py
+        `queue_budget`)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        w = self.queue.enter(feats, time.time(), (handle, fut), swap_s, retry_at)
+        w = self.queue.enter(feats, time.time(), (handle, fut), swap_s, retry_at, prefill_s=prefill_s)
         self._depth()
         self.kick(changed=False)   # a request the caller has not tried yet (the queue was not empty) tries now
         self._arm()
@@ -87,7 +93,8 @@ class ModelQueue:
                 for w in self.queue.expired(now):
                     _, fut = w.handle
                     if not fut.done():
-                        fut.set_exception(errors.overloaded(self.model, self.retry_after_s, w.reason))
+                        ra = self.drain_s(w.features, now) if self.drain_s is not None else self.retry_after_s
+                        fut.set_exception(errors.overloaded(self.model, ra, w.reason))
                 for w in self.queue.candidates(self.order(now) if self.order is not None else None, now):
                     handle, fut = w.handle
                     if fut.done():          # its client left while it waited

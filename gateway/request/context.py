@@ -87,6 +87,7 @@ class RequestContext:
     decision: Decision | None = None
     pd: bool = False                    # the placement step's P/D profile placed it (it runs as P/D legs)
     routing_s: float = 0.0              # how long its last placement took
+    swap_s: float = 0.0                 # its model's wake on a shared host it waited for: part of its TTFT budget
     worker: WorkerState | None = None   # the (decode) worker holding a reservation for the request
     prefill: WorkerState | None = None  # P/D: the prefill worker holding a reservation for its prompt
     tried: list[str] = field(default_factory=list)

@@ -96,6 +96,13 @@ def overloaded(model: str, retry_after: float, reason: str) -> GatewayError:
                         "rate_limit_error", None, "capacity_exceeded", retry_after)
 
 
+def will_miss(model: str, retry_after: float, reason: str) -> GatewayError:
+    """A request the admission rule shed (policies/shedding.py): it would miss its TTFT target now."""
+    return GatewayError(429, f"`{model}` cannot serve this request within its SLO now: {reason}. Retry "
+                             f"after {max(1, round(retry_after))} s, when the fleet's backlog is predicted to "
+                             "have drained.", "rate_limit_error", None, "slo_unattainable", retry_after)
+
+
 def upstream_failed(detail: str) -> GatewayError:
     return GatewayError(502, f"The request failed on every worker tried: {detail}",
                         "upstream_error", None, "worker_failed")

@@ -69,7 +69,8 @@ class TtftTerms:
     the engine then did): waited + queued_s + own_s + interference_s (+ the tail term). queued_s: the prefill
     work already placed there and not yet done (eq. 2, c1 included); own_s: the request's own (uncached) prefill;
     interference_s: the decode steps batched with its prefill chunks; decode_step_s: eq. 3 at the current batch
-    (n_decoding requests); queued_tokens: the queued work in linear-token units."""
+    (n_decoding requests); queued_tokens: the queued work in linear-token units; slot_s: the wait for a batch
+    slot on a worker already holding max_batch (vLLM's max_num_seqs) requests (`slot_wait`)."""
 
     waited: float
     queued_s: np.ndarray
@@ -78,6 +79,7 @@ class TtftTerms:
     decode_step_s: np.ndarray
     n_decoding: np.ndarray
     queued_tokens: np.ndarray
+    slot_s: np.ndarray
 
 
 @dataclass(slots=True)
@@ -135,6 +137,114 @@ class Constraints:
             return 0.0
         return max(now - request.arrival, 0.0)
 
+    # --- the TTFT estimate ((c), and the admission rule of policies/shedding.py) -------------------------
+    def ttft(self, request: RequestFeatures, rows: np.ndarray, now: float, cached: np.ndarray | float = 0.0,
+             l_in: float | None = None, b_now: np.ndarray | None = None, slots: bool = True
+             ) -> tuple[np.ndarray, TtftTerms, np.ndarray | float, np.ndarray | float]:
+        """The request's predicted TTFT on each candidate row (point estimate, no tail term), its terms, its
+        prefill work and its uncached prompt tokens per row. The one TTFT estimate of the code base: (c) reads
+        it, and so does the admission rule that sheds what will miss (policies/shedding.py) for every policy.
+
+        eq. 2 over the prefill work queued there plus the request's own (its uncached part), plus what it
+        waited already, the decode step in flight and, in every prefill chunk, the ongoing decodes (vLLM V1
+        batches them with the chunk: (chunks + 1) decode steps of eq. 3), plus the wait for a batch slot when
+        the worker's engine runs as many requests as it can at once (`slot_wait`; `slots` False leaves it out:
+        aladdin's own (b) and (e) keep a worker it would place on below that point, so (c) does not repeat it).
+        `b_now`: the batch the caller counts (ledger or engine report, the larger), default that."""
+        led = self.ledger
+        if l_in is None:
+            l_in = float(max(request.prompt_tokens, 0))
+        if b_now is None:
+            b_now = np.maximum(led.n_requests[rows], led.engine_batch[rows])
+        k1, c1, c3 = led.k1[rows], led.c1[rows], led.c3[rows]
+        queued = np.maximum(led.prefill_queued[rows] - led.prefill_done[rows], 0.0)  # prefill work, linear-token units
+        work = led.prefill_work(rows, l_in, cached)   # the uncached part (price_cache) or all of it
+        l_new = l_in - cached
+        pre = c1 + np.maximum(led.prefill_floor[rows], k1 * (queued + work))    # eq. 2 over queued + new
+        n_dec = led.n_decoding[rows]
+        t_d = np.where(n_dec > 0, led.k2[rows] * (led.sum_prompt_decoding[rows] + n_dec * (led.step_clock[rows] + 1.0)
+                                                  - led.sum_start_step[rows]) + led.c2[rows] * n_dec + c3, 0.0)
+        waited = self.waited(request, now)
+        chunk = self.chunks(rows)
+        # A chunk's step streams the weights once for the prefill and the decodes batched with it (eq. 3's c3 is
+        # in the prefill's k1 already): each chunk adds the decodes' share, t_d − c3; the step in flight, t_d.
+        inter = np.ceil((queued + l_new) / chunk) * np.maximum(t_d - c3, 0.0) + t_d
+        slot = self.slot_wait(rows, b_now) if slots else np.zeros(len(rows))
+        q_s = c1 + k1 * queued
+        return (waited + pre + inter + slot, TtftTerms(waited, q_s, pre - q_s, inter, t_d, n_dec, queued, slot),
+                work, l_new)
+
+    def slot_wait(self, rows: np.ndarray, b_now: np.ndarray) -> np.ndarray:
+        """How long a request waits for a batch slot on a worker that holds b_now requests when the engine runs
+        at most `slots` of them at once (`slots`). The (b_now + 1 − slots) requests ahead of it must complete
+        first, and the worker completes one per unit of work: its prefill (eq. 2 at the mean prompt) plus its
+        share of the decode steps of a full batch (its predicted output times eq. 3 at `slots` and the mean
+        mid-life context, over `slots`). 0 while a slot is free: vLLM schedules it at once."""
+        led = self.ledger
+        n = led.n_requests[rows]
+        nn = np.maximum(n, 1.0)
+        l_in, lp = led.sum_prompt[rows] / nn, led.sum_predicted[rows] / nn
+        slots = self.slots(rows, n, l_in, lp)
+        over = b_now + 1.0 - slots
+        if not (over > 0).any():
+            return np.zeros(len(rows))
+        step = led.k2[rows] * slots * (l_in + lp / 2.0) + led.c2[rows] * slots + led.c3[rows]   # eq. 3, full batch
+        work = led.c1[rows] + led.k1[rows] * l_in + lp * step / slots
+        return np.where(over > 0, over * work, 0.0)
+
+    def paced_atgt(self, request: RequestFeatures, rows: np.ndarray, now: float, b_now: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The request's predicted ATGT on each row once it joins the batch (b = b_now + 1, at most the slots the
+        engine runs at once, `slots`): eq. 3 at that batch and its mean mid-life context, t_d(b), stretched by
+        the prefills that keep arriving (the ledger's `placed_rate_now`: ρ prefill work units and λ requests
+        placed there per second lately; the request's own prefill comes before its first token).
+
+        Under chunked prefill a step that carries prefill tokens costs their compute, k1 each (eq. 2's slope,
+        `stall`), and is compute-bound: the weights' streaming time (eq. 2's prefill floor pf) is hidden under
+        the compute, and each decode batched with it costs one token of compute too, k1, not eq. 3's
+        memory-bound c2. Such a step costs its decodes t_m = t_d − pf + (k1 − c2)·b. Over a time T with N
+        decode steps, of which N_m carry prefill: T = N·t_d − N_m·(t_d − t_m) + k1·ρ·T. When prefills are rarer
+        than steps (N_m = λ·T) this is ATGT = T/N = t_d / (1 − k1·ρ + λ·(t_d − t_m)); when every step carries
+        one (N_m = N, as soon as λ·ATGT >= 1), t_m / (1 − k1·ρ). Returns (ATGT, b, slope, free) with t_d(b) = c3 + b·slope and
+        ATGT = t_d(b) / free: the caller can solve for the batch a target allows."""
+        led = self.ledger
+        if b_now is None:
+            b_now = np.maximum(led.n_requests[rows], led.engine_batch[rows])
+        lp_new, _ = self.predicted(request)
+        n = led.n_requests[rows] + 1.0
+        l_in = (led.sum_prompt[rows] + float(max(request.prompt_tokens, 0))) / n
+        lp = (led.sum_predicted[rows] + lp_new) / n
+        b = np.minimum(b_now + 1.0, self.slots(rows, n, l_in, lp))
+        slope = led.k2[rows] * (l_in + lp / 2.0) + led.c2[rows]
+        t_d = led.c3[rows] + b * slope
+        k1 = led.k1[rows]
+        t_m = t_d - np.minimum(led.prefill_floor[rows], led.c3[rows]) + np.maximum(k1 - led.c2[rows], 0.0) * b
+        rho, lam = led.placed_rate_now(rows, now)
+        busy = np.maximum(1.0 - k1 * rho, 1e-3)     # the share of time not spent on prefill compute
+        every = t_m / busy
+        atgt = np.where(lam * every >= 1.0, every, t_d / np.maximum(busy + lam * (t_d - t_m), 1e-3))
+        return atgt, b, slope, t_d / atgt
+
+    def slots(self, rows: np.ndarray, n: np.ndarray, l_in: np.ndarray, lp: np.ndarray) -> np.ndarray:
+        """How many requests each row's engine runs at once: max_batch (vLLM's max_num_seqs) or as many as its KV
+        cache holds at `n` requests' mean size (eq. 1: h·(l_in + l_out) + j blocks each, M in all, less the share
+        of prefix blocks the engine's KV report says they hold in common), the fewer.
+        An engine that reported requests waiting with its KV cache full holds no more than it ran then
+        (`engine_full`: the scrape corrects the predicted sizes, which run short while the length predictor is
+        young)."""
+        led = self.ledger
+        kv_each = led.kv_per_token[rows] * (l_in + lp) + led.kv_per_request[rows]
+        # The engine holds a prefix its requests share (a system prompt, a conversation's earlier turns) once: its
+        # KV report against the ledger's level (`Ledger.kv_correction`) scales the predicted size down.
+        slot = led.bucket_now[rows] % led.H
+        level = led.kv_per_token[rows] * led.step_clock[rows] * led.kv_alive[rows, slot] + led.kv_intercept[rows, slot]
+        shared = np.divide(level + led.kv_correction(rows), level, out=np.ones(len(rows)), where=level > 0)
+        kv_each = kv_each * np.clip(shared, 0.05, 1.0)
+        by_kv = np.divide(led.kv_capacity[rows], kv_each, out=np.full(len(rows), INF), where=(n > 0) & (kv_each > 0))
+        slots = np.minimum(led.max_batch[rows], by_kv)
+        full = led.engine_full[rows]
+        return np.maximum(np.where(full > 0, np.minimum(slots, full), slots), 1.0)
+
     # --- the constraints ---------------------------------------------------------------------------
     def fits_alone(self, request: RequestFeatures, rows: np.ndarray, cached: np.ndarray | float = 0.0) -> np.ndarray:
         """Constraints (b), (c), (e) for the request on an empty worker of each candidate's profile."""
@@ -159,7 +269,7 @@ class Constraints:
         l_in = float(max(request.prompt_tokens, 0))
         lp, var = self.predicted(request)
         n_all = led.n_requests[rows]
-        k1, c1, k2, c2, c3 = led.k1[rows], led.c1[rows], led.k2[rows], led.c2[rows], led.c3[rows]
+        k2, c2, c3 = led.k2[rows], led.c2[rows], led.c3[rows]
         ctx = led.sum_prompt[rows] + g * led.sum_predicted[rows]
         # capacity_norm (section 4.2): L2 norm of batch size and Σ(l_in + γ·l_out), here per capacity.
         norm = np.hypot(n_all / led.batch_scale[rows], ctx / led.context_scale[rows])
@@ -172,23 +282,8 @@ class Constraints:
         b = b_now + 1.0
         t_dec = np.minimum(led.min_atgt[rows], slo.atgt_s)
         limit = th * (t_dec - c2 * b - c3) / k2                       # (b) via eq. 4
-        queued = np.maximum(led.prefill_queued[rows] - led.prefill_done[rows], 0.0)  # prefill work, linear-token units
-        work = led.prefill_work(rows, l_in, cached)   # the uncached part (price_cache) or all of it
-        l_new = l_in - cached
-        pre = c1 + np.maximum(led.prefill_floor[rows], k1 * (queued + work))    # eq. 2 over queued + new
-        # TTFT also pays what it waited, the decode step in flight and, in every prefill chunk, the ongoing
-        # decodes (vLLM V1 batches them with the chunk): (chunks + 1) decode steps of eq. 3.
-        n_dec = led.n_decoding[rows]
-        t_d = np.where(n_dec > 0, k2 * (led.sum_prompt_decoding[rows] + n_dec * (led.step_clock[rows] + 1.0)
-                                        - led.sum_start_step[rows]) + c2 * n_dec + c3, 0.0)
-        waited = self.waited(request, now)
-        chunk = self.chunks(rows)
-        # A chunk's step streams the weights once for the prefill and the decodes batched with it (eq. 3's c3 is
-        # in the prefill's k1 already): each chunk adds the decodes' share, t_d − c3; the step in flight, t_d.
-        inter = np.ceil((queued + l_new) / chunk) * np.maximum(t_d - c3, 0.0) + t_d
-        ttft = waited + pre + inter
-        q_s = c1 + k1 * queued
-        terms = TtftTerms(waited, q_s, pre - q_s, inter, t_d, n_dec, queued)
+        ttft, terms, work, l_new = self.ttft(request, rows, now, cached, l_in, b_now, slots=False)
+        queued, t_d, pre = terms.queued_tokens, terms.decode_step_s, terms.queued_s + terms.own_s
         z = 0.0
         if self.tail:                                                  # section 4.3, appendix F
             busy = int(np.count_nonzero(n_all)) + 1

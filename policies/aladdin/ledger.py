@@ -33,8 +33,19 @@ from policies.types import WorkerView
 
 PENDING, DECODING = 0, 1
 MAX_SLO_GROUPS = 8
+RATE_WINDOW_S = 5.0     # the placed prefill work rate's EWMA time constant (`placed_rate_now`)
 YOUNG = 8               # risk mode: the most recently started decodes tracked per worker
 INF = math.inf
+
+
+FULL_KV = 0.9          # KV usage from which an engine with requests waiting is full (not between two steps)
+
+
+def engine_full(v: WorkerView) -> float:
+    """The engine's running count when its report says it holds no more at once: requests wait while its KV
+    cache is (nearly) full or its batch is at max_num_seqs' worth of running ones; else 0. Requests wait for a
+    moment between two engine steps too, so waiting alone does not say it."""
+    return float(v.running) if v.waiting > 0 and v.kv_usage >= FULL_KV else 0.0
 
 
 class PlacedRequest:
@@ -82,13 +93,16 @@ class Ledger:
                            in prefill-work units, next_prefill_end, next_predicted_end, bucket_now
       aggregates           n_requests, sum_prompt, sum_predicted, sum_variance, n_decoding,
                            sum_prompt_decoding, sum_start_step, min_atgt
-      engine view          engine_batch (running + waiting, or in flight), engine_kv_usage, kv_at_scrape (the
+      engine view          engine_batch (running + waiting, or in flight), engine_full (`engine_full`),
+                           engine_kv_usage, kv_at_scrape (the
                            ledger's own KV level when that engine value was first seen: `kv_correction`)
       model (perf_model)   k1, c1, k1q, prefill_floor (pf) of eq. 2; k2, c2, c3 of eq. 3; kv_per_token (h),
                            kv_per_request (j), kv_capacity (M) of eq. 1; max_batch; rmse_prefill,
                            rmse_decode; batch_scale, context_scale (capacity_norm's units); chunk (the
                            engine's prefill chunk, max_num_batched_tokens; 0: not known)
       trust                miss_rate (EWMA of SLO misses)
+      pace                 placed_rate, placed_n (EWMAs of the prefill work and of the requests placed on the worker
+                           per second: `placed_rate_now`), placed_t (their last update), placed_t0 (the first)
       per SLO group        slack_key (the least slack key of the group's decodes)
       KV ring              kv_alive (N), kv_intercept (A), one column per bucket
       risk mode            young_start_step, young_start_time, young_atgt (0: an empty slot), young_next
@@ -110,6 +124,7 @@ class Ledger:
     sum_start_step: np.ndarray
     min_atgt: np.ndarray
     engine_batch: np.ndarray
+    engine_full: np.ndarray
     engine_kv_usage: np.ndarray
     kv_at_scrape: np.ndarray
     k1: np.ndarray
@@ -128,6 +143,10 @@ class Ledger:
     k1q: np.ndarray
     prefill_floor: np.ndarray
     miss_rate: np.ndarray
+    placed_rate: np.ndarray
+    placed_n: np.ndarray
+    placed_t: np.ndarray
+    placed_t0: np.ndarray
     chunk: np.ndarray
 
     _SCALARS = (
@@ -135,11 +154,12 @@ class Ledger:
         ("next_prefill_end", INF), ("next_predicted_end", INF),
         ("n_requests", 0.0), ("sum_prompt", 0.0), ("sum_predicted", 0.0), ("sum_variance", 0.0),
         ("n_decoding", 0.0), ("sum_prompt_decoding", 0.0), ("sum_start_step", 0.0), ("min_atgt", INF),
-        ("engine_batch", 0.0), ("engine_kv_usage", 0.0), ("kv_at_scrape", 0.0),
+        ("engine_batch", 0.0), ("engine_full", 0.0), ("engine_kv_usage", 0.0), ("kv_at_scrape", 0.0),
         ("k1", 1.0), ("c1", 0.0), ("k2", 1.0), ("c2", 0.0), ("c3", 0.0), ("kv_per_token", 1.0),
         ("kv_per_request", 0.0), ("kv_capacity", 1.0), ("max_batch", 1.0), ("rmse_prefill", 0.0),
         ("rmse_decode", 0.0), ("batch_scale", 1.0), ("context_scale", 1.0),
         ("k1q", 0.0), ("prefill_floor", 0.0), ("miss_rate", 0.0), ("chunk", 0.0),
+        ("placed_rate", 0.0), ("placed_n", 0.0), ("placed_t", -INF), ("placed_t0", INF),
     )
 
     def __init__(self, *, atgt_s: float, predictor: LengthPredictor, tail: str | None, risk_mode: bool,
@@ -224,6 +244,7 @@ class Ledger:
         index, rows_ = self.index, self.rows
         rows: list[int] = []
         vb: list[float] = []
+        vfull: list[float] = []
         vkv: list[float] = []
         for v in workers:
             r = index.get(v.id)
@@ -231,9 +252,11 @@ class Ledger:
                 r = self._row_for_view(v)
             rows.append(r)
             vb.append(max(v.running + v.waiting, v.inflight))
+            vfull.append(engine_full(v))
             vkv.append(v.kv_usage)
         idx = np.array(rows, dtype=np.intp)
         self.engine_batch[idx] = vb
+        self.engine_full[idx] = vfull
         self._engine_kv(idx, np.array(vkv, dtype=float))
         return idx
 
@@ -267,6 +290,7 @@ class Ledger:
             self.rows[r].profile = v.profile
             self.apply_model(r, self.model_for(v.profile))
         self.engine_batch[r] = max(v.running + v.waiting, v.inflight)
+        self.engine_full[r] = engine_full(v)
         self._engine_kv(np.array([r], dtype=np.intp), np.array([v.kv_usage], dtype=float))
         return r
 
@@ -346,6 +370,25 @@ class Ledger:
             if repredict and self.next_predicted_end[r] < g_new:
                 self.repredict_due(r)
 
+    def _placed_work(self, r: int, work: float, now: float) -> None:
+        """`work` prefill units were placed on row r at `now` (`add`)."""
+        if not math.isfinite(now):
+            return
+        decay = math.exp(-max(now - float(self.placed_t[r]), 0.0) / RATE_WINDOW_S) if self.placed_t[r] > -INF else 0.0
+        self.placed_rate[r] = float(self.placed_rate[r]) * decay + work / RATE_WINDOW_S
+        self.placed_n[r] = float(self.placed_n[r]) * decay + 1.0 / RATE_WINDOW_S
+        self.placed_t[r] = now
+        self.placed_t0[r] = min(float(self.placed_t0[r]), now)
+
+    def placed_rate_now(self, r: Any, now: float) -> tuple[Any, Any]:
+        """The prefill work and the requests placed on row(s) r per second lately, at `now`: EWMAs over RATE_WINDOW_S,
+        bias-corrected for a worker asked for less than that long (as Adam's moments are), so the rate is right
+        from the first second of a burst, not RATE_WINDOW_S late (at least a tenth of the window counts)."""
+        age = np.maximum(now - self.placed_t0[r], 0.1 * RATE_WINDOW_S)
+        seen = -np.expm1(-age / RATE_WINDOW_S)
+        k = np.exp(-np.maximum(now - self.placed_t[r], 0.0) / RATE_WINDOW_S) / seen
+        return self.placed_rate[r] * k, self.placed_n[r] * k
+
     def step_time(self, r: int) -> float:
         """Eq. 3 at the worker's current batch and context."""
         n = self.n_decoding[r]
@@ -417,7 +460,9 @@ class Ledger:
         predicted life."""
         row = self.rows[r]
         req.g0 = float(self.step_clock[r])
-        self.prefill_queued[r] += self.prefill_work(r, float(req.l_in), cached)  # prefill work (perf_model)
+        work = self.prefill_work(r, float(req.l_in), cached)  # prefill work (perf_model)
+        self.prefill_queued[r] += work
+        self._placed_work(r, float(work), float(self.t_last[r]))   # the caller advanced the row to now
         req.pend_end = float(self.prefill_queued[r])
         row.pending.append(req)
         if len(row.pending) == 1:
