@@ -205,7 +205,10 @@ async def gateway_run(urls: list[str]) -> dict[str, Any]:
 
 def sim_run(run: dict[str, Any]) -> dict[str, Any]:
     prof = profile_from_dict({**asdict(load_profile(PROFILE)), "max_num_seqs": SEQS}, "parity profile")
-    sim = ClusterSim(prof, workers=WORKERS, policy="least_tokens", cap=CAP, queue_size=0, scrape_interval_s=0.0)
+    # shed=False: the gateway's requests here carry no TTFT target, so its shedding rule judges none of them;
+    # ClusterSim gives every request its default target, which the rule would judge on virtual time.
+    sim = ClusterSim(prof, workers=WORKERS, policy="least_tokens", cap=CAP, queue_size=0, scrape_interval_s=0.0,
+                     shed=False)
     reb = SimRebalancer(sim, max_moves_per_s=MAX_MOVES_PER_S, slow_ratio=SLOW_RATIO)
     first: dict[str, str] = {}
     sim.on_dispatch.append(lambda s, r, wid, now: first.setdefault(r.request_id, wid))
