@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 
-from bench.chaos_state import RESULTS, ROOT, read_runs, section_head, write_section
+from bench.chaos_state import RESULTS, pytest_under_hogs, read_runs, section_head, write_section
 from bench.report import git_commit
 
 RUN = RESULTS / "chaos_drain.jsonl"
@@ -83,17 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     RUN.unlink(missing_ok=True)
     commit = git_commit()
-    hogs = [subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", "while 1: pass"]) for _ in range(args.hogs)]
-    try:
-        code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=ROOT,
-                               env={**os.environ, "FLEETGATE_CHAOS_RESULTS": str(RUN)})
-        load1 = os.getloadavg()[0]
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
-    load = (f"{args.hogs} CPU-bound processes (`nice -n 10 python -c 'while 1: pass'`) on {os.cpu_count()} cores; "
-            f"load average {load1:.1f} at the end") if hogs else ""
+    (code,), load = pytest_under_hogs(args.hogs, [(TESTS, {**os.environ, "FLEETGATE_CHAOS_RESULTS": str(RUN)})])
     runs = read_runs(RUN)
     write_section(section(runs, commit, code == 0, load), TITLE)
     print(f"wrote the section {TITLE!r} of bench/results/chaos.md ({len(runs)} scenario(s))")

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 
-from bench.chaos_state import RESULTS, ROOT, read_runs, section_head, write_section
+from bench.chaos_state import RESULTS, pytest_under_hogs, read_runs, section_head, write_section
 from bench.report import git_commit
 
 RUN = RESULTS / "chaos_overload.jsonl"
@@ -50,24 +48,12 @@ def main() -> None:
     RUN.unlink(missing_ok=True)
     commit = git_commit()
     env = {**os.environ, "FLEETGATE_CHAOS_RESULTS": str(RUN)}
-    hogs = [subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", "while 1: pass"]) for _ in range(args.hogs)]
-    try:
-        code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TEST], cwd=ROOT,
-                               env=env)
-        subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TEST], cwd=ROOT,
-                        env={**env, "FLEETGATE_OVERLOAD_SHED": "0"})
-        load1 = os.getloadavg()[0]
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
+    (code, _), load = pytest_under_hogs(args.hogs, [([TEST], env), ([TEST], {**env, "FLEETGATE_OVERLOAD_SHED": "0"})])
     runs = read_runs(RUN)
-    flag = f" --hogs {args.hogs}" if hogs else ""
+    flag = f" --hogs {args.hogs}" if args.hogs else ""
     out = section_head(TITLE, f"`python -m bench.chaos_overload{flag}` "
                               f"(pytest {TEST}, then with FLEETGATE_OVERLOAD_SHED=0)", commit, code == 0)
-    out.insert(6, "- load: " + (f"{args.hogs} CPU-bound processes (`nice -n 10 python -c 'while 1: pass'`) on "
-                                f"{os.cpu_count()} cores; load average {load1:.1f} at the end" if hogs
-                                else "none added (other test suites may share the host)"))
+    out.insert(6, "- load: " + (load or "none added (other test suites may share the host)"))
     if "overload_10x_no_caps" in runs:
         out.append(row(runs["overload_10x_no_caps"], runs.get("overload_10x_no_caps_no_rule")))
     write_section("\n".join(out) + "\n", TITLE)

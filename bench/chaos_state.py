@@ -37,6 +37,23 @@ def run_scenarios() -> int:
                            env=env)
 
 
+def pytest_under_hogs(hogs: int, runs: list[tuple[list[str], dict[str, str]]]) -> tuple[list[int], str]:
+    """Each (pytest arguments, environment) run in turn while `hogs` CPU-bound processes (`nice -n 10`) load the
+    cores; their exit codes and the results' load line ("" without hogs)."""
+    procs = [subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", "while 1: pass"]) for _ in range(hogs)]
+    try:
+        codes = [subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT,
+                                 env=env) for args, env in runs]
+        load1 = os.getloadavg()[0]
+    finally:
+        for h in procs:
+            h.kill()
+            h.wait()
+    load = (f"{hogs} CPU-bound processes (`nice -n 10 python -c 'while 1: pass'`) on {os.cpu_count()} cores; "
+            f"load average {load1:.1f} at the end") if hogs else ""
+    return codes, load
+
+
 def section_head(title: str, command: str, commit: str, passed: bool) -> list[str]:
     """A chaos.md section's title, run facts and the head of its scenario table."""
     return [title, "", f"- command: {command}", f"- commit: `{commit}`", f"- machine: {machine_info()}",

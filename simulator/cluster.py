@@ -419,7 +419,7 @@ class ClusterSim:
         wanted = SimKvView.wanted(self.policy) or SimKvView.wanted(shedder.tracker if shedder is not None else None)
         self.kv_view = SimKvView(self.profiles[0].block_size) if kv_events and wanted else None
         # Every block key of the prompt for policies that infer a conversation from it (needs_prefix_chain).
-        self._chain = bool(getattr(self.policy, "needs_prefix_chain", False))
+        self._chain = self.policy.needs_prefix_chain
         if self.kv_view is not None:
             self.engine_config = self.kv_view.engine_config(self.engine_config)
             self.on_kv_events.append(self.kv_view.on_events)

@@ -139,30 +139,42 @@ async def test_hetero_sends_more_to_the_stronger_worker(sim_fleet) -> None:
     assert strong >= 2 * weak, (strong, weak)
 
 
+HISTORY = "a long conversation so far " * 3000                       # ~20k tokens: ~0.75 s of prefill
+TURN1 = {"model": MODEL, "messages": [{"role": "user", "content": HISTORY}], "max_tokens": 4, "stream": True}
+TURN2 = {**TURN1, "messages": [*TURN1["messages"], {"role": "assistant", "content": "ok ok ok"},
+                               {"role": "user", "content": "and now?"}]}
+
+
+async def _first_turn_on_w1_then_w0_idle(http: httpx.AsyncClient, url: str, fleet_urls: list[str],
+                                         headers: dict[str, str]) -> asyncio.Task:
+    """A long answer to a long prompt occupies w0, so the conversation's first turn (TURN1, sent with `headers`)
+    goes to the idle w1; then a longer answer occupies w1 (less loaded than w0) and the first one ends: w0 is the
+    idle worker. Returns the task of w1's answer."""
+    a = asyncio.create_task(_long_answer(http, url, "another document " * 6000, 6000))
+    await poll(lambda: _inflight_on(http, url, "w0", 1))
+    before = await served(http, fleet_urls)
+    r = await http.post(url + "/v1/chat/completions", json=TURN1, headers=headers)
+    assert r.status_code == 200
+    assert [x - y for x, y in zip(await served(http, fleet_urls), before, strict=True)] == [0, 1]
+    await poll(lambda: _inflight_on(http, url, "w1", 0))
+    b = asyncio.create_task(stream(http, url, 16000))
+    await poll(lambda: _inflight_on(http, url, "w1", 1))
+    assert (await a).status_code == 200
+    await poll(lambda: _inflight_on(http, url, "w0", 0))
+    return b
+
+
 async def test_aladdin_without_kv_events_or_an_id_infers_the_conversation_from_the_prefix(sim_fleet) -> None:
     """No x-session-id: the second turn's prompt holds the first turn's whole text, so its prefix chain holds the first
     turn's last full chunk (policies/aladdin/affinity.py) and aladdin prices it where that turn ran, as with an id;
     another conversation of the same length, which continues nothing, goes to the idle worker."""
     fleet = sim_fleet(2, time_scale=20)
-    history = "a long conversation so far " * 3000                       # ~20k tokens: ~0.75 s of prefill
-    turn1 = {"model": MODEL, "messages": [{"role": "user", "content": history}], "max_tokens": 4, "stream": True}
-    turn2 = {**turn1, "messages": [*turn1["messages"], {"role": "assistant", "content": "ok ok ok"},
-                                   {"role": "user", "content": "and now?"}]}
+    turn2 = TURN2
     other = {**turn2, "messages": [{"role": "user", "content": "another talk, as long " * 3000},
                                    *turn2["messages"][1:]]}
     out = {"x-sim-output-tokens": "4"}
     async with gateway(fleet.urls, "aladdin") as gw, httpx.AsyncClient(timeout=60) as http:
-        a = asyncio.create_task(_long_answer(http, gw.url, "another document " * 6000, 6000))
-        await poll(lambda: _inflight_on(http, gw.url, "w0", 1))
-        before = await served(http, fleet.urls)
-        r = await http.post(gw.url + "/v1/chat/completions", json=turn1, headers=out)
-        assert r.status_code == 200
-        assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [0, 1]
-        await poll(lambda: _inflight_on(http, gw.url, "w1", 0))
-        b = asyncio.create_task(stream(http, gw.url, 16000))
-        await poll(lambda: _inflight_on(http, gw.url, "w1", 1))
-        assert (await a).status_code == 200
-        await poll(lambda: _inflight_on(http, gw.url, "w0", 0))
+        b = await _first_turn_on_w1_then_w0_idle(http, gw.url, fleet.urls, out)
         before = await served(http, fleet.urls)
         r = await http.post(gw.url + "/v1/chat/completions", json=turn2, headers={**out, "x-slo-ttft-ms": "1000"})
         assert r.status_code == 200
@@ -208,25 +220,10 @@ async def test_aladdin_without_kv_events_prices_a_turn_where_its_conversation_ra
     a TTFT target the prefill there meets easily, aladdin takes that worker over an idler one that would prefill the
     whole conversation again."""
     fleet = sim_fleet(2, time_scale=20)
-    history = "a long conversation so far " * 3000                       # ~20k tokens: ~0.75 s of prefill
-    turn1 = {"model": MODEL, "messages": [{"role": "user", "content": history}], "max_tokens": 4, "stream": True}
-    turn2 = {**turn1, "messages": [*turn1["messages"], {"role": "assistant", "content": "ok ok ok"},
-                                   {"role": "user", "content": "and now?"}]}
+    turn2 = TURN2
     sid = {"x-session-id": "conv-1", "x-sim-output-tokens": "4"}
     async with gateway(fleet.urls, "aladdin") as gw, httpx.AsyncClient(timeout=60) as http:
-        # A long answer to a long prompt occupies w0, so the conversation's first turn goes to the idle w1.
-        a = asyncio.create_task(_long_answer(http, gw.url, "another document " * 6000, 6000))
-        await poll(lambda: _inflight_on(http, gw.url, "w0", 1))
-        before = await served(http, fleet.urls)
-        r = await http.post(gw.url + "/v1/chat/completions", json=turn1, headers=sid)
-        assert r.status_code == 200
-        assert [x - y for x, y in zip(await served(http, fleet.urls), before, strict=True)] == [0, 1]
-        # A longer answer now occupies w1 (less loaded than w0) and the first one ends: w0 is the idle worker.
-        await poll(lambda: _inflight_on(http, gw.url, "w1", 0))
-        b = asyncio.create_task(stream(http, gw.url, 16000))
-        await poll(lambda: _inflight_on(http, gw.url, "w1", 1))
-        assert (await a).status_code == 200
-        await poll(lambda: _inflight_on(http, gw.url, "w0", 0))
+        b = await _first_turn_on_w1_then_w0_idle(http, gw.url, fleet.urls, sid)
         # The second turn with a 1 s TTFT target: 0.75 s of prefill on w0, its new tokens only on w1.
         before = await served(http, fleet.urls)
         r = await http.post(gw.url + "/v1/chat/completions", json=turn2, headers={**sid, "x-slo-ttft-ms": "1000"})

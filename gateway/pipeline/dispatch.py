@@ -157,7 +157,7 @@ class Dispatcher:
                                self.services.queue_order(model) if self.services.enabled else None,
                                lambda feats, now, p=placement: p.drain_s(feats, now, self.retry_after_s))
             rt = ModelRuntime(model, policy, name, policy.needs_prefix_hashes, placement, queue,
-                              bool(getattr(policy, "needs_prefix_chain", False)))
+                              policy.needs_prefix_chain)
             self.runtimes[model] = rt
         return rt
 
