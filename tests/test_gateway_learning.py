@@ -16,7 +16,7 @@ import yaml
 from engine_adapters.base import Usage
 from gateway.config import ConfigError, load_config
 from gateway.config.priors import profile_prior, scale_time
-from gateway.pipeline.learning import _PrefillLog, _Trace, merge_predictors
+from gateway.pipeline.learning import MIN_DECODE_SHARE, _PrefillLog, _Trace, decode_share, merge_predictors
 from gateway.server import GatewayServer
 from gateway.wire.results import RelayResult
 from policies.length_predictor import LengthPredictor
@@ -220,12 +220,31 @@ def test_merged_predictor_equals_one_that_saw_everything() -> None:
 def test_trace_averages_the_scraped_batch_over_an_interval() -> None:
     tr = _Trace()
     assert tr.average(0.0, 1.0) is None
-    tr.add(0.0, 2.0, 100.0)   # 2 running, 100 KV tokens from t=0
-    tr.add(1.0, 4.0, 300.0)   # 4 running from t=1
-    b, kv = tr.average(0.5, 2.0)  # 0.5 s at 2, 1 s at 4
-    assert b == pytest.approx((0.5 * 2 + 1.0 * 4) / 1.5)
-    assert kv == pytest.approx((0.5 * 100 + 1.0 * 300) / 1.5)
+    tr.add(0.0, 2.0)   # 2 running from t=0
+    tr.add(1.0, 4.0)   # 4 running from t=1
+    assert tr.average(0.5, 2.0) == pytest.approx((0.5 * 2 + 1.0 * 4) / 1.5)   # 0.5 s at 2, 1 s at 4
     assert tr.average(-1.0, 2.0) is None  # before the first sample: unknown
+
+
+def test_a_decode_observation_keeps_only_the_share_of_its_time_the_worker_spent_decoding() -> None:
+    """The engine's prompt tokens computed (prefix-cache queried less hit, a counter) over a stream's decode: at
+    k1 = 1 ms a token, 300 tokens a second took 30% of the worker's time, so 70% of the stream's ATGT is eq. 3's
+    decode step (the admission rule stretches that step again by the prefill rate it expects)."""
+    model = PerfModel(k1=1e-3)
+    tr = _Trace()
+    assert decode_share(model, tr, 0.0, 1.0) == 1.0                  # no scrapes yet
+    for t, computed in ((0.0, 1000.0), (1.0, 1300.0), (2.0, 1600.0), (3.0, 1900.0)):
+        tr.add(t, 10.0, computed)
+    assert tr.prefilled_between(0.5, 2.5) == pytest.approx(600.0)     # linear between scrapes
+    assert decode_share(model, tr, 0.5, 2.5) == pytest.approx(0.7)
+    assert decode_share(model, tr, 0.5, 3.5) == 1.0                  # past the last scrape: not known
+    tr.add(4.0, 10.0, 50.0)                                           # the engine restarted: its counters too
+    assert tr.prefilled_between(3.0, 4.0) == pytest.approx(50.0)
+    assert decode_share(PerfModel(k1=1.0), tr, 0.5, 2.5) == MIN_DECODE_SHARE   # never below the floor
+    quiet = _Trace()                                                  # an engine without prefix-cache counters
+    quiet.add(0.0, 10.0, 0.0)
+    quiet.add(1.0, 10.0, 0.0)
+    assert decode_share(model, quiet, 0.0, 1.0) == 1.0
 
 
 def test_prefill_log_counts_prompts_prefilled_while_a_request_waited() -> None:
@@ -266,3 +285,33 @@ async def test_a_cached_prefix_is_not_fitted_as_prefill_work(sim_fleet) -> None:
         learner._settle_prefills()   # noqa: SLF001
         rows = sorted(tuple(r) for p in learner._profiles.values() for r in p.prefill)   # noqa: SLF001
         assert rows == [(104.0, 1000.0**2 - 896.0**2, pytest.approx(0.5)), (1000.0, 1000.0**2, pytest.approx(0.5))]
+
+
+async def test_a_decode_observation_waits_for_a_scrape_after_its_last_token_and_reads_its_own_context(
+        sim_fleet) -> None:
+    """A stream's decode sample: the mean batch over its decode, its own mean context (prompt + half its output:
+    what the ledger predicts with; a shared prefix the engine holds once is still read by every decode) and its
+    ATGT less the share of the time the worker computed prompts meanwhile. It waits for the worker's next scrape
+    when none came after its last token."""
+    fleet = sim_fleet(1, time_scale=20)
+    async with gateway(fleet.urls, "llama3-8b-h100", learning={**FAST, "interval_s": 3600.0}) as gw:
+        learner = gw.gateway.learner
+        for p in learner._profiles.values():   # noqa: SLF001 - observe exactly the request below
+            p.decode.clear()
+        prof = next(iter(learner._profiles.values()))   # noqa: SLF001
+        k1 = prof.model.k1
+        tr = _Trace()
+        learner._traces["w0"] = tr   # noqa: SLF001
+        t0 = time.perf_counter() - 12.0              # its last token 1 s ago
+        tr.add(t0, 4.0, 0.0)
+        tr.add(t0 + 10.0, 4.0, 0.25 / k1 * 10.0)     # a quarter of the time on prompts
+        feats = RequestFeatures(request_id="r", model=MODEL, prompt_tokens=2000)
+        result = RelayResult(status=200, usage=Usage(prompt_tokens=2000, completion_tokens=101), tokens=101,
+                             first_token_at=t0 + 1.0, last_token_at=t0 + 11.0)
+        assert learner.answered(feats, "w0", t0, result) == 101
+        learner._ingest()   # noqa: SLF001
+        learner._settle_decodes()   # noqa: SLF001
+        assert not prof.decode                        # the last scrape is before its last token: it waits
+        tr.add(t0 + 12.0, 4.0, 0.25 / k1 * 12.0)
+        learner._settle_decodes()   # noqa: SLF001
+        assert list(prof.decode) == [(pytest.approx(4.0), 2050.5, pytest.approx(0.1 * 0.75))]

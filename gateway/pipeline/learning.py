@@ -5,15 +5,16 @@ RequestFeatures.predicted_output_tokens; `dispatched` / `answered` / `released` 
 (a deque append, a dict insert for policies that take progress reports).
 
 What the control loop does every `learning.interval_s` (off the request path):
-  * samples each worker's scraped `running` and KV usage into sample-and-hold integrals, so a finished
-    request's decode batch size and mean context are the time averages over its own decode;
+  * samples each worker's scraped `running` into a sample-and-hold integral, so a finished request's decode
+    batch size is the time average over its own decode;
   * turns finished requests into observations of their worker's profile (Aladdin section 3):
       prefill  (eq. 2)  prompt tokens l_in, seconds = first token - dispatch (what a TTFT sees: it also
                         holds the server's per-request overhead and the step in flight, so c1 absorbs them;
                         the robust loss discounts requests that queued behind other prefills);
-      decode   (eq. 3)  batch b, mean context, seconds = ATGT = (last - first token) / (n - 1)
-                        (streamed requests with n >= 4 tokens; chunked-prefill steps in between make this a
-                        slight over-estimate of the pure decode step, i.e. conservative);
+      decode   (eq. 3)  batch b, mean context l_in + n/2, seconds = ATGT = (last - first token) / (n - 1)
+                        (streamed requests with n >= 4 tokens), times the share of that time the worker did
+                        not spend on prompts batched into its steps (`decode_share`: chunked prefill), which
+                        leaves eq. 3's pure decode step;
     and feeds the output-length predictor (per model and input-length bucket) with n;
   * reports generated-token counts of streaming requests to policies that keep a ledger
     (`report_progress`, aladdin): batched once per tick, never per token;
@@ -69,6 +70,8 @@ log = logging.getLogger("fleetgate.learning")
 DOC_MODEL, DOC_SAMPLES, DOC_PREDICTOR = "learn:model:", "learn:samples:", "learn:predictor:"
 DOC_MAX_AGE_S = 86_400.0
 MIN_DECODE_TOKENS = 4          # ATGT over fewer tokens is mostly noise
+DECODE_SETTLE_MAX_S = 5.0      # a decode observation waits at most this long for its worker's next scrape
+MIN_DECODE_SHARE = 0.25        # `decode_share`'s floor (a scrape gap's counter jump must not zero a decode)
 PREFILL_SETTLE_MAX_S = 30.0    # a prefill observation waits at most this long for earlier requests to finish
 TRACE_KEEP = 2048              # scrape samples kept per worker (trimmed in halves)
 _EXPORTED = ("k1", "k1q", "pf", "c1", "k2", "c2", "c3", "h", "j", "kv_capacity", "max_batch")
@@ -104,55 +107,68 @@ def merge_predictors(docs: list[Mapping[str, Any]]) -> dict[str, Any]:
 
 # --- scraped load over time ---------------------------------------------------------------------------
 class _Trace:
-    """Sample-and-hold integrals of one worker's scraped batch size and KV tokens (perf_counter times)."""
+    """One worker's scraped batch size (a sample-and-hold integral) and prompt tokens it computed (its prefix
+    cache's queried less hit tokens: a counter, linear between scrapes), at perf_counter times."""
 
-    __slots__ = ("t", "cum_b", "cum_kv", "b", "kv", "last_scrape")
+    __slots__ = ("t", "cum_b", "b", "prefilled", "_base", "_last_raw", "last_scrape")
 
     def __init__(self) -> None:
         self.t: list[float] = []
         self.cum_b: list[float] = []
-        self.cum_kv: list[float] = []
         self.b: list[float] = []
-        self.kv: list[float | None] = []
+        self.prefilled: list[float] = []
+        self._base = 0.0        # what the engine's counters held before it restarted (they start again at 0)
+        self._last_raw = 0.0
         self.last_scrape = -1.0
 
-    def add(self, t: float, running: float, kv_tokens: float | None) -> None:
+    def add(self, t: float, running: float, prefilled: float = 0.0) -> None:
         if self.t:
             if t <= self.t[-1]:
                 return
-            dt = t - self.t[-1]
-            cb = self.cum_b[-1] + self.b[-1] * dt
-            prev_kv = self.kv[-1]
-            ckv = self.cum_kv[-1] + (prev_kv if prev_kv is not None else 0.0) * dt
+            cb = self.cum_b[-1] + self.b[-1] * (t - self.t[-1])
         else:
-            cb = ckv = 0.0
+            cb = 0.0
+        if prefilled < self._last_raw:
+            self._base += self._last_raw
+        self._last_raw = prefilled
         self.t.append(t)
         self.cum_b.append(cb)
-        self.cum_kv.append(ckv)
         self.b.append(running)
-        self.kv.append(kv_tokens)
+        self.prefilled.append(self._base + prefilled)
         if len(self.t) > 2 * TRACE_KEEP:
-            for name in ("t", "cum_b", "cum_kv", "b", "kv"):
+            for name in ("t", "cum_b", "b", "prefilled"):
                 setattr(self, name, getattr(self, name)[-TRACE_KEEP:])
 
-    def _at(self, t: float) -> tuple[float, float, bool] | None:
+    def _at(self, t: float) -> float | None:
         i = bisect.bisect_right(self.t, t) - 1
         if i < 0:
             return None
-        dt = t - self.t[i]
-        kv = self.kv[i]
-        return self.cum_b[i] + self.b[i] * dt, self.cum_kv[i] + (kv or 0.0) * dt, kv is not None
+        return self.cum_b[i] + self.b[i] * (t - self.t[i])
 
-    def average(self, t0: float, t1: float) -> tuple[float, float | None] | None:
-        """(mean batch, mean KV tokens or None) over [t0, t1], or None without samples that early."""
+    def average(self, t0: float, t1: float) -> float | None:
+        """The mean batch over [t0, t1], or None without samples that early."""
         if t1 <= t0:
             return None
         a, b = self._at(t0), self._at(t1)
         if a is None or b is None:
             return None
-        span = t1 - t0
-        kv = (b[1] - a[1]) / span if a[2] and b[2] else None
-        return (b[0] - a[0]) / span, kv
+        return (b - a) / (t1 - t0)
+
+    def prefilled_between(self, t0: float, t1: float) -> float | None:
+        """Prompt tokens the engine computed over [t0, t1] (None without scrapes on both sides, or when the engine
+        reports no prefix-cache counters)."""
+        ts = self.t
+        if not ts or t0 < ts[0] or t1 > ts[-1] or t1 <= t0 or self.prefilled[-1] <= 0.0:
+            return None
+        return self._counter(t1) - self._counter(t0)
+
+    def _counter(self, t: float) -> float:
+        i = min(max(bisect.bisect_right(self.t, t) - 1, 0), len(self.t) - 2)
+        if i < 0:
+            return self.prefilled[0]
+        t_a, t_b = self.t[i], self.t[i + 1]
+        a, b = self.prefilled[i], self.prefilled[i + 1]
+        return a + (b - a) * min(max((t - t_a) / (t_b - t_a), 0.0), 1.0)
 
 
 class _PrefillLog:
@@ -231,6 +247,7 @@ class Learner(RequestHook):
         self.traffic: dict[str, list[float]] = {}
         self._prefill_logs: dict[str, _PrefillLog] = {}
         self._prefill_wait: list[tuple] = []
+        self._decode_wait: list[tuple] = []   # decode observations waiting for a scrape after their last token
         self._shortfall_seen: dict[tuple[str, int], tuple[int, float]] = {}  # (model, policy) -> (no_fits, rise)
         # engines of shared hosts running turns (gateway/control/turns.py): their timings include other models' turns, so
         # they would teach the perf model steps several times too slow; their lengths still count
@@ -355,6 +372,7 @@ class Learner(RequestHook):
         self._sample_load()
         self._ingest()
         self._settle_prefills()
+        self._settle_decodes()
         self._report_progress()
         self._export_shortfall()
         mono = time.monotonic()
@@ -414,8 +432,7 @@ class Learner(RequestHook):
             if m.scraped_at == tr.last_scrape:
                 continue
             tr.last_scrape = m.scraped_at
-            kv = m.kv_usage * m.num_gpu_blocks * m.block_size if m.num_gpu_blocks and m.block_size else None
-            tr.add(m.scraped_at - off, float(m.running), kv)
+            tr.add(m.scraped_at - off, float(m.running), float(m.prefix_cache_queries - m.prefix_cache_hits))
 
     def _ingest(self) -> None:
         """Turn finished requests into predictor and perf-model observations."""
@@ -450,16 +467,36 @@ class Learner(RequestHook):
                 log_.add(t_first, t_sent, new, new_sq)
                 self._prefill_wait.append((wid, prof, t_sent, t_first, new, new_sq))
             if t_last is not None and n >= MIN_DECODE_TOKENS and t_last > t_first:
-                atgt = (t_last - t_first) / (n - 1)
-                tr = self._traces.get(wid)
-                avg = tr.average(t_first, t_last) if tr is not None else None
-                batch = max(avg[0], 1.0) if avg is not None else 1.0
-                ctx = avg[1] / batch if avg is not None and avg[1] is not None and avg[1] > 0 else l_in + n / 2.0
-                prof.decode.append((batch, ctx, atgt))
-                prof.new += 1
+                self._decode_wait.append((wid, prof, l_in, n, t_first, t_last))
             prof.dirty = True
         self._pred_cache.clear()
         self._export_lengths()
+
+    def _settle_decodes(self) -> None:
+        """Decode observations whose worker was scraped after their last token (or that waited DECODE_SETTLE_MAX_S):
+        its batch and the prompts it computed meanwhile are then known over the whole decode."""
+        if not self._decode_wait:
+            return
+        now = time.perf_counter()
+        keep = []
+        for item in self._decode_wait:
+            wid, prof, l_in, n, t_first, t_last = item
+            tr = self._traces.get(wid)
+            if tr is not None and (not tr.t or tr.t[-1] < t_last) and now - t_last <= DECODE_SETTLE_MAX_S:
+                keep.append(item)
+                continue
+            avg = tr.average(t_first, t_last) if tr is not None else None
+            batch = max(avg, 1.0) if avg is not None else 1.0
+            # The context eq. 3 reads: the request's own mean, prompt + half its output (the ledger predicts with
+            # the same, l_in + l_out/2). Not the scraped KV tokens per running request: the engine holds a prefix
+            # its requests share once, but every decode reads it, so that mean ran short and the fitted k2 long
+            # (x1.7 on multi-turn chats, bench/results/shedding.md).
+            ctx = l_in + n / 2.0
+            atgt = (t_last - t_first) / (n - 1)
+            prof.decode.append((batch, ctx, atgt * decode_share(prof.model, tr, t_first, t_last)))
+            prof.new += 1
+            prof.dirty = True
+        self._decode_wait = keep
 
     def _export_lengths(self) -> None:
         for model, b in self._buckets_seen:
@@ -636,6 +673,20 @@ class Learner(RequestHook):
         for _, policy in self._policies:
             if isinstance(getattr(policy, "predictor", None), LengthPredictor):
                 policy.predictor = merged
+
+
+def decode_share(model: PerfModel, trace: _Trace | None, t_first: float, t_last: float) -> float:
+    """The share of [t_first, t_last] the worker spent decoding rather than computing the prompts it took in
+    meanwhile (chunked prefill batches them into the decode steps): 1 − k1·ρ, ρ the prompt tokens it computed per
+    second then (its prefix cache's queried less hit tokens), at least MIN_DECODE_SHARE. A stream's ATGT times
+    this is eq. 3's pure decode step: the admission rule's estimate (policies/aladdin/constraints.py
+    `paced_atgt`) stretches that step by 1/(1 − k1·ρ) at the rate it expects, so learning the stretched step
+    would count the prefills twice (measured on multi-turn chats: a 1.5x over-estimate, bench/results/shedding.md).
+    1 when the engine reports no such counters."""
+    done = trace.prefilled_between(t_first, t_last) if trace is not None else None
+    if done is None:
+        return 1.0
+    return max(1.0 - model.k1 * done / (t_last - t_first), MIN_DECODE_SHARE)
 
 
 def _fit(prior: PerfModel, prefill: list, decode: list, prior_weight: float) -> PerfModel:
