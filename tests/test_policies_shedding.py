@@ -3,6 +3,8 @@ performance model, and at 10x overload in virtual time for several policies (det
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from policies.admission import AdmissionQueue, queue_budget
@@ -115,3 +117,20 @@ def test_at_10x_overload_without_caps_at_least_99_percent_of_admitted_requests_m
 def test_without_the_rule_a_10x_overload_admits_everything_and_almost_nothing_meets_its_slo() -> None:
     admitted, met, refused = overload("least_tokens", shed=False)
     assert refused == 0 and met < 0.1 * admitted
+
+
+def test_a_burst_of_prefills_predicts_no_slower_decode_step_than_one_carrying_a_full_chunk() -> None:
+    """Prefill work placed faster than the worker computes it (k1·ρ >= 1) queues; a decode step carries at most
+    a chunk of it (vLLM's max_num_batched_tokens): the predicted ATGT stays at that step's time, not seconds."""
+    p, ws = placement(), views(1)
+    p.shedder.tracker.set_perf_model("gpu", dataclasses.replace(MODEL, chunk_tokens=512))
+    for i in range(20):                       # 20 x 1000 prompt tokens at once: 20 s of prefill at 1 ms a token
+        f = feats(f"p{i}", 1000, ttft=None)
+        p.dispatched(f, p.place(f, ws, 0.0), 0.0)
+    cons, led = p.shedder.tracker.constraints, p.shedder.tracker.ledger
+    rows = led.rows_for_views(ws)
+    led.advance(rows, 0.5)
+    atgt, b, _, _ = cons.paced_atgt(feats("x", 10, tpot=1.0), rows, 0.5)
+    assert led.k1[0] * led.placed_rate_now(rows, 0.5)[0][0] > 1.0          # the burst's rate: past the worker's
+    assert float(atgt[0]) <= 1e-3 * 512 + 0.01                              # about one full chunk's step, 0.5 s
+    assert float(atgt[0]) > 1e-3 * (512 - float(b[0])) * 0.9

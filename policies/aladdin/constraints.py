@@ -205,8 +205,12 @@ class Constraints:
         memory-bound c2. Such a step costs its decodes t_m = t_d − pf + (k1 − c2)·b. Over a time T with N
         decode steps, of which N_m carry prefill: T = N·t_d − N_m·(t_d − t_m) + k1·ρ·T. When prefills are rarer
         than steps (N_m = λ·T) this is ATGT = T/N = t_d / (1 − k1·ρ + λ·(t_d − t_m)); when every step carries
-        one (N_m = N, as soon as λ·ATGT >= 1), t_m / (1 − k1·ρ). Returns (ATGT, b, slope, free) with t_d(b) = c3 + b·slope and
-        ATGT = t_d(b) / free: the caller can solve for the batch a target allows."""
+        one (N_m = N, as soon as λ·ATGT >= 1), t_m / (1 − k1·ρ). No step takes longer than one that carries a
+        full chunk (vLLM's max_num_batched_tokens, `chunks`, less the batch's decode tokens): t_m + k1·(chunk − b)
+        bounds the ATGT however fast prefills arrive (past that rate they queue and cost TTFTs, not decode steps;
+        without the bound a burst's rate, k1·ρ near 1, predicted ATGTs of seconds where a full-chunk step takes
+        0.2 s). Returns (ATGT, b, slope, free) with t_d(b) = c3 + b·slope and ATGT = t_d(b) / free: the caller can
+        solve for the batch a target allows."""
         led = self.ledger
         if b_now is None:
             b_now = np.maximum(led.n_requests[rows], led.engine_batch[rows])
@@ -223,6 +227,8 @@ class Constraints:
         busy = np.maximum(1.0 - k1 * rho, 1e-3)     # the share of time not spent on prefill compute
         every = t_m / busy
         atgt = np.where(lam * every >= 1.0, every, t_d / np.maximum(busy + lam * (t_d - t_m), 1e-3))
+        full = t_m + k1 * np.maximum(self.chunks(rows) - b, 0.0)    # a step with a full chunk of prefill
+        atgt = np.maximum(np.minimum(atgt, full), t_d)
         return atgt, b, slope, t_d / atgt
 
     def slots(self, rows: np.ndarray, n: np.ndarray, l_in: np.ndarray, lp: np.ndarray) -> np.ndarray:
