@@ -119,6 +119,7 @@ class Outcome:
     ok: bool = False
     status: int = 0
     error: str = ""               # why a request did not complete: failure_kind's label ("" when ok)
+    message: str = ""             # an error answer's message (a 429 names the predicted time that misses)
 
 
 def failure_kind(status: int, code: str = "", retry_after: bool = False, exc: BaseException | None = None,
@@ -139,11 +140,28 @@ def failure_kind(status: int, code: str = "", retry_after: bool = False, exc: Ba
 
 def error_code(body: bytes) -> str:
     """The OpenAI-style error's code (else its type) from an error response's body, "" if it has none."""
+    err = _error(body)
+    return str(err.get("code") or err.get("type") or "")
+
+
+def error_message(body: bytes) -> str:
+    """The OpenAI-style error's message from an error response's body, "" if it has none."""
+    return str(_error(body).get("message") or "")
+
+
+def _error(body: bytes) -> dict:
     try:
         err = orjson.loads(body).get("error") or {}
     except (orjson.JSONDecodeError, AttributeError):
-        return ""
-    return str(err.get("code") or err.get("type") or "") if isinstance(err, dict) else ""
+        return {}
+    return err if isinstance(err, dict) else {}
+
+
+def refusal_reason(message: str) -> str:
+    """What a 429 of the admission rule says will miss (policies/shedding.py `Shed.message`: "its predicted
+    <metric>, ..."), "other" for any other message."""
+    head, sep, _ = message.partition("its predicted ")
+    return message[len(head) + len(sep):].split(",", 1)[0] if sep else "other"
 
 
 @dataclass
@@ -165,6 +183,15 @@ class ArmRun:
                 key = o.error or "no answer"
                 counts[key] = counts.get(key, 0) + 1
         return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    def refusals(self) -> dict[str, int]:
+        """429s with Retry-After by what their message says will miss (`refusal_reason`)."""
+        counts: dict[str, int] = {}
+        for o in self.outcomes:
+            if o.error == REJECTED:
+                key = refusal_reason(o.message)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def attainment(self, reqs: list[WorkloadRequest]) -> float:
         return self.met(reqs) / len(reqs) if reqs else 0.0
@@ -238,8 +265,9 @@ async def replay(url: str, reqs: list[WorkloadRequest], texts: list[str], k: flo
                 async with s.post(url + "/v1/completions", data=body, headers=headers) as resp:
                     o.status = resp.status
                     if resp.status != 200:
-                        o.error = failure_kind(resp.status, error_code(await resp.read()),
-                                               "Retry-After" in resp.headers)
+                        raw = await resp.read()
+                        o.error = failure_kind(resp.status, error_code(raw), "Retry-After" in resp.headers)
+                        o.message = error_message(raw)
                         return
                     async for line in resp.content:
                         if line.startswith(b"data: {") and first is None:
@@ -405,7 +433,8 @@ async def run_arm(arm: Arm, reqs: list[WorkloadRequest], texts: list[str], worke
         log_dir = Path("")
     run = ArmRun(arm.name, outcomes, span, h1 - h0, q1 - q0, (load0, os.getloadavg()[0]), peak, str(log_dir))
     if run.failures():
-        log(f"  {arm.name}: failed requests by kind {run.failures()}; fleet log {log_dir / 'fleet.log'}")
+        log(f"  {arm.name}: failed requests by kind {run.failures()} (429s by the predicted time that misses: "
+            f"{run.refusals()}); fleet log {log_dir / 'fleet.log'}")
     return run
 
 
