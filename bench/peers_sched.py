@@ -51,6 +51,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,21 +178,11 @@ class ArmRun:
 
     def failures(self) -> dict[str, int]:
         """Failed requests by kind (failure_kind's labels), most frequent first."""
-        counts: dict[str, int] = {}
-        for o in self.outcomes:
-            if not o.ok:
-                key = o.error or "no answer"
-                counts[key] = counts.get(key, 0) + 1
-        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+        return dict(Counter(o.error or "no answer" for o in self.outcomes if not o.ok).most_common())
 
     def refusals(self) -> dict[str, int]:
         """429s with Retry-After by what their message says will miss (`refusal_reason`)."""
-        counts: dict[str, int] = {}
-        for o in self.outcomes:
-            if o.error == REJECTED:
-                key = refusal_reason(o.message)
-                counts[key] = counts.get(key, 0) + 1
-        return counts
+        return dict(Counter(refusal_reason(o.message) for o in self.outcomes if o.error == REJECTED))
 
     def attainment(self, reqs: list[WorkloadRequest]) -> float:
         return self.met(reqs) / len(reqs) if reqs else 0.0

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.harness import REPO, log
 from bench.peers_sched import PROFILE
@@ -28,6 +29,9 @@ from bench.prefix import QUEUE_LOOKAHEAD, QUEUE_POLL_S, SLO_TPOT_S
 from bench.report import write_section
 from simulator.workload import WorkloadRequest
 
+if TYPE_CHECKING:
+    from simulator.cluster import ClusterSim
+
 
 @dataclass(frozen=True)
 class Run:
@@ -37,12 +41,20 @@ class Run:
     rule_us_per_request: float     # time inside the rule per request (0 without it)
 
 
+def cluster(policy: str, workers: int, shed: bool) -> ClusterSim:
+    """The fleet of every probe of this bench and bench/shed_window.py: `workers` x PROFILE, the policy's
+    default parameters, bench/prefix.py's queue settings, the first seed; `shed`: the rule on or off."""
+    from simulator.cluster import ClusterSim
+
+    return ClusterSim(PROFILE, workers, policy, slo_tpot_s=SLO_TPOT_S, queue_poll_s=QUEUE_POLL_S,
+                      queue_lookahead=QUEUE_LOOKAHEAD, seed=0, shed=shed)
+
+
 def run(reqs: Sequence[WorkloadRequest], policy: str, workers: int, shed: bool) -> Run:
     """One virtual-time run; with the rule, its check and its tracker's hooks timed."""
-    from simulator.cluster import REFUSED, ClusterSim
+    from simulator.cluster import REFUSED
 
-    sim = ClusterSim(PROFILE, workers, policy, slo_tpot_s=SLO_TPOT_S, queue_poll_s=QUEUE_POLL_S,
-                     queue_lookahead=QUEUE_LOOKAHEAD, seed=0, shed=shed)
+    sim = cluster(policy, workers, shed)
     from policies.shedding import Shedder
 
     spent = [0.0]

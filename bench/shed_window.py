@@ -8,8 +8,8 @@ An 800-request window is 25-40 s of arrivals from an empty fleet. Requests then 
 batches are still growing when the window ends, and the last requests finish on a fleet that no longer receives
 any. A fleet size that serves the short window may fail the same traffic sustained. The long window shows which
 refusals of the rule were foresight (the fleet could not have kept serving at that rate) and which were errors.
-Each cell is one ClusterSim run as bench/shed_cost.py's (llama3-8b-h100 workers, the policy's default
-parameters, bench/prefix.py's queue settings); `shed` is the only difference between a pair of runs.
+Each cell is one ClusterSim run built by bench/shed_cost.py's `cluster` (llama3-8b-h100 workers, the policy's default
+parameters, bench/prefix.py's queue settings, the first seed); `shed` is the only difference between a pair of runs.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness import REPO, log
-from bench.peers_sched import PROFILE, chat_window
-from bench.prefix import QUEUE_LOOKAHEAD, QUEUE_POLL_S, SLO_TPOT_S
+from bench.peers_sched import chat_window
 from bench.report import write_section
+from bench.shed_cost import cluster
 from simulator.workload import WorkloadRequest
 
 WINDOWS = ((12.0, 1920), (20.0, 3000))   # bench/peers_sched.py's two chat windows: (conversations/s, first request)
@@ -39,11 +39,9 @@ class Cell:
 
 
 def run(reqs: Sequence[WorkloadRequest], policy: str, workers: int, shed: bool) -> Cell:
-    from simulator.cluster import REFUSED, ClusterSim
+    from simulator.cluster import REFUSED
 
-    sim = ClusterSim(PROFILE, workers, policy, slo_tpot_s=SLO_TPOT_S, queue_poll_s=QUEUE_POLL_S,
-                     queue_lookahead=QUEUE_LOOKAHEAD, shed=shed)
-    res = sim.run([dataclasses.replace(r) for r in reqs]).results
+    res = cluster(policy, workers, shed).run([dataclasses.replace(r) for r in reqs]).results
     late = sorted(res, key=lambda r: r.arrival)[2 * len(res) // 3:]
     admitted = [r for r in res if r.finish_reason != REFUSED]
     return Cell(sum(r.slo_met for r in res) / len(res), len(res) - len(admitted),

@@ -219,6 +219,15 @@ class PerfModel:
             raise ValueError(f"PerfModel.chunk_tokens must be an integer >= 0, got {self.chunk_tokens!r}")
 
 
+def prefill_free_share(k1: Any, rho: Any, floor: float = 1e-3) -> Any:
+    """The share of a worker's time not spent computing prompts when it takes in ρ prompt work units a second
+    under chunked prefill (each costs k1 inside the decode steps it is batched with): 1 − k1·ρ, at least `floor`.
+    A decode step stretches by its inverse: the admission rule predicts with it (policies/aladdin/constraints.py
+    `paced_atgt`) and the gateway's learner takes it out of what it observed (gateway/pipeline/learning.py
+    `decode_share`). Scalars or numpy arrays."""
+    return np.maximum(1.0 - k1 * rho, floor)
+
+
 def aladdin_to_hetero(model: PerfModel) -> tuple[float, ...]:
     """p1..p8 equivalent of the Aladdin coefficients (identical requests: Σl_in = b·I, Σctx = b·(I+k))."""
     return (model.k1, 0.0, 0.0, model.c1, model.k2, model.c2, 0.0, model.c3)

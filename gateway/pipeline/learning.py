@@ -55,7 +55,7 @@ from gateway.state.jobs import StoreUnavailableError
 from gateway.state.outage import quiet_loop, stop_task
 from policies.base import Policy
 from policies.length_predictor import DEFAULT_OUTPUT_TOKENS, LengthPredictor, length_bucket
-from policies.perf_model import COMPONENTS, PerfModel, PerfModelFitter
+from policies.perf_model import COMPONENTS, PerfModel, PerfModelFitter, prefill_free_share
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -163,12 +163,10 @@ class _Trace:
         return self._counter(t1) - self._counter(t0)
 
     def _counter(self, t: float) -> float:
-        i = min(max(bisect.bisect_right(self.t, t) - 1, 0), len(self.t) - 2)
-        if i < 0:
-            return self.prefilled[0]
-        t_a, t_b = self.t[i], self.t[i + 1]
-        a, b = self.prefilled[i], self.prefilled[i + 1]
-        return a + (b - a) * min(max((t - t_a) / (t_b - t_a), 0.0), 1.0)
+        """The counter at t, linear between the scrapes around it (t within the samples: `prefilled_between`)."""
+        i = min(bisect.bisect_right(self.t, t) - 1, len(self.t) - 2)
+        t_a, a = self.t[i], self.prefilled[i]
+        return a + (self.prefilled[i + 1] - a) * (t - t_a) / (self.t[i + 1] - t_a)
 
 
 class _PrefillLog:
@@ -678,15 +676,16 @@ class Learner(RequestHook):
 def decode_share(model: PerfModel, trace: _Trace | None, t_first: float, t_last: float) -> float:
     """The share of [t_first, t_last] the worker spent decoding rather than computing the prompts it took in
     meanwhile (chunked prefill batches them into the decode steps): 1 − k1·ρ, ρ the prompt tokens it computed per
-    second then (its prefix cache's queried less hit tokens), at least MIN_DECODE_SHARE. A stream's ATGT times
-    this is eq. 3's pure decode step: the admission rule's estimate (policies/aladdin/constraints.py
+    second then (its prefix cache's queried less hit tokens), at least MIN_DECODE_SHARE (policies/perf_model.py
+    `prefill_free_share`, the share the rule predicts with). A stream's ATGT times this is eq. 3's pure decode
+    step: the admission rule's estimate (policies/aladdin/constraints.py
     `paced_atgt`) stretches that step by 1/(1 − k1·ρ) at the rate it expects, so learning the stretched step
     would count the prefills twice (measured on multi-turn chats: a 1.5x over-estimate, bench/results/shedding.md).
     1 when the engine reports no such counters."""
     done = trace.prefilled_between(t_first, t_last) if trace is not None else None
     if done is None:
         return 1.0
-    return max(1.0 - model.k1 * done / (t_last - t_first), MIN_DECODE_SHARE)
+    return float(prefill_free_share(model.k1, done / (t_last - t_first), MIN_DECODE_SHARE))
 
 
 def _fit(prior: PerfModel, prefill: list, decode: list, prior_weight: float) -> PerfModel:

@@ -20,6 +20,7 @@ import numpy as np
 
 from policies.aladdin.affinity import SessionCache
 from policies.aladdin.ledger import INF, Ledger
+from policies.perf_model import prefill_free_share
 from policies.slo_targets import SloTarget, target_for
 from policies.tail import split_budget, tail_factor
 from policies.types import NO_CACHED_PREFIX, RequestFeatures, WorkerView
@@ -224,7 +225,7 @@ class Constraints:
         k1 = led.k1[rows]
         t_m = t_d - np.minimum(led.prefill_floor[rows], led.c3[rows]) + np.maximum(k1 - led.c2[rows], 0.0) * b
         rho, lam = led.placed_rate_now(rows, now)
-        busy = np.maximum(1.0 - k1 * rho, 1e-3)     # the share of time not spent on prefill compute
+        busy = prefill_free_share(k1, rho)     # the share of time not spent on prefill compute
         every = t_m / busy
         atgt = np.where(lam * every >= 1.0, every, t_d / np.maximum(busy + lam * (t_d - t_m), 1e-3))
         full = t_m + k1 * np.maximum(self.chunks(rows) - b, 0.0)    # a step with a full chunk of prefill
